@@ -1,0 +1,31 @@
+"""logitloop: a functional decoding framework for JAX.
+
+    import logitloop as ll
+    params = ll.SamplingParams.create(batch_size=2, temperature=[0.0, 0.8], top_p=0.9, seed=[0, 1])
+    out = ll.sample(logits, params, positions)
+"""
+
+from logitloop.decoding.history import History
+from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.sampler import (
+    STATUS_ALL_MASKED,
+    STATUS_BAD_LOGITS,
+    STATUS_OK,
+    SampleOutput,
+    TopLogprobs,
+    sample,
+    sampling_distribution,
+)
+
+__all__ = [
+    "STATUS_ALL_MASKED",
+    "STATUS_BAD_LOGITS",
+    "STATUS_OK",
+    "History",
+    "SampleOutput",
+    "SamplingParams",
+    "TopLogprobs",
+    "sample",
+    "sampling_distribution",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Sampling parameters, logits transforms, the sampler, stop conditions and the decode loop."""

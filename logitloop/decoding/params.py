@@ -1,0 +1,404 @@
+"""Per-row sampling parameters: host-side validation, device-side pytree.
+
+`SamplingParams.create` is the only place user values enter the sampler. It validates every
+knob on the host (raising `ValueError` that names the argument, the row and the allowed
+range), broadcasts scalars to the batch, and returns a pytree of device arrays. Every field
+has a leading batch axis, so one compiled sampler serves any mix of per-row settings:
+changing a value never recompiles.
+
+Lists whose length varies (banned ids, bias entries, stop ids, stop sequences) are padded
+with -1 to a width rounded up to a power of two (at least `MIN_LIST_WIDTH`), so that a new
+list length recompiles only when it outgrows its bucket.
+
+Stop strings (`stop`) are host-side metadata: they are not a pytree leaf. `generate` and
+`stream` turn them into device tables (see `logitloop.decoding.stop_strings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+MIN_LIST_WIDTH = 4
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**32 - 1
+_MAX_INT32 = 2**31 - 1
+
+
+def bucket_width(n: int, minimum: int = MIN_LIST_WIDTH) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
+    """Broadcast a scalar knob to the batch or check a per-row list's length."""
+    if isinstance(value, (str, bytes)) or np.ndim(value) == 0:
+        return [value] * batch_size
+    values = list(np.asarray(value).reshape(-1)) if isinstance(value, np.ndarray) else list(value)
+    if len(values) != batch_size:
+        raise ValueError(
+            f"{name} has {len(values)} entries but batch_size is {batch_size}: "
+            f"pass a scalar or one value per row"
+        )
+    return values
+
+
+def _check_range(
+    name: str,
+    values: Sequence[Any],
+    lo: float,
+    hi: float,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    integer: bool = False,
+) -> np.ndarray:
+    """Validate every row against [lo, hi] (open ends as flagged); NaN always fails."""
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    allowed = f"{left}{lo:g}, {hi:g}{right}"
+    out = []
+    for row, v in enumerate(values):
+        if isinstance(v, bool) or v is None:
+            raise ValueError(f"{name}[{row}] = {v!r} is not a number; allowed range {allowed}")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{name}[{row}] = {v!r} is not a number; allowed range {allowed}"
+            ) from None
+        if integer and (not math.isfinite(f) or f != int(f)):
+            raise ValueError(f"{name}[{row}] = {v!r} is not an integer; allowed range {allowed}")
+        ok = not math.isnan(f)
+        ok = ok and (f > lo if lo_open else f >= lo)
+        ok = ok and (f < hi if hi_open else f <= hi)
+        if not ok:
+            raise ValueError(f"{name}[{row}] = {v!r} is outside the allowed range {allowed}")
+        out.append(int(f) if integer else f)
+    return np.asarray(out)
+
+
+def _is_id_list(value: Any) -> bool:
+    """True for a flat list of token ids (applies to every row)."""
+    return all(isinstance(x, (int, np.integer)) for x in value)
+
+
+def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
+    """None, one list of ids for all rows, or one list (or None) per row."""
+    if value is None:
+        return [[] for _ in range(batch_size)]
+    if isinstance(value, (int, np.integer)):
+        return [[int(value)] for _ in range(batch_size)]
+    value = list(value)
+    if _is_id_list(value):
+        return [[int(x) for x in value] for _ in range(batch_size)]
+    if len(value) != batch_size:
+        raise ValueError(
+            f"{name} has {len(value)} per-row lists but batch_size is {batch_size}"
+        )
+    rows = []
+    for row, ids in enumerate(value):
+        if ids is None:
+            rows.append([])
+        elif isinstance(ids, (int, np.integer)):
+            rows.append([int(ids)])
+        else:
+            ids = list(ids)
+            if not _is_id_list(ids):
+                raise ValueError(f"{name}[{row}] must be a list of integer token ids, got {ids!r}")
+            rows.append([int(x) for x in ids])
+    return rows
+
+
+def _check_ids(name: str, rows: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+    hi = _MAX_INT32 if vocab_size is None else vocab_size - 1
+    for row, ids in enumerate(rows):
+        for tok in ids:
+            if tok < 0 or tok > hi:
+                raise ValueError(
+                    f"{name}[{row}] holds token id {tok}, outside the vocabulary range [0, {hi}]"
+                )
+
+
+def _pad_ids(rows: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
+    width = bucket_width(max((len(r) for r in rows), default=0)) if width is None else width
+    out = np.full((len(rows), width), -1, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def _bias_rows(value: Any, batch_size: int) -> list[dict[int, float]]:
+    if value is None:
+        return [{} for _ in range(batch_size)]
+    if isinstance(value, Mapping):
+        return [dict(value) for _ in range(batch_size)]
+    value = list(value)
+    if len(value) != batch_size:
+        raise ValueError(f"logit_bias has {len(value)} per-row dicts but batch_size is {batch_size}")
+    rows = []
+    for row, d in enumerate(value):
+        if d is None:
+            d = {}
+        if not isinstance(d, Mapping):
+            raise ValueError(f"logit_bias[{row}] must be a dict of token id -> bias, got {d!r}")
+        rows.append(dict(d))
+    return rows
+
+
+def _stop_strings(value: Any, batch_size: int) -> tuple[tuple[str, ...], ...]:
+    if value is None:
+        return tuple(() for _ in range(batch_size))
+    if isinstance(value, str):
+        value = [value]
+    value = list(value)
+    if all(isinstance(s, str) for s in value):
+        rows = [value] * batch_size
+    else:
+        if len(value) != batch_size:
+            raise ValueError(f"stop has {len(value)} per-row lists but batch_size is {batch_size}")
+        rows = [[] if r is None else ([r] if isinstance(r, str) else list(r)) for r in value]
+    out = []
+    for row, strings in enumerate(rows):
+        for s in strings:
+            if not isinstance(s, str) or s == "":
+                raise ValueError(f"stop[{row}] holds {s!r}; stop strings must be non-empty str")
+        out.append(tuple(strings))
+    return tuple(out)
+
+
+def _stop_sequences(value: Any, batch_size: int, vocab_size: int | None) -> np.ndarray:
+    """Per-row lists of token-id sequences -> [B, Q, L] int32, right-aligned, -1 padded."""
+    if value is None:
+        rows: list[list[list[int]]] = [[] for _ in range(batch_size)]
+    else:
+        value = list(value)
+        if all(isinstance(s, (list, tuple)) and _is_id_list(s) for s in value) and all(
+            len(s) > 0 for s in value
+        ):
+            rows = [[list(map(int, s)) for s in value] for _ in range(batch_size)]
+        else:
+            if len(value) != batch_size:
+                raise ValueError(
+                    f"stop_sequences has {len(value)} per-row lists but batch_size is {batch_size}"
+                )
+            rows = [[list(map(int, s)) for s in (r or [])] for r in value]
+    for row, seqs in enumerate(rows):
+        for s in seqs:
+            if len(s) == 0:
+                raise ValueError(f"stop_sequences[{row}] holds an empty sequence")
+        _check_ids("stop_sequences", [[t for s in seqs for t in s]], vocab_size)
+        if any(t < 0 for s in seqs for t in s):
+            raise ValueError(f"stop_sequences[{row}] holds a negative token id")
+    n_seq = bucket_width(max((len(r) for r in rows), default=0), minimum=1)
+    seq_len = bucket_width(max((len(s) for r in rows for s in r), default=0), minimum=1)
+    out = np.full((batch_size, n_seq, seq_len), -1, np.int32)
+    for i, seqs in enumerate(rows):
+        for j, s in enumerate(seqs):
+            out[i, j, seq_len - len(s) :] = s
+    return out
+
+
+@struct.dataclass
+class SamplingParams:
+    """Sampling settings for a batch, one row per request. Build with `SamplingParams.create`.
+
+    Every array field has a leading batch axis `B`; the sampler reads row `r` of each one.
+    The order in which the knobs act is fixed (see `logitloop.decoding.sampler.sample`).
+    """
+
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_k: jax.Array  # [B] i32, <= 0 or >= vocab disables
+    top_p: jax.Array  # [B] f32 in (0, 1], 1 disables
+    min_p: jax.Array  # [B] f32 in [0, 1], 0 disables
+    repetition_penalty: jax.Array  # [B] f32 > 0, 1 disables
+    presence_penalty: jax.Array  # [B] f32 in [-2, 2]
+    frequency_penalty: jax.Array  # [B] f32 in [-2, 2]
+    bias_ids: jax.Array  # [B, Nb] i32, -1 = unused slot
+    bias_values: jax.Array  # [B, Nb] f32
+    banned_ids: jax.Array  # [B, Nn] i32, -1 = unused slot
+    allowed_ids: jax.Array  # [B, Na] i32, -1 = unused slot
+    has_allowed: jax.Array  # [B] bool, whether allowed_ids restricts the row
+    seed: jax.Array  # [B] u32
+    max_tokens: jax.Array  # [B] i32 >= 1
+    min_tokens: jax.Array  # [B] i32 in [0, max_tokens]
+    stop_token_ids: jax.Array  # [B, Ns] i32, -1 = unused slot
+    stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
+    logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
+    stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
+    include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def create(
+        cls,
+        batch_size: int,
+        *,
+        temperature: Any = 1.0,
+        top_k: Any = 0,
+        top_p: Any = 1.0,
+        min_p: Any = 0.0,
+        repetition_penalty: Any = 1.0,
+        presence_penalty: Any = 0.0,
+        frequency_penalty: Any = 0.0,
+        logit_bias: Any = None,
+        banned_token_ids: Any = None,
+        allowed_token_ids: Any = None,
+        seed: Any = 0,
+        max_tokens: Any = 16,
+        min_tokens: Any = 0,
+        stop_token_ids: Any = None,
+        stop_sequences: Any = None,
+        stop: Any = None,
+        include_stop_str_in_output: Any = False,
+        logprobs: Any = 0,
+        vocab_size: int | None = None,
+    ) -> SamplingParams:
+        """Validate the knobs on the host and build the per-row device pytree.
+
+        Each scalar knob takes a scalar (every row) or a sequence of `batch_size` values.
+        List knobs (`banned_token_ids`, `allowed_token_ids`, `stop_token_ids`) take one list
+        for every row or one list (or None) per row; `logit_bias` takes one dict
+        `{token_id: bias}` or one per row; `stop` one string, a list of strings, or one list
+        per row; `stop_sequences` a list of token-id lists, or one such list per row.
+
+        `vocab_size`, when given, bounds every token id; `generate` checks them against the
+        model's vocabulary in any case. Raises `ValueError` naming the argument, the row
+        and the allowed range.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size = {batch_size} is outside the allowed range [1, inf)")
+        b = int(batch_size)
+        if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        inf = math.inf
+        temp = _check_range("temperature", _per_row("temperature", temperature, b), 0, inf, hi_open=True)
+        k = _check_range("top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True)
+        p = _check_range("top_p", _per_row("top_p", top_p, b), 0, 1, lo_open=True)
+        mp = _check_range("min_p", _per_row("min_p", min_p, b), 0, 1)
+        rep = _check_range(
+            "repetition_penalty", _per_row("repetition_penalty", repetition_penalty, b), 0, inf,
+            lo_open=True, hi_open=True,
+        )
+        pres = _check_range("presence_penalty", _per_row("presence_penalty", presence_penalty, b), -2, 2)
+        freq = _check_range(
+            "frequency_penalty", _per_row("frequency_penalty", frequency_penalty, b), -2, 2
+        )
+        seeds = _check_range("seed", _per_row("seed", seed, b), 0, MAX_SEED, integer=True)
+        max_t = _check_range("max_tokens", _per_row("max_tokens", max_tokens, b), 1, _MAX_INT32, integer=True)
+        min_t = _check_range("min_tokens", _per_row("min_tokens", min_tokens, b), 0, _MAX_INT32, integer=True)
+        for row in range(b):
+            if min_t[row] > max_t[row]:
+                raise ValueError(
+                    f"min_tokens[{row}] = {min_t[row]} is outside the allowed range "
+                    f"[0, max_tokens[{row}] = {max_t[row]}]"
+                )
+        n_logprobs = _check_range("logprobs", _per_row("logprobs", logprobs, b), 0, MAX_TOP_LOGPROBS, integer=True)
+
+        bias_rows = _bias_rows(logit_bias, b)
+        bias_ids = [[] for _ in range(b)]
+        bias_vals = [[] for _ in range(b)]
+        for row, d in enumerate(bias_rows):
+            for tok, val in d.items():
+                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                    raise ValueError(f"logit_bias[{row}] has key {tok!r}; keys must be token ids")
+                fval = _check_range(f"logit_bias[{row}][{tok}]", [val], -100, 100)[0]
+                bias_ids[row].append(int(tok))
+                bias_vals[row].append(float(fval))
+        _check_ids("logit_bias", bias_ids, vocab_size)
+        banned = _id_lists("banned_token_ids", banned_token_ids, b)
+        _check_ids("banned_token_ids", banned, vocab_size)
+        if allowed_token_ids is None:
+            allowed, has_allowed = [[] for _ in range(b)], [False] * b
+        else:
+            raw = list(allowed_token_ids)
+            if _is_id_list(raw):
+                if not raw:
+                    raise ValueError("allowed_token_ids is empty: pass None to allow every token")
+                allowed, has_allowed = [list(map(int, raw)) for _ in range(b)], [True] * b
+            else:
+                if len(raw) != b:
+                    raise ValueError(
+                        f"allowed_token_ids has {len(raw)} per-row lists but batch_size is {b}"
+                    )
+                has_allowed = [r is not None for r in raw]
+                allowed = _id_lists("allowed_token_ids", [r if r is not None else [] for r in raw], b)
+                for row, (ids, has) in enumerate(zip(allowed, has_allowed, strict=True)):
+                    if has and not ids:
+                        raise ValueError(
+                            f"allowed_token_ids[{row}] is empty: pass None to allow every token"
+                        )
+        _check_ids("allowed_token_ids", allowed, vocab_size)
+        stops = _id_lists("stop_token_ids", stop_token_ids, b)
+        _check_ids("stop_token_ids", stops, vocab_size)
+        stop_strs = _stop_strings(stop, b)
+        include = _per_row("include_stop_str_in_output", include_stop_str_in_output, b)
+
+        nb = bucket_width(max(len(r) for r in bias_ids))
+        bias_val_arr = np.zeros((b, nb), np.float32)
+        for i, vals in enumerate(bias_vals):
+            bias_val_arr[i, : len(vals)] = vals
+        return cls(
+            temperature=jnp.asarray(temp, jnp.float32),
+            top_k=jnp.asarray(k, jnp.int32),
+            top_p=jnp.asarray(p, jnp.float32),
+            min_p=jnp.asarray(mp, jnp.float32),
+            repetition_penalty=jnp.asarray(rep, jnp.float32),
+            presence_penalty=jnp.asarray(pres, jnp.float32),
+            frequency_penalty=jnp.asarray(freq, jnp.float32),
+            bias_ids=jnp.asarray(_pad_ids(bias_ids, nb)),
+            bias_values=jnp.asarray(bias_val_arr),
+            banned_ids=jnp.asarray(_pad_ids(banned)),
+            allowed_ids=jnp.asarray(_pad_ids(allowed)),
+            has_allowed=jnp.asarray(has_allowed, bool),
+            seed=jnp.asarray(np.asarray(seeds, np.uint64).astype(np.uint32)),
+            max_tokens=jnp.asarray(max_t, jnp.int32),
+            min_tokens=jnp.asarray(min_t, jnp.int32),
+            stop_token_ids=jnp.asarray(_pad_ids(stops)),
+            stop_sequences=jnp.asarray(_stop_sequences(stop_sequences, b, vocab_size)),
+            logprobs=jnp.asarray(n_logprobs, jnp.int32),
+            stop=stop_strs,
+            include_stop_str_in_output=tuple(bool(x) for x in include),
+        )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Host-side check that every token id in these params lies in [0, vocab_size)."""
+        for name, arr in (
+            ("logit_bias", self.bias_ids),
+            ("banned_token_ids", self.banned_ids),
+            ("allowed_token_ids", self.allowed_ids),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            rows = [[int(t) for t in r if t >= 0] for r in np.asarray(arr)]
+            _check_ids(name, rows, vocab_size)
+        seqs = np.asarray(self.stop_sequences).reshape(self.batch_size, -1)
+        _check_ids("stop_sequences", [[int(t) for t in r if t >= 0] for r in seqs], vocab_size)
+
+    def device_only(self) -> SamplingParams:
+        """The same params without host-side metadata, for passing into jit-compiled code."""
+        return dataclasses.replace(self, stop=(), include_stop_str_in_output=())
+
+    def take(self, rows: Any) -> SamplingParams:
+        """Select (or repeat) rows: `params.take([0, 0, 1])`."""
+        idx = np.asarray(rows, np.int64)
+        arrays = jax.tree.map(lambda x: x[idx], self.device_only())
+        return dataclasses.replace(
+            arrays,
+            stop=tuple(self.stop[i] for i in idx) if self.stop else (),
+            include_stop_str_in_output=tuple(self.include_stop_str_in_output[i] for i in idx)
+            if self.include_stop_str_in_output
+            else (),
+        )

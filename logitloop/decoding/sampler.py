@@ -1,0 +1,189 @@
+"""The sampler: one jit-compiled step from logits `[B, V]` to one token per row.
+
+Per row, in this order (each step is one pure function in `transforms.py` or
+`logitloop.ops.sampling`):
+
+1. Token masks and bias: `allowed_token_ids` (everything else to -inf), `logit_bias` added,
+   `banned_token_ids` to -inf. A banned or disallowed token stays -inf whatever its bias.
+2. `min_tokens`: while the row has generated fewer than `min_tokens` tokens
+   (`positions < min_tokens`), every stop token id is -inf.
+3. Penalties (need `history`): repetition penalty over prompt and generated tokens (positive
+   logits divided, negative multiplied, once per distinct token); presence and frequency
+   over generated tokens: `logit -= frequency * count + presence * (count > 0)`.
+4. Temperature: divide by T. `temperature == 0` is greedy: the argmax after steps 1-3, ties
+   to the lowest token id. `top_k == 1` is greedy too, bit for bit the same.
+5. top-k: keep every token whose logit is at least the k-th largest (ties kept);
+   `top_k <= 0` or `>= V` disables it.
+6. top-p over the top-k survivors renormalised: the smallest set of most likely tokens whose
+   mass reaches p, plus every token tied with the last one kept; `top_p == 1` is an identity.
+7. min-p: keep tokens with `prob >= min_p * max_prob`; `min_p == 0` is an identity.
+8. Draw from the renormalised survivors with the row's own random stream, keyed by
+   `(seed, position)` only (`jax.random.fold_in`): a row's token does not depend on which
+   rows share the batch or where it sits.
+
+Rows that cannot be sampled get a defined outcome, never NaN or an out-of-vocabulary id:
+logits holding NaN or +inf give `status == STATUS_BAD_LOGITS`, rows where steps 1-2 mask
+every token give `status == STATUS_ALL_MASKED`; both return token 0 with log-probabilities
+-inf, and `generate` ends such a row with finish_reason "error".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from logitloop.decoding import transforms
+from logitloop.decoding.history import History, distinct_tokens
+from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
+from logitloop.ops.sampling import Thresholds, filter_and_sample
+from logitloop.ops.sampling.noise import row_keys
+from logitloop.ops.sampling.xla import NUM_CANDIDATES, thresholds
+
+STATUS_OK = 0
+STATUS_ALL_MASKED = 1
+STATUS_BAD_LOGITS = 2
+NEG_INF = float("-inf")
+
+
+@struct.dataclass
+class TopLogprobs:
+    """The top-n alternatives under the model's own logits (raw log-softmax)."""
+
+    ids: jax.Array  # [B, MAX_TOP_LOGPROBS] i32; -1 past the row's n
+    values: jax.Array  # [B, MAX_TOP_LOGPROBS] f32; -inf past the row's n
+
+
+@struct.dataclass
+class SampleOutput:
+    tokens: jax.Array  # [B] i32, always in [0, V)
+    logprobs: jax.Array  # [B] f32, log-prob of the token under the final distribution
+    raw_logprobs: jax.Array  # [B] f32, log_softmax(logits)[token]
+    top_logprobs: TopLogprobs
+    status: jax.Array  # [B] i32, STATUS_OK / STATUS_ALL_MASKED / STATUS_BAD_LOGITS
+
+
+@struct.dataclass
+class Processed:
+    """Intermediate results of one step, for `sample` and for inspection (`explain`)."""
+
+    raw: jax.Array  # [B, V] f32, the model's logits
+    adjusted: jax.Array  # [B, V] f32, after masks, bias, min_tokens and penalties (steps 1-3)
+    scaled: jax.Array  # [B, V] f32, after temperature (step 4), NaN replaced by -inf
+    greedy: jax.Array  # [B] bool
+    status: jax.Array  # [B] i32
+
+
+def adjust_logits(
+    logits: jax.Array, params: SamplingParams, positions: jax.Array, history: History | None
+) -> Processed:
+    """Steps 1-4: masks and bias, min_tokens, penalties, temperature."""
+    raw = logits.astype(jnp.float32)
+    bad = jnp.any(jnp.isnan(raw) | (raw == jnp.inf), axis=1)
+    z = transforms.allowed_mask(raw, params.allowed_ids, params.has_allowed)
+    z = transforms.logit_bias(z, params.bias_ids, params.bias_values)
+    z = transforms.ban_tokens(z, params.banned_ids)
+    z = transforms.suppress_stop_tokens(z, params.stop_token_ids, positions, params.min_tokens)
+    if history is not None:
+        seen = distinct_tokens(history)
+        z = transforms.repetition_penalty(z, seen, params.repetition_penalty)
+        z = transforms.presence_frequency_penalty(
+            z, seen, params.presence_penalty, params.frequency_penalty
+        )
+    greedy = (params.temperature == 0) | (params.top_k == 1)
+    # Greedy rows stay unscaled so that temperature 0 and top_k 1 pick the same argmax.
+    x = transforms.apply_temperature(z, jnp.where(greedy, 0.0, params.temperature))
+    x = jnp.where(jnp.isnan(x), NEG_INF, x)
+    all_masked = jnp.max(x, axis=1) == NEG_INF
+    status = jnp.where(bad, STATUS_BAD_LOGITS, jnp.where(all_masked, STATUS_ALL_MASKED, STATUS_OK))
+    return Processed(raw=raw, adjusted=z, scaled=x, greedy=greedy, status=status.astype(jnp.int32))
+
+
+def _top_logprobs(raw_logp: jax.Array, n: jax.Array) -> TopLogprobs:
+    vals, ids = jax.lax.top_k(raw_logp, MAX_TOP_LOGPROBS)
+    keep = jnp.arange(MAX_TOP_LOGPROBS)[None, :] < n[:, None]
+    return TopLogprobs(
+        ids=jnp.where(keep, ids, -1).astype(jnp.int32), values=jnp.where(keep, vals, NEG_INF)
+    )
+
+
+def _no_top_logprobs(batch: int) -> TopLogprobs:
+    return TopLogprobs(
+        ids=jnp.full((batch, MAX_TOP_LOGPROBS), -1, jnp.int32),
+        values=jnp.full((batch, MAX_TOP_LOGPROBS), NEG_INF, jnp.float32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def sample(
+    logits: jax.Array,
+    params: SamplingParams,
+    positions: jax.Array,
+    history: History | None = None,
+    *,
+    backend: str = "auto",
+) -> SampleOutput:
+    """Draw one token per row under the row's own settings (see the module docstring).
+
+    logits: [B, V] float32, bfloat16 or float16 (arithmetic is float32); params: a
+    `SamplingParams` of batch B; positions: [B] int, the 0-based index among the row's
+    generated tokens of the token being drawn (it keys the random stream with the seed and
+    drives `min_tokens`); history: the prompt and generated tokens, needed for the
+    penalties (without it the penalties are not applied).
+    """
+    params = params.device_only()
+    positions = jnp.asarray(positions, jnp.int32)
+    proc = adjust_logits(logits, params, positions, history)
+    key = row_keys(params.seed, positions)
+    drawn, _ = filter_and_sample(
+        proc.scaled, params.top_k, params.top_p, params.min_p, proc.greedy, key, backend=backend
+    )
+    batch, vocab = proc.raw.shape
+    ok = proc.status == STATUS_OK
+    tokens = jnp.where(ok, jnp.clip(drawn.tokens, 0, vocab - 1), 0)
+    raw_safe = jnp.where(jnp.isnan(proc.raw), NEG_INF, proc.raw)
+    raw_logp = jax.nn.log_softmax(jnp.where(ok[:, None], raw_safe, 0.0), axis=1)
+    raw_tok = jnp.take_along_axis(raw_logp, tokens[:, None], axis=1)[:, 0]
+    top = jax.lax.cond(
+        jnp.any(params.logprobs > 0),
+        lambda: _top_logprobs(raw_logp, jnp.where(ok, params.logprobs, 0)),
+        lambda: _no_top_logprobs(batch),
+    )
+    return SampleOutput(
+        tokens=tokens.astype(jnp.int32),
+        logprobs=jnp.where(ok, drawn.logprobs, NEG_INF),
+        raw_logprobs=jnp.where(ok, raw_tok, NEG_INF),
+        top_logprobs=top,
+        status=proc.status,
+    )
+
+
+def kept_distribution(scaled: jax.Array, thr: Thresholds, greedy: jax.Array) -> jax.Array:
+    """[B, V] the final distribution given the scaled logits and the thresholds."""
+    m = jnp.where(jnp.isfinite(thr.row_max), thr.row_max, 0.0)[:, None]
+    w = jnp.where(scaled >= thr.kept[:, None], jnp.exp(scaled - m), 0.0)
+    probs = w / jnp.maximum(jnp.sum(w, axis=1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    one_hot = jax.nn.one_hot(jnp.argmax(scaled, axis=1), scaled.shape[1], dtype=jnp.float32)
+    return jnp.where(greedy[:, None], one_hot, probs)
+
+
+@jax.jit
+def sampling_distribution(
+    logits: jax.Array,
+    params: SamplingParams,
+    positions: jax.Array,
+    history: History | None = None,
+) -> jax.Array:
+    """[B, V] f32: the exact distribution `sample` draws from (zero outside the kept set).
+
+    Greedy rows are one-hot at their argmax; rows with a non-OK status are all zero.
+    """
+    params = params.device_only()
+    positions = jnp.asarray(positions, jnp.int32)
+    proc = adjust_logits(logits, params, positions, history)
+    cand_x, _ = jax.lax.top_k(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
+    thr = thresholds(proc.scaled, params.top_k, params.top_p, params.min_p, cand_x)
+    probs = kept_distribution(proc.scaled, thr, proc.greedy)
+    return jnp.where((proc.status == STATUS_OK)[:, None], probs, 0.0)

@@ -1,0 +1,288 @@
+"""Model configurations built from a Hugging Face `config.json`.
+
+Each architecture has one frozen, keyword-only dataclass. Instances are hashable (every
+field is a scalar, a tuple or another frozen dataclass) because the config lives on the
+model as a static attribute, and so inside the `GraphDef` that `nnx.split` hands to `jax.jit`.
+
+`config_from_hf` reads both the current `transformers` layout (`rope_parameters`) and the
+older one (`rope_theta` + `rope_scaling`), so checkpoints written by either load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary position embedding parameters.
+
+    `rope_type` is "default" (plain RoPE), "linear" (positions divided by `factor`) or
+    "llama3" (Llama 3.1 frequency-dependent scaling, which also uses `low_freq_factor`,
+    `high_freq_factor` and `original_max_position_embeddings`).
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Llama 2/3, Mistral, Qwen2 and Qwen3: one decoder with a few switches.
+
+    Attributes:
+      model_type: the Hugging Face `model_type` the config came from.
+      vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
+      num_heads, num_kv_heads, head_dim: query heads, key/value heads (grouped-query
+        attention when fewer than `num_heads`), and the per-head width.
+      sliding_windows: one entry per layer, the attention window in tokens, or None for
+        full causal attention.
+      qkv_bias / o_bias / mlp_bias: biases on the q/k/v, output and MLP projections.
+      qk_norm: Qwen3's per-head RMSNorm on queries and keys before RoPE.
+      eos_token_id: every end-of-sequence id (from `generation_config.json` when present);
+        possibly empty.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    sliding_windows: tuple[int | None, ...] = ()
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"sliding_windows has {len(self.sliding_windows)} entries for "
+                f"{self.num_layers} layers"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPT2Config:
+    """GPT-2: learned positions, pre-LayerNorm blocks, tied LM head."""
+
+    model_type: str = "gpt2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"n_embd ({self.hidden_size}) must be a multiple of n_head ({self.num_heads})"
+            )
+
+
+ModelConfig = LlamaConfig | GPT2Config
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    """A JSON-ready dict; `config_from_dict` inverts it."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
+    """Rebuild a config written by `config_to_dict`."""
+    data = dict(data)
+    if data.get("model_type") == "gpt2":
+        data["eos_token_id"] = tuple(data.get("eos_token_id", ()))
+        return GPT2Config(**data)
+    data["rope"] = RopeConfig(**data.get("rope", {}))
+    data["sliding_windows"] = tuple(data.get("sliding_windows", ()))
+    data["eos_token_id"] = tuple(data.get("eos_token_id", ()))
+    return LlamaConfig(**data)
+
+
+def config_from_hf(
+    hf: Mapping[str, Any],
+    *,
+    generation_config: Mapping[str, Any] | None = None,
+    source: str = "config.json",
+) -> ModelConfig:
+    """Build a config from the parsed `config.json` of a Hugging Face checkpoint.
+
+    Args:
+      hf: the parsed `config.json`.
+      generation_config: the parsed `generation_config.json`, if any; its
+        `eos_token_id` / `bos_token_id` take precedence, as in `transformers.generate`.
+      source: the file name used in error messages.
+
+    Raises:
+      ValueError: naming `source` and the field, for an unsupported `model_type`, RoPE
+        type or activation, or a missing required field.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: unsupported model_type {model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+    def need(key: str) -> Any:
+        if key not in hf or hf[key] is None:
+            raise ValueError(f"{source}: model_type {model_type!r} requires field {key!r}")
+        return hf[key]
+
+    ids = dict(hf)
+    for key in ("eos_token_id", "bos_token_id"):
+        if generation_config is not None and generation_config.get(key) is not None:
+            ids[key] = generation_config[key]
+    eos = ids.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    bos = ids.get("bos_token_id")
+    bos_id = None if bos is None else int(bos)
+
+    if model_type == "gpt2":
+        hidden = int(need("n_embd"))
+        act = hf.get("activation_function", "gelu_new")
+        _check_activation(act, source)
+        return GPT2Config(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(hf.get("n_inner") or 4 * hidden),
+            num_layers=int(need("n_layer")),
+            num_heads=int(need("n_head")),
+            max_position_embeddings=int(need("n_positions")),
+            layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            hidden_act=act,
+            scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+            scale_attn_by_inverse_layer_idx=bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
+            eos_token_id=eos_ids,
+            bos_token_id=bos_id,
+        )
+
+    hidden = int(need("hidden_size"))
+    num_heads = int(need("num_attention_heads"))
+    num_layers = int(need("num_hidden_layers"))
+    act = hf.get("hidden_act", "silu")
+    _check_activation(act, source)
+    return LlamaConfig(
+        model_type=model_type,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        max_position_embeddings=int(need("max_position_embeddings")),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(hf, source),
+        sliding_windows=_sliding_windows_from_hf(hf, model_type, num_layers),
+        # Qwen2 always has q/k/v biases and no output bias; Llama-style configs put
+        # `attention_bias` on all four projections.
+        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        hidden_act=act,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        eos_token_id=eos_ids,
+        bos_token_id=bos_id,
+    )
+
+
+def _check_activation(act: str, source: str) -> None:
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"{source}: unsupported activation {act!r}; "
+            f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+
+
+def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files write
+    # `rope_theta` and an optional `rope_scaling` whose type key was once called "type".
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{source}: unsupported RoPE type {rope_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if "factor" not in params:
+        raise ValueError(f"{source}: RoPE type {rope_type!r} requires 'factor'")
+    if rope_type == "linear":
+        return RopeConfig(rope_type="linear", theta=theta, factor=float(params["factor"]))
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(f"{source}: RoPE type 'llama3' requires 'original_max_position_embeddings'")
+    return RopeConfig(
+        rope_type="llama3",
+        theta=theta,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(original),
+    )
+
+
+def _sliding_windows_from_hf(
+    hf: Mapping[str, Any], model_type: str, num_layers: int
+) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if window is None or model_type == "llama":
+        return (None,) * num_layers
+    if model_type == "mistral":
+        # Mistral applies its window to every layer whenever the config sets one.
+        return (int(window),) * num_layers
+    # Qwen2/3: only with `use_sliding_window`, and only on layers marked as sliding
+    # (`layer_types`, or for older files every layer from `max_window_layers` on).
+    if not hf.get("use_sliding_window", False):
+        return (None,) * num_layers
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i >= int(hf.get("max_window_layers", num_layers)) else "full_attention"
+        for i in range(num_layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

@@ -1,0 +1,223 @@
+"""Building blocks shared by the model implementations.
+
+The KV cache, its masks and attention live here once, so both architectures follow the
+same protocol (see `logitloop.models.llama.LlamaModel.__call__`):
+
+- The cache of one layer is `dict(k=[B, S, Hkv, D], v=[B, S, Hkv, D])`; slot `s` holds the
+  key/value of the token at absolute position `s` in that row.
+- `positions[b, t]` is the absolute position of column `t` of row `b`, or -1 for padding.
+  Real tokens are written to slot `positions[b, t]`; padding is mapped to slot `S`, which
+  a `mode="drop"` scatter discards.
+- A query at position `q` sees slots `s <= q` (and `s > q - window` with a sliding
+  window). A padded query (`q == -1`) sees nothing: its scores are all the same large
+  finite negative, so its softmax is uniform rather than NaN, and its output is unused.
+
+Example: S = 8, two rows, a prefill of T = 4 with row 0 holding 2 real tokens:
+
+    positions = [[-1, -1, 0, 1],
+                 [ 0,  1, 2, 3]]
+
+writes row 0 slots 0-1 and row 1 slots 0-3; the next step passes positions [[2], [4]].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from logitloop.models.config import RopeConfig
+
+# Masked scores get this instead of -inf: a row with every slot masked (a padded query)
+# then softmaxes to a uniform distribution instead of 0/0 = NaN.
+MASK_VALUE = float(np.finfo(np.float32).min)
+
+KVCache = list[dict[str, jax.Array]]
+
+
+def param(
+    rngs: nnx.Rngs,
+    shape: Sequence[int],
+    dtype: jnp.dtype,
+    names: tuple[str | None, ...],
+    *,
+    init: str = "normal",
+    stddev: float = 0.02,
+) -> nnx.Param:
+    """A parameter with logical axis names for later placement over a device mesh.
+
+    `names` go into the Variable's sharding metadata (`nnx.get_partition_spec` reads them).
+    Eager sharding is off: the model is built without a mesh and laid out afterwards by
+    mapping these logical names onto mesh axes.
+    """
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    """The Hugging Face activation called `name` (see `config.SUPPORTED_ACTIVATIONS`)."""
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return jax.nn.gelu(x, approximate=True)
+    if name == "relu":
+        return jax.nn.relu(x)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, as `transformers` computes it.
+
+    The statistics run in float32 and the normalised value is cast back to `x.dtype`
+    before the scale multiplies it, which is what keeps bfloat16 results close to HF.
+    """
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * x32.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis; statistics in float32, result in `x.dtype`."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Per-frequency inverse wavelengths, `[head_dim // 2]` float32.
+
+    Computed on the host with numpy, so under `jit` they are constants.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return (inv_freq / np.float32(rope.factor)).astype(np.float32)
+    if rope.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+        # in between interpolated (transformers' `_compute_llama3_parameters`).
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"unsupported RoPE type {rope.rope_type!r}")
+
+
+def apply_rope(
+    x: jax.Array,  # [B, T, H, D]
+    positions: jax.Array,  # [B, T] int
+    inv_freq: np.ndarray,  # [D // 2]
+) -> jax.Array:
+    """Rotate `x` by its positions, with HF's rotate-half (not interleaved) layout.
+
+    Angles, cos and sin are computed in float32 and cast to `x.dtype` before they multiply,
+    as `transformers` does. Padded positions (-1) get a rotation too; it is never read.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos = jnp.cos(angles).astype(x.dtype)
+    sin = jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def init_kv_cache(
+    batch_size: int, max_length: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype
+) -> KVCache:
+    """Zeros: one `dict(k=[B, S, Hkv, D], v=[B, S, Hkv, D])` per layer, S = max_length."""
+    shape = (batch_size, max_length, num_kv_heads, head_dim)
+    return [
+        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)
+    ]
+
+
+def write_cache(
+    cache: jax.Array,  # [B, S, Hkv, D]
+    values: jax.Array,  # [B, T, Hkv, D]
+    positions: jax.Array,  # [B, T] int, -1 for padding
+) -> jax.Array:
+    """Scatter each real token's values into slot == its position; drop padding."""
+    batch, slots = cache.shape[0], cache.shape[1]
+    # Padding, and anything past the end, goes to slot S, which mode="drop" discards.
+    slot = jnp.where((positions >= 0) & (positions < slots), positions, slots)  # [B, T]
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], slot.shape)  # [B, T]
+    return cache.at[rows, slot].set(values.astype(cache.dtype), mode="drop")
+
+
+def attention_mask(
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    num_slots: int,
+    window: int | None,
+) -> jax.Array:
+    """`[B, T, S]` bool: may the query in column t see cache slot s."""
+    q = positions[:, :, None]  # [B, T, 1]
+    s = jnp.arange(num_slots)[None, None, :]  # [1, 1, S]
+    mask = s <= q
+    if window is not None:
+        mask = mask & (s > q - window)
+    return mask
+
+
+def attend(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, S, Hkv, D]
+    v: jax.Array,  # [B, S, Hkv, D]
+    mask: jax.Array,  # [B, T, S] bool
+    scale: float,
+) -> jax.Array:
+    """Grouped-query attention of T queries over S cache slots; returns `[B, T, H, D]`.
+
+    Each of the Hkv key/value heads serves H // Hkv consecutive query heads (HF's
+    `repeat_kv` layout). Scores and softmax are float32; the weighted sum runs in the
+    query dtype.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
+    k = k.astype(q.dtype)
+    v = v.astype(q.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)  # [B, Hkv, G, T, S]
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # [B, T, Hkv, G, D]
+    return out.reshape(b, t, h, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointTensor:
+    """Where one tensor of a Hugging Face checkpoint goes in a model.
+
+    Attributes:
+      target: attribute/index path of the `nnx.Param` it fills, e.g. ("layers", 0, "wq").
+      shape: the tensor's shape in the checkpoint, checked before it is read.
+      transform: maps the checkpoint layout onto the parameter layout (transposes and
+        reshapes); identity when they agree.
+    """
+
+    target: tuple[str | int, ...]
+    shape: tuple[int, ...]
+    transform: Callable[[jax.Array], jax.Array] = lambda x: x
