@@ -1,11 +1,13 @@
 """logitloop: a functional decoding framework for JAX.
 
-    import logitloop as ll
-    params = ll.SamplingParams.create(batch_size=2, temperature=[0.0, 0.8], top_p=0.9, seed=[0, 1])
-    out = ll.sample(logits, params, positions)
+import logitloop as ll
+params = ll.SamplingParams.create(batch_size=2, temperature=[0.0, 0.8], top_p=0.9, seed=[0, 1])
+out = ll.sample(logits, params, positions)
 """
 
+from logitloop.decoding.generate import DecodeState, GenerationResult, generate
 from logitloop.decoding.history import History
+from logitloop.decoding.model import FunctionModel
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.sampler import (
     STATUS_ALL_MASKED,
@@ -21,10 +23,14 @@ __all__ = [
     "STATUS_ALL_MASKED",
     "STATUS_BAD_LOGITS",
     "STATUS_OK",
+    "DecodeState",
+    "FunctionModel",
+    "GenerationResult",
     "History",
     "SampleOutput",
     "SamplingParams",
     "TopLogprobs",
+    "generate",
     "sample",
     "sampling_distribution",
 ]

@@ -101,9 +101,7 @@ def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
     if _is_id_list(value):
         return [[int(x) for x in value] for _ in range(batch_size)]
     if len(value) != batch_size:
-        raise ValueError(
-            f"{name} has {len(value)} per-row lists but batch_size is {batch_size}"
-        )
+        raise ValueError(f"{name} has {len(value)} per-row lists but batch_size is {batch_size}")
     rows = []
     for row, ids in enumerate(value):
         if ids is None:
@@ -143,7 +141,9 @@ def _bias_rows(value: Any, batch_size: int) -> list[dict[int, float]]:
         return [dict(value) for _ in range(batch_size)]
     value = list(value)
     if len(value) != batch_size:
-        raise ValueError(f"logit_bias has {len(value)} per-row dicts but batch_size is {batch_size}")
+        raise ValueError(
+            f"logit_bias has {len(value)} per-row dicts but batch_size is {batch_size}"
+        )
     rows = []
     for row, d in enumerate(value):
         if d is None:
@@ -282,31 +282,49 @@ class SamplingParams:
         if batch_size < 1:
             raise ValueError(f"batch_size = {batch_size} is outside the allowed range [1, inf)")
         b = int(batch_size)
-        if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
+        if vocab_size is not None and (
+            not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1
+        ):
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         inf = math.inf
-        temp = _check_range("temperature", _per_row("temperature", temperature, b), 0, inf, hi_open=True)
-        k = _check_range("top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True)
+        temp = _check_range(
+            "temperature", _per_row("temperature", temperature, b), 0, inf, hi_open=True
+        )
+        k = _check_range(
+            "top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True
+        )
         p = _check_range("top_p", _per_row("top_p", top_p, b), 0, 1, lo_open=True)
         mp = _check_range("min_p", _per_row("min_p", min_p, b), 0, 1)
         rep = _check_range(
-            "repetition_penalty", _per_row("repetition_penalty", repetition_penalty, b), 0, inf,
-            lo_open=True, hi_open=True,
+            "repetition_penalty",
+            _per_row("repetition_penalty", repetition_penalty, b),
+            0,
+            inf,
+            lo_open=True,
+            hi_open=True,
         )
-        pres = _check_range("presence_penalty", _per_row("presence_penalty", presence_penalty, b), -2, 2)
+        pres = _check_range(
+            "presence_penalty", _per_row("presence_penalty", presence_penalty, b), -2, 2
+        )
         freq = _check_range(
             "frequency_penalty", _per_row("frequency_penalty", frequency_penalty, b), -2, 2
         )
         seeds = _check_range("seed", _per_row("seed", seed, b), 0, MAX_SEED, integer=True)
-        max_t = _check_range("max_tokens", _per_row("max_tokens", max_tokens, b), 1, _MAX_INT32, integer=True)
-        min_t = _check_range("min_tokens", _per_row("min_tokens", min_tokens, b), 0, _MAX_INT32, integer=True)
+        max_t = _check_range(
+            "max_tokens", _per_row("max_tokens", max_tokens, b), 1, _MAX_INT32, integer=True
+        )
+        min_t = _check_range(
+            "min_tokens", _per_row("min_tokens", min_tokens, b), 0, _MAX_INT32, integer=True
+        )
         for row in range(b):
             if min_t[row] > max_t[row]:
                 raise ValueError(
                     f"min_tokens[{row}] = {min_t[row]} is outside the allowed range "
                     f"[0, max_tokens[{row}] = {max_t[row]}]"
                 )
-        n_logprobs = _check_range("logprobs", _per_row("logprobs", logprobs, b), 0, MAX_TOP_LOGPROBS, integer=True)
+        n_logprobs = _check_range(
+            "logprobs", _per_row("logprobs", logprobs, b), 0, MAX_TOP_LOGPROBS, integer=True
+        )
 
         bias_rows = _bias_rows(logit_bias, b)
         bias_ids = [[] for _ in range(b)]
@@ -335,7 +353,9 @@ class SamplingParams:
                         f"allowed_token_ids has {len(raw)} per-row lists but batch_size is {b}"
                     )
                 has_allowed = [r is not None for r in raw]
-                allowed = _id_lists("allowed_token_ids", [r if r is not None else [] for r in raw], b)
+                allowed = _id_lists(
+                    "allowed_token_ids", [r if r is not None else [] for r in raw], b
+                )
                 for row, (ids, has) in enumerate(zip(allowed, has_allowed, strict=True)):
                     if has and not ids:
                         raise ValueError(

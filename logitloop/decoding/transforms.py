@@ -77,9 +77,7 @@ def suppress_stop_tokens(
     return logits.at[_rows(logits), idx].set(NEG_INF, mode="drop")
 
 
-def repetition_penalty(
-    logits: jax.Array, seen: DistinctTokens, penalty: jax.Array
-) -> jax.Array:
+def repetition_penalty(logits: jax.Array, seen: DistinctTokens, penalty: jax.Array) -> jax.Array:
     """Penalise every distinct token of the prompt and the generated text once.
 
     Positive logits are divided by `penalty` ([B]), negative ones multiplied (the CTRL /

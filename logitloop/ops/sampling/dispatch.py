@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-
 from logitloop.ops.sampling import xla
 
 BACKENDS = ("auto", "xla")

@@ -1,0 +1,54 @@
+"""A fake model with scripted logits: no weights, no randomness.
+
+The next token is `table[last_token, last_position]`: a pure function of the token fed and
+its position, so the expected output of any prompt is computed by a plain Python loop
+(`expected`). The cache records which token was written at each position, so tests can
+check that finished rows are never written again.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import logitloop as ll
+
+
+def make_model(table: np.ndarray, *, eos: tuple[int, ...] = (), max_length: int = 512):
+    vocab = table.shape[0]
+
+    def apply_fn(params, tokens, positions, cache):
+        batch, cols = tokens.shape
+        slots = cache.shape[1]
+        idx = jnp.where(positions >= 0, positions, slots)
+        cache = cache.at[jnp.arange(batch)[:, None], idx].set(tokens, mode="drop")
+        nxt = params[tokens[:, -1], jnp.maximum(positions[:, -1], 0)]
+        logits = jnp.where(jnp.arange(vocab)[None, :] == nxt[:, None], 10.0, 0.0)
+        return logits, cache
+
+    def init_cache(batch, length):
+        return jnp.full((batch, length), -1, jnp.int32)
+
+    return ll.FunctionModel(
+        apply_fn=apply_fn,
+        params=jnp.asarray(table, jnp.int32),
+        init_cache=init_cache,
+        vocab_size=vocab,
+        max_length=max_length,
+        eos_token_ids=eos,
+    )
+
+
+def expected(table, prompt, max_tokens, stop_ids=(), stop_seqs=(), min_tokens=0):
+    """The greedy continuation of `prompt` under the table, with stop rules applied."""
+    out = []
+    tok, pos = prompt[-1], len(prompt) - 1
+    while len(out) < max_tokens:
+        nxt = int(table[tok, pos])
+        out.append(nxt)
+        if nxt in stop_ids:
+            return out, "stop"
+        if len(out) >= min_tokens and any(out[-len(s) :] == list(s) for s in stop_seqs):
+            return out, "stop"
+        tok, pos = nxt, pos + 1
+    return out, "length"
