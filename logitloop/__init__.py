@@ -5,9 +5,16 @@ params = ll.SamplingParams.create(batch_size=2, temperature=[0.0, 0.8], top_p=0.
 out = ll.sample(logits, params, positions)
 """
 
-from logitloop.decoding.generate import DecodeState, GenerationResult, generate
+from logitloop.decoding.generate import (
+    DecodeState,
+    GenerationResult,
+    StreamEvent,
+    generate,
+    stream,
+)
 from logitloop.decoding.history import History
 from logitloop.decoding.model import FunctionModel
+from logitloop.models.loading import load_pretrained
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.sampler import (
     STATUS_ALL_MASKED,
@@ -29,8 +36,11 @@ __all__ = [
     "History",
     "SampleOutput",
     "SamplingParams",
+    "StreamEvent",
     "TopLogprobs",
     "generate",
+    "load_pretrained",
+    "stream",
     "sample",
     "sampling_distribution",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,9 @@ from flax import struct
 from logitloop.decoding.history import History
 from logitloop.decoding.model import ModelInfo, ModelRunner, model_info
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
+from logitloop.decoding import stop_strings
 from logitloop.decoding.sampler import STATUS_OK, SampleOutput, sample
+from logitloop.decoding.stop_strings import StopStrings
 
 # finish codes, per row
 RUNNING = 0
@@ -69,6 +71,7 @@ class DecodeState:
     cache: Any  # the model's KV cache, P + N slots per row
     history: History  # prompt + generated tokens, for the penalties
     window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
+    text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
 
 
 @dataclasses.dataclass
@@ -87,7 +90,9 @@ class GenerationResult:
     error: list[str | None] | None = None
 
 
-def _record(state: DecodeState, out: SampleOutput, params: SamplingParams) -> DecodeState:
+def _record(
+    state: DecodeState, out: SampleOutput, params: SamplingParams, stops: StopStrings | None
+) -> DecodeState:
     """Append each running row's new token and check its stop conditions."""
     batch, buf = state.tokens.shape
     active = ~state.done
@@ -115,6 +120,13 @@ def _record(state: DecodeState, out: SampleOutput, params: SamplingParams) -> De
     seq_hit = seq_hit & (num_tokens >= params.min_tokens)[:, None]
     hit_seq = jnp.any(seq_hit, axis=1)
     hit_len = num_tokens >= params.max_tokens
+    text_window = state.text_window
+    if stops is None:
+        hit_str = jnp.zeros_like(hit_seq)
+        which_str = jnp.zeros_like(state.matched)
+    else:
+        text_window, hit_str, which_str = stop_strings.advance(text_window, stops, tok, write)
+        hit_str = hit_str & (num_tokens >= params.min_tokens)
 
     finish = jnp.where(
         ~ok,
@@ -122,13 +134,19 @@ def _record(state: DecodeState, out: SampleOutput, params: SamplingParams) -> De
         jnp.where(
             hit_token,
             FINISH_STOP_TOKEN,
-            jnp.where(hit_seq, FINISH_STOP_SEQUENCE, jnp.where(hit_len, FINISH_LENGTH, RUNNING)),
+            jnp.where(
+                hit_seq,
+                FINISH_STOP_SEQUENCE,
+                jnp.where(hit_str, FINISH_STOP_STRING, jnp.where(hit_len, FINISH_LENGTH, RUNNING)),
+            ),
         ),
     )
     finish = jnp.where(active, finish, state.finish)
-    matched = jnp.where(hit_token, tok, jnp.where(hit_seq, jnp.argmax(seq_hit, axis=1), -1)).astype(
-        jnp.int32
-    )
+    matched = jnp.where(
+        hit_token,
+        tok,
+        jnp.where(hit_seq, jnp.argmax(seq_hit, axis=1), jnp.where(hit_str, which_str, -1)),
+    ).astype(jnp.int32)
     matched = jnp.where(active & ok, matched, state.matched)
 
     top_ids, top_values = state.top_ids, state.top_values
@@ -147,6 +165,7 @@ def _record(state: DecodeState, out: SampleOutput, params: SamplingParams) -> De
         top_values=top_values,
         history=state.history.append(tok, where=write),
         window=window,
+        text_window=text_window,
     )
 
 
@@ -159,6 +178,7 @@ def prefill(
     prompt_len: jax.Array,  # [B] i32
     history: History,  # [B, P + N]
     params: SamplingParams,
+    stops: StopStrings | None,
     *,
     buffer_len: int,
     num_top: int,
@@ -183,9 +203,14 @@ def prefill(
         cache=cache,
         history=history,
         window=jnp.full((batch, window_len), -1, jnp.int32),
+        text_window=(
+            jnp.zeros((batch, 0), jnp.int32)
+            if stops is None
+            else stop_strings.empty_window(batch, stops)
+        ),
     )
     out = sample(logits, params, state.num_tokens, history)
-    return _record(state, out, params)
+    return _record(state, out, params, stops)
 
 
 @functools.partial(jax.jit, static_argnames=("runner",), donate_argnames=("state",))
@@ -194,6 +219,7 @@ def decode(
     weights: Any,
     state: DecodeState,
     params: SamplingParams,
+    stops: StopStrings | None,
     max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
@@ -213,7 +239,7 @@ def decode(
         pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
         logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
         out = sample(logits, params, s.num_tokens, s.history)
-        s = _record(s.replace(cache=cache), out, params)
+        s = _record(s.replace(cache=cache), out, params, stops)
         del batch
         return s.replace(step=s.step + 1)
 
@@ -310,8 +336,24 @@ def _with_stop_ids(params: SamplingParams, extra: Sequence[int]) -> SamplingPara
     return params.replace(stop_token_ids=jnp.asarray(arr))
 
 
+def stop_tables(info: ModelInfo, params: SamplingParams) -> StopStrings | None:
+    """Device tables for the rows' stop strings, or None when no row has one."""
+    if not any(params.stop):
+        return None
+    if info.tokenizer is None:
+        raise ValueError("stop strings need a model that carries a tokenizer")
+    return stop_strings.build(
+        params.stop, stop_strings.token_bytes(info.tokenizer, info.vocab_size)
+    )
+
+
 def initial_state(
-    info: ModelInfo, ids: list[list[int]], params: SamplingParams, *, buffer_len: int | None = None
+    info: ModelInfo,
+    ids: list[list[int]],
+    params: SamplingParams,
+    stops: StopStrings | None,
+    *,
+    buffer_len: int | None = None,
 ) -> DecodeState:
     """Pad the prompts, run prefill and return the state before the loop."""
     batch = len(ids)
@@ -336,6 +378,7 @@ def initial_state(
         jnp.asarray(lens),
         history,
         params.device_only(),
+        stops,
         buffer_len=buffer_len,
         num_top=num_top,
     )
@@ -350,11 +393,30 @@ _FINISH_REASON = {
 }
 
 
+def _text_ids(ids: list[int], finish: int) -> list[int]:
+    """Generated ids that make up the text: a matched stop token is not part of it."""
+    return ids[:-1] if finish == FINISH_STOP_TOKEN else ids
+
+
+def row_text(
+    tokenizer, ids: list[int], finish: int, stops: Sequence[str], include_stop: bool
+) -> tuple[str, str | None]:
+    """Final text of a row and the stop string it was cut at (None if none)."""
+    text = stop_strings.detokenize(tokenizer, _text_ids(ids, finish))
+    return stop_strings.trim(text, stops, include_stop) if stops else (text, None)
+
+
+def _row_stops(params: SamplingParams, row: int) -> tuple[tuple[str, ...], bool]:
+    stops = params.stop[row] if params.stop else ()
+    include = params.include_stop_str_in_output[row] if params.include_stop_str_in_output else False
+    return stops, include
+
+
 def collect(
     state: DecodeState, ids: list[list[int]], params: SamplingParams, info: ModelInfo
 ) -> GenerationResult:
     """Copy a finished state to the host as a `GenerationResult`."""
-    host = jax.device_get(
+    tokens, num, finish, matched, lp, raw_lp, top_ids, top_vals = jax.device_get(
         (
             state.tokens,
             state.num_tokens,
@@ -366,7 +428,6 @@ def collect(
             state.top_values,
         )
     )
-    tokens, num, finish, matched, lp, raw_lp, top_ids, top_vals = host
     seqs = np.asarray(params.stop_sequences)
     want_top = np.asarray(params.logprobs)
     result = GenerationResult(
@@ -378,21 +439,30 @@ def collect(
         logprobs=[],
         raw_logprobs=[],
         top_logprobs=[] if top_ids.shape[2] else None,
+        text=[] if info.tokenizer is not None else None,
         error=[],
     )
     for r in range(len(ids)):
         k = int(num[r])
-        result.token_ids.append(tokens[r, :k].tolist())
-        result.num_tokens.append(k)
         code = int(finish[r])
-        result.finish_reason.append(_FINISH_REASON.get(code, "length"))
+        row_ids = tokens[r, :k].tolist()
+        result.token_ids.append(row_ids)
+        result.num_tokens.append(k)
+        reason = _FINISH_REASON.get(code, "length")
         if code == FINISH_STOP_TOKEN:
-            result.stop_reason.append(int(matched[r]))
+            stop = int(matched[r])
         elif code == FINISH_STOP_SEQUENCE:
-            seq = seqs[r, int(matched[r])]
-            result.stop_reason.append([int(t) for t in seq if t >= 0])
+            stop = [int(t) for t in seqs[r, int(matched[r])] if t >= 0]
         else:
-            result.stop_reason.append(None)
+            stop = None
+        if result.text is not None:
+            stops, include = _row_stops(params, r)
+            text, hit = row_text(info.tokenizer, row_ids, code, stops, include)
+            if hit is not None:
+                reason, stop = "stop", hit
+            result.text.append(text)
+        result.finish_reason.append(reason)
+        result.stop_reason.append(stop)
         result.error.append(
             "the logits held NaN/inf or every token was masked" if code == FINISH_ERROR else None
         )
@@ -409,17 +479,7 @@ def collect(
                     for j in range(k)
                 ]
             )
-    if info.tokenizer is not None:
-        result.text = [info.tokenizer.decode(_text_ids(r, result)) for r in range(len(ids))]
     return result
-
-
-def _text_ids(row: int, result: GenerationResult) -> list[int]:
-    """Generated ids that make up the text: a matched stop token is not part of it."""
-    ids = result.token_ids[row]
-    if result.finish_reason[row] == "stop" and isinstance(result.stop_reason[row], int):
-        return ids[:-1]
-    return ids
 
 
 def generate(
@@ -437,12 +497,107 @@ def generate(
     prompt (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's).
     The model's EOS ids join every row's stop ids unless `ignore_eos`.
 
+    A row ends with finish_reason "stop" (a stop token id, stop sequence or stop string
+    matched; `stop_reason` says which), "length" (max_tokens) or "error" (its logits held
+    NaN/inf or every token was masked). `token_ids` holds every generated token including a
+    matched stop token; `text` (when the model has a tokenizer) is the UTF-8 text of those
+    tokens without a matched stop token id, cut before the first stop string unless
+    `include_stop_str_in_output`.
+
     Prefill and decode are two jit-compiled calls; prompt length and buffer length are
     bucketed to powers of two, so a new prompt length or max_tokens rarely compiles.
     """
     info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos)
-    state = initial_state(info, ids, params)
+    stops = stop_tables(info, params)
+    state = initial_state(info, ids, params, stops)
     state = decode(
-        info.runner, info.weights, state, params.device_only(), jnp.asarray(2**30, jnp.int32)
+        info.runner, info.weights, state, params.device_only(), stops, jnp.asarray(2**30, jnp.int32)
     )
     return collect(state, ids, params, info)
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """New output of one row since its previous event."""
+
+    row: int
+    text: str  # text delta (empty without a tokenizer)
+    token_ids: list[int]  # tokens generated since the previous event
+    finish_reason: str | None = None  # set on the row's last event
+    stop_reason: Any = None
+
+
+def stream(
+    model: Any,
+    prompts: Sequence[Any],
+    params: SamplingParams,
+    *,
+    n: int = 1,
+    ignore_eos: bool = False,
+    chunk_steps: int = 8,
+) -> Iterator[StreamEvent]:
+    """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
+
+    The loop runs on device in chunks (the same compiled program as `generate`), and the
+    host detokenises incrementally. A delta never holds an incomplete UTF-8 sequence, nor
+    the tail of the text that could still begin one of the row's stop strings; each row
+    ends with one event carrying its finish_reason. Concatenating a row's deltas gives
+    exactly `generate(...).text` for that row.
+    """
+    if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+        raise ValueError(f"chunk_steps = {chunk_steps!r} is outside the allowed range [1, inf)")
+    info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos)
+    stops = stop_tables(info, params)
+    state = initial_state(info, ids, params, stops)
+    device_params = params.device_only()
+    batch = len(ids)
+    tok = info.tokenizer
+    seen = [0] * batch
+    emitted = [""] * batch
+    open_rows = set(range(batch))
+    detok = [stop_strings.Detokenizer(tok) if tok is not None else None for _ in range(batch)]
+    seqs = np.asarray(params.stop_sequences)
+    while True:
+        tokens, num, finish, matched, step = jax.device_get(
+            (state.tokens, state.num_tokens, state.finish, state.matched, state.step)
+        )
+        for r in sorted(open_rows):
+            k, code = int(num[r]), int(finish[r])
+            new = tokens[r, seen[r] : k].tolist()
+            seen[r] = k
+            stops_r, include = _row_stops(params, r)
+            if code != RUNNING:
+                reason = _FINISH_REASON.get(code, "length")
+                stop: Any = None
+                if code == FINISH_STOP_TOKEN:
+                    stop = int(matched[r])
+                elif code == FINISH_STOP_SEQUENCE:
+                    stop = [int(t) for t in seqs[r, int(matched[r])] if t >= 0]
+                text = ""
+                if tok is not None:
+                    final, hit = row_text(tok, tokens[r, :k].tolist(), code, stops_r, include)
+                    if hit is not None:
+                        reason, stop = "stop", hit
+                    text = final[len(emitted[r]) :]
+                open_rows.discard(r)
+                yield StreamEvent(r, text, new, reason, stop)
+                continue
+            delta = ""
+            if tok is not None:
+                detok[r].feed(new)
+                visible = detok[r].text
+                visible = visible[: len(visible) - stop_strings.held_back(visible, stops_r)]
+                delta = visible[len(emitted[r]) :]
+                emitted[r] = max(visible, emitted[r], key=len)
+            if new or delta:
+                yield StreamEvent(r, delta, new)
+        if not open_rows:
+            return
+        state = decode(
+            info.runner,
+            info.weights,
+            state,
+            device_params,
+            stops,
+            jnp.asarray(int(step) + chunk_steps, jnp.int32),
+        )

@@ -130,12 +130,12 @@ def test_finished_row_never_changes(table):
         [[1], [2]],
         ll.SamplingParams.create(batch_size=2, temperature=0.0, max_tokens=[3, 40]),
     )
-    state = gen.initial_state(info, ids, params)
-    state = gen.decode(info.runner, info.weights, state, params.device_only(), jnp.asarray(5))
+    state = gen.initial_state(info, ids, params, None)
+    state = gen.decode(info.runner, info.weights, state, params.device_only(), None, jnp.asarray(5))
     snap = {k: np.asarray(getattr(state, k))[0].copy() for k in ("tokens", "logprobs")}
     cache_row = np.asarray(state.cache)[0].copy()
     assert bool(state.done[0]) and not bool(state.done[1])
-    state = gen.decode(info.runner, info.weights, state, params.device_only(), jnp.asarray(10**6))
+    state = gen.decode(info.runner, info.weights, state, params.device_only(), None, jnp.asarray(10**6))
     assert bool(state.done[1])
     for k, v in snap.items():
         np.testing.assert_array_equal(np.asarray(getattr(state, k))[0], v)

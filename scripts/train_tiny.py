@@ -1,0 +1,250 @@
+"""Train the small Llama model that ships inside logitloop, on Python's own documentation.
+
+    python scripts/train_tiny.py --workdir runs/tiny --out logitloop/models/tiny
+
+The text is `pydoc_data.topics` (the help() topics, about 465 kB, shipped with every
+Python). A byte-level BPE tokenizer is trained on the same text with `tokenizers`. Whole
+topics are held out for validation. Training checkpoints with Orbax every
+`--ckpt-every` steps and resumes from the newest checkpoint when run again with the same
+`--workdir`; batches are a function of (seed, step) only, so a resumed run continues
+exactly where the interrupted one was going, and a fixed seed reproduces the run.
+
+The result is exported as an ordinary Hugging Face checkpoint folder (config.json,
+model.safetensors in bfloat16, tokenizer.json, generation_config.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from logitloop.models import layers
+from logitloop.models.config import LlamaConfig, RopeConfig
+from logitloop.models.export import save_pretrained
+from logitloop.models.llama import LlamaModel
+
+EOS = "<|endoftext|>"
+
+
+def corpus(seed: int, val_fraction: float) -> tuple[list[str], list[str]]:
+    """Split the help topics into train and validation documents (whole topics)."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    names = sorted(topics)
+    order = np.random.default_rng(seed).permutation(len(names))
+    total = sum(len(topics[n]) for n in names)
+    val, size = [], 0
+    for i in order:
+        if size >= val_fraction * total:
+            break
+        val.append(names[i])
+        size += len(topics[names[i]])
+    train = [topics[n] for n in names if n not in val]
+    return train, [topics[n] for n in sorted(val)]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> Tokenizer:
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return tok
+
+
+def encode(tok: Tokenizer, texts: list[str]) -> np.ndarray:
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tok.encode(t).ids)
+        ids.append(eos)
+    return np.asarray(ids, np.int32)
+
+
+def forward_all(model: LlamaModel, tokens: jax.Array) -> jax.Array:
+    """Logits at every position, [B, T, V] (training needs them all; decoding needs one)."""
+    c = model.config
+    batch, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length)[None, :], (batch, length))
+    inv_freq = layers.rope_inverse_frequencies(c.rope, c.head_dim)
+    mask = layers.attention_mask(positions, length, None)
+    cache = model.init_cache(batch, length)
+    x = jnp.take(model.embedding[...], tokens, axis=0)
+    for block, layer_cache in zip(model.layers, cache, strict=True):
+        x, _ = block(x, positions, layer_cache, mask, inv_freq)
+    x = layers.rms_norm(x, model.final_norm[...], c.rms_norm_eps)
+    return jnp.einsum("bte,ve->btv", x, model.embedding[...])
+
+
+def loss_fn(model: LlamaModel, batch: jax.Array) -> jax.Array:
+    logits = forward_all(model, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def batch_at(data: np.ndarray, seed: int, step: int, batch: int, seq: int) -> np.ndarray:
+    """The training batch of `step`: depends on (seed, step) only, so resuming is exact."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(data) - seq - 1, size=batch)
+    return np.stack([data[s : s + seq + 1] for s in starts])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="runs/tiny")
+    ap.add_argument("--out", default="logitloop/models/tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=704)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--val-fraction", type=float, default=0.05)
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop early (resumable)")
+    args = ap.parse_args()
+
+    workdir = Path(args.workdir).absolute()
+    train_texts, val_texts = corpus(args.seed, args.val_fraction)
+    tok = train_tokenizer(train_texts + val_texts, args.vocab, workdir / "tokenizer.json")
+    train, val = encode(tok, train_texts), encode(tok, val_texts)
+    print(f"train {len(train)} tokens, validation {len(val)} tokens, vocab {tok.get_vocab_size()}")
+
+    eos = tok.token_to_id(EOS)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=args.context,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0),
+        tie_word_embeddings=True,
+        eos_token_id=(eos,),
+        bos_token_id=None,
+    )
+    model = LlamaModel(config, rngs=nnx.Rngs(args.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"model: {n_params / 1e6:.2f}M parameters")
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, min(100, args.steps // 10), args.steps, end_value=args.lr / 20
+    )
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        def f(p):
+            return loss_fn(nnx.merge(graphdef, p), batch)
+
+        loss, grads = jax.value_and_grad(f)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    @jax.jit
+    def eval_loss(params, batch):
+        return loss_fn(nnx.merge(graphdef, params), batch)
+
+    val_batches = [
+        val[i : i + args.seq + 1]
+        for i in range(0, len(val) - args.seq - 1, args.seq)
+    ]
+    val_batches = np.stack(val_batches)
+
+    def validate(params) -> float:
+        losses = [
+            float(eval_loss(params, jnp.asarray(val_batches[i : i + args.batch])))
+            for i in range(0, len(val_batches), args.batch)
+        ]
+        return float(np.mean(losses))
+
+    manager = ocp.CheckpointManager(
+        workdir / "checkpoints",
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.ckpt_every),
+    )
+    start = 0
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        target = {"params": params, "opt_state": opt_state}
+        restored = manager.restore(start, args=ocp.args.StandardRestore(target))
+        params, opt_state = restored["params"], restored["opt_state"]
+        print(f"resumed from step {start}")
+
+    log = []
+    t0 = time.time()
+    loss = float("nan")
+    for step in range(start, args.steps):
+        batch = jnp.asarray(batch_at(train, args.seed, step, args.batch, args.seq))
+        params, opt_state, loss = train_step(params, opt_state, batch)
+        done = step + 1
+        manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        if done % 25 == 0:
+            print(f"step {done} loss {float(loss):.3f} ({time.time() - t0:.0f}s)", flush=True)
+        if done % args.eval_every == 0 or done == args.steps:
+            v = validate(params)
+            log.append({"step": done, "train_loss": float(loss), "val_loss": v})
+            print(f"step {done} validation loss {v:.3f} (ppl {math.exp(v):.1f})", flush=True)
+        if args.max_minutes is not None and time.time() - t0 > 60 * args.max_minutes:
+            manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+            manager.wait_until_finished()
+            print(f"stopping after {done} steps (--max-minutes); run again to resume")
+            return
+    manager.wait_until_finished()
+
+    val_loss = validate(params)
+    nnx.update(model, params)
+    out = save_pretrained(
+        model,
+        args.out,
+        dtype=jnp.bfloat16,
+        tokenizer_json=workdir / "tokenizer.json",
+        generation_config={"eos_token_id": eos, "max_length": args.context},
+    )
+    report = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "parameters": int(n_params),
+        "train_tokens": int(len(train)),
+        "validation_tokens": int(len(val)),
+        "validation_loss": val_loss,
+        "log": log,
+        "args": vars(args),
+    }
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"validation loss {val_loss:.3f}; exported to {out}")
+
+
+if __name__ == "__main__":
+    main()
