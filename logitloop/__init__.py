@@ -14,7 +14,6 @@ from logitloop.decoding.generate import (
 )
 from logitloop.decoding.history import History
 from logitloop.decoding.model import FunctionModel
-from logitloop.models.loading import load_pretrained
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.sampler import (
     STATUS_ALL_MASKED,
@@ -25,6 +24,7 @@ from logitloop.decoding.sampler import (
     sample,
     sampling_distribution,
 )
+from logitloop.models.loading import load_pretrained
 
 __all__ = [
     "STATUS_ALL_MASKED",

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from logitloop.decoding import stop_strings
 from logitloop.decoding.history import History
 from logitloop.decoding.model import ModelInfo, ModelRunner, model_info
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
-from logitloop.decoding import stop_strings
 from logitloop.decoding.sampler import STATUS_OK, SampleOutput, sample
 from logitloop.decoding.stop_strings import StopStrings
 

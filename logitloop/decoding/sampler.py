@@ -102,7 +102,11 @@ def adjust_logits(
 
 
 def _top_logprobs(raw_logp: jax.Array, n: jax.Array) -> TopLogprobs:
-    vals, ids = jax.lax.top_k(raw_logp, MAX_TOP_LOGPROBS)
+    k = min(MAX_TOP_LOGPROBS, raw_logp.shape[1])
+    vals, ids = jax.lax.top_k(raw_logp, k)
+    pad = ((0, 0), (0, MAX_TOP_LOGPROBS - k))  # vocabularies smaller than the maximum n
+    vals = jnp.pad(vals, pad, constant_values=NEG_INF)
+    ids = jnp.pad(ids, pad, constant_values=-1)
     keep = jnp.arange(MAX_TOP_LOGPROBS)[None, :] < n[:, None]
     return TopLogprobs(
         ids=jnp.where(keep, ids, -1).astype(jnp.int32), values=jnp.where(keep, vals, NEG_INF)

@@ -176,7 +176,9 @@ def config_from_hf(
         if generation_config is not None and generation_config.get(key) is not None:
             ids[key] = generation_config[key]
     eos = ids.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    eos_ids = (
+        () if eos is None else tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    )
     bos = ids.get("bos_token_id")
     bos_id = None if bos is None else int(bos)
 
@@ -257,7 +259,9 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
         return RopeConfig(rope_type="linear", theta=theta, factor=float(params["factor"]))
     original = params.get("original_max_position_embeddings")
     if original is None:
-        raise ValueError(f"{source}: RoPE type 'llama3' requires 'original_max_position_embeddings'")
+        raise ValueError(
+            f"{source}: RoPE type 'llama3' requires 'original_max_position_embeddings'"
+        )
     return RopeConfig(
         rope_type="llama3",
         theta=theta,
@@ -282,7 +286,9 @@ def _sliding_windows_from_hf(
     if not hf.get("use_sliding_window", False):
         return (None,) * num_layers
     layer_types = hf.get("layer_types") or [
-        "sliding_attention" if i >= int(hf.get("max_window_layers", num_layers)) else "full_attention"
+        "sliding_attention"
+        if i >= int(hf.get("max_window_layers", num_layers))
+        else "full_attention"
         for i in range(num_layers)
     ]
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

@@ -94,7 +94,9 @@ def save_pretrained(
         json.dumps(hf_config(config, torch_dtype=torch_dtype), indent=2) + "\n"
     )
     if generation_config is not None:
-        (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+        (folder / "generation_config.json").write_text(
+            json.dumps(generation_config, indent=2) + "\n"
+        )
     if tokenizer_json is not None:
         (folder / "tokenizer.json").write_text(Path(tokenizer_json).read_text())
     return folder

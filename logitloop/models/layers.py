@@ -7,7 +7,8 @@ same protocol (see `logitloop.models.llama.LlamaModel.__call__`):
   key/value of the token at absolute position `s` in that row.
 - `positions[b, t]` is the absolute position of column `t` of row `b`, or -1 for padding.
   Real tokens are written to slot `positions[b, t]`; padding is mapped to slot `S`, which
-  a `mode="drop"` scatter discards.
+  a `mode="drop"` scatter discards. Positions must stay below S (the caller sizes the
+  cache): a write at S or beyond is dropped too.
 - A query at position `q` sees slots `s <= q` (and `s > q - window` with a sliding
   window). A padded query (`q == -1`) sees nothing: its scores are all the same large
   finite negative, so its softmax is uniform rather than NaN, and its output is unused.
@@ -61,7 +62,7 @@ def param(
         value = jnp.zeros(shape, dtype)
     else:
         value = (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
@@ -149,9 +150,7 @@ def init_kv_cache(
 ) -> KVCache:
     """Zeros: one `dict(k=[B, S, Hkv, D], v=[B, S, Hkv, D])` per layer, S = max_length."""
     shape = (batch_size, max_length, num_kv_heads, head_dim)
-    return [
-        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)
-    ]
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)]
 
 
 def write_cache(

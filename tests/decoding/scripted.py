@@ -14,26 +14,28 @@ import numpy as np
 import logitloop as ll
 
 
-def make_model(table: np.ndarray, *, eos: tuple[int, ...] = (), max_length: int = 512):
+def _apply(table, tokens, positions, cache):
+    """Module-level, so every scripted model of the same shapes shares one compiled program."""
     vocab = table.shape[0]
+    batch, _ = tokens.shape
+    slots = cache.shape[1]
+    idx = jnp.where(positions >= 0, positions, slots)
+    cache = cache.at[jnp.arange(batch)[:, None], idx].set(tokens, mode="drop")
+    nxt = table[tokens[:, -1], jnp.maximum(positions[:, -1], 0)]
+    logits = jnp.where(jnp.arange(vocab)[None, :] == nxt[:, None], 10.0, 0.0)
+    return logits, cache
 
-    def apply_fn(params, tokens, positions, cache):
-        batch, cols = tokens.shape
-        slots = cache.shape[1]
-        idx = jnp.where(positions >= 0, positions, slots)
-        cache = cache.at[jnp.arange(batch)[:, None], idx].set(tokens, mode="drop")
-        nxt = params[tokens[:, -1], jnp.maximum(positions[:, -1], 0)]
-        logits = jnp.where(jnp.arange(vocab)[None, :] == nxt[:, None], 10.0, 0.0)
-        return logits, cache
 
-    def init_cache(batch, length):
-        return jnp.full((batch, length), -1, jnp.int32)
+def _init_cache(batch, length):
+    return jnp.full((batch, length), -1, jnp.int32)
 
+
+def make_model(table: np.ndarray, *, eos: tuple[int, ...] = (), max_length: int = 512):
     return ll.FunctionModel(
-        apply_fn=apply_fn,
+        apply_fn=_apply,
         params=jnp.asarray(table, jnp.int32),
-        init_cache=init_cache,
-        vocab_size=vocab,
+        init_cache=_init_cache,
+        vocab_size=table.shape[0],
         max_length=max_length,
         eos_token_ids=eos,
     )

@@ -135,7 +135,9 @@ def test_finished_row_never_changes(table):
     snap = {k: np.asarray(getattr(state, k))[0].copy() for k in ("tokens", "logprobs")}
     cache_row = np.asarray(state.cache)[0].copy()
     assert bool(state.done[0]) and not bool(state.done[1])
-    state = gen.decode(info.runner, info.weights, state, params.device_only(), None, jnp.asarray(10**6))
+    state = gen.decode(
+        info.runner, info.weights, state, params.device_only(), None, jnp.asarray(10**6)
+    )
     assert bool(state.done[1])
     for k, v in snap.items():
         np.testing.assert_array_equal(np.asarray(getattr(state, k))[0], v)

@@ -1,0 +1,945 @@
+"""The `logitloop` command line.
+
+    logitloop generate "Once upon a time" --temperature 0 --max-tokens 64
+    logitloop generate --input prompts.jsonl --output out.jsonl --batch-size 32 --top-p 0.9
+    python -m logitloop generate --stream "Hello"
+
+`generate` takes prompts as arguments or from `--input FILE`:
+
+- plain text: one prompt per line; blank lines are skipped; a prompt's id is its 0-based
+  line number.
+- JSONL (the file name ends in `.jsonl`, or its first non-blank character is `{`): one
+  object per line with `"prompt"` (a string) or `"prompt_token_ids"` (a list of ids), an
+  optional `"id"` (a string or an integer; default: the 0-based line number) and optional
+  per-line sampling settings under `SamplingParams.create`'s argument names (`temperature`,
+  `top_p`, `max_tokens`, `seed`, `stop`, `logit_bias`, ...). A line's setting replaces the
+  command-line value for that line. Unknown keys are an error.
+
+Prompts run in batches of `--batch-size` consecutive input lines; a batch smaller than that
+(the last one, or one part-done when resuming) is padded with dummy one-token rows, so every
+call has the same shape and compiles once.
+
+Without `--output` the completions are printed to stdout (one block per completion, headed
+`==> ID <==` when there is more than one). With `--output FILE` every prompt gets one JSON
+line, in input order:
+
+    {"id", "prompt", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
+
+plus `"logprobs"` (per token, under the final sampling distribution), `"raw_logprobs"`
+(per token, log-softmax of the model's logits) and `"top_logprobs"` (per token, the top-n
+raw alternatives as `[token_id, logprob]` pairs) for prompts whose `logprobs` is above 0.
+With `-n N` > 1 each completion field holds a list of N values, one per sample. Lines are
+written and fsync'ed once per batch.
+
+Resuming: when the output file exists, the ids already in it are skipped and the rest are
+appended (a partial last line, left by a killed run, is cut off first), so re-running a
+killed job with the same arguments neither duplicates nor loses a line. `--overwrite`
+starts the file afresh instead.
+
+Bad input (an invalid setting, an unreadable or malformed input file, a missing model, a
+prompt too long for the model's context) prints one line, `logitloop: error: ...`, to
+stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROG = "logitloop"
+EXIT_BAD_INPUT = 2
+
+
+class CLIError(Exception):
+    """Bad input: reported as one `logitloop: error: ...` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr like every other bad input."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+# --------------------------------------------------------------------------- sampling knobs
+
+
+def _param_defaults() -> dict[str, Any]:
+    """SamplingParams.create's keyword arguments and their defaults (the per-line keys)."""
+    from logitloop.decoding.params import SamplingParams
+
+    sig = inspect.signature(SamplingParams.create)
+    return {
+        name: p.default
+        for name, p in sig.parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "vocab_size"
+    }
+
+
+_ID_LIST_KNOBS = ("banned_token_ids", "allowed_token_ids", "stop_token_ids")
+
+
+def _parse_bias(text: str) -> tuple[int, float]:
+    tok, sep, val = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS, got {text!r}")
+    try:
+        return int(tok), float(val)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected TOKEN=BIAS with an integer token id and a number, got {text!r}"
+        ) from None
+
+
+def _parse_id_sequence(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 13,198, got {text!r}"
+        )
+    return ids
+
+
+def _base_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling settings given as flags (the others keep SamplingParams' defaults)."""
+    knobs: dict[str, Any] = {}
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "logprobs",
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            knobs[name] = value
+    if args.logit_bias:
+        knobs["logit_bias"] = dict(args.logit_bias)
+    if args.ban:
+        knobs["banned_token_ids"] = list(args.ban)
+    if args.allow:
+        knobs["allowed_token_ids"] = list(args.allow)
+    if args.stop_token_id:
+        knobs["stop_token_ids"] = list(args.stop_token_id)
+    if args.stop_sequence:
+        knobs["stop_sequences"] = [list(s) for s in args.stop_sequence]
+    if args.stop:
+        knobs["stop"] = list(args.stop)
+    if args.include_stop_str_in_output:
+        knobs["include_stop_str_in_output"] = True
+    return knobs
+
+
+def _normalise_override(name: str, value: Any, where: str) -> Any:
+    """One JSONL line's setting, in the per-row form SamplingParams.create takes."""
+    if value is None:
+        return None
+    if name == "logit_bias":
+        if not isinstance(value, dict):
+            raise CLIError(f"{where}: logit_bias must be an object of token id -> bias")
+        out = {}
+        for key, bias in value.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise CLIError(
+                    f"{where}: logit_bias has key {key!r}; keys must be integer token ids"
+                ) from None
+            out[tok] = bias
+        return out
+    if name in _ID_LIST_KNOBS:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
+            raise CLIError(f"{where}: {name} must be a list of integer token ids, got {value!r}")
+        return value
+    if name == "stop":
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise CLIError(f"{where}: stop must be a string or a list of strings, got {value!r}")
+        return value
+    if name == "stop_sequences":
+        if not isinstance(value, list) or not all(
+            isinstance(s, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
+            for s in value
+        ):
+            raise CLIError(
+                f"{where}: stop_sequences must be a list of token-id lists, got {value!r}"
+            )
+        return value
+    return value
+
+
+def _row_value(name: str, value: Any) -> Any:
+    """A knob's value for one row, in the shape that makes per-row lists unambiguous."""
+    if name in ("banned_token_ids", "stop_token_ids", "stop_sequences", "stop"):
+        if value is None:
+            return []
+        if name == "stop" and isinstance(value, str):
+            return [value]
+        return list(value)
+    if name == "logit_bias":
+        return {} if value is None else dict(value)
+    return value
+
+
+_ROW_INDEX = re.compile(r"\b([A-Za-z_]+)\[0\]")
+
+
+def _one_row_message(error: ValueError) -> str:
+    """SamplingParams' message for a batch of one, without the `[0]` row index."""
+    return _ROW_INDEX.sub(r"\1", str(error))
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class Item:
+    """One prompt of the job."""
+
+    id: Any
+    where: str  # names the prompt in messages: "prompts.jsonl line 4" or "prompt 1"
+    prompt: str | list[int]
+    knobs: dict[str, Any]
+    position: int  # index in the input, for batching
+    line: int = 0  # 1-based line in the input file (0 for a PROMPT argument)
+    token_ids: list[int] | None = None
+
+
+def _id_key(value: Any) -> tuple[str, Any]:
+    return (type(value).__name__, value)
+
+
+def _describe_id(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _read_text(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CLIError(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise CLIError(f"input file {path} is a directory") from None
+    except OSError as e:
+        raise CLIError(f"cannot read input file {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise CLIError(f"{path} line {line}: not valid UTF-8 text") from None
+
+
+def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> list[Item]:
+    text = _read_text(path)
+    name = "stdin" if path == "-" else path
+    lines = text.split("\n")
+    jsonl = path.lower().endswith(".jsonl") or text.lstrip().startswith("{")
+    items: list[Item] = []
+    allowed = set(param_names)
+    for i, raw in enumerate(lines):
+        line = raw[:-1] if raw.endswith("\r") else raw
+        if not line.strip():
+            continue
+        where = f"{name} line {i + 1}"
+        if not jsonl:
+            items.append(Item(i, where, line, dict(base), len(items), i + 1))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise CLIError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        item_id = obj.get("id", i)
+        if isinstance(item_id, bool) or not isinstance(item_id, (int, str)):
+            raise CLIError(f"{where}: id must be a string or an integer, got {item_id!r}")
+        if "id" in obj:
+            where = f"{where} (id {_describe_id(item_id)})"
+        has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
+        if has_text == has_ids:
+            raise CLIError(f"{where}: give exactly one of 'prompt' and 'prompt_token_ids'")
+        if has_text:
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str):
+                raise CLIError(f"{where}: prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise CLIError(f"{where}: prompt is empty")
+        else:
+            prompt = obj["prompt_token_ids"]
+            if (
+                not isinstance(prompt, list)
+                or not prompt
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
+                raise CLIError(f"{where}: prompt_token_ids must be a non-empty list of token ids")
+        knobs = dict(base)
+        for key, value in obj.items():
+            if key in ("id", "prompt", "prompt_token_ids"):
+                continue
+            if key not in allowed:
+                raise CLIError(
+                    f"{where}: unknown key {key!r}; a line holds id, prompt or "
+                    f"prompt_token_ids, and sampling settings ({', '.join(sorted(allowed))})"
+                )
+            knobs[key] = _normalise_override(key, value, where)
+        items.append(Item(item_id, where, prompt, knobs, len(items), i + 1))
+    if not items:
+        raise CLIError(f"{name} holds no prompts")
+    seen: dict[tuple[str, Any], Item] = {}
+    for item in items:
+        key = _id_key(item.id)
+        if key in seen:
+            raise CLIError(
+                f"duplicate id {_describe_id(item.id)} in {name}: lines {seen[key].line} "
+                f"and {item.line}"
+            )
+        seen[key] = item
+    return items
+
+
+# --------------------------------------------------------------------------- output file
+
+
+def _done_ids(path: Path, warn) -> set[tuple[str, Any]]:
+    """Ids already written to `path`; a partial last line is cut off first."""
+    if not path.exists():
+        return set()
+    try:
+        with open(path, "r+b") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+                warn(
+                    f"{path}: dropped a partial last line ({len(data) - end} bytes) "
+                    "left by an interrupted run"
+                )
+    except IsADirectoryError:
+        raise CLIError(f"output file {path} is a directory") from None
+    except OSError as e:
+        raise CLIError(f"cannot read output file {path} to resume: {e.strerror or e}") from None
+    done = set()
+    for lineno, raw in enumerate(data[:end].split(b"\n")[:-1], 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+            item_id = obj["id"]
+            hash(item_id)
+        except (ValueError, KeyError, TypeError):
+            raise CLIError(
+                f"{path} line {lineno}: not a result line with an 'id'; refusing to resume "
+                "into it (use --overwrite to start it afresh)"
+            ) from None
+        done.add(_id_key(item_id))
+    return done
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _completion(result, row: int, want_logprobs: bool) -> dict[str, Any]:
+    out = {
+        "text": result.text[row] if result.text is not None else None,
+        "token_ids": result.token_ids[row],
+        "num_tokens": result.num_tokens[row],
+        "finish_reason": result.finish_reason[row],
+        "stop_reason": result.stop_reason[row],
+    }
+    if result.error is not None and result.error[row] is not None:
+        out["error"] = result.error[row]
+    if want_logprobs:
+        out["logprobs"] = [_finite(x) for x in result.logprobs[row]]
+        out["raw_logprobs"] = [_finite(x) for x in result.raw_logprobs[row]]
+        if result.top_logprobs is not None:
+            out["top_logprobs"] = [
+                [[int(t), _finite(v)] for t, v in sorted(d.items(), key=lambda kv: -kv[1])]
+                for d in result.top_logprobs[row]
+            ]
+    return out
+
+
+def _record(item: Item, result, first_row: int, n: int) -> dict[str, Any]:
+    want = int(float(item.knobs.get("logprobs") or 0)) > 0
+    outs = [_completion(result, first_row + k, want) for k in range(n)]
+    rec: dict[str, Any] = {"id": item.id, "prompt": item.prompt}
+    if n == 1:
+        rec.update(outs[0])
+    else:
+        keys = dict.fromkeys(k for o in outs for k in o)
+        for key in keys:
+            rec[key] = [o.get(key) for o in outs]
+    return rec
+
+
+class _JsonlSink:
+    def __init__(self, path: Path, overwrite: bool):
+        try:
+            self.file = open(path, "w" if overwrite else "a", encoding="utf-8")
+        except IsADirectoryError:
+            raise CLIError(f"output file {path} is a directory") from None
+        except OSError as e:
+            raise CLIError(f"cannot write output file {path}: {e.strerror or e}") from None
+
+    def write(self, records: Sequence[dict[str, Any]], n: int) -> None:
+        del n
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        self.file.write(text)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _StdoutSink:
+    def __init__(self, headers: bool):
+        self.headers = headers
+        self.blocks = 0
+
+    def write(self, records: Sequence[dict[str, Any]], n: int) -> None:
+        out = sys.stdout
+        for rec in records:
+            texts = rec["text"] if n > 1 else [rec["text"]]
+            for k, text in enumerate(texts):
+                if text is None:  # no tokenizer: show the ids
+                    ids = rec["token_ids"][k] if n > 1 else rec["token_ids"]
+                    text = " ".join(map(str, ids))
+                if self.headers:
+                    sample = f" #{k}" if n > 1 else ""
+                    sep = "\n" if self.blocks else ""
+                    out.write(f"{sep}==> {rec['id']}{sample} <==\n")
+                out.write(text + "\n")
+                self.blocks += 1
+        out.flush()
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- compile timer
+
+
+class _CompileTimer:
+    """Wall time spent tracing, lowering and compiling, from jax.monitoring events.
+
+    Each event reports its duration when it ends; overlapping intervals (a nested jit traced
+    inside another) are merged, so nothing is counted twice.
+    """
+
+    EVENTS = (
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    )
+    _registered = False
+    _active: _CompileTimer | None = None
+
+    def __init__(self):
+        self.intervals: list[tuple[float, float]] = []
+
+    @classmethod
+    def _listener(cls, event: str, duration: float, **kwargs) -> None:
+        timer = cls._active
+        if timer is not None and event in cls.EVENTS:
+            now = time.perf_counter()
+            timer.intervals.append((now - duration, now))
+
+    def __enter__(self) -> _CompileTimer:
+        import jax
+
+        if not _CompileTimer._registered:
+            jax.monitoring.register_event_duration_secs_listener(_CompileTimer._listener)
+            _CompileTimer._registered = True
+        _CompileTimer._active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CompileTimer._active = None
+
+    @property
+    def seconds(self) -> float:
+        total, end = 0.0, -math.inf
+        for a, b in sorted(self.intervals):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        return total
+
+
+# --------------------------------------------------------------------------- the job
+
+
+@dataclass
+class _Batch:
+    items: list[Item]
+    params: Any = None
+    padded: list[dict[str, Any]] = field(default_factory=list)
+
+
+_PAD_KNOBS = {"max_tokens": 1}
+
+
+def _make_params(rows: Sequence[dict[str, Any]], defaults: dict[str, Any], vocab_size=None):
+    from logitloop.decoding.params import SamplingParams
+
+    names = sorted({k for r in rows for k in r})
+    kwargs = {}
+    for name in names:
+        values = [_row_value(name, r.get(name, defaults[name])) for r in rows]
+        if name == "allowed_token_ids" and all(v is None for v in values):
+            continue
+        kwargs[name] = values
+    return SamplingParams.create(len(rows), vocab_size=vocab_size, **kwargs)
+
+
+def _batch_params(batch: _Batch, defaults, vocab_size=None):
+    """Build (and so validate) a batch's params; a bad row is named by its input line."""
+    rows = [it.knobs for it in batch.items] + batch.padded
+    try:
+        return _make_params(rows, defaults, vocab_size)
+    except ValueError as batch_error:
+        for item in batch.items:
+            try:
+                _make_params([item.knobs], defaults, vocab_size)
+            except ValueError as e:
+                raise CLIError(f"{item.where}: {_one_row_message(e)}") from None
+        raise CLIError(
+            f"{batch.items[0].where} to {batch.items[-1].where}: {batch_error}"
+        ) from None
+
+
+def _load_model(path: str | None, dtype: str | None):
+    from logitloop.models import load_pretrained
+
+    try:
+        return load_pretrained(path, dtype=dtype)
+    except (FileNotFoundError, ValueError) as e:
+        raise CLIError(f"cannot load the model: {e}") from None
+    except OSError as e:
+        raise CLIError(f"cannot load the model from {path}: {e.strerror or e}") from None
+
+
+def _prepare_tokens(items: Sequence[Item], info, defaults) -> None:
+    """Tokenize every prompt and check it against the vocabulary and the context."""
+    for item in items:
+        if isinstance(item.prompt, str):
+            if info.tokenizer is None:
+                raise CLIError(
+                    f"{item.where}: the model has no tokenizer.json, so prompts must be given "
+                    "as prompt_token_ids in a JSONL file"
+                )
+            ids = list(info.tokenizer.encode(item.prompt))
+            if not ids:
+                raise CLIError(f"{item.where}: the prompt encodes to no tokens")
+        else:
+            ids = list(item.prompt)
+            for t in ids:
+                if not 0 <= t < info.vocab_size:
+                    raise CLIError(
+                        f"{item.where}: prompt_token_ids holds token id {t}, outside the "
+                        f"vocabulary range [0, {info.vocab_size - 1}]"
+                    )
+        max_tokens = int(float(item.knobs.get("max_tokens", defaults["max_tokens"])))
+        if len(ids) + max_tokens > info.max_length:
+            raise CLIError(
+                f"{item.where}: the prompt has {len(ids)} tokens and max_tokens = {max_tokens}: "
+                f"together {len(ids) + max_tokens}, over the model's context of "
+                f"{info.max_length} tokens"
+            )
+        item.token_ids = ids
+
+
+def _check_vocab(batch: _Batch, vocab_size: int, defaults) -> None:
+    try:
+        batch.params.check_vocab(vocab_size)
+    except ValueError as e:
+        _batch_params(batch, defaults, vocab_size)  # names the line when it can
+        raise CLIError(f"{batch.items[0].where} to {batch.items[-1].where}: {e}") from None
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _fmt_rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f}" if seconds > 0 else "n/a"
+
+
+def _stream_one(ll, model, item: Item, params, ignore_eos: bool) -> int:
+    """Print one prompt's text deltas as they come; returns the number of tokens generated."""
+    stream = getattr(ll, "stream", None)
+    if stream is None:
+        raise CLIError("--stream needs logitloop.stream, which this installation does not have")
+    out = sys.stdout
+    tokens = 0
+    try:
+        for event in stream(model, [item.token_ids], params, ignore_eos=ignore_eos):
+            if event.text:
+                out.write(event.text)
+                out.flush()
+            tokens += len(event.token_ids)
+    except ValueError as e:
+        raise CLIError(f"{item.where}: {e}") from None
+    out.write("\n")
+    out.flush()
+    return tokens
+
+
+def _generate(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    quiet = args.quiet
+
+    def note(message: str) -> None:
+        if not quiet:
+            print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+    def warn(message: str) -> None:
+        print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+    if args.input is not None and args.prompts:
+        raise CLIError("give prompts as arguments or with --input FILE, not both")
+    if args.input is None and not args.prompts:
+        raise CLIError("no prompts: give PROMPT arguments or --input FILE")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size = {args.batch_size} is outside the allowed range [1, inf)")
+    if args.n < 1:
+        raise CLIError(f"-n = {args.n} is outside the allowed range [1, inf)")
+    if args.stream:
+        if args.input is not None or len(args.prompts) != 1 or args.output or args.n != 1:
+            raise CLIError("--stream takes exactly one PROMPT, with -n 1 and no --input/--output")
+    if args.overwrite and not args.output:
+        raise CLIError("--overwrite needs --output FILE")
+    if args.model is not None and not Path(args.model).expanduser().is_dir():
+        raise CLIError(f"model folder not found: {args.model}")
+
+    defaults = _param_defaults()
+    base = _base_knobs(args)
+    try:
+        _make_params([base], defaults)
+    except ValueError as e:
+        raise CLIError(_one_row_message(e)) from None
+
+    if args.input is not None:
+        items = _read_items(args.input, base, defaults)
+    else:
+        items = [Item(i, f"prompt {i}", p, dict(base), i) for i, p in enumerate(args.prompts)]
+        for item in items:
+            if not item.prompt:
+                raise CLIError(f"{item.where}: prompt is empty")
+
+    output = Path(args.output) if args.output else None
+    skipped = 0
+    if output is not None and not args.overwrite:
+        done = _done_ids(output, warn)
+        input_ids = {_id_key(it.id) for it in items}
+        stray = len(done - input_ids)
+        if stray:
+            warn(f"{output} holds {stray} ids that are not in the input")
+        todo = [it for it in items if _id_key(it.id) not in done]
+        skipped = len(items) - len(todo)
+    else:
+        todo = items
+
+    # Fixed batches of consecutive input positions, padded to one call size.
+    call_size = min(args.batch_size, len(items))
+    batches: dict[int, _Batch] = {}
+    for item in todo:
+        batches.setdefault(item.position // args.batch_size, _Batch([])).items.append(item)
+    batch_list = list(batches.values())
+    for batch in batch_list:
+        batch.padded = [dict(_PAD_KNOBS)] * (call_size - len(batch.items))
+        batch.params = _batch_params(batch, defaults)
+
+    sink = _JsonlSink(output, args.overwrite) if output is not None else None
+    if not todo:
+        if sink is not None:
+            sink.close()
+        note(f"nothing to do: all {len(items)} prompts are already in {output}")
+        return 0
+
+    import logitloop as ll
+    from logitloop.decoding.model import model_info
+
+    t_load = time.perf_counter()
+    model = _load_model(
+        None if args.model is None else str(Path(args.model).expanduser()), args.dtype
+    )
+    info = model_info(model)
+    load_s = time.perf_counter() - t_load
+    _prepare_tokens(todo, info, defaults)
+    try:  # token ids given as flags: report them as such, not as some prompt's
+        _make_params([base], defaults, info.vocab_size)
+    except ValueError as e:
+        raise CLIError(_one_row_message(e)) from None
+    for batch in batch_list:
+        _check_vocab(batch, info.vocab_size, defaults)
+
+    if sink is None:
+        sink = _StdoutSink(headers=len(items) * args.n > 1)
+
+    tokens = 0
+    gen_started = time.perf_counter()
+    try:
+        with _CompileTimer() as timer:
+            if args.stream:
+                tokens = _stream_one(ll, model, todo[0], batch_list[0].params, args.ignore_eos)
+            else:
+                tokens = _run_batches(ll, model, args, batch_list, sink, len(todo), quiet)
+    finally:
+        sink.close()
+    gen_s = time.perf_counter() - gen_started
+    compile_s = timer.seconds
+
+    where = f" into {output}" if output is not None else ""
+    skip = f" ({skipped} already in {output}, skipped)" if skipped else ""
+    note(
+        f"{_plural(len(todo), 'prompt')}{skip}, {_plural(tokens, 'token')} generated{where} "
+        f"in {gen_s:.1f} s wall "
+        f"({_fmt_rate(tokens, gen_s)} tokens/s overall, "
+        f"{_fmt_rate(tokens, gen_s - compile_s)} tokens/s excluding compile); "
+        f"compile {compile_s:.1f} s (measured: JAX trace + lowering + XLA compile events "
+        f"during generation); model load {load_s:.1f} s; total "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    return 0
+
+
+def _run_batches(ll, model, args, batch_list, sink, total: int, quiet: bool) -> int:
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=total,
+        unit="prompt",
+        file=sys.stderr,
+        disable=quiet or args.input is None,
+        dynamic_ncols=True,
+    )
+    tokens = 0
+    try:
+        for batch in batch_list:
+            prompts = [it.token_ids for it in batch.items]
+            prompts += [batch.items[0].token_ids] * len(batch.padded)
+            try:
+                result = ll.generate(
+                    model, prompts, batch.params, n=args.n, ignore_eos=args.ignore_eos
+                )
+            except ValueError as e:
+                raise CLIError(f"{batch.items[0].where} to {batch.items[-1].where}: {e}") from None
+            records = [
+                _record(item, result, j * args.n, args.n) for j, item in enumerate(batch.items)
+            ]
+            sink.write(records, args.n)
+            tokens += sum(result.num_tokens[: len(batch.items) * args.n])
+            bar.update(len(batch.items))
+            bar.set_postfix(tokens=tokens, refresh=False)
+    finally:
+        bar.close()
+    return tokens
+
+
+# --------------------------------------------------------------------------- argparse
+
+
+_JSONL_HELP = """\
+JSONL input: one object per line, e.g.
+  {"id": "q1", "prompt": "Once upon a time", "temperature": 0.8, "seed": 3, "max_tokens": 64}
+  {"prompt_token_ids": [1, 415, 2936], "stop": ["\\n\\n"], "logprobs": 5}
+Per-line keys are SamplingParams.create's arguments and replace the flags for that line.
+
+Output (--output FILE.jsonl): one line per prompt, in input order:
+  {"id", "prompt", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
+  plus "logprobs", "raw_logprobs", "top_logprobs" when logprobs > 0.
+An existing output file is resumed: ids already in it are skipped.
+Bad input exits with status 2 and one "logitloop: error: ..." line on stderr.
+Every process compiles its programs afresh; set JAX_COMPILATION_CACHE_DIR to keep them
+on disk between runs.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from logitloop import __version__
+
+    parser = _Parser(
+        prog=PROG,
+        description="logitloop: per-row sampling and a jit-compiled decode loop for JAX models.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate completions, printed to stdout or written as JSONL.",
+        epilog=_JSONL_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (one or more)")
+
+    io = gen.add_argument_group("input and output")
+    io.add_argument(
+        "-i",
+        "--input",
+        metavar="FILE",
+        help="prompts, one per line, or JSONL (.jsonl or first character '{'); '-' = stdin",
+    )
+    io.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="write JSONL results here (resumes when it exists)",
+    )
+    io.add_argument(
+        "--overwrite", action="store_true", help="start --output afresh instead of resuming"
+    )
+    io.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        metavar="N",
+        help="input lines per generate call (default: 32)",
+    )
+    io.add_argument("--stream", action="store_true", help="print text as it is generated")
+    io.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar and no final summary"
+    )
+
+    model = gen.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        metavar="PATH",
+        help="Hugging Face checkpoint folder (default: the model shipped with logitloop)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="parameter dtype (default: the checkpoint's own)",
+    )
+
+    s = gen.add_argument_group(
+        "sampling (defaults: SamplingParams.create's; JSONL lines may override each)"
+    )
+    s.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 1.0)")
+    s.add_argument("--top-k", type=int, metavar="K", help="<= 0 disables (default: 0)")
+    s.add_argument("--top-p", type=float, metavar="P", help="in (0, 1] (default: 1.0)")
+    s.add_argument("--min-p", type=float, metavar="P", help="in [0, 1] (default: 0.0)")
+    s.add_argument("--repetition-penalty", type=float, metavar="R", help="> 0 (default: 1.0)")
+    s.add_argument("--presence-penalty", type=float, metavar="X", help="in [-2, 2] (default: 0)")
+    s.add_argument("--frequency-penalty", type=float, metavar="X", help="in [-2, 2] (default: 0)")
+    s.add_argument(
+        "--logit-bias",
+        type=_parse_bias,
+        action="append",
+        metavar="TOKEN=BIAS",
+        help="add BIAS (in [-100, 100]) to token id TOKEN's logit (repeatable)",
+    )
+    s.add_argument(
+        "--ban", type=int, action="append", metavar="TOKEN", help="ban token id (repeatable)"
+    )
+    s.add_argument(
+        "--allow",
+        type=int,
+        action="append",
+        metavar="TOKEN",
+        help="allow only these token ids (repeatable)",
+    )
+    s.add_argument("--seed", type=int, metavar="S", help="per-row random seed (default: 0)")
+    s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
+    s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
+    s.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    s.add_argument(
+        "--stop-token-id",
+        type=int,
+        action="append",
+        metavar="TOKEN",
+        help="stop after this token id (repeatable; the model's EOS is always one)",
+    )
+    s.add_argument(
+        "--stop-sequence",
+        type=_parse_id_sequence,
+        action="append",
+        metavar="ID,ID,...",
+        help="stop after this token-id sequence (repeatable)",
+    )
+    s.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="keep a matched stop string in the text",
+    )
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
+    )
+    s.add_argument(
+        "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
+    )
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, 2 for bad input, 130 interrupted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="replace")
+            except (ValueError, OSError):  # pragma: no cover - a detached or odd stream
+                pass
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version
+            return int(e.code or 0)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_BAD_INPUT
+        return _generate(args)
+    except CLIError as e:
+        message = " ".join(str(e).splitlines())
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except BrokenPipeError:
+        # Output piped into a reader that went away (`... | head`): stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""Load a Hugging Face checkpoint folder into a Flax NNX model.
+
+A folder holds `config.json`, the weights (`model.safetensors`, or
+`model.safetensors.index.json` and the shards it names), and optionally
+`generation_config.json` and `tokenizer.json`.
+
+The model is first built abstractly (`nnx.eval_shape`: shapes only, no memory); each
+checkpoint tensor is then read on its own, checked, converted and placed, so the weights
+are never held twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from functools import reduce
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+
+from logitloop.models import gpt2, llama
+from logitloop.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
+from logitloop.models.gpt2 import GPT2Model
+from logitloop.models.layers import CheckpointTensor
+from logitloop.models.llama import LlamaModel
+from logitloop.models.tokenizer import Tokenizer
+
+SHIPPED_MODEL_DIR = Path(__file__).resolve().parent / "tiny"
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# safetensors dtype codes of the floating types weights may be stored in.
+_FLOAT_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+Model = LlamaModel | GPT2Model
+
+
+def build_model(config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None) -> Model:
+    """A randomly initialised model for `config` (use under `nnx.eval_shape` for shapes)."""
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    if isinstance(config, GPT2Config):
+        return GPT2Model(config, dtype=dtype, rngs=rngs)
+    return LlamaModel(config, dtype=dtype, rngs=rngs)
+
+
+def abstract_model(config: ModelConfig, dtype) -> Model:
+    """The model with `jax.ShapeDtypeStruct` in place of every parameter."""
+    return nnx.eval_shape(lambda: build_model(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Model:
+    """Load a Hugging Face checkpoint folder.
+
+    Args:
+      path: the folder; None loads the small model shipped in `logitloop/models/tiny/`.
+      dtype: parameter (and compute) dtype, one of float32, bfloat16, float16. None keeps
+        the checkpoint's own floating dtype (that of its token embedding).
+
+    Returns:
+      A `LlamaModel` or `GPT2Model`, with `model.tokenizer` set when the folder has a
+      `tokenizer.json`.
+
+    Raises:
+      FileNotFoundError: the folder, its config.json or its weights are missing.
+      ValueError: naming the file and, where there is one, the tensor: an unsupported
+        architecture, a missing, unexpected or misshapen tensor, a tensor of non-floating
+        dtype, or an unreadable (truncated, corrupt) safetensors file.
+    """
+    dtype = None if dtype is None else _check_dtype(dtype)
+    folder = _resolve_folder(path)
+    config_path = folder / "config.json"
+    hf_config = _read_json(config_path)
+    generation_path = folder / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else None
+    config = config_from_hf(hf_config, generation_config=generation, source=str(config_path))
+
+    locations = _tensor_locations(folder)  # tensor name -> file holding it
+    expected, ignored, rename = _checkpoint_layout(config)
+    if dtype is None:
+        dtype = _checkpoint_dtype(locations, rename, expected)
+
+    model = abstract_model(config, dtype)
+    _fill_parameters(model, locations, expected, ignored, rename, dtype)
+
+    tokenizer_path = folder / "tokenizer.json"
+    if tokenizer_path.is_file():
+        model.tokenizer = Tokenizer.from_file(
+            tokenizer_path,
+            bos_token_id=config.bos_token_id,
+            eos_token_ids=config.eos_token_id or None,
+        )
+    return model
+
+
+def _resolve_folder(path: str | os.PathLike | None) -> Path:
+    if path is None:
+        if not (SHIPPED_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the shipped model is missing: {SHIPPED_MODEL_DIR} has no config.json "
+                "(it is produced by the training script in scripts/); pass a checkpoint "
+                "folder to load_pretrained(path) instead"
+            )
+        return SHIPPED_MODEL_DIR
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    return folder
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _tensor_locations(folder: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it.
+
+    Each file's header is read (and so validated) here, before any tensor is loaded.
+    """
+    index_path = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: missing 'weight_map'")
+        files = sorted({folder / name for name in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{index_path}: names shard {file.name}, which does not exist")
+    elif single.is_file():
+        files = [single]
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    locations: dict[str, Path] = {}
+    for file in files:
+        for name in _safetensors_keys(file):
+            if name in locations:
+                raise ValueError(f"{file}: tensor {name!r} is also stored in {locations[name]}")
+            locations[name] = file
+    return locations
+
+
+def _safetensors_keys(file: Path) -> list[str]:
+    try:
+        with safe_open(file, framework="flax") as f:
+            return list(f.keys())
+    except Exception as e:  # SafetensorError is not exported under a stable name
+        raise ValueError(
+            f"{file}: unreadable safetensors file ({_describe_damage(file, e)})"
+        ) from e
+
+
+def _describe_damage(file: Path, error: Exception) -> str:
+    """Why safetensors refused `file`, naming the first tensor cut off when truncated."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                return f"file is {size} bytes, too short for a header; {error}"
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if 8 + header_len > size:
+                return f"header claims {header_len} bytes but the file is {size}; {error}"
+            header = json.loads(f.read(header_len))
+        data_len = size - 8 - header_len
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            end = info["data_offsets"][1]
+            if end > data_len:
+                return (
+                    f"tensor {name!r} ends at byte {end} of the data but the file holds "
+                    f"only {data_len}: truncated; {error}"
+                )
+    except Exception:  # a header too damaged to parse: report safetensors' own reason
+        pass
+    return str(error)
+
+
+def _checkpoint_layout(config: ModelConfig):
+    """(expected tensors, is-ignored predicate, name normaliser) for the architecture."""
+    if isinstance(config, GPT2Config):
+        return (
+            gpt2.checkpoint_tensors(config),
+            lambda name: gpt2.is_ignored_tensor(name, config),
+            gpt2.checkpoint_name,
+        )
+    assert isinstance(config, LlamaConfig)
+    return (
+        llama.checkpoint_tensors(config),
+        lambda name: llama.is_ignored_tensor(name, config),
+        lambda name: name,
+    )
+
+
+def _check_dtype(dtype) -> jnp.dtype:
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}") from e
+    if resolved.name not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    return resolved
+
+
+def _checkpoint_dtype(locations, rename, expected) -> jnp.dtype:
+    # The checkpoint's own precision: the dtype its token embedding is stored in (both
+    # architectures list the embedding first in their checkpoint_tensors).
+    embedding_target = next(iter(expected.values())).target
+    for name, file in locations.items():
+        spec = expected.get(rename(name))
+        if spec is not None and spec.target == embedding_target:
+            with safe_open(file, framework="flax") as f:
+                code = f.get_slice(name).get_dtype()
+            if code in ("F16", "BF16"):
+                return jnp.dtype(_FLOAT_CODES[code])
+            return jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.float32)  # no embedding: _fill_parameters reports it missing
+
+
+def _fill_parameters(
+    model: Model,
+    locations: Mapping[str, Path],
+    expected: Mapping[str, CheckpointTensor],
+    ignored,
+    rename,
+    dtype: jnp.dtype,
+) -> None:
+    """Read, check, convert and place every checkpoint tensor, one at a time."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in locations.items():
+        by_file.setdefault(file, []).append(name)
+    filled: set[str] = set()
+    for file, names in by_file.items():
+        try:
+            handle = safe_open(file, framework="flax")
+        except Exception as e:
+            raise ValueError(f"{file}: unreadable safetensors file ({e})") from e
+        with handle as f:
+            for name in names:
+                key = rename(name)
+                spec = expected.get(key)
+                if spec is None:
+                    if ignored(key):
+                        continue
+                    raise ValueError(f"{file}: unexpected tensor {name!r} for this architecture")
+                if key in filled:
+                    raise ValueError(f"{file}: tensor {name!r} is stored twice")
+                view = f.get_slice(name)
+                code = view.get_dtype()
+                if code not in _FLOAT_CODES:
+                    raise ValueError(
+                        f"{file}: tensor {name!r} has dtype {code}; weights must be floating "
+                        f"point ({', '.join(_FLOAT_CODES)})"
+                    )
+                shape = tuple(view.get_shape())
+                if shape != spec.shape:
+                    raise ValueError(
+                        f"{file}: tensor {name!r} has shape {shape}, expected {spec.shape}"
+                    )
+                try:
+                    value = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from e
+                value = spec.transform(value.astype(dtype))
+                variable = reduce(_child, spec.target, model)
+                variable.set_value(value)
+                filled.add(key)
+    missing = [name for name in expected if name not in filled]
+    if missing:
+        where = ", ".join(sorted({str(p) for p in by_file})) or "(no weight files)"
+        raise ValueError(
+            f"{where}: missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    # Every checkpoint tensor was placed; a parameter still abstract now would mean the
+    # architecture's checkpoint_tensors() forgot it, a bug here rather than in the file.
+    unfilled = [
+        path
+        for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if isinstance(value[...], jax.ShapeDtypeStruct)
+    ]
+    if unfilled:
+        raise RuntimeError(f"parameters with no checkpoint tensor mapped to them: {unfilled}")
+
+
+def _child(node: Any, key: str | int) -> Any:
+    return node[key] if isinstance(key, int) else getattr(node, key)

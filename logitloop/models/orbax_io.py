@@ -1,0 +1,126 @@
+"""Save and restore converted models with Orbax.
+
+A converted-model directory holds:
+  state/                 the parameters, an Orbax (OCDBT) checkpoint of the pure-dict state
+  logitloop_model.json   the architecture config and parameter dtype
+  tokenizer.json         when the model carries a tokenizer (with its BOS/EOS ids in the
+                         JSON file above)
+
+Orbax reads each array straight onto the requested devices, so a restore can lay weights
+over a mesh without first gathering them on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import tokenizers
+from flax import nnx
+
+from logitloop.models.config import config_from_dict, config_to_dict
+from logitloop.models.loading import Model, abstract_model
+from logitloop.models.tokenizer import Tokenizer
+
+_META_FILE = "logitloop_model.json"
+_STATE_DIR = "state"
+_TOKENIZER_FILE = "tokenizer.json"
+_FORMAT_VERSION = 1
+
+
+def save_converted(model: Model, directory: str | os.PathLike) -> None:
+    """Write `model` (parameters, config, tokenizer) to a new directory.
+
+    Raises:
+      FileExistsError: `directory` already holds a converted model.
+    """
+    directory = Path(directory).absolute()
+    if (directory / _STATE_DIR).exists() or (directory / _META_FILE).exists():
+        raise FileExistsError(f"{directory} already holds a converted model")
+    directory.mkdir(parents=True, exist_ok=True)
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory / _STATE_DIR, state)
+    checkpointer.wait_until_finished()
+
+    meta: dict[str, Any] = {
+        "format_version": _FORMAT_VERSION,
+        "dtype": jnp.dtype(model.dtype).name,
+        "config": config_to_dict(model.config),
+        "tokenizer": None,
+    }
+    if model.tokenizer is not None:
+        (directory / _TOKENIZER_FILE).write_text(model.tokenizer.to_str(), encoding="utf-8")
+        meta["tokenizer"] = {
+            "bos_token_id": model.tokenizer.bos_token_id,
+            "eos_token_ids": list(model.tokenizer.eos_token_ids),
+        }
+    (directory / _META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+
+
+def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> Model:
+    """Rebuild a model written by `save_converted`, bit for bit.
+
+    Args:
+      directory: the directory `save_converted` wrote.
+      sharding: where to place the parameters. None: the default device. A single
+        `jax.sharding.Sharding`: every parameter. Otherwise a pytree of shardings with
+        the structure of `nnx.state(model, nnx.Param)` (an `nnx.State`, or its pure dict
+        as `nnx.to_pure_dict` gives it).
+
+    Raises:
+      FileNotFoundError: `directory` is not a converted model.
+      ValueError: its metadata is unreadable or `sharding` does not match the state.
+    """
+    directory = Path(directory).absolute()
+    meta_path = directory / _META_FILE
+    if not meta_path.is_file() or not (directory / _STATE_DIR).is_dir():
+        raise FileNotFoundError(f"{directory} is not a converted model (no {_META_FILE})")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        config = config_from_dict(meta["config"])
+        dtype = jnp.dtype(meta["dtype"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: unreadable converted-model metadata: {e}") from e
+
+    model = abstract_model(config, dtype)
+    state = nnx.state(model, nnx.Param)
+    target = nnx.to_pure_dict(state)  # ShapeDtypeStruct leaves
+    if sharding is not None:
+        target = _with_shardings(target, sharding)
+    restored = ocp.StandardCheckpointer().restore(directory / _STATE_DIR, target)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(model, state)
+
+    if meta.get("tokenizer") is not None:
+        tok = tokenizers.Tokenizer.from_file(str(directory / _TOKENIZER_FILE))
+        model.tokenizer = Tokenizer(
+            tok,
+            bos_token_id=meta["tokenizer"]["bos_token_id"],
+            eos_token_ids=meta["tokenizer"]["eos_token_ids"],
+        )
+    return model
+
+
+def _with_shardings(target: dict, sharding: Any) -> dict:
+    """Attach `sharding` (one Sharding, or a matching pytree) to the abstract leaves."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), target
+        )
+    if isinstance(sharding, nnx.State):
+        sharding = nnx.to_pure_dict(sharding)
+    try:
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, sharding
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"sharding must be one jax.sharding.Sharding or a pytree matching the model's "
+            f"parameter state: {e}"
+        ) from e

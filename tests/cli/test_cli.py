@@ -1,0 +1,316 @@
+"""The `logitloop` command line, end to end: each test runs `python -m logitloop` in a
+subprocess (every process start compiles, so the runs are few and small)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import logitloop
+
+# The checkpoint every test runs. Until the shipped model (logitloop/models/tiny/) exists the
+# tests use a stand-in; set STAND_IN_MODEL = None to run the shipped default (no --model).
+# LOGITLOOP_CLI_TEST_MODEL, when set, overrides both ("" = the shipped default).
+STAND_IN_MODEL: str | None = "/tmp/tt/out"
+
+TIMEOUT_S = 300
+A, B = 100, 200  # two ordinary token ids for the forced-stop lines
+BASE_FLAGS = ["--max-tokens", "10", "--top-p", "0.95", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="session")
+def model_args() -> list[str]:
+    path = os.environ.get("LOGITLOOP_CLI_TEST_MODEL", STAND_IN_MODEL)
+    if not path:
+        return []
+    if not Path(path).is_dir():
+        pytest.skip(f"stand-in checkpoint {path} is missing (set STAND_IN_MODEL = None)")
+    return ["--model", path]
+
+
+_CACHE_VARS = (
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+)
+_compile_cache: list[str] = []  # set by the session fixture below
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache shared by the CLI processes of this session, so that
+    only the first process to meet a program shape pays for compiling it."""
+    _compile_cache[:] = [str(tmp_path_factory.mktemp("jax_cache"))]
+    yield
+    _compile_cache.clear()
+
+
+def cli_env(*, cache: bool = True) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_VARS}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONIOENCODING"] = "utf-8"
+    if cache and _compile_cache:
+        env["JAX_COMPILATION_CACHE_DIR"] = _compile_cache[0]
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    else:
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    return env
+
+
+def run_cli(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "logitloop", *args],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# 20 lines with mixed per-line settings. Batches of 4: the second batch asks for logprobs and
+# stop strings, which compiles a second program (without the compilation cache, a run killed
+# after the first batch is still busy compiling). Lines 0, 8, 10 and 18 share one setting.
+LINES: list[dict] = [
+    {"prompt": "The quick brown fox", "temperature": 0, "max_tokens": 16},
+    {"id": "greedy-short", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 5},
+    {"prompt": "In the beginning", "temperature": 0.9, "seed": 7, "top_p": 0.9, "max_tokens": 12},
+    {
+        "prompt": "def main():",
+        "temperature": 0.7,
+        "top_k": 20,
+        "seed": 3,
+        "repetition_penalty": 1.3,
+    },
+    {"id": "logprobs", "prompt": "Hello", "temperature": 0, "max_tokens": 6, "logprobs": 3},
+    {
+        "id": "forced-stop",
+        "prompt": "x",
+        "temperature": 0,
+        "allowed_token_ids": [A, B],
+        "logit_bias": {str(B): 50},
+        "stop_token_ids": [B],
+    },
+    {
+        "id": "min-tokens",
+        "prompt": "x",
+        "temperature": 0,
+        "allowed_token_ids": [A, B],
+        "logit_bias": {str(B): 50},
+        "stop_token_ids": [B],
+        "min_tokens": 3,
+    },
+    {"prompt_token_ids": [5, 6, 7, 8], "temperature": 0, "max_tokens": 8, "stop": ["\n", "."]},
+    {"prompt": "It was a dark and stormy night", "temperature": 0, "max_tokens": 16},
+    {"prompt": "import numpy as np", "temperature": 1.0, "seed": 11, "min_p": 0.05},
+    {"prompt": "The", "temperature": 0, "max_tokens": 16},
+    {"id": 1000, "prompt": "A B C", "temperature": 0.8, "seed": 5, "presence_penalty": 0.5},
+    {"prompt": "class Foo:", "temperature": 0.6, "seed": 1, "frequency_penalty": 0.7},
+    {"prompt": "Numbers: 1, 2, 3,", "temperature": 0, "max_tokens": 3},
+    {"prompt": "for i in range(10):", "temperature": 1.2, "seed": 99, "top_k": 50},
+    {"prompt": "Dear Sir,", "temperature": 0, "banned_token_ids": [A, B]},
+    {"prompt": "print(", "temperature": 0.5, "seed": 42, "max_tokens": 1},
+    {"prompt": "Once", "seed": 8},
+    {"id": "last-but-one", "prompt": "Zebra", "temperature": 0, "max_tokens": 16},
+    {"prompt": "The end", "temperature": 0.9, "seed": 2, "top_p": 0.5, "max_tokens": 7},
+]
+IDS = [line.get("id", i) for i, line in enumerate(LINES)]
+
+
+def expected_max_tokens(line: dict) -> int:
+    return line.get("max_tokens", 10)  # 10 from BASE_FLAGS
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cli")
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in LINES), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean_run(jobs, model_args):
+    """One uninterrupted run over the 20-line file."""
+    out = jobs.parent / "clean.jsonl"
+    proc = run_cli("generate", "--input", str(jobs), "--output", str(out), *BASE_FLAGS, *model_args)
+    assert proc.returncode == 0, proc.stderr
+    return read_jsonl(out), proc
+
+
+def test_jsonl_batch_file(clean_run):
+    records, proc = clean_run
+    assert [r["id"] for r in records] == IDS
+    for line, rec in zip(LINES, records, strict=True):
+        assert rec["prompt"] == line.get("prompt", line.get("prompt_token_ids"))
+        assert set(rec) >= {"text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
+        assert rec["num_tokens"] == len(rec["token_ids"])
+        assert 1 <= rec["num_tokens"] <= expected_max_tokens(line)
+        assert rec["finish_reason"] in ("stop", "length")
+        if rec["finish_reason"] == "length":
+            assert rec["num_tokens"] == expected_max_tokens(line)
+            assert rec["stop_reason"] is None
+        else:
+            assert rec["stop_reason"] is not None
+        assert isinstance(rec["text"], str)
+        if line.get("logprobs"):
+            n = rec["num_tokens"]
+            assert len(rec["logprobs"]) == len(rec["raw_logprobs"]) == n
+            assert len(rec["top_logprobs"]) == n
+            assert all(len(alts) == line["logprobs"] for alts in rec["top_logprobs"])
+            # greedy: the chosen token is the top raw alternative
+            assert [alts[0][0] for alts in rec["top_logprobs"]] == rec["token_ids"]
+        else:
+            assert "logprobs" not in rec and "top_logprobs" not in rec
+        for stop in line.get("stop", []):
+            assert stop not in rec["text"]
+        if rec["finish_reason"] == "stop" and line.get("stop"):
+            assert rec["stop_reason"] in line["stop"] or isinstance(rec["stop_reason"], int)
+        for banned in line.get("banned_token_ids", []):
+            assert banned not in rec["token_ids"]
+    by_id = {r["id"]: r for r in records}
+    assert by_id["forced-stop"]["token_ids"] == [B]
+    assert by_id["forced-stop"]["finish_reason"] == "stop"
+    assert by_id["forced-stop"]["stop_reason"] == B
+    assert by_id["min-tokens"]["token_ids"] == [A, A, A, B]
+    assert by_id["min-tokens"]["stop_reason"] == B
+    assert by_id["greedy-short"]["num_tokens"] <= 5
+    # the summary on stderr
+    summary = proc.stderr.strip().splitlines()[-1]
+    for word in ("20 prompts", "tokens generated", "tokens/s", "compile", "wall"):
+        assert word in summary, summary
+
+
+def test_resume_after_kill_matches_clean_run(jobs, clean_run, model_args, tmp_path):
+    records, _ = clean_run
+    out = tmp_path / "resumed.jsonl"
+    args = ["generate", "--input", str(jobs), "--output", str(out), *BASE_FLAGS, *model_args]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(  # no compilation cache: this run really compiles
+            [sys.executable, "-m", "logitloop", *args],
+            env=cli_env(cache=False),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+        try:
+            deadline = time.monotonic() + TIMEOUT_S
+            while time.monotonic() < deadline and proc.poll() is None:
+                if out.exists() and out.read_bytes().count(b"\n") >= 4:
+                    break
+                time.sleep(0.02)
+            assert proc.poll() is None, "the run ended before it could be killed"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    written = out.read_bytes().count(b"\n")
+    assert 4 <= written < len(LINES), written
+    # A kill in the middle of a write leaves a partial line; make sure there is one.
+    with open(out, "ab") as f:
+        f.write(b'{"id": "half a li')
+
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "partial last line" in proc.stderr
+    assert f"{written} already in" in proc.stderr  # skipped, not rerun
+    resumed = read_jsonl(out)
+    assert [r["id"] for r in resumed] == IDS  # every id once, in input order
+    # Every line is greedy or seeded (the seed defaults to 0), so each run gives the same.
+    assert resumed == records
+
+    # A finished job run again does nothing.
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to do" in proc.stderr
+    assert read_jsonl(out) == records
+
+
+@pytest.fixture(scope="module")
+def plain_run(model_args):
+    prompts = [LINES[i]["prompt"] for i in (0, 8, 10, 18)]  # one batch, shaped like the file's
+    flags = ["--temperature", "0", "--max-tokens", "16", "--top-p", "0.95"]
+    proc = run_cli("generate", *prompts, *flags, *model_args)
+    assert proc.returncode == 0, proc.stderr
+    return proc, prompts, flags
+
+
+def test_prompts_print_one_block_each(plain_run, clean_run):
+    proc, _, _ = plain_run
+    records, _ = clean_run
+    # the same greedy settings as lines 0, 8, 10 and 18 of the batch file
+    texts = [records[i]["text"] for i in (0, 8, 10, 18)]
+    assert proc.stdout == "\n".join(f"==> {k} <==\n{t}\n" for k, t in enumerate(texts))
+
+
+@pytest.mark.skipif(not hasattr(logitloop, "stream"), reason="logitloop.stream does not exist yet")
+def test_stream_prints_the_same_text(plain_run, clean_run, model_args):
+    _, prompts, flags = plain_run
+    records, _ = clean_run
+    proc = run_cli("generate", "--stream", prompts[0], *flags, *model_args)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == records[0]["text"] + "\n"
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+BAD_INPUTS = {
+    "knob": (lambda tmp: ["hello", "--top-p", "1.5"], "top_p = 1.5 is outside the allowed range"),
+    "line-knob": (
+        lambda tmp: [
+            "--input",
+            _write(tmp / "k.jsonl", '{"prompt": "a"}\n{"prompt": "b", "temperature": -1}\n'),
+        ],
+        "k.jsonl line 2: temperature = -1",
+    ),
+    "model": (lambda tmp: ["hello", "--model", str(tmp / "no-such-model")], "no-such-model"),
+    "jsonl": (
+        lambda tmp: [
+            "--input",
+            _write(tmp / "m.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c",\n'),
+        ],
+        "m.jsonl line 3: not valid JSON",
+    ),
+    "too-long": (
+        lambda tmp: ["--input", _write(tmp / "long.txt", "short\n" + "hello " * 20000 + "\n")],
+        "long.txt line 2: the prompt has",
+    ),
+    "input-file": (lambda tmp: ["--input", str(tmp / "missing.txt")], "input file not found"),
+    "duplicate-id": (
+        lambda tmp: [
+            "--input",
+            _write(tmp / "d.jsonl", '{"prompt": "a", "id": 1}\n{"prompt": "b"}\n'),
+        ],
+        "duplicate id 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_status_2(case, model_args, tmp_path):
+    make_args, expected = BAD_INPUTS[case]
+    args = make_args(tmp_path)
+    if case != "model":
+        args += model_args
+    proc = run_cli("generate", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("logitloop: error: "), lines[0]
+    assert expected in lines[0], lines[0]
+    if case == "too-long":
+        assert "context" in lines[0]

@@ -1,0 +1,79 @@
+"""`config_from_hf` on config.json layouts the tiny `transformers` models do not write."""
+
+from __future__ import annotations
+
+import pytest
+
+from logitloop.models import GPT2Config, LlamaConfig, RopeConfig, config_from_hf
+
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+
+
+def test_older_rope_layout_with_type_key():
+    # transformers 4.x: rope_theta at top level, rope_scaling with "type".
+    config = config_from_hf(
+        dict(LLAMA, rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    )
+    assert config.rope == RopeConfig(rope_type="linear", theta=500000.0, factor=2.0)
+    assert config.num_kv_heads == 4  # absent: plain multi-head attention
+    assert config.head_dim == 4
+
+
+def test_qwen2_window_only_with_use_sliding_window():
+    qwen = dict(LLAMA, model_type="qwen2", sliding_window=8, max_window_layers=1)
+    assert config_from_hf(qwen).sliding_windows == (None, None, None)
+    assert config_from_hf(dict(qwen, use_sliding_window=True)).sliding_windows == (None, 8, 8)
+    assert config_from_hf(qwen).qkv_bias and not config_from_hf(qwen).o_bias
+
+
+def test_mistral_window_on_every_layer_and_llama_never():
+    mistral = config_from_hf(dict(LLAMA, model_type="mistral", sliding_window=8))
+    assert mistral.sliding_windows == (8, 8, 8)
+    assert config_from_hf(dict(LLAMA, sliding_window=8)).sliding_windows == (None, None, None)
+
+
+def test_generation_config_ids_take_precedence():
+    config = config_from_hf(
+        dict(LLAMA, eos_token_id=2, bos_token_id=1),
+        generation_config={"eos_token_id": [2, 7], "bos_token_id": None},
+    )
+    assert config.eos_token_id == (2, 7)
+    assert config.bos_token_id == 1
+    assert config_from_hf(dict(LLAMA, eos_token_id=None)).eos_token_id == ()
+
+
+def test_gpt2_fields():
+    config = config_from_hf(
+        dict(model_type="gpt2", vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32)
+    )
+    assert isinstance(config, GPT2Config)
+    assert config.intermediate_size == 64
+    assert config.hidden_act == "gelu_new"
+
+
+def test_configs_are_hashable():
+    # They sit in the GraphDef that jax.jit takes as a static argument.
+    assert hash(config_from_hf(LLAMA)) == hash(config_from_hf(dict(LLAMA)))
+    assert isinstance(config_from_hf(LLAMA), LlamaConfig)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(model_type="falcon"), "model_type 'falcon'"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "RoPE type 'yarn'"),
+        (dict(hidden_act="swish_glu"), "activation 'swish_glu'"),
+        (dict(hidden_size=None), "'hidden_size'"),
+    ],
+)
+def test_unsupported_configs_name_the_file(change, message):
+    with pytest.raises(ValueError, match=f"ckpt/config.json.*{message}"):
+        config_from_hf(dict(LLAMA, **change), source="ckpt/config.json")

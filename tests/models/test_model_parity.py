@@ -1,0 +1,126 @@
+"""Our models against `transformers` on the same tiny random checkpoints.
+
+Logits: each prompt's last-position logits from one left-padded batched call against HF's
+unpadded single-prompt forward. Greedy decoding: 32 tokens through the decode-loop
+protocol (prefill, then one column per step) against `generate(do_sample=False)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from logitloop.models import GPT2Model, LlamaModel, load_pretrained
+
+from .tiny_checkpoints import (
+    CASES,
+    build_hf_model,
+    greedy_generate,
+    jitted_forward,
+    left_pad,
+    random_prompts,
+    save_hf_model,
+)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+LENGTHS = [5, 13, 9]
+BUCKET = 16
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    """(case name, HF model, our model loaded from its saved checkpoint)."""
+    hf = build_hf_model(request.param)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    return request.param, hf, load_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def forward(pair):
+    """The model's jitted forward, shared so each shape compiles once per case."""
+    return jitted_forward(pair[2])
+
+
+def test_loaded_model_matches_architecture(pair):
+    case, hf, model = pair
+    expected = GPT2Model if case == "gpt2" else LlamaModel
+    assert isinstance(model, expected)
+    assert model.config.vocab_size == hf.config.vocab_size
+    assert model.dtype == jnp.float32
+
+
+def test_batched_left_padded_logits_match_hf(pair, forward):
+    _, hf, model = pair
+    prompts = random_prompts(model.config.vocab_size, LENGTHS, seed=1)
+    tokens, positions = left_pad(prompts, BUCKET)
+    cache = model.init_cache(len(prompts), BUCKET + NEW_TOKENS)
+    logits, _ = forward(jnp.asarray(tokens), jnp.asarray(positions), cache)
+    assert logits.shape == (len(prompts), model.config.vocab_size)
+    assert logits.dtype == jnp.float32
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0, -1].float().numpy()
+        np.testing.assert_allclose(np.asarray(logits[row]), want, rtol=0, atol=1e-4)
+
+
+def test_greedy_32_tokens_match_hf_generate(pair, forward):
+    _, hf, model = pair
+    prompts = random_prompts(model.config.vocab_size, LENGTHS, seed=2)
+    ours = greedy_generate(model, prompts, NEW_TOKENS, BUCKET, forward)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=None,  # never stop early: compare all 32 tokens
+                pad_token_id=0,
+            )
+        want = out[0, len(prompt) :].tolist()
+        assert len(want) == NEW_TOKENS
+        assert ours[row].tolist() == want, f"row {row}"
+
+
+def test_padding_never_writes_the_cache(pair, forward):
+    _, _, model = pair
+    prompts = random_prompts(model.config.vocab_size, [3, 13, 7], seed=3)
+    tokens, positions = left_pad(prompts, BUCKET)
+    cache = model.init_cache(3, BUCKET + NEW_TOKENS)
+    _, cache = forward(jnp.asarray(tokens), jnp.asarray(positions), cache)
+    for layer in cache:
+        for values in (layer["k"], layer["v"]):
+            values = np.asarray(values)
+            for row, prompt in enumerate(prompts):
+                # Slots 0..len-1 hold the prompt; every later slot is still zero.
+                assert np.all(np.any(values[row, : len(prompt)] != 0, axis=(-1, -2)))
+                assert not np.any(values[row, len(prompt) :])
+
+
+def test_all_padding_row_gives_finite_logits(pair, forward):
+    _, _, model = pair
+    # Row 1 is nothing but padding; its logits are unused but must not be NaN.
+    tokens, positions = left_pad([[5, 6, 7], [], [8]], BUCKET)
+    cache = model.init_cache(3, BUCKET + NEW_TOKENS)
+    logits, _ = forward(jnp.asarray(tokens), jnp.asarray(positions), cache)
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_every_parameter_names_its_logical_axes(pair):
+    _, _, model = pair
+    from flax import nnx
+
+    params = nnx.state(model, nnx.Param)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert leaves
+    for variable in leaves:
+        names = variable.get_metadata()["out_sharding"]
+        assert len(names) == variable[...].ndim
+    specs = jax.tree.leaves(nnx.get_partition_spec(params))
+    assert any("heads" in spec for spec in specs)
+    assert any("vocab" in spec for spec in specs)

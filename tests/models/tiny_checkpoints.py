@@ -1,0 +1,190 @@
+"""Tiny random `transformers` models and helpers shared by the model tests.
+
+Every model here is built from a config (nothing is downloaded) with weights far larger
+than HF's default init (`initializer_range=0.3`, not 0.02): with small weights the logits
+are almost flat, and tied-embedding models just repeat their input token, so greedy
+decoding would test little.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# Each case: (transformers config class, causal-LM class, config kwargs). Across the cases
+# tie_word_embeddings is both true and false, GQA and MHA both appear, and every RoPE
+# variant, sliding-window layout and bias switch the implementation has is exercised.
+_LLAMA_SIZES = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CASES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_SIZES, tie_word_embeddings=False)),
+    "llama3_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            # head_dim 16: wavelengths 6.3 .. 5e3; with these factors the shortest is in
+            # the interpolated band, one is kept and the rest are slowed by `factor`.
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(_LLAMA_SIZES, tie_word_embeddings=False, sliding_window=6, head_dim=16),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            tie_word_embeddings=True,
+            num_key_value_heads=4,
+            rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0),
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            tie_word_embeddings=False,
+            head_dim=32,  # not hidden_size // num_heads
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,  # layer 0 full attention, layer 1 sliding
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=150,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=96,
+            initializer_range=0.3,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+}
+
+
+def build_hf_model(case: str, seed: int = 0):
+    """A randomly initialised, eval-mode float32 `transformers` model for `case`."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, kwargs = CASES[case]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    return model.eval()
+
+
+def save_hf_model(model, directory: Path, **kwargs) -> Path:
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+def left_pad(prompts: list[list[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompts to `length`: tokens `[B, T]` (pad 0) and positions (pad -1)."""
+    tokens = np.zeros((len(prompts), length), np.int32)
+    positions = np.full((len(prompts), length), -1, np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, length - len(prompt) :] = prompt
+        positions[row, length - len(prompt) :] = np.arange(len(prompt))
+    return tokens, positions
+
+
+def jitted_forward(model):
+    """`forward(tokens, positions, cache)` compiled once per shape, as the decode loop uses it."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, tokens, positions, cache):
+        return nnx.merge(graphdef, state)(tokens, positions, cache)
+
+    return lambda tokens, positions, cache: forward(state, tokens, positions, cache)
+
+
+def greedy_generate(
+    model, prompts: list[list[int]], num_tokens: int, bucket: int, forward=None
+) -> np.ndarray:
+    """Greedy tokens `[B, num_tokens]` through the model protocol: one left-padded prefill,
+    then one column per step at each row's own next position.
+
+    `forward` is `jitted_forward(model)`, passed in to reuse its compilations."""
+    forward = jitted_forward(model) if forward is None else forward
+    tokens, positions = left_pad(prompts, bucket)
+    cache = model.init_cache(len(prompts), bucket + num_tokens)
+    logits, cache = forward(jnp.asarray(tokens), jnp.asarray(positions), cache)
+    next_position = jnp.asarray([len(p) for p in prompts], jnp.int32)  # [B]
+    out = []
+    for _ in range(num_tokens):
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, V] -> [B]
+        out.append(token)
+        logits, cache = forward(token[:, None], next_position[:, None], cache)
+        next_position = next_position + 1
+    return np.stack([np.asarray(t) for t in out], axis=1)
+
+
+def random_prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab_size, size=n).tolist() for n in lengths]
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pack my box with five dozen liquor jugs!",
+    "naïve café résumé — déjà vu, über straße",
+    "日本語のテキストと 🙂 emoji, and ASCII again.",
+    "def main():\n    return 42\n",
+]
+
+
+def byte_level_bpe(vocab_size: int = 320):
+    """A small GPT-2-style byte-level BPE `tokenizers.Tokenizer`, trained on `CORPUS`.
+
+    Ids 0 and 1 are the special tokens <|endoftext|> and <|pad|>; the 256 byte symbols
+    follow, then the merges.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
