@@ -18,11 +18,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Counter ranges of the independent streams one draw uses.
-CANDIDATE_STREAM = 0
-BLOCK_STREAM = 1 << 24
-IN_BLOCK_STREAM = 2 << 24
-
 
 def _mix32(x: jax.Array) -> jax.Array:
     """A 32-bit finaliser with good avalanche (Wellons' `lowbias32`)."""

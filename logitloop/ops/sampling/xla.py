@@ -14,10 +14,10 @@ Nothing sorts the vocabulary. The thresholds come from the row's `C` largest ent
 candidate set; a row that needs more (top_k > C, or a nucleus wider than C tokens) finds
 its threshold by bisection over the 32-bit order of float32 values, one counting pass per
 bit, run only when some row needs it (`lax.cond`). The draw is an exponential race
-(`noise.py`) among the candidates when the kept set lies inside them, otherwise a two-level
-race over the whole vocabulary: first among blocks of `BLOCK` tokens weighted by their kept
-mass, then inside the winning block. Both are exact; which one a row takes depends on that
-row alone, so a row's token never depends on the rest of the batch.
+(`noise.py`) whose noise is a function of (row key, token id) only: it runs among the
+candidates when the kept set lies inside them and over the whole vocabulary otherwise, and
+both pick the same token, as does any other backend or any vocabulary sharding that uses
+the same noise. A row's token never depends on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from flax import struct
 
 from logitloop.ops.sampling import noise
 
-BLOCK = 256
 NUM_CANDIDATES = 64
 NEG_INF = float("-inf")
 
@@ -143,10 +142,15 @@ def thresholds(
     return Thresholds(row_max=row_max, top_k=t_k, top_p=t_p, min_p=t_m)
 
 
-def _race_scores(log_w: jax.Array, key: jax.Array, counters: jax.Array) -> jax.Array:
-    """log w - log E for an exponential race; -inf weights never win."""
-    e = noise.exponential_from_bits(noise.counter_bits(key[:, None, :], counters))
-    return jnp.where(jnp.isfinite(log_w), log_w - jnp.log(e), NEG_INF)
+def race_scores(log_w: jax.Array, key: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Exponential-race scores `log w - log E(key, token)`; -inf weights never win.
+
+    log_w: [B, N] log-weights of the tokens `token_ids` ([B, N] or [1, N]); key: [B, 2].
+    The noise depends only on (row key, token id), so any subset of the vocabulary that
+    contains the winner picks the same winner.
+    """
+    e = noise.exponential_from_bits(noise.counter_bits(key[:, None, :], token_ids))
+    return jnp.where(log_w > NEG_INF, log_w - jnp.log(e), NEG_INF)
 
 
 def draw(
@@ -157,40 +161,28 @@ def draw(
     greedy: jax.Array,  # [B] bool
     key: jax.Array,  # [B, 2] u32
 ) -> Draw:
-    """Draw one token per row from softmax(x) restricted to x >= thr.kept."""
+    """Draw one token per row from softmax(x) restricted to x >= thr.kept.
+
+    The race among the candidates and the race over the whole vocabulary use the same
+    per-token noise, so they pick the same token whenever the kept set lies inside the
+    candidates; the whole-vocabulary race runs only for rows whose kept set does not.
+    """
     batch, vocab = x.shape
     c = cand_x.shape[1]
     t = thr.kept[:, None]  # [B, 1]
     m = jnp.where(jnp.isfinite(thr.row_max), thr.row_max, 0.0)[:, None]
     inside = (thr.kept > cand_x[:, -1]) | (c == vocab)  # kept set within the candidates
 
-    # Race among the candidates.
     cand_log_w = jnp.where(cand_x >= t, cand_x - m, NEG_INF)  # [B, C]
-    cand_scores = _race_scores(cand_log_w, key, jnp.arange(c, dtype=jnp.uint32)[None, :])
-    pick = jnp.argmax(cand_scores, axis=1)
+    pick = jnp.argmax(race_scores(cand_log_w, key, cand_i.astype(jnp.uint32)), axis=1)
     cand_tok = jnp.take_along_axis(cand_i, pick[:, None], axis=1)[:, 0]
     cand_norm = jax.nn.logsumexp(cand_log_w, axis=1) + m[:, 0]
 
     def whole_vocab(_):
-        nblk = -(-vocab // BLOCK)
-        pad = nblk * BLOCK - vocab
-        xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=NEG_INF)
-        w = jnp.where(xp >= t, jnp.exp(xp - m), 0.0).reshape(batch, nblk, BLOCK)
-        block_w = jnp.sum(w, axis=2)  # [B, nblk]
-        total = jnp.sum(block_w, axis=1)
-        block_scores = _race_scores(
-            jnp.log(block_w), key, noise.BLOCK_STREAM + jnp.arange(nblk, dtype=jnp.uint32)[None]
-        )
-        blk = jnp.argmax(block_scores, axis=1)  # [B]
-        cols = blk[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]  # [B, BLOCK]
-        xb = jnp.take_along_axis(xp, cols, axis=1)
-        in_scores = _race_scores(
-            jnp.where(xb >= t, xb - m, NEG_INF),
-            key,
-            noise.IN_BLOCK_STREAM + jnp.arange(BLOCK, dtype=jnp.uint32)[None],
-        )
-        tok = blk * BLOCK + jnp.argmax(in_scores, axis=1)
-        return tok.astype(jnp.int32), jnp.log(total) + m[:, 0]
+        log_w = jnp.where(x >= t, x - m, NEG_INF)  # [B, V]
+        ids = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
+        tok = jnp.argmax(race_scores(log_w, key, ids), axis=1)
+        return tok.astype(jnp.int32), jax.nn.logsumexp(log_w, axis=1) + m[:, 0]
 
     far_tok, far_norm = jax.lax.cond(
         jnp.any(~inside & ~greedy),
