@@ -3,6 +3,7 @@
     logitloop generate "Once upon a time" --temperature 0 --max-tokens 64
     logitloop generate --input prompts.jsonl --output out.jsonl --batch-size 32 --top-p 0.9
     python -m logitloop generate --stream "Hello"
+    logitloop explain "Once upon a time" --temperature 0.8 --top-p 0.9 --plot knobs.png
 
 `generate` takes prompts as arguments or from `--input FILE`:
 
@@ -35,6 +36,13 @@ Resuming: when the output file exists, the ids already in it are skipped and the
 appended (a partial last line, left by a killed run, is cut off first), so re-running a
 killed job with the same arguments neither duplicates nor loses a line. `--overwrite`
 starts the file afresh instead.
+
+`explain` prints, for the token after one PROMPT, the top candidates with their probability
+after each step of the sampler and the step that cut each one (see
+`logitloop.decoding.explain`); `--plot FILE.png` also draws a temperature sweep, raw vs final
+probabilities and `--draws` tokens from `ll.sample` against the final distribution. It takes
+the same sampling flags as `generate` (those that act on the next token) and validates them
+with the same messages.
 
 Bad input (an invalid setting, an unreadable or malformed input file, a missing model, a
 prompt too long for the model's context) prints one line, `logitloop: error: ...`, to
@@ -114,7 +122,11 @@ def _parse_id_sequence(text: str) -> list[int]:
 
 
 def _base_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampling settings given as flags (the others keep SamplingParams' defaults)."""
+    """The sampling settings given as flags (the others keep SamplingParams' defaults).
+
+    A subcommand without some of the flags (`explain` has no stop strings) leaves them out.
+    """
+    flag = lambda name: getattr(args, name, None)
     knobs: dict[str, Any] = {}
     for name in (
         "temperature",
@@ -129,22 +141,22 @@ def _base_knobs(args: argparse.Namespace) -> dict[str, Any]:
         "min_tokens",
         "logprobs",
     ):
-        value = getattr(args, name)
+        value = flag(name)
         if value is not None:
             knobs[name] = value
-    if args.logit_bias:
+    if flag("logit_bias"):
         knobs["logit_bias"] = dict(args.logit_bias)
-    if args.ban:
+    if flag("ban"):
         knobs["banned_token_ids"] = list(args.ban)
-    if args.allow:
+    if flag("allow"):
         knobs["allowed_token_ids"] = list(args.allow)
-    if args.stop_token_id:
+    if flag("stop_token_id"):
         knobs["stop_token_ids"] = list(args.stop_token_id)
-    if args.stop_sequence:
+    if flag("stop_sequence"):
         knobs["stop_sequences"] = [list(s) for s in args.stop_sequence]
-    if args.stop:
+    if flag("stop"):
         knobs["stop"] = list(args.stop)
-    if args.include_stop_str_in_output:
+    if flag("include_stop_str_in_output"):
         knobs["include_stop_str_in_output"] = True
     return knobs
 
@@ -735,6 +747,100 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- explain
+
+_EXPLAIN_MAX_TOKENS = 2**31 - 1  # explain has no --max-tokens: min_tokens is bounded by itself
+
+
+def _plot_formats() -> dict[str, str]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CLIError(
+            "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+        ) from None
+    return FigureCanvasAgg(Figure()).get_supported_filetypes()
+
+
+def _explain(args: argparse.Namespace) -> int:
+    if not args.prompt:
+        raise CLIError("prompt is empty")
+    if args.top < 1:
+        raise CLIError(f"--top = {args.top} is outside the allowed range [1, inf)")
+    if args.draws < 1:
+        raise CLIError(f"--draws = {args.draws} is outside the allowed range [1, inf)")
+    plot = None
+    if args.plot is not None:
+        plot = Path(args.plot).expanduser()
+        formats = _plot_formats()
+        suffix = plot.suffix.lower().lstrip(".")
+        if suffix not in formats:
+            raise CLIError(
+                f"--plot {args.plot}: the file name must end in one of "
+                f"{', '.join('.' + f for f in sorted(formats))}"
+            )
+        if not plot.parent.is_dir():
+            raise CLIError(f"--plot {args.plot}: folder not found: {plot.parent}")
+    if args.model is not None and not Path(args.model).expanduser().is_dir():
+        raise CLIError(f"model folder not found: {args.model}")
+
+    defaults = _param_defaults()
+    base = _base_knobs(args)
+    base["max_tokens"] = _EXPLAIN_MAX_TOKENS
+    try:
+        _make_params([base], defaults)
+    except ValueError as e:
+        raise CLIError(_one_row_message(e)) from None
+
+    from logitloop.decoding.explain import (
+        draw_next_tokens,
+        explain_next_token,
+        explanation_figure,
+        format_table,
+    )
+    from logitloop.decoding.model import model_info
+
+    model = _load_model(
+        None if args.model is None else str(Path(args.model).expanduser()), args.dtype
+    )
+    info = model_info(model)
+    try:  # token ids given as flags, against the model's vocabulary
+        params = _make_params([base], defaults, info.vocab_size)
+    except ValueError as e:
+        raise CLIError(_one_row_message(e)) from None
+    if info.tokenizer is None:
+        raise CLIError("the model has no tokenizer.json, so explain cannot encode PROMPT")
+    ids = list(info.tokenizer.encode(args.prompt))
+    if not ids:
+        raise CLIError("the prompt encodes to no tokens")
+    if len(ids) + 1 > info.max_length:
+        raise CLIError(
+            f"the prompt has {len(ids)} tokens: with the next one, over the model's context "
+            f"of {info.max_length} tokens"
+        )
+    try:
+        expl = explain_next_token(model, ids, params, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    sys.stdout.write(format_table(expl, args.top) + "\n")
+    sys.stdout.flush()
+
+    if plot is not None:
+        draws = draw_next_tokens(expl, args.draws)
+        fig = explanation_figure(expl, draws, top=args.top)
+        try:
+            fig.savefig(plot, dpi=100)
+        except OSError as e:
+            raise CLIError(f"cannot write {plot}: {e.strerror or e}") from None
+        print(
+            f"{PROG}: wrote {plot} ({len(fig.axes)} panels; {args.draws} draws from ll.sample)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0
+
+
 def _run_batches(ll, model, args, batch_list, sink, total: int, quiet: bool) -> int:
     from tqdm import tqdm
 
@@ -769,6 +875,15 @@ def _run_batches(ll, model, args, batch_list, sink, total: int, quiet: bool) -> 
 
 
 # --------------------------------------------------------------------------- argparse
+
+
+_EXPLAIN_HELP = """\
+Columns: raw = softmax of the model's logits; then the distribution after masks, bias and
+penalties, after temperature, after top-k, after top-p, and after min-p (the final one,
+which ll.sample draws from), each renormalised over the tokens that step keeps.
+Bad input exits with status 2 and one "logitloop: error: ..." line on stderr, with the same
+messages as generate.
+"""
 
 
 _JSONL_HELP = """\
@@ -848,6 +963,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = gen.add_argument_group(
         "sampling (defaults: SamplingParams.create's; JSONL lines may override each)"
     )
+    _add_sampling_flags(s, generation=True)
+
+    _add_explain_parser(sub)
+    return parser
+
+
+def _add_sampling_flags(s, *, generation: bool) -> None:
+    """The sampling knobs, one flag each; `generation=False` (explain) leaves out those that
+    only matter after the next token (max tokens, stop strings and sequences, logprobs, -n)."""
     s.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 1.0)")
     s.add_argument("--top-k", type=int, metavar="K", help="<= 0 disables (default: 0)")
     s.add_argument("--top-p", type=float, metavar="P", help="in (0, 1] (default: 1.0)")
@@ -873,9 +997,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow only these token ids (repeatable)",
     )
     s.add_argument("--seed", type=int, metavar="S", help="per-row random seed (default: 0)")
-    s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
+    if generation:
+        s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
     s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
-    s.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    if generation:
+        s.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
     s.add_argument(
         "--stop-token-id",
         type=int,
@@ -883,29 +1009,79 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKEN",
         help="stop after this token id (repeatable; the model's EOS is always one)",
     )
-    s.add_argument(
-        "--stop-sequence",
-        type=_parse_id_sequence,
-        action="append",
-        metavar="ID,ID,...",
-        help="stop after this token-id sequence (repeatable)",
-    )
-    s.add_argument(
-        "--include-stop-str-in-output",
-        action="store_true",
-        help="keep a matched stop string in the text",
-    )
-    s.add_argument(
-        "--logprobs",
-        type=int,
-        metavar="N",
-        help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
-    )
-    s.add_argument(
-        "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
-    )
+    if generation:
+        s.add_argument(
+            "--stop-sequence",
+            type=_parse_id_sequence,
+            action="append",
+            metavar="ID,ID,...",
+            help="stop after this token-id sequence (repeatable)",
+        )
+        s.add_argument(
+            "--include-stop-str-in-output",
+            action="store_true",
+            help="keep a matched stop string in the text",
+        )
+        s.add_argument(
+            "--logprobs",
+            type=int,
+            metavar="N",
+            help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
+        )
+        s.add_argument(
+            "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
+        )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
-    return parser
+
+
+def _add_explain_parser(sub) -> None:
+    ex = sub.add_parser(
+        "explain",
+        help="show what every sampling knob does to the next token",
+        description=(
+            "For the token after PROMPT, print a table of the top candidates: the model's "
+            "raw probability, the probability after each step of the sampler (masks, bias "
+            "and penalties; temperature; top-k; top-p; min-p = final) and the step that cut "
+            "each token. The numbers come from the sampler's own code."
+        ),
+        epilog=_EXPLAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ex.add_argument("prompt", metavar="PROMPT", help="prompt text")
+    out = ex.add_argument_group("output")
+    out.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        metavar="N",
+        help="candidates to show: the N most likely after masks, bias and penalties, plus any "
+        "of the model's own N most likely they pushed out (default: 10)",
+    )
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also write a figure: temperature sweep, raw vs final, draws (needs matplotlib)",
+    )
+    out.add_argument(
+        "--draws",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="tokens drawn with ll.sample (seeds S, S+1, ...) for --plot (default: 2000)",
+    )
+    model = ex.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        metavar="PATH",
+        help="Hugging Face checkpoint folder (default: the model shipped with logitloop)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="parameter dtype (default: the checkpoint's own)",
+    )
+    s = ex.add_argument_group("sampling (defaults: SamplingParams.create's)")
+    _add_sampling_flags(s, generation=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -926,6 +1102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return EXIT_BAD_INPUT
+        if args.command == "explain":
+            return _explain(args)
         return _generate(args)
     except CLIError as e:
         message = " ".join(str(e).splitlines())

@@ -40,7 +40,7 @@ from logitloop.decoding.history import History, distinct_tokens
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from logitloop.ops.sampling import Thresholds, filter_and_sample
 from logitloop.ops.sampling.noise import row_keys
-from logitloop.ops.sampling.xla import NUM_CANDIDATES, thresholds
+from logitloop.ops.sampling.xla import NUM_CANDIDATES, candidates, thresholds
 
 STATUS_OK = 0
 STATUS_ALL_MASKED = 1
@@ -187,7 +187,7 @@ def sampling_distribution(
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history)
-    cand_x, _ = jax.lax.top_k(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
+    cand_x, _ = candidates(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
     thr = thresholds(proc.scaled, params.top_k, params.top_p, params.min_p, cand_x)
     probs = kept_distribution(proc.scaled, thr, proc.greedy)
     return jnp.where((proc.status == STATUS_OK)[:, None], probs, 0.0)

@@ -23,8 +23,9 @@ Knobs are rounded to float32 first, as `SamplingParams` stores them, so both sid
 same numbers. `margin` (optional) makes the reference refuse inputs whose kept set hinges on
 a float32 rounding: a near-tie (closer than `margin` in scaled-logit units, i.e. in log
 probability) at the top-k, top-p, min-p or greedy boundary, or a top-p cumulative mass within
-`margin` of p. Exact ties are never ambiguous (they stay ties in float32). Tests draw fresh
-logits until the reference accepts them, so every comparison they make is clear-cut.
+`mass_margin` (default: `margin`) of p. Exact ties are never ambiguous (they stay ties in
+float32). Tests draw fresh logits until the reference accepts them, so every comparison they
+make is clear-cut.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def reference_distribution(
     prompt_tokens: Iterable[int] = (),
     generated_tokens: Iterable[int] = (),
     margin: float | None = None,
+    mass_margin: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One row's final distribution: (probs [V] float64, kept [V] bool).
 
@@ -162,9 +164,10 @@ def reference_distribution(
         last = min(int(np.searchsorted(cum, top_p, side="left")), len(cum) - 1)
         last = int(np.flatnonzero(sorted_z == sorted_z[last])[-1])  # end of the tie group
         if margin is not None:
+            mass_margin = margin if mass_margin is None else mass_margin
             first = int(np.flatnonzero(sorted_z == sorted_z[last])[0])
             mass_before = cum[first - 1] if first > 0 else 0.0
-            if abs(cum[last] - top_p) < margin or abs(mass_before - top_p) < margin:
+            if abs(cum[last] - top_p) < mass_margin or abs(mass_before - top_p) < mass_margin:
                 raise AmbiguousBoundary("top-p: cumulative mass within margin of p")
             _check_gap(z[kept], sorted_z[last], margin, "top-p")
         kept &= z >= sorted_z[last]

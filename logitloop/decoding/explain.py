@@ -1,0 +1,602 @@
+"""`explain`: what every sampling knob does to the next token, from the sampler's own code.
+
+    expl = explain_next_token(model, "Once upon a time", params)   # params: batch of 1
+    print(format_table(expl, top=10))
+    draws = draw_next_tokens(expl, 2000)       # ll.sample, batched over seeds
+    fig = explanation_figure(expl, draws)      # three panels (needs matplotlib)
+
+`explain_next_token` runs the model's prefill for the prompt exactly as `generate` does
+(same left padding, prompt bucket and cache length, same `prepare`, so the model's EOS ids
+join the stop token ids unless `ignore_eos`), then the sampler's own pieces for generated
+index 0 with the prompt as history:
+
+- `raw`: softmax of the model's logits;
+- `adjusted`: softmax after masks, bias, `min_tokens` and penalties (`adjust_logits` steps
+  1-3, `Processed.adjusted`);
+- `tempered`: softmax after temperature (`Processed.scaled`); one-hot at the argmax for
+  temperature 0 (greedy), and the logits divided by T for `top_k == 1` rows (which the
+  sampler leaves unscaled because the argmax is all it needs);
+- `after_top_k`, `after_top_p`, `final`: the scaled logits renormalised over the tokens at
+  or above `max` of the thresholds so far (`ops.sampling.xla.thresholds`, combined by
+  `sampler.kept_distribution`). `final` is checked against `ll.sampling_distribution`.
+
+Each token's `cut` says which step removed it (`STEP_NAMES`): a token survives a step iff
+its scaled logit is at least that step's threshold, cumulatively. The scaled logits keep
+their order under temperature, so the kept set is always the top of `token_ids`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logitloop.decoding import transforms
+from logitloop.decoding.generate import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket, prepare
+from logitloop.decoding.history import History
+from logitloop.decoding.model import ModelRunner
+from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.sampler import (
+    STATUS_ALL_MASKED,
+    STATUS_BAD_LOGITS,
+    STATUS_OK,
+    adjust_logits,
+    kept_distribution,
+    sample,
+    sampling_distribution,
+)
+from logitloop.ops.sampling.xla import NUM_CANDIDATES, Thresholds, thresholds
+
+# Which step cut a token (`Explanation.cut`).
+KEPT = 0
+CUT_MASK = 1  # allowed/banned ids, min_tokens (bias and penalties never reach -inf)
+CUT_GREEDY = 2  # temperature 0: everything but the argmax
+CUT_TOP_K = 3
+CUT_TOP_P = 4
+CUT_MIN_P = 5
+CUT_INVALID = 6  # the logits hold NaN or +inf (STATUS_BAD_LOGITS)
+STEP_NAMES = {
+    KEPT: "kept",
+    CUT_MASK: "masks",
+    CUT_GREEDY: "temperature 0",
+    CUT_TOP_K: "top-k",
+    CUT_TOP_P: "top-p",
+    CUT_MIN_P: "min-p",
+    CUT_INVALID: "bad logits",
+}
+# The per-step distributions, in pipeline order: (attribute, column title).
+STAGES = (
+    ("raw", "raw"),
+    ("adjusted", "masks/bias/pen"),
+    ("tempered", "temperature"),
+    ("after_top_k", "top-k"),
+    ("after_top_p", "top-p"),
+    ("final", "min-p=final"),
+)
+STATUS_NAMES = {
+    STATUS_OK: "ok",
+    STATUS_ALL_MASKED: "every token is masked",
+    STATUS_BAD_LOGITS: "the logits hold NaN or +inf",
+}
+# `final` must equal `sampling_distribution` to this absolute tolerance.
+FINAL_ATOL = 1e-6
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Explanation:
+    """The next-token pipeline for one prompt, every array over the whole vocabulary [V]."""
+
+    prompt_token_ids: list[int]
+    token_ids: np.ndarray  # [V] i64: every id, most likely first (scaled, then raw logit)
+    logits: np.ndarray  # [V] f32, the model's logits for the next token
+    raw: np.ndarray  # [V] f32 probabilities, per stage (see STAGES)
+    adjusted: np.ndarray
+    tempered: np.ndarray
+    after_top_k: np.ndarray
+    after_top_p: np.ndarray
+    final: np.ndarray  # == ll.sampling_distribution(...)[0]
+    cut: np.ndarray  # [V] i8: KEPT or the CUT_* step that removed the token
+    thresholds: dict[str, float]  # row_max, top_k, top_p, min_p, kept (scaled-logit space)
+    greedy: bool
+    status: int
+    sampled_token: int  # what ll.sample draws with the row's own seed
+    sampled_logprob: float
+    params: SamplingParams  # batch of 1, as the sampler saw it (EOS in the stop ids)
+    history: History  # batch of 1: the prompt
+    tokenizer: Any = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.logits.shape[0])
+
+    @property
+    def seed(self) -> int:
+        return int(np.asarray(self.params.seed)[0])
+
+    def knob(self, name: str) -> float:
+        """The row's value of a scalar knob (`temperature`, `top_k`, ...)."""
+        return np.asarray(getattr(self.params, name))[0].item()
+
+    def stages(self) -> list[tuple[str, np.ndarray]]:
+        """(column title, probabilities [V]) per step, in pipeline order."""
+        return [(title, getattr(self, attr)) for attr, title in STAGES]
+
+    def candidates(self, n: int) -> np.ndarray:
+        """The `n` most likely ids after masks, bias and penalties, followed by any of the
+        model's own `n` most likely that those steps pushed out (in the same order)."""
+        top = self.token_ids[:n]
+        raw_top = np.argsort(-self.logits, kind="stable")[:n]
+        extra = set(raw_top.tolist()) - set(top.tolist())
+        if not extra:
+            return top
+        rank = np.empty_like(self.token_ids)
+        rank[self.token_ids] = np.arange(self.vocab_size)
+        return np.concatenate([top, np.asarray(sorted(extra, key=lambda t: rank[t]))])
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text, repr-escaped (`' the'`, `'\\n'`, `b'\\xe2'` for part of a
+        character); `#id` without a tokenizer."""
+        token_id = int(token_id)
+        if self.tokenizer is None:
+            return f"#{token_id}"
+        data = self.tokenizer.token_bytes(token_id)
+        if not data:  # special tokens and ids the tokenizer does not know
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            return repr(text) if text else f"#{token_id}"
+        try:
+            return repr(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            return repr(data)
+
+
+@functools.partial(jax.jit, static_argnames=("runner", "cache_len"))
+def _prefill_logits(runner: ModelRunner, weights, prompt, positions, *, cache_len: int):
+    """The next-token logits [B, V] of left-padded prompts, as `generate.prefill` gets them."""
+    cache = runner.init_cache(weights, prompt.shape[0], cache_len)
+    logits, _ = runner.forward(weights, prompt, positions, cache)
+    return logits
+
+
+def _no_cut(thr: Thresholds, z: jax.Array) -> Thresholds:
+    """Thresholds that keep every token of `z`, for `kept_distribution` = softmax(z)."""
+    off = jnp.full_like(thr.row_max, -jnp.inf)
+    return Thresholds(row_max=jnp.max(z, axis=1), top_k=off, top_p=off, min_p=off)
+
+
+def _pipeline(logits, params: SamplingParams, positions, history: History) -> dict[str, Any]:
+    """Every step's distribution and the cutting step, from the sampler's own functions."""
+    proc = adjust_logits(logits, params, positions, history)
+    x = proc.scaled
+    vocab = x.shape[1]
+    cand_x, _ = jax.lax.top_k(x, min(NUM_CANDIDATES, vocab))
+    thr = thresholds(x, params.top_k, params.top_p, params.min_p, cand_x)
+    off = jnp.full_like(thr.row_max, -jnp.inf)
+    no_greedy = jnp.zeros_like(proc.greedy)
+    t_zero = params.temperature == 0
+    one_hot = jax.nn.one_hot(jnp.argmax(x, axis=1), vocab, dtype=jnp.float32)
+
+    # Greedy rows: temperature 0 keeps only the argmax at the temperature step; top_k == 1
+    # rows are unscaled in `scaled`, so show them divided by T (as any other row).
+    tempered_x = transforms.apply_temperature(proc.adjusted, params.temperature)
+    tempered_x = jnp.where(jnp.isnan(tempered_x), -jnp.inf, tempered_x)
+    tempered_x = jnp.where(proc.greedy[:, None], tempered_x, x)
+    tempered = kept_distribution(tempered_x, _no_cut(thr, tempered_x), t_zero)
+    after_k = kept_distribution(x, thr.replace(top_p=off, min_p=off), no_greedy)
+    after_p = kept_distribution(x, thr.replace(min_p=off), no_greedy)
+    after_k = jnp.where(proc.greedy[:, None], one_hot, after_k)
+    after_p = jnp.where(proc.greedy[:, None], one_hot, after_p)
+    final = kept_distribution(x, thr, proc.greedy)
+
+    raw_x = jnp.where(jnp.isnan(proc.raw), -jnp.inf, proc.raw)
+    adj_x = jnp.where(jnp.isnan(proc.adjusted), -jnp.inf, proc.adjusted)
+    raw = jnp.nan_to_num(kept_distribution(raw_x, _no_cut(thr, raw_x), no_greedy))
+    adjusted = kept_distribution(adj_x, _no_cut(thr, adj_x), no_greedy)
+
+    t_k = thr.top_k[:, None]
+    t_kp = jnp.maximum(thr.top_k, thr.top_p)[:, None]
+    cut = jnp.where(
+        x < t_k,
+        CUT_TOP_K,
+        jnp.where(x < t_kp, CUT_TOP_P, jnp.where(x < thr.kept[:, None], CUT_MIN_P, KEPT)),
+    )
+    not_argmax = one_hot == 0
+    cut = jnp.where(
+        proc.greedy[:, None] & not_argmax, jnp.where(t_zero[:, None], CUT_GREEDY, CUT_TOP_K), cut
+    )
+    cut = jnp.where(adj_x == -jnp.inf, CUT_MASK, cut)
+    cut = jnp.where((proc.status == STATUS_BAD_LOGITS)[:, None], CUT_INVALID, cut)
+    cut = cut.astype(jnp.int8)
+    ok = (proc.status == STATUS_OK)[:, None]
+
+    def only_ok(p):
+        return jnp.where(ok, p, 0.0)
+
+    return dict(
+        raw=raw,
+        adjusted=only_ok(adjusted),
+        tempered=only_ok(tempered),
+        after_top_k=only_ok(after_k),
+        after_top_p=only_ok(after_p),
+        final=only_ok(final),
+        cut=cut,
+        scaled=x,
+        thresholds=dict(
+            row_max=thr.row_max, top_k=thr.top_k, top_p=thr.top_p, min_p=thr.min_p, kept=thr.kept
+        ),
+        greedy=proc.greedy,
+        status=proc.status,
+    )
+
+
+@jax.jit
+def _explain_step(logits, params: SamplingParams, positions, history: History):
+    """The pipeline, `ll.sampling_distribution` and `ll.sample` in one compiled program."""
+    out = _pipeline(logits, params, positions, history)
+    reference = sampling_distribution(logits, params, positions, history)
+    return out, reference, sample(logits, params, positions, history)
+
+
+@jax.jit
+def _sweep_step(logits, params: SamplingParams, plain: SamplingParams, positions, history):
+    """Temperature alone (`plain`: top-k off) and `ll.sampling_distribution` (every knob)."""
+    tempered = _pipeline(logits, plain, positions, history)["tempered"]
+    return tempered, sampling_distribution(logits, params, positions, history)
+
+
+def explain_next_token(
+    model: Any,
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    *,
+    ignore_eos: bool = False,
+) -> Explanation:
+    """Run the prompt's prefill and the sampler's steps for the next token (see the module
+    docstring). `params` must hold one row; its `max_tokens` is not used (the prompt needs
+    room for one more token only)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
+    if params.batch_size != 1:
+        raise ValueError(f"params has batch_size {params.batch_size}; explain takes one row")
+    params = params.replace(max_tokens=jnp.ones_like(params.max_tokens))
+    info, ids, params = prepare(model, [prompt], params, ignore_eos=ignore_eos)
+    ids0 = ids[0]
+    params = params.device_only()
+
+    # The prefill layout of generate.initial_state for a one-token buffer.
+    plen = bucket(len(ids0), MIN_PROMPT_BUCKET)
+    buffer_len = bucket(1, MIN_BUFFER_BUCKET)
+    prompt_cols = np.zeros((1, plen), np.int32)
+    positions = np.full((1, plen), -1, np.int32)
+    prompt_cols[0, plen - len(ids0) :] = ids0
+    positions[0, plen - len(ids0) :] = np.arange(len(ids0))
+    hist = np.full((1, plen + buffer_len), -1, np.int32)
+    hist[0, : len(ids0)] = ids0
+    lens = jnp.asarray([len(ids0)], jnp.int32)
+    history = History(jnp.asarray(hist), lens, lens)
+    logits = _prefill_logits(
+        info.runner,
+        info.weights,
+        jnp.asarray(prompt_cols),
+        jnp.asarray(positions),
+        cache_len=plen + buffer_len,
+    )
+    logits = logits.astype(jnp.float32)
+    step = jnp.zeros((1,), jnp.int32)  # generated index 0
+
+    out, reference, drawn = jax.device_get(_explain_step(logits, params, step, history))
+    reference = reference[0]
+    if not np.allclose(out["final"][0], reference, rtol=0.0, atol=FINAL_ATOL):
+        worst = float(np.max(np.abs(out["final"][0] - reference)))
+        raise RuntimeError(
+            f"internal error: explain's final distribution differs from "
+            f"ll.sampling_distribution by {worst:g}"
+        )
+
+    row_logits = np.asarray(logits[0])
+    scaled = out["scaled"][0]
+    # Most likely first: scaled logit (the sampler's own order), then the raw logit, then id.
+    token_ids = np.lexsort((np.arange(row_logits.shape[0]), -row_logits, -scaled))
+    return Explanation(
+        prompt_token_ids=list(ids0),
+        token_ids=token_ids,
+        logits=row_logits,
+        raw=out["raw"][0],
+        adjusted=out["adjusted"][0],
+        tempered=out["tempered"][0],
+        after_top_k=out["after_top_k"][0],
+        after_top_p=out["after_top_p"][0],
+        final=out["final"][0],
+        cut=out["cut"][0],
+        thresholds={k: float(v[0]) for k, v in out["thresholds"].items()},
+        greedy=bool(out["greedy"][0]),
+        status=int(out["status"][0]),
+        sampled_token=int(drawn.tokens[0]),
+        sampled_logprob=float(drawn.logprobs[0]),
+        params=params,
+        history=history,
+        tokenizer=info.tokenizer,
+    )
+
+
+def _repeat(tree: Any, rows: int) -> Any:
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (rows, *a.shape[1:])), tree)
+
+
+def draw_next_tokens(
+    expl: Explanation, num_draws: int, *, first_seed: int | None = None, chunk: int | None = None
+) -> np.ndarray:
+    """[num_draws] tokens from `ll.sample` on the explained logits, batched over the seeds
+    first_seed, first_seed + 1, ... (mod 2**32; default: the row's own seed, so draw 0 is
+    the token `generate` picks first)."""
+    if isinstance(num_draws, bool) or not isinstance(num_draws, (int, np.integer)):
+        raise ValueError(f"num_draws must be an integer, got {num_draws!r}")
+    if num_draws < 1:
+        raise ValueError(f"num_draws = {num_draws} is outside the allowed range [1, inf)")
+    vocab = expl.vocab_size
+    if chunk is None:
+        chunk = max(1, min(num_draws, (1 << 24) // vocab))  # at most 16M logits per call
+    base = expl.seed if first_seed is None else int(first_seed)
+    logits = _repeat(jnp.asarray(expl.logits)[None, :], chunk)
+    params = _repeat(expl.params, chunk)
+    history = _repeat(expl.history, chunk)
+    positions = jnp.zeros((chunk,), jnp.int32)
+    out = []
+    for start in range(0, num_draws, chunk):  # a fixed chunk shape: compiles once
+        seeds = (base + start + np.arange(chunk, dtype=np.int64)) % (1 << 32)
+        p = params.replace(seed=jnp.asarray(seeds.astype(np.uint32)))
+        out.append(np.asarray(sample(logits, p, positions, history).tokens))
+    return np.concatenate(out)[:num_draws].astype(np.int64)
+
+
+def temperature_sweep(expl: Explanation, temperatures: Sequence[float]) -> dict[str, np.ndarray]:
+    """Probabilities [len(temperatures), V] as the temperature varies, the other knobs
+    fixed: `tempered` (temperature alone, after masks/bias/penalties; top-k off so that
+    top_k == 1 does not make the row greedy) and `final` (`ll.sampling_distribution` with
+    every knob). Temperatures must be > 0."""
+    temps = np.asarray(temperatures, np.float32)
+    if temps.ndim != 1 or not temps.size or not np.all(temps > 0):
+        raise ValueError("temperatures must be a non-empty list of values > 0")
+    rows = temps.shape[0]
+    logits = _repeat(jnp.asarray(expl.logits)[None, :], rows)
+    params = _repeat(expl.params, rows).replace(temperature=jnp.asarray(temps))
+    history = _repeat(expl.history, rows)
+    positions = jnp.zeros((rows,), jnp.int32)
+    plain = params.replace(top_k=jnp.zeros_like(params.top_k))
+    tempered, final = jax.device_get(_sweep_step(logits, params, plain, positions, history))
+    return {"temperature": temps, "tempered": tempered, "final": final}
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def _fmt_prob(p: float) -> str:
+    if p == 0:
+        return "0"
+    if p >= 1e-3:
+        return f"{p:.4f}"
+    return f"{p:.1e}"
+
+
+def _fmt_threshold(v: float) -> str:
+    return "off" if v == -np.inf else f"{v:.4g}"
+
+
+def describe_knobs(expl: Explanation) -> str:
+    """One line with the row's scalar knobs and lists that are set."""
+    p = expl.params
+    parts = [
+        f"temperature={expl.knob('temperature'):g}",
+        f"top_k={expl.knob('top_k')}",
+        f"top_p={expl.knob('top_p'):g}",
+        f"min_p={expl.knob('min_p'):g}",
+        f"repetition_penalty={expl.knob('repetition_penalty'):g}",
+        f"presence_penalty={expl.knob('presence_penalty'):g}",
+        f"frequency_penalty={expl.knob('frequency_penalty'):g}",
+        f"seed={expl.seed}",
+    ]
+    ids = np.asarray(p.bias_ids)[0]
+    vals = np.asarray(p.bias_values)[0]
+    bias = {int(t): float(v) for t, v in zip(ids, vals, strict=True) if t >= 0}
+    if bias:
+        parts.append("logit_bias={" + ", ".join(f"{t}: {v:g}" for t, v in bias.items()) + "}")
+    banned = [int(t) for t in np.asarray(p.banned_ids)[0] if t >= 0]
+    if banned:
+        parts.append(f"banned={banned}")
+    if bool(np.asarray(p.has_allowed)[0]):
+        parts.append(f"allowed={[int(t) for t in np.asarray(p.allowed_ids)[0] if t >= 0]}")
+    min_tokens = expl.knob("min_tokens")
+    if min_tokens:
+        stops = [int(t) for t in np.asarray(p.stop_token_ids)[0] if t >= 0]
+        parts.append(f"min_tokens={min_tokens} (suppresses stop ids {stops})")
+    return " ".join(parts)
+
+
+def format_table(expl: Explanation, top: int = 10) -> str:
+    """The terminal table: per candidate, its probability after every step and its fate."""
+    ids = expl.candidates(top)
+    width = max([len("token")] + [min(len(expl.token_text(t)), 24) for t in ids])
+    stage_titles = [title for _, title in STAGES]
+    col = [max(9, len(t)) for t in stage_titles]
+    head = f"{'#':>3}  {'id':>6}  {'token':<{width}}  " + "  ".join(
+        f"{t:>{w}}" for t, w in zip(stage_titles, col, strict=True)
+    )
+    lines = [
+        f"prompt: {len(expl.prompt_token_ids)} tokens; next token (generated index 0)",
+        f"knobs: {describe_knobs(expl)}",
+        "thresholds on the scaled logits: "
+        f"top-k {_fmt_threshold(expl.thresholds['top_k'])}, "
+        f"top-p {_fmt_threshold(expl.thresholds['top_p'])}, "
+        f"min-p {_fmt_threshold(expl.thresholds['min_p'])}; "
+        + (
+            f"kept: scaled >= {expl.thresholds['kept']:.4g}"
+            if expl.thresholds["kept"] > -np.inf
+            else "kept: every token not masked"
+        )
+        + (" (greedy: only the argmax)" if expl.greedy else ""),
+        "probability after each step, renormalised over the tokens it keeps:",
+        "",
+        head + "  kept/cut",
+        "-" * (len(head) + 10),
+    ]
+    stages = expl.stages()
+    for rank, t in enumerate(ids, 1):
+        text = expl.token_text(t)
+        if len(text) > 24:
+            text = text[:23] + "…"
+        probs = "  ".join(
+            f"{_fmt_prob(float(arr[t])):>{w}}" for (_, arr), w in zip(stages, col, strict=True)
+        )
+        fate = "kept" if expl.cut[t] == KEPT else f"cut: {STEP_NAMES[int(expl.cut[t])]}"
+        lines.append(f"{rank:>3}  {int(t):>6}  {text:<{width}}  {probs}  {fate}")
+    rest = np.ones(expl.vocab_size, bool)
+    rest[ids] = False
+    if rest.any():
+        probs = "  ".join(
+            f"{_fmt_prob(float(arr[rest].sum())):>{w}}"
+            for (_, arr), w in zip(stages, col, strict=True)
+        )
+        kept_rest = int(np.sum(expl.cut[rest] == KEPT))
+        label = f"other {int(rest.sum())}"
+        lines.append(f"{'':>3}  {'':>6}  {label:<{width}}  {probs}  {kept_rest} kept")
+    n_kept = int(np.sum(expl.cut == KEPT))
+    lines.append("")
+    if expl.status != STATUS_OK:
+        lines.append(
+            f"status: {STATUS_NAMES.get(expl.status, expl.status)}: ll.sample returns token 0 "
+            "with log-probability -inf and generate ends the row with finish_reason 'error'"
+        )
+    else:
+        lines.append(
+            f"{n_kept} of {expl.vocab_size} tokens kept; with seed {expl.seed}, ll.sample draws "
+            f"{expl.token_text(expl.sampled_token)} (id {expl.sampled_token}, final probability "
+            f"{_fmt_prob(float(np.exp(expl.sampled_logprob)))})"
+        )
+    return "\n".join(lines)
+
+
+def explanation_figure(
+    expl: Explanation,
+    draws: np.ndarray | None = None,
+    *,
+    top: int = 10,
+    temperatures: Sequence[float] | None = None,
+):
+    """A matplotlib Figure with three panels (Agg canvas; needs matplotlib):
+
+    1. the probability of the top candidates against temperature (solid: temperature
+       alone; dashed: after every knob), the row's own temperature marked;
+    2. raw vs final probabilities of the candidates, the cut ones marked with their step;
+    3. tokens drawn by `ll.sample` (`draws`, e.g. from `draw_next_tokens`) as a histogram
+       against the final distribution.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ids = expl.candidates(top)
+    labels = [expl.token_text(t) for t in ids]
+    labels = [s if len(s) <= 14 else s[:13] + "…" for s in labels]
+    t_row = expl.knob("temperature")
+    if temperatures is None:
+        temperatures = np.linspace(0.1, max(2.0, 1.25 * t_row), 60)
+    sweep = temperature_sweep(expl, temperatures)
+
+    fig = Figure(figsize=(19, 5.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_t, ax_c, ax_d = fig.subplots(1, 3)
+    colors = [f"C{i % 10}" for i in range(len(ids))]
+
+    # 1. temperature
+    filtered = expl.knob("top_k") > 0 or expl.knob("top_p") < 1.0 or expl.knob("min_p") > 0
+    for k, t in enumerate(ids[: min(len(ids), 8)]):
+        ax_t.plot(sweep["temperature"], sweep["tempered"][:, t], color=colors[k], label=labels[k])
+        if filtered:
+            ax_t.plot(sweep["temperature"], sweep["final"][:, t], color=colors[k], ls="--", lw=1)
+    ax_t.axvline(t_row, color="k", ls=":", lw=1)
+    ax_t.annotate(
+        f"T = {t_row:g}" + (" (greedy)" if t_row == 0 else ""),
+        (t_row, 1.0),
+        xycoords=("data", "axes fraction"),
+        xytext=(3, -12),
+        textcoords="offset points",
+    )
+    ax_t.set_xlabel("temperature")
+    ax_t.set_ylabel("probability")
+    ax_t.set_title(
+        "temperature" + (" (solid: alone; dashed: with top-k/top-p/min-p)" if filtered else "")
+    )
+    ax_t.legend(fontsize="small", loc="upper right")
+    ax_t.set_ylim(0, 1.02)
+
+    # 2. raw vs final, on a log scale so that the model's own small probabilities show
+    x = np.arange(len(ids))
+    shown = np.concatenate([expl.raw[ids], expl.final[ids]])
+    positive = shown[shown > 0]
+    floor = float(positive.min()) / 4 if positive.size else 1e-6
+    ax_c.set_yscale("log")
+    ax_c.bar(x - 0.2, expl.raw[ids], width=0.4, color="0.65", label="raw (model)")
+    ax_c.bar(x + 0.2, expl.final[ids], width=0.4, color="tab:purple", label="final")
+    cut_marked = False
+    for i, t in enumerate(ids):
+        if expl.cut[t] != KEPT:
+            ax_c.plot(
+                x[i] + 0.2,
+                floor * 1.6,
+                "x",
+                color="tab:red",
+                ms=8,
+                label=None if cut_marked else "cut (by the step named)",
+            )
+            cut_marked = True
+            ax_c.annotate(
+                STEP_NAMES[int(expl.cut[t])],
+                (x[i] + 0.2, floor * 2.2),
+                ha="center",
+                va="bottom",
+                fontsize="x-small",
+                rotation=90,
+                color="tab:red",
+            )
+    ax_c.set_xticks(x, labels, rotation=60, ha="right", fontsize="small")
+    ax_c.set_ylabel("probability (log scale)")
+    ax_c.set_ylim(floor, 1.5)
+    ax_c.set_title("raw vs final (after every knob)")
+    ax_c.legend(fontsize="small", loc="upper right")
+
+    # 3. draws
+    if expl.status != STATUS_OK:
+        ax_d.set_title(f"no draws: {STATUS_NAMES.get(expl.status, expl.status)}")
+    elif draws is not None and len(draws):
+        draws = np.asarray(draws)
+        n = len(draws)
+        pos = {int(t): i for i, t in enumerate(ids)}
+        counts = np.zeros(len(ids) + 1)
+        for t in draws:
+            counts[pos.get(int(t), len(ids))] += 1
+        expected = np.append(expl.final[ids], max(0.0, 1.0 - float(expl.final[ids].sum())))
+        xd = np.arange(len(ids) + 1)
+        ax_d.bar(xd, counts / n, width=0.7, color="tab:purple", alpha=0.6, label=f"{n} draws")
+        sd = np.sqrt(expected * (1 - expected) / n)
+        ax_d.errorbar(
+            xd,
+            expected,
+            yerr=2 * sd,
+            fmt="o",
+            color="k",
+            ms=4,
+            capsize=3,
+            label="final distribution ± 2σ",
+        )
+        ax_d.set_xticks(xd, [*labels, "other"], rotation=60, ha="right", fontsize="small")
+        ax_d.legend(fontsize="small")
+        ax_d.set_title(f"ll.sample, {n} seeds from {expl.seed}")
+    else:
+        ax_d.set_title("ll.sample draws (none)")
+    ax_d.set_ylabel("frequency")
+
+    fig.suptitle(f"next token: {describe_knobs(expl)}", fontsize="medium")
+    return fig

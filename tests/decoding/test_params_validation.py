@@ -1,0 +1,156 @@
+"""Bad input: invalid knobs fail on the host with a message that says what and where; rows
+that cannot be sampled get a defined status, a valid token and no NaN."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logitloop as ll
+
+B, V = 3, 50
+NAN = math.nan
+
+
+def _row1(bad, good):
+    """A per-row list whose row 1 holds the bad value."""
+    return [good, bad, good]
+
+
+# (argument, value, substrings the message must contain: the argument, the row, the range)
+INVALID = [
+    ("temperature", _row1(-0.5, 1.0), ["temperature[1]", "[0, inf)"]),
+    ("temperature", _row1(NAN, 1.0), ["temperature[1]", "[0, inf)"]),
+    ("top_p", _row1(0.0, 1.0), ["top_p[1]", "(0, 1]"]),
+    ("top_p", _row1(1.5, 1.0), ["top_p[1]", "(0, 1]"]),
+    ("top_p", _row1(NAN, 1.0), ["top_p[1]", "(0, 1]"]),
+    ("min_p", _row1(-0.1, 0.0), ["min_p[1]", "[0, 1]"]),
+    ("min_p", _row1(1.01, 0.0), ["min_p[1]", "[0, 1]"]),
+    ("min_p", _row1(NAN, 0.0), ["min_p[1]", "[0, 1]"]),
+    ("repetition_penalty", _row1(0.0, 1.0), ["repetition_penalty[1]", "(0, inf)"]),
+    ("repetition_penalty", _row1(-1.2, 1.0), ["repetition_penalty[1]", "(0, inf)"]),
+    ("presence_penalty", _row1(2.5, 0.0), ["presence_penalty[1]", "[-2, 2]"]),
+    ("presence_penalty", _row1(-2.01, 0.0), ["presence_penalty[1]", "[-2, 2]"]),
+    ("frequency_penalty", _row1(3.0, 0.0), ["frequency_penalty[1]", "[-2, 2]"]),
+    ("frequency_penalty", _row1(-2.5, 0.0), ["frequency_penalty[1]", "[-2, 2]"]),
+    ("logit_bias", _row1({V: 1.0}, {}), ["logit_bias[1]", f"[0, {V - 1}]", str(V)]),
+    ("logit_bias", _row1({-1: 1.0}, {}), ["logit_bias[1]", f"[0, {V - 1}]"]),
+    ("banned_token_ids", _row1([3, V + 7], []), ["banned_token_ids[1]", f"[0, {V - 1}]"]),
+    ("banned_token_ids", _row1([-2], []), ["banned_token_ids[1]", f"[0, {V - 1}]"]),
+    ("allowed_token_ids", _row1([0, V], None), ["allowed_token_ids[1]", f"[0, {V - 1}]"]),
+    ("stop_token_ids", _row1([V], []), ["stop_token_ids[1]", f"[0, {V - 1}]"]),
+    ("logprobs", _row1(21, 0), ["logprobs[1]", "[0, 20]"]),
+    ("logprobs", _row1(-1, 0), ["logprobs[1]", "[0, 20]"]),
+]
+
+# Per-row lists of the wrong length: the message names the argument and both lengths.
+WRONG_LENGTH = [
+    ("temperature", [1.0, 0.5]),
+    ("top_k", [1, 2, 3, 4]),
+    ("seed", [0, 1]),
+    ("logit_bias", [{1: 1.0}, {}]),
+    ("banned_token_ids", [[1], [2]]),
+    ("allowed_token_ids", [[1], None, [2], [3]]),
+    ("stop_token_ids", [[1], [2]]),
+    ("min_tokens", [0, 1]),
+]
+
+
+@pytest.mark.parametrize("arg, value, expected", INVALID,
+                         ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(INVALID)])
+def test_invalid_value_names_argument_row_and_range(arg, value, expected):
+    with pytest.raises(ValueError) as err:
+        ll.SamplingParams.create(batch_size=B, vocab_size=V, **{arg: value})
+    for text in expected:
+        assert text in str(err.value), f"{text!r} missing from: {err.value}"
+
+
+@pytest.mark.parametrize("arg, value", WRONG_LENGTH, ids=[a for a, _ in WRONG_LENGTH])
+def test_wrong_number_of_rows_names_argument_and_lengths(arg, value):
+    with pytest.raises(ValueError) as err:
+        ll.SamplingParams.create(batch_size=B, vocab_size=V, **{arg: value})
+    message = str(err.value)
+    assert arg in message and str(B) in message and str(len(value)) in message, message
+
+
+def test_min_tokens_above_max_tokens_names_both():
+    with pytest.raises(ValueError) as err:
+        ll.SamplingParams.create(batch_size=B, min_tokens=[0, 9, 0], max_tokens=[4, 8, 4])
+    message = str(err.value)
+    assert "min_tokens[1]" in message and "max_tokens" in message and "8" in message, message
+
+
+def test_valid_values_at_the_edges_of_their_ranges_are_accepted():
+    ll.SamplingParams.create(
+        batch_size=B, vocab_size=V, temperature=[0.0, 1e-3, 100.0], top_p=[1.0, 1e-6, 0.5],
+        min_p=[0.0, 1.0, 0.5], presence_penalty=[-2.0, 2.0, 0.0],
+        frequency_penalty=[2.0, -2.0, 0.0], repetition_penalty=[1e-3, 1.0, 50.0],
+        logprobs=[0, 20, 5], logit_bias={0: 1.0, V - 1: -1.0}, banned_token_ids=[V - 1],
+        allowed_token_ids=[[0], None, [V - 1]], stop_token_ids=[0, V - 1],
+        min_tokens=[4, 0, 0], max_tokens=[4, 1, 1],
+    )
+
+
+# Rows that cannot be sampled.
+
+
+def _unsampleable_batch():
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(8, V)).astype(np.float32) * 3
+    logits[1, 7] = np.nan
+    logits[2, 3] = np.inf
+    logits[3, :] = np.nan
+    logits[5, :] = -np.inf
+    params = ll.SamplingParams.create(
+        batch_size=8,
+        temperature=[1.0, 1.0, 0.7, 0.0, 1.0, 1.0, 0.0, 0.9],
+        top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5],
+        allowed_token_ids=[None, None, None, None, [5], None, [5, 6], None],
+        banned_token_ids=[[], [], [], [], [5], [], [], []],
+        stop_token_ids=[[], [], [], [], [], [], [5, 6], []],
+        min_tokens=[0, 0, 0, 0, 0, 0, 3, 0],
+        seed=list(range(8)),
+        logprobs=5,
+        vocab_size=V,
+    )
+    return jnp.asarray(logits), params, jnp.zeros(8, jnp.int32)
+
+
+# row -> expected status: 1, 2, 3 hold NaN / +inf / all-NaN; 4 allows only a banned token,
+# 5 is all -inf, 6 allows only stop tokens that min_tokens suppresses; 0 and 7 are fine.
+EXPECTED_STATUS = {
+    0: ll.STATUS_OK, 1: ll.STATUS_BAD_LOGITS, 2: ll.STATUS_BAD_LOGITS, 3: ll.STATUS_BAD_LOGITS,
+    4: ll.STATUS_ALL_MASKED, 5: ll.STATUS_ALL_MASKED, 6: ll.STATUS_ALL_MASKED, 7: ll.STATUS_OK,
+}
+
+
+def test_bad_logits_and_fully_masked_rows_get_their_status():
+    logits, params, positions = _unsampleable_batch()
+    out = ll.sample(logits, params, positions)
+    assert {r: int(s) for r, s in enumerate(out.status)} == EXPECTED_STATUS
+    assert ll.STATUS_OK == 0 and ll.STATUS_ALL_MASKED == 1 and ll.STATUS_BAD_LOGITS == 2
+
+
+def test_unsampleable_rows_give_a_valid_token_and_no_nan():
+    logits, params, positions = _unsampleable_batch()
+    out = jax.tree.map(np.asarray, ll.sample(logits, params, positions))
+    assert ((out.tokens >= 0) & (out.tokens < V)).all(), out.tokens
+    for name, values in (("logprobs", out.logprobs), ("raw_logprobs", out.raw_logprobs),
+                         ("top_logprobs.values", out.top_logprobs.values)):
+        assert not np.isnan(values).any(), f"{name}: {values}"
+    probs = np.asarray(ll.sampling_distribution(logits, params, positions))
+    assert not np.isnan(probs).any()
+
+
+def test_unsampleable_rows_do_not_disturb_the_others():
+    logits, params, positions = _unsampleable_batch()
+    out = ll.sample(logits, params, positions)
+    good = np.asarray([0, 7])
+    alone = ll.sample(logits[good], params.take(good), positions[good])
+    for a, b in zip(jax.tree.leaves(jax.tree.map(lambda v: v[good], out)),
+                    jax.tree.leaves(alone), strict=True):
+        np.testing.assert_array_equal(a, b)
