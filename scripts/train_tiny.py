@@ -177,10 +177,7 @@ def main() -> None:
     def eval_loss(params, batch):
         return loss_fn(nnx.merge(graphdef, params), batch)
 
-    val_batches = [
-        val[i : i + args.seq + 1]
-        for i in range(0, len(val) - args.seq - 1, args.seq)
-    ]
+    val_batches = [val[i : i + args.seq + 1] for i in range(0, len(val) - args.seq - 1, args.seq)]
     val_batches = np.stack(val_batches)
 
     def validate(params) -> float:
@@ -217,7 +214,11 @@ def main() -> None:
             log.append({"step": done, "train_loss": float(loss), "val_loss": v})
             print(f"step {done} validation loss {v:.3f} (ppl {math.exp(v):.1f})", flush=True)
         if args.max_minutes is not None and time.time() - t0 > 60 * args.max_minutes:
-            manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+            manager.save(
+                done,
+                args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                force=True,
+            )
             manager.wait_until_finished()
             print(f"stopping after {done} steps (--max-minutes); run again to resume")
             return

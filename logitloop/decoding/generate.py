@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from logitloop.decoding import stop_strings
+from logitloop.decoding import sharding, stop_strings
 from logitloop.decoding.history import History
 from logitloop.decoding.model import ModelInfo, ModelRunner, model_info
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
-from logitloop.decoding.sampler import STATUS_OK, SampleOutput, sample
+from logitloop.decoding.sampler import STATUS_OK, SampleOutput
 from logitloop.decoding.stop_strings import StopStrings
 
 # finish codes, per row
@@ -169,7 +169,7 @@ def _record(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "buffer_len", "num_top"))
+@functools.partial(jax.jit, static_argnames=("runner", "buffer_len", "num_top", "mesh"))
 def prefill(
     runner: ModelRunner,
     weights: Any,
@@ -182,10 +182,15 @@ def prefill(
     *,
     buffer_len: int,
     num_top: int,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeState:
     """Run the whole prompt in one forward pass and draw each row's first token."""
     batch, plen = prompt.shape
+    prompt, positions, prompt_len, history, params = sharding.constrain_rows(
+        (prompt, positions, prompt_len, history, params), mesh, batch
+    )
     cache = runner.init_cache(weights, batch, plen + buffer_len)
+    cache = sharding.constrain_cache(cache, batch, mesh)
     logits, cache = runner.forward(weights, prompt, positions, cache)
     window_len = params.stop_sequences.shape[2]
     state = DecodeState(
@@ -209,11 +214,11 @@ def prefill(
             else stop_strings.empty_window(batch, stops)
         ),
     )
-    out = sample(logits, params, state.num_tokens, history)
-    return _record(state, out, params, stops)
+    out = sharding.sample(logits, params, state.num_tokens, history, mesh)
+    return sharding.constrain_state(_record(state, out, params, stops), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("runner",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("runner", "mesh"), donate_argnames=("state",))
 def decode(
     runner: ModelRunner,
     weights: Any,
@@ -221,6 +226,7 @@ def decode(
     params: SamplingParams,
     stops: StopStrings | None,
     max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
 
@@ -238,10 +244,10 @@ def decode(
         # Finished rows feed a padding position, so their cache is never written again.
         pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
         logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
-        out = sample(logits, params, s.num_tokens, s.history)
+        out = sharding.sample(logits, params, s.num_tokens, s.history, mesh)
         s = _record(s.replace(cache=cache), out, params, stops)
         del batch
-        return s.replace(step=s.step + 1)
+        return sharding.constrain_state(s.replace(step=s.step + 1), mesh)
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -291,8 +297,13 @@ def prepare(
     *,
     n: int = 1,
     ignore_eos: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[ModelInfo, list[list[int]], SamplingParams]:
-    """Validate and expand inputs on the host: tokenized prompts and per-row params."""
+    """Validate and expand inputs on the host: tokenized prompts and per-row params.
+
+    With a `mesh`, the weights are laid over it and params gain dummy rows up to a
+    multiple of the data-axis size (`sharding.shard_inputs`); `ids` keeps the real rows.
+    """
     info = model_info(model)
     ids = _tokenize(prompts, info)
     if not isinstance(params, SamplingParams):
@@ -320,6 +331,7 @@ def prepare(
         ids = [ids[r] for r in rows]
     if info.eos_token_ids and not ignore_eos:
         params = _with_stop_ids(params, info.eos_token_ids)
+    info, params = sharding.shard_inputs(info, params, sharding.as_auto(mesh))
     return info, ids, params
 
 
@@ -354,8 +366,13 @@ def initial_state(
     stops: StopStrings | None,
     *,
     buffer_len: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeState:
-    """Pad the prompts, run prefill and return the state before the loop."""
+    """Pad the prompts, run prefill and return the state before the loop.
+
+    Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
+    """
+    ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     batch = len(ids)
     plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET)
     if buffer_len is None:
@@ -381,6 +398,7 @@ def initial_state(
         stops,
         buffer_len=buffer_len,
         num_top=num_top,
+        mesh=sharding.as_auto(mesh),
     )
 
 
@@ -489,6 +507,7 @@ def generate(
     *,
     n: int = 1,
     ignore_eos: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -506,14 +525,25 @@ def generate(
 
     Prefill and decode are two jit-compiled calls; prompt length and buffer length are
     bucketed to powers of two, so a new prompt length or max_tokens rarely compiles.
+
+    `mesh`: a `jax.sharding.Mesh` with axes "data" (rows) and "model" (weights, KV heads,
+    vocabulary) to run sharded, on one host or several (`logitloop.decoding.sharding`);
+    the tokens are those of the single-device run.
     """
-    info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos)
+    mesh = sharding.as_auto(mesh)
+    info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos, mesh=mesh)
     stops = stop_tables(info, params)
-    state = initial_state(info, ids, params, stops)
+    state = initial_state(info, ids, params, stops, mesh=mesh)
     state = decode(
-        info.runner, info.weights, state, params.device_only(), stops, jnp.asarray(2**30, jnp.int32)
+        info.runner,
+        info.weights,
+        state,
+        params.device_only(),
+        stops,
+        jnp.asarray(2**30, jnp.int32),
+        mesh=mesh,
     )
-    return collect(state, ids, params, info)
+    return collect(sharding.host_view(state, mesh), ids, params, info)
 
 
 @dataclasses.dataclass
@@ -535,6 +565,7 @@ def stream(
     n: int = 1,
     ignore_eos: bool = False,
     chunk_steps: int = 8,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -546,9 +577,10 @@ def stream(
     """
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
         raise ValueError(f"chunk_steps = {chunk_steps!r} is outside the allowed range [1, inf)")
-    info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos)
+    mesh = sharding.as_auto(mesh)
+    info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos, mesh=mesh)
     stops = stop_tables(info, params)
-    state = initial_state(info, ids, params, stops)
+    state = initial_state(info, ids, params, stops, mesh=mesh)
     device_params = params.device_only()
     batch = len(ids)
     tok = info.tokenizer
@@ -559,7 +591,9 @@ def stream(
     seqs = np.asarray(params.stop_sequences)
     while True:
         tokens, num, finish, matched, step = jax.device_get(
-            (state.tokens, state.num_tokens, state.finish, state.matched, state.step)
+            sharding.host_view(
+                (state.tokens, state.num_tokens, state.finish, state.matched, state.step), mesh
+            )
         )
         for r in sorted(open_rows):
             k, code = int(num[r]), int(finish[r])
@@ -600,4 +634,5 @@ def stream(
             device_params,
             stops,
             jnp.asarray(int(step) + chunk_steps, jnp.int32),
+            mesh=mesh,
         )

@@ -1,0 +1,291 @@
+"""Decode-loop benchmark: `generate` against the model's own cost, a Python loop and a peer.
+
+    python scripts/bench_generate.py                       # loop overhead (floor, Python loop)
+    python scripts/bench_generate.py --peer transformers   # also transformers.generate, on CPU
+    python scripts/bench_generate.py --out bench_out/generate.json
+
+Part 1, loop overhead, on the same model and batch, in one run:
+- `generate`: `logitloop.generate` (prefill + one `lax.while_loop`), sampling included.
+- `floor`: the same prefill and number of forward steps with argmax in a `lax.scan`: the
+  model's own cost, with nothing of logitloop's sampler or stop bookkeeping.
+- `python loop`: a Python loop that calls a jitted single step (forward + `logitloop.sample`).
+Run on a ~40M-parameter Llama (batch 8) and on a tiny one where dispatch dominates.
+
+Part 2 (`--peer transformers`): the same ~40M-parameter Llama checkpoint, written by
+`transformers` and loaded by logitloop, generating 128 tokens from 64-token prompts at batch 1
+and 8, greedy and top-p 0.9, in logitloop and in `transformers`' `generate` (PyTorch CPU).
+Compile time is reported separately; tokens per second exclude it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import logitloop as ll
+from logitloop.decoding.model import model_info
+from logitloop.models import LlamaConfig, LlamaModel
+
+MODELS = {
+    # ~41.7M parameters with tied embeddings.
+    "llama-40m": dict(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1376, vocab=32000),
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512),
+}
+
+
+def config(name: str, context: int = 1024) -> LlamaConfig:
+    m = MODELS[name]
+    return LlamaConfig(
+        vocab_size=m["vocab"],
+        hidden_size=m["hidden"],
+        intermediate_size=m["ffn"],
+        num_layers=m["layers"],
+        num_heads=m["heads"],
+        num_kv_heads=m["kv_heads"],
+        head_dim=m["hidden"] // m["heads"],
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+    )
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def first_call(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+@functools.partial(jax.jit, static_argnames=("runner", "steps", "cache_len"))
+def scan_floor(runner, weights, prompt, positions, lens, *, steps, cache_len):
+    """Prefill, then `steps` forward passes with argmax: the model's own cost."""
+    batch = prompt.shape[0]
+    cache = runner.init_cache(weights, batch, cache_len)
+    logits, cache = runner.forward(weights, prompt, positions, cache)
+
+    def step(carry, i):
+        logits, cache = carry
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits, cache = runner.forward(weights, tok[:, None], (lens + i)[:, None], cache)
+        return (logits, cache), tok
+
+    (_, _), toks = jax.lax.scan(step, (logits, cache), jnp.arange(steps))
+    return toks
+
+
+@functools.partial(jax.jit, static_argnames=("runner",), donate_argnames=("cache",))
+def single_step(runner, weights, tok, pos, cache, params, index):
+    logits, cache = runner.forward(weights, tok[:, None], pos[:, None], cache)
+    out = ll.sample(logits, params, index)
+    return out.tokens, cache
+
+
+def python_loop(info, prompt, positions, lens, params, steps, cache_len):
+    cache = info.runner.init_cache(info.weights, prompt.shape[0], cache_len)
+    logits, cache = jax.jit(info.runner.forward)(info.weights, prompt, positions, cache)
+    tok = ll.sample(logits, params, jnp.zeros_like(lens)).tokens
+    for i in range(steps):
+        tok, cache = single_step(
+            info.runner, info.weights, tok, lens + i, cache, params, jnp.full_like(lens, i + 1)
+        )
+    return tok
+
+
+def loop_overhead(name: str, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+    model = LlamaModel(config(name), rngs=nnx.Rngs(0))
+    info = model_info(model)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, info.vocab_size, (batch, prompt_len)).tolist()
+    params = ll.SamplingParams.create(batch_size=batch, temperature=0.0, max_tokens=new_tokens)
+    run_generate = lambda: ll.generate(model, prompts, params, ignore_eos=True).token_ids  # noqa: E731
+
+    # The same padded shapes generate uses.
+    plen = ll.decoding.generate.bucket(prompt_len, ll.decoding.generate.MIN_PROMPT_BUCKET)
+    buf = ll.decoding.generate.bucket(new_tokens, ll.decoding.generate.MIN_BUFFER_BUCKET)
+    prompt = np.zeros((batch, plen), np.int32)
+    positions = np.full((batch, plen), -1, np.int32)
+    prompt[:, plen - prompt_len :] = prompts
+    positions[:, plen - prompt_len :] = np.arange(prompt_len)
+    prompt, positions = jnp.asarray(prompt), jnp.asarray(positions)
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    run_floor = functools.partial(
+        scan_floor,
+        info.runner,
+        info.weights,
+        prompt,
+        positions,
+        lens,
+        steps=new_tokens - 1,
+        cache_len=plen + buf,
+    )
+    dev_params = params.device_only()
+    run_loop = lambda: python_loop(  # noqa: E731
+        info, prompt, positions, lens, dev_params, new_tokens - 1, plen + buf
+    )
+    out = {"model": name, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
+    for label, fn in (("generate", run_generate), ("floor", run_floor), ("python loop", run_loop)):
+        out[label + " compile+first"] = first_call(fn)
+        out[label] = median_time(fn, repeats)
+    # Same tokens from all three (greedy), as a sanity check of the comparison.
+    toks = np.asarray(ll.generate(model, prompts, params, ignore_eos=True).token_ids)
+    floor_toks = np.concatenate(
+        [
+            np.asarray(
+                jnp.argmax(
+                    jax.jit(info.runner.forward)(
+                        info.weights,
+                        prompt,
+                        positions,
+                        info.runner.init_cache(info.weights, batch, plen + buf),
+                    )[0],
+                    -1,
+                )
+            )[:, None],
+            np.asarray(run_floor()).T,
+        ],
+        axis=1,
+    )[:, :new_tokens]
+    out["same_tokens_as_floor"] = bool((toks == floor_toks).all())
+    return out
+
+
+def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> list[dict]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    c = MODELS["llama-40m"]
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["hidden"],
+        intermediate_size=c["ffn"],
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"],
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    folder = Path(tempfile.mkdtemp()) / "llama-40m"
+    hf.save_pretrained(folder)
+    model = ll.load_pretrained(folder, dtype=jnp.float32)
+    n_params = sum(p.numel() for p in hf.parameters())
+    rows = []
+    for batch in batch_sizes:
+        rng = np.random.default_rng(batch)
+        prompts = rng.integers(1, c["vocab"], (batch, prompt_len))
+        for mode in ("greedy", "top-p 0.9"):
+            greedy = mode == "greedy"
+            params = ll.SamplingParams.create(
+                batch_size=batch,
+                temperature=0.0 if greedy else 1.0,
+                top_p=1.0 if greedy else 0.9,
+                max_tokens=new_tokens,
+                seed=list(range(batch)),
+            )
+            ours = lambda: ll.generate(model, prompts.tolist(), params, ignore_eos=True)  # noqa: E731
+            compile_s = first_call(lambda: ours().token_ids)
+            t_ours = median_time(lambda: ours().token_ids, repeats)
+            ids = torch.tensor(prompts)
+            kwargs = dict(
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=not greedy,
+                top_p=None if greedy else 0.9,
+                top_k=None,
+                temperature=None if greedy else 1.0,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=0,
+            )
+            with torch.inference_mode():
+                hf.generate(ids, **kwargs)  # warm-up
+                t_hf = median_time(lambda: hf.generate(ids, **kwargs), repeats)
+            if greedy:
+                with torch.inference_mode():
+                    ref = hf.generate(ids, **kwargs)[:, prompt_len:].numpy()
+                same = float((np.asarray(ours().token_ids) == ref).mean())
+            else:
+                same = float("nan")
+            tokens = batch * new_tokens
+            rows.append(
+                {
+                    "batch": batch,
+                    "mode": mode,
+                    "params": int(n_params),
+                    "logitloop tok/s": tokens / t_ours,
+                    "transformers tok/s": tokens / t_hf,
+                    "speedup": t_hf / t_ours,
+                    "logitloop compile s": compile_s,
+                    "greedy token agreement": same,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peer", choices=["transformers"], default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    report: dict = {"jax": jax.__version__}
+    if not args.skip_overhead:
+        report["overhead"] = []
+        print(
+            f"{'model':>10} {'batch':>5} {'generate s':>10} {'floor s':>8} {'python s':>9} "
+            f"{'gen/floor':>9} {'python/gen':>10} same"
+        )
+        for name, batch in (("llama-40m", 8), ("tiny", 8), ("tiny", 1)):
+            r = loop_overhead(name, batch, args.prompt, args.new_tokens, args.repeats)
+            report["overhead"].append(r)
+            print(
+                f"{name:>10} {batch:>5} {r['generate']:>10.3f} {r['floor']:>8.3f} "
+                f"{r['python loop']:>9.3f} {r['generate'] / r['floor']:>9.2f} "
+                f"{r['python loop'] / r['generate']:>10.2f} {r['same_tokens_as_floor']}",
+                flush=True,
+            )
+    if args.peer == "transformers":
+        rows = peer_transformers([1, 8], args.prompt, args.new_tokens, args.repeats, args.threads)
+        report["transformers"] = rows
+        print(
+            f"{'batch':>5} {'mode':>10} {'logitloop tok/s':>15} {'transformers tok/s':>18} "
+            f"{'speedup':>7} {'compile s':>9} {'greedy agree':>12}"
+        )
+        for r in rows:
+            print(
+                f"{r['batch']:>5} {r['mode']:>10} {r['logitloop tok/s']:>15.1f} "
+                f"{r['transformers tok/s']:>18.1f} {r['speedup']:>7.2f} "
+                f"{r['logitloop compile s']:>9.1f} {r['greedy token agreement']:>12.3f}"
+            )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

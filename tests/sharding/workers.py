@@ -1,0 +1,299 @@
+"""JAX work for the sharding tests, run in subprocesses with 8 (or 2) fake CPU devices.
+
+`python -m tests.sharding.workers NAME [ARGS...]` from the repository root; the parent test
+sets XLA_FLAGS / JAX_PLATFORMS in the environment before this module imports jax. Each
+worker prints one JSON line prefixed with RESULT: that the test parses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import logitloop as ll  # noqa: E402
+from logitloop.decoding import sharding  # noqa: E402
+from logitloop.models import LlamaConfig, LlamaModel, save_converted  # noqa: E402
+
+VOCAB = 256
+
+
+def tiny_model(seed: int = 0) -> LlamaModel:
+    """2 layers, 8 query heads over 4 kv heads: with a model axis of 8 the kv heads fall
+    back to replication, with 4 everything divides."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        max_position_embeddings=128,
+        eos_token_id=(1,),
+    )
+    model = LlamaModel(config, rngs=nnx.Rngs(seed))
+    # Sharper logits than the 0.02 init gives, so sampled rows are far from uniform.
+    model.lm_head[...] = model.lm_head[...] * 40.0
+    return model
+
+
+PROMPTS = [[5, 9, 13], [7, 3, 200, 41, 17, 99, 8], [250], [11] * 12, [4, 8, 15, 16, 23]]
+
+
+def mixed_params() -> ll.SamplingParams:
+    """A ragged batch with mixed rows: greedy (row 0), top-p, top-k, top-p with min-p and
+    top-k over more than the 64 candidates; penalties, bias, bans, min_tokens, logprobs."""
+    return ll.SamplingParams.create(
+        batch_size=5,
+        temperature=[0.0, 0.8, 1.0, 1.3, 0.7],
+        top_k=[0, 0, 20, 0, 100],
+        top_p=[1.0, 0.9, 1.0, 0.6, 1.0],
+        min_p=[0.0, 0.0, 0.0, 0.05, 0.0],
+        repetition_penalty=[1.0, 1.2, 1.0, 1.0, 1.1],
+        presence_penalty=[0.0, 0.0, 0.5, 0.0, 0.0],
+        frequency_penalty=[0.0, 0.0, 0.0, 0.3, 0.0],
+        logit_bias=[{3: 2.0}, None, {17: -5.0, 200: 3.0}, None, None],
+        banned_token_ids=[[], [0, 2], [], [5], []],
+        seed=[0, 1, 2, 3, 4],
+        max_tokens=[8, 12, 5, 10, 16],
+        min_tokens=[0, 2, 0, 0, 3],
+        logprobs=[0, 3, 0, 0, 5],
+    )
+
+
+def summarize(result: ll.GenerationResult) -> dict:
+    return {
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "logprobs": result.logprobs,
+        "raw_logprobs": result.raw_logprobs,
+        "top_ids": None
+        if result.top_logprobs is None
+        else [[sorted(d) for d in row] for row in result.top_logprobs],
+    }
+
+
+def emit(obj) -> None:
+    print("RESULT:" + json.dumps(obj), flush=True)
+
+
+def make_mesh(shape, devices=None):
+    return jax.make_mesh(tuple(shape), ("data", "model"), devices=devices)
+
+
+def worker_meshes() -> None:
+    """generate on one device and on (8,1), (2,4), (1,8); stream and an Orbax restore on
+    (2,4) (these two reuse the compiled (2,4) programs)."""
+    t0 = time.time()
+    model = tiny_model()
+    params = mixed_params()
+    out: dict = {"single": summarize(ll.generate(model, PROMPTS, params)), "meshes": {}}
+    for shape in [(8, 1), (2, 4), (1, 8)]:
+        mesh = make_mesh(shape)
+        out["meshes"][f"{shape[0]}x{shape[1]}"] = summarize(
+            ll.generate(model, PROMPTS, params, mesh=mesh)
+        )
+    mesh = make_mesh((2, 4))
+    # stream on the mesh: deltas concatenate to generate's tokens
+    streamed = [[] for _ in PROMPTS]
+    finish = [None] * len(PROMPTS)
+    for ev in ll.stream(model, PROMPTS, params, mesh=mesh, chunk_steps=3):
+        assert 0 <= ev.row < len(PROMPTS), ev.row
+        streamed[ev.row] += ev.token_ids
+        if ev.finish_reason is not None:
+            finish[ev.row] = ev.finish_reason
+    out["stream_2x4"] = {"token_ids": streamed, "finish_reason": finish}
+    # Orbax: restore a converted checkpoint straight onto the (2, 4) mesh's shardings.
+    with tempfile.TemporaryDirectory() as tmp:
+        save_converted(model, os.path.join(tmp, "conv"))
+        restored = sharding.restore_sharded(os.path.join(tmp, "conv"), mesh)
+        wq = restored.layers[0].wq[...]
+        wk = restored.layers[0].wk[...]
+        head = restored.lm_head[...]
+        norm = restored.final_norm[...]
+        out["restored_layout"] = {
+            "wq": [str(wq.sharding.spec), list(wq.addressable_shards[0].data.shape)],
+            "wk": [str(wk.sharding.spec), list(wk.addressable_shards[0].data.shape)],
+            "lm_head": [str(head.sharding.spec), list(head.addressable_shards[0].data.shape)],
+            "final_norm": [str(norm.sharding.spec), list(norm.addressable_shards[0].data.shape)],
+        }
+        out["restored_2x4"] = summarize(ll.generate(restored, PROMPTS, params, mesh=mesh))
+    out["seconds"] = time.time() - t0
+    emit(out)
+
+
+def _random_logits(rng, batch, vocab):
+    x = rng.normal(size=(batch, vocab)).astype(np.float32) * rng.uniform(0.5, 4.0, (batch, 1))
+    x[0, :] = 0.0  # all tied
+    x[1, 7::11] = x[1].max() + 1.0  # ties at the top
+    x[2, 100:] = -np.inf  # masked tail
+    return jnp.asarray(x)
+
+
+def worker_sampler() -> None:
+    """The vocabulary-sharded operator and sampling step against the unsharded ones."""
+    from logitloop.decoding import sampler
+    from logitloop.ops.sampling import sharded, xla
+    from logitloop.ops.sampling.noise import row_keys
+
+    t0 = time.time()
+    rng = np.random.default_rng(0)
+    batch, vocab = 16, 1024
+    settings = {
+        "greedy": dict(top_k=1),
+        "temperature": dict(),
+        "top_k_small": dict(top_k=5),
+        "top_k_far": dict(top_k=300),  # > 64 candidates: count bisection
+        "top_p_narrow": dict(top_p=0.3),
+        "top_p_wide": dict(top_p=0.995),  # nucleus wider than the candidates: mass bisection
+        "min_p": dict(min_p=0.05),
+        "mixed": dict(
+            top_k=rng.choice([0, 1, 3, 40, 200, 2000], batch),
+            top_p=rng.choice([1.0, 0.2, 0.9, 0.999], batch),
+            min_p=rng.choice([0.0, 0.0, 0.1], batch),
+        ),
+    }
+    meshes = {"1x8": (make_mesh((1, 8)), None), "2x4": (make_mesh((2, 4)), "data")}
+    mismatches: list = []
+    compared = 0
+    ref = jax.jit(xla.filter_and_sample)
+    fns = {
+        k: jax.jit(
+            lambda *a, m=m, b=b: sharded.filter_and_sample_sharded(*a, mesh=m, batch_axis=b)
+        )
+        for k, (m, b) in meshes.items()
+    }
+    for name, s in settings.items():
+        top_k = jnp.asarray(np.broadcast_to(s.get("top_k", 0), batch), jnp.int32)
+        top_p = jnp.asarray(np.broadcast_to(s.get("top_p", 1.0), batch), jnp.float32)
+        min_p = jnp.asarray(np.broadcast_to(s.get("min_p", 0.0), batch), jnp.float32)
+        greedy = top_k == 1
+        for trial in range(3):
+            x = _random_logits(rng, batch, vocab)
+            key = row_keys(jnp.arange(batch, dtype=jnp.uint32) + 100 * trial, jnp.zeros(batch))
+            want, want_thr = ref(x, top_k, top_p, min_p, greedy, key)
+            for mname, fn in fns.items():
+                got, got_thr = fn(x, top_k, top_p, min_p, greedy, key)
+                compared += batch
+                if not np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens)):
+                    mismatches.append([name, mname, trial, "tokens"])
+                if not all(
+                    np.array_equal(np.asarray(a), np.asarray(b))
+                    for a, b in zip(jax.tree.leaves(got_thr), jax.tree.leaves(want_thr),
+                                    strict=True)
+                ) and name not in ("top_p_narrow", "top_p_wide", "mixed"):
+                    mismatches.append([name, mname, trial, "thresholds"])
+                lp_err = float(np.max(np.abs(np.asarray(got.logprobs) - np.asarray(want.logprobs))))
+                if not lp_err < 1e-4:
+                    mismatches.append([name, mname, trial, f"logprobs {lp_err}"])
+    # The whole sampling step, every knob, against sampler.sample.
+    step_mismatch: list = []
+    params = ll.SamplingParams.create(
+        batch_size=batch,
+        temperature=rng.choice([0.0, 0.5, 1.0, 1.5], batch),
+        top_k=rng.choice([0, 1, 10, 300], batch),
+        top_p=rng.choice([1.0, 0.5, 0.95], batch),
+        min_p=rng.choice([0.0, 0.02], batch),
+        repetition_penalty=rng.choice([1.0, 1.3], batch),
+        presence_penalty=rng.choice([0.0, 0.7], batch),
+        frequency_penalty=rng.choice([0.0, -0.4], batch),
+        logit_bias=[{int(rng.integers(vocab)): 5.0, 900: -3.0} for _ in range(batch)],
+        banned_token_ids=[[int(t) for t in rng.integers(0, vocab, 3)] for _ in range(batch)],
+        allowed_token_ids=[None] * (batch - 2) + [[3, 500, 1000], [7]],
+        stop_token_ids=[1, 513],
+        min_tokens=rng.choice([0, 5], batch),
+        max_tokens=8,
+        seed=rng.integers(0, 2**32, batch),
+        logprobs=rng.choice([0, 4, 20], batch),
+    )
+    hist = ll.History.create(
+        [list(rng.integers(0, vocab, int(n))) for n in rng.integers(1, 9, batch)],
+        vocab_size=vocab,
+        capacity=8,
+    )
+    for _ in range(3):
+        hist = hist.append(jnp.asarray(rng.integers(0, vocab, batch), jnp.int32))
+    want_fn = jax.jit(sampler.sample)
+    for mname, (mesh, b) in meshes.items():
+        got_fn = jax.jit(
+            lambda lg, p, pos, h, m=mesh, b=b: sharding.sample_sharded(
+                lg, p, pos, h, mesh=m, batch_axis=b
+            )
+        )
+        for trial in range(2):
+            x = np.array(_random_logits(rng, batch, vocab))
+            x[3, 10] = np.nan  # a bad row
+            x = jnp.asarray(x)
+            pos = jnp.asarray(rng.integers(0, 8, batch), jnp.int32)
+            want = want_fn(x, params, pos, hist)
+            got = got_fn(x, params, pos, hist)
+            compared += batch
+            for field in ("tokens", "status"):
+                if not np.array_equal(np.asarray(getattr(got, field)),
+                                      np.asarray(getattr(want, field))):
+                    step_mismatch.append([mname, trial, field])
+            for field in ("logprobs", "raw_logprobs"):
+                a, b2 = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+                if not np.allclose(a, b2, atol=1e-4, equal_nan=True):
+                    step_mismatch.append([mname, trial, field])
+            if not np.array_equal(np.asarray(got.top_logprobs.ids),
+                                  np.asarray(want.top_logprobs.ids)):
+                step_mismatch.append([mname, trial, "top_ids"])
+    # top_k_sharded is lax.top_k
+    x = _random_logits(rng, batch, vocab)
+    v, i = sharded.top_k_sharded(x, 70, mesh=meshes["1x8"][0])
+    wv, wi = jax.lax.top_k(x, 70)
+    topk_ok = bool(np.array_equal(np.asarray(i), np.asarray(wi))) and bool(
+        np.array_equal(np.asarray(v), np.asarray(wv))
+    )
+    emit({"mismatches": mismatches, "step_mismatches": step_mismatch, "compared": compared,
+          "top_k_ok": topk_ok, "seconds": time.time() - t0})
+
+
+def worker_multiprocess(process_id: int, port: int) -> None:
+    """One of two processes (2 CPU devices each) joined by jax.distributed."""
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
+    model = tiny_model()
+    params = mixed_params()
+    # Rows over the processes ("data" spans them), weights over each process's 2 devices.
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
+    result = {
+        "process": process_id,
+        "sharded": summarize(ll.generate(model, PROMPTS, params, mesh=mesh)),
+        "streamed": [[] for _ in PROMPTS],
+    }
+    for ev in ll.stream(model, PROMPTS, params, mesh=mesh, chunk_steps=5):
+        result["streamed"][ev.row] += ev.token_ids
+    if process_id == 0:  # the single-device reference, on this process's first device
+        result["single"] = summarize(ll.generate(model, PROMPTS, params))
+    emit(result)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1:]
+    if name == "meshes":
+        worker_meshes()
+    elif name == "sampler":
+        worker_sampler()
+    elif name == "multiprocess":
+        worker_multiprocess(int(args[0]), int(args[1]))
+    else:
+        raise SystemExit(f"unknown worker {name!r}")
