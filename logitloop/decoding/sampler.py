@@ -70,6 +70,8 @@ class Processed:
     """Intermediate results of one step, for `sample` and for inspection (`explain`)."""
 
     raw: jax.Array  # [B, V] f32, the model's logits
+    raw_max: jax.Array  # [B] f32, row max of the raw logits (0 on bad rows)
+    raw_norm: jax.Array  # [B] f32, log(sum(exp(raw - raw_max)))
     adjusted: jax.Array  # [B, V] f32, after masks, bias, min_tokens and penalties (steps 1-3)
     scaled: jax.Array  # [B, V] f32, after temperature (step 4), NaN replaced by -inf
     greedy: jax.Array  # [B] bool
@@ -81,7 +83,11 @@ def adjust_logits(
 ) -> Processed:
     """Steps 1-4: masks and bias, min_tokens, penalties, temperature."""
     raw = logits.astype(jnp.float32)
-    bad = jnp.any(jnp.isnan(raw) | (raw == jnp.inf), axis=1)
+    raw_max = jnp.max(raw, axis=1)  # [B]; XLA's max propagates NaN
+    bad = jnp.isnan(raw_max) | (raw_max == jnp.inf)
+    raw_max = jnp.where(jnp.isfinite(raw_max), raw_max, 0.0)
+    # Kept relative to the max: at |logits| ~ 1e4 an absolute logsumexp loses ~1e-3.
+    raw_norm = jnp.log(jnp.sum(jnp.exp(raw - raw_max[:, None]), axis=1))
     z = transforms.allowed_mask(raw, params.allowed_ids, params.has_allowed)
     z = transforms.logit_bias(z, params.bias_ids, params.bias_values)
     z = transforms.ban_tokens(z, params.banned_ids)
@@ -98,7 +104,15 @@ def adjust_logits(
     x = jnp.where(jnp.isnan(x), NEG_INF, x)
     all_masked = jnp.max(x, axis=1) == NEG_INF
     status = jnp.where(bad, STATUS_BAD_LOGITS, jnp.where(all_masked, STATUS_ALL_MASKED, STATUS_OK))
-    return Processed(raw=raw, adjusted=z, scaled=x, greedy=greedy, status=status.astype(jnp.int32))
+    return Processed(
+        raw=raw,
+        raw_max=raw_max,
+        raw_norm=raw_norm,
+        adjusted=z,
+        scaled=x,
+        greedy=greedy,
+        status=status.astype(jnp.int32),
+    )
 
 
 def _top_logprobs(raw_logp: jax.Array, n: jax.Array) -> TopLogprobs:
@@ -147,12 +161,16 @@ def sample(
     batch, vocab = proc.raw.shape
     ok = proc.status == STATUS_OK
     tokens = jnp.where(ok, jnp.clip(drawn.tokens, 0, vocab - 1), 0)
-    raw_safe = jnp.where(jnp.isnan(proc.raw), NEG_INF, proc.raw)
-    raw_logp = jax.nn.log_softmax(jnp.where(ok[:, None], raw_safe, 0.0), axis=1)
-    raw_tok = jnp.take_along_axis(raw_logp, tokens[:, None], axis=1)[:, 0]
+    # The raw log-softmax at one token per row; the full [B, V] array only when top-n is asked.
+    norm = jnp.where(ok, proc.raw_norm, 0.0)
+    shift = proc.raw_max[:, None]
+    raw_tok = (jnp.take_along_axis(proc.raw, tokens[:, None], axis=1) - shift)[:, 0] - norm
     top = jax.lax.cond(
         jnp.any(params.logprobs > 0),
-        lambda: _top_logprobs(raw_logp, jnp.where(ok, params.logprobs, 0)),
+        lambda: _top_logprobs(
+            jnp.where(ok[:, None], proc.raw - shift, 0.0) - norm[:, None],
+            jnp.where(ok, params.logprobs, 0),
+        ),
         lambda: _no_top_logprobs(batch),
     )
     return SampleOutput(

@@ -43,11 +43,13 @@ BLOCK = 1024
 NUM_PIVOTS = 16
 NEG_INF = float("-inf")
 
-# The Pallas GPU backend, chosen here and nowhere else. Triton: it lowers for CUDA from a
-# CPU-only jaxlib (to an XLA Triton custom call compiled on the GPU) and runs on sm_80+.
-# Without compiler params jax 0.10 picks Mosaic GPU, whose `pallas_call` path is
-# deprecated and wants TMA-sized (<= 256 per dimension) SMEM blocks instead of this
-# kernel's loop over a row in global memory.
+# The Pallas GPU backend, chosen here and nowhere else: Triton. It lowers for CUDA from a
+# CPU-only jaxlib (to XLA's `__gpu$xla.gpu.triton` custom call, compiled with the rest of
+# the program), and XLA's compile-only CUDA client turns it into sm_90 code without a GPU
+# (tests/ops). Without compiler params jax 0.10 picks Mosaic GPU, whose `pallas_call` path
+# is deprecated and whose blocks are TMA copies into shared memory (<= 256 per dimension),
+# not this kernel's loop over a row in global memory. Triton is deprecated from jax 0.11;
+# moving to Mosaic GPU means `plgpu.kernel` with explicit SMEM staging, not a new constant.
 COMPILER_PARAMS = pltriton.CompilerParams(num_warps=4)
 
 
@@ -57,8 +59,7 @@ def _fold_row(x_ref, fn, init, *, block: int, run=True):
     x: [block] f32; ids: [block] i32 token ids; valid: [block] bool, False on lanes an
     earlier block already covered (only in the last block, which is read ending at the
     row's end so that no load goes past it). `run`: [] bool, False returns `init` without
-    reading the row (a trip count of zero rather than `lax.cond`, whose Triton lowering
-    cannot return constants).
+    reading the row.
     """
     vocab = x_ref.shape[0]
     num_blocks = pl.cdiv(vocab, block)
@@ -70,7 +71,14 @@ def _fold_row(x_ref, fn, init, *, block: int, run=True):
         x = x_ref[pl.ds(read_at, block)]
         return fn(carry, x, ids, ids >= start)
 
-    return jax.lax.fori_loop(0, jnp.where(run, num_blocks, 0), body, init)
+    if run is True:
+        return jax.lax.fori_loop(0, num_blocks, body, init)
+    # Not `fori_loop` with a dynamic trip count (Triton rejects the `scf.for` it lowers to)
+    # nor `cond` (its Triton lowering cannot return constants): a plain while loop.
+    _, out = jax.lax.while_loop(
+        lambda bc: run & (bc[0] < num_blocks), lambda bc: (bc[0] + 1, body(*bc)), (0, init)
+    )
+    return out
 
 
 def _largest_threshold(x_ref, stat_fn, target, lo, hi, run, *, block: int, num_pivots: int):
@@ -95,7 +103,7 @@ def _largest_threshold(x_ref, stat_fn, target, lo, hi, run, *, block: int, num_p
         stats = _fold_row(x_ref, add, jnp.zeros((num_pivots,), target.dtype), block=block)
         ok = stats >= target  # [P], True on a prefix
         new_lo = jnp.max(jnp.where(ok, pivots, lo))
-        new_hi = jnp.min(jnp.where(ok, hi, pivots))
+        new_hi = jnp.min(jnp.where(ok, hi, pivots - jnp.uint32(1)))
         return new_lo, new_hi
 
     lo, _ = jax.lax.while_loop(lambda lohi: run & (lohi[0] < lohi[1]), search, (lo, hi))

@@ -104,11 +104,14 @@ def interval_threshold(
 
     def cond(st):
         step, lo, hi, n_in, _ = st
-        return (step < 80) & jnp.any(active & (n_in > c) & (lo < hi))
+        return (step < 64) & jnp.any(active & (n_in > c) & (lo < hi))
 
     def body(st):
         step, lo, hi, n_in, w_hi = st
-        mid = lo + 0.5 * (hi - lo)
+        # Halve in value first (few steps on dense rows), then in the float's bit order,
+        # which reaches adjacent floats within 32 steps even where values pile up at 0.
+        by_key = key_to_float(sortable_key(lo) + ((sortable_key(hi) - sortable_key(lo)) >> 1))
+        mid = jnp.where(step < 16, lo + 0.5 * (hi - lo), by_key)
         split = active & (n_in > c) & (mid > lo) & (mid < hi)  # adjacent floats: stop
         w_mid, n_upper, n_lower = stats(lo, mid, hi)
         go_up = w_mid >= target  # the answer is above mid
