@@ -18,7 +18,7 @@ import logitloop
 # The checkpoint every test runs. Until the shipped model (logitloop/models/tiny/) exists the
 # tests use a stand-in; set STAND_IN_MODEL = None to run the shipped default (no --model).
 # LOGITLOOP_CLI_TEST_MODEL, when set, overrides both ("" = the shipped default).
-STAND_IN_MODEL: str | None = "/tmp/tt/out"
+STAND_IN_MODEL: str | None = None
 
 TIMEOUT_S = 300
 A, B = 100, 200  # two ordinary token ids for the forced-stop lines

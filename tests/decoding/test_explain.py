@@ -18,7 +18,7 @@ from logitloop.decoding.generate import initial_state, prepare
 # The checkpoint these tests run. Until the shipped model (logitloop/models/tiny/) exists they
 # use a stand-in; set STAND_IN_MODEL = None to run the shipped default (load_pretrained(None)).
 # LOGITLOOP_CLI_TEST_MODEL, when set, overrides it ("" = the shipped default).
-STAND_IN_MODEL: str | None = "/tmp/tt/out"
+STAND_IN_MODEL: str | None = None
 
 PROMPT = "Once upon a time"
 NUM_DRAWS = 6000
