@@ -214,11 +214,9 @@ def main() -> None:
             log.append({"step": done, "train_loss": float(loss), "val_loss": v})
             print(f"step {done} validation loss {v:.3f} (ppl {math.exp(v):.1f})", flush=True)
         if args.max_minutes is not None and time.time() - t0 > 60 * args.max_minutes:
-            manager.save(
-                done,
-                args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                force=True,
-            )
+            if manager.latest_step() != done:
+                state = {"params": params, "opt_state": opt_state}
+                manager.save(done, args=ocp.args.StandardSave(state), force=True)
             manager.wait_until_finished()
             print(f"stopping after {done} steps (--max-minutes); run again to resume")
             return
