@@ -90,15 +90,16 @@ def interval_threshold(
     lo0 = jnp.where(jnp.isfinite(lo0), lo0, 0.0)
     hi0 = upper
 
+    w = weight_fn(x)  # [B, V], computed once: each step then only compares and sums
+
     def stats(lo, mid, hi):
-        w = weight_fn(x)
         above_mid = jnp.sum(jnp.where(x > mid[:, None], w, 0.0), axis=1)
         upper_half = jnp.sum((x > mid[:, None]) & (x <= hi[:, None]), axis=1)
         lower_half = jnp.sum((x > lo[:, None]) & (x <= mid[:, None]), axis=1)
         return above_mid, upper_half, lower_half
 
     w_lo, n_in, _ = stats(lo0, lo0, hi0)  # W(x > lo0) and the count in (lo0, hi0]
-    w_hi = jnp.sum(jnp.where(x > hi0[:, None], weight_fn(x), 0.0), axis=1)
+    w_hi = jnp.sum(jnp.where(x > hi0[:, None], w, 0.0), axis=1)
     reachable = w_lo >= target
     active = need & reachable
 
