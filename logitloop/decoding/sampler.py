@@ -83,9 +83,10 @@ def adjust_logits(
 ) -> Processed:
     """Steps 1-4: masks and bias, min_tokens, penalties, temperature."""
     raw = logits.astype(jnp.float32)
-    raw_max = jnp.max(raw, axis=1)  # [B]; XLA's max propagates NaN
-    bad = jnp.isnan(raw_max) | (raw_max == jnp.inf)
-    raw_max = jnp.where(jnp.isfinite(raw_max), raw_max, 0.0)
+    # An explicit test: a vectorised max on XLA:CPU does not reliably propagate NaN.
+    bad = jnp.any(jnp.isnan(raw) | (raw == jnp.inf), axis=1)
+    raw_max = jnp.max(raw, axis=1)  # [B]
+    raw_max = jnp.where(bad | ~jnp.isfinite(raw_max), 0.0, raw_max)
     # Kept relative to the max: at |logits| ~ 1e4 an absolute logsumexp loses ~1e-3.
     raw_norm = jnp.log(jnp.sum(jnp.exp(raw - raw_max[:, None]), axis=1))
     z = transforms.allowed_mask(raw, params.allowed_ids, params.has_allowed)
