@@ -135,6 +135,22 @@ def interval_threshold(
     return jnp.where(active, answer, NEG_INF)
 
 
+def rows_that_need(fn, need: jax.Array, fill, *args):
+    """`fn` on the rows where `need` holds, one row at a time; `fill` elsewhere.
+
+    fn takes each argument with a batch axis of one and returns a pytree of [1, ...]
+    arrays (`fill` has the same structure). The fallbacks below cost passes over the whole
+    vocabulary; run batched, one wide row would make every row of the batch pay for them.
+    """
+
+    def one(row):
+        want, *row_args = row
+        return jax.lax.cond(want, lambda: fn(*(a[None] for a in row_args)), lambda: fill)
+
+    out = jax.lax.map(one, (need, *args))
+    return jax.tree.map(lambda a: a[:, 0], out)
+
+
 def thresholds(
     x: jax.Array,  # [B, V] f32
     top_k: jax.Array,  # [B] i32
@@ -153,12 +169,14 @@ def thresholds(
     k_in_cand = k_on & (top_k <= c)
     t_k_cand = jnp.take_along_axis(cand_x, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=1)[:, 0]
     k_far = k_on & ~k_in_cand
-    t_k_far = jax.lax.cond(
-        jnp.any(k_far),
-        lambda: interval_threshold(
-            x, jnp.ones_like, top_k.astype(jnp.float32), last_cand, k_far, c
-        ),
-        lambda: jnp.full_like(row_max, NEG_INF),
+    no_answer = jnp.full((1,), NEG_INF, jnp.float32)
+    t_k_far = rows_that_need(
+        lambda xr, kr, ur: interval_threshold(xr, jnp.ones_like, kr, ur, jnp.ones(1, bool), c),
+        k_far,
+        no_answer,
+        x,
+        top_k.astype(jnp.float32),
+        last_cand,
     )
     t_k = jnp.where(k_in_cand, t_k_cand, jnp.where(k_far, t_k_far, NEG_INF))
 
@@ -166,8 +184,8 @@ def thresholds(
     p_on = top_p < 1.0
     safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)[:, None]
 
-    def mass(v):  # [B, N] -> weights of the top-k survivors, relative to the row max
-        return jnp.where(v >= t_k[:, None], jnp.exp(v - safe_max), 0.0)
+    def mass(v, t_k=t_k, m=safe_max):  # [B, N] -> top-k survivors' weights, relative to max
+        return jnp.where(v >= t_k[:, None], jnp.exp(v - m), 0.0)
 
     target = top_p * jnp.sum(mass(x), axis=1)  # [B]
     cum = jnp.cumsum(mass(cand_x), axis=1)
@@ -175,10 +193,17 @@ def thresholds(
     p_in_cand = p_on & (reach < c)
     t_p_cand = jnp.take_along_axis(cand_x, jnp.minimum(reach, c - 1)[:, None], axis=1)[:, 0]
     p_far = p_on & ~p_in_cand
-    t_p_far = jax.lax.cond(
-        jnp.any(p_far),
-        lambda: interval_threshold(x, mass, target, last_cand, p_far, c),
-        lambda: jnp.full_like(row_max, NEG_INF),
+    t_p_far = rows_that_need(
+        lambda xr, tr, ur, kr, mr: interval_threshold(
+            xr, lambda v: mass(v, kr, mr), tr, ur, jnp.ones(1, bool), c
+        ),
+        p_far,
+        no_answer,
+        x,
+        target,
+        last_cand,
+        t_k,
+        safe_max,
     )
     t_p = jnp.where(p_in_cand, t_p_cand, jnp.where(p_far, t_p_far, NEG_INF))
 
@@ -222,17 +247,20 @@ def draw(
     cand_tok = jnp.take_along_axis(cand_i, pick[:, None], axis=1)[:, 0]
     cand_norm = jax.nn.logsumexp(cand_log_w, axis=1)  # relative to the row max
 
-    def whole_vocab(_):
-        log_w = jnp.where(x >= t, x - m, NEG_INF)  # [B, V]
+    def whole_vocab(xr, tr, mr, kr):  # one row, batch axis of 1
+        log_w = jnp.where(xr >= tr, xr - mr, NEG_INF)  # [1, V]
         ids = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
-        tok = jnp.argmax(race_scores(log_w, key, ids), axis=1)
+        tok = jnp.argmax(race_scores(log_w, kr, ids), axis=1)
         return tok.astype(jnp.int32), jax.nn.logsumexp(log_w, axis=1)
 
-    far_tok, far_norm = jax.lax.cond(
-        jnp.any(~inside & ~greedy),
+    far_tok, far_norm = rows_that_need(
         whole_vocab,
-        lambda _: (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.float32)),
-        None,
+        ~inside & ~greedy,
+        (jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.float32)),
+        x,
+        t,
+        m,
+        key,
     )
     tokens = jnp.where(greedy, cand_i[:, 0], jnp.where(inside, cand_tok, far_tok))
     rel_norm = jnp.where(inside, cand_norm, far_norm)
