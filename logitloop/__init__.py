@@ -5,6 +5,7 @@ params = ll.SamplingParams.create(batch_size=2, temperature=[0.0, 0.8], top_p=0.
 out = ll.sample(logits, params, positions)
 """
 
+from logitloop.decoding.batching import Request, generate_many, iter_generate_many
 from logitloop.decoding.generate import (
     DecodeState,
     GenerationResult,
@@ -34,11 +35,14 @@ __all__ = [
     "FunctionModel",
     "GenerationResult",
     "History",
+    "Request",
     "SampleOutput",
     "SamplingParams",
     "StreamEvent",
     "TopLogprobs",
     "generate",
+    "generate_many",
+    "iter_generate_many",
     "load_pretrained",
     "stream",
     "sample",

@@ -16,9 +16,11 @@
   `top_p`, `max_tokens`, `seed`, `stop`, `logit_bias`, ...). A line's setting replaces the
   command-line value for that line. Unknown keys are an error.
 
-Prompts run in batches of `--batch-size` consecutive input lines; a batch smaller than that
-(the last one, or one part-done when resuming) is padded with dummy one-token rows, so every
-call has the same shape and compiles once.
+Prompts run with continuous batching (`logitloop.decoding.batching`): `--batch-size` rows
+decode together, and between chunks of decode steps each row that finished takes the next
+waiting prompt. The shapes are fixed for the whole job (from its longest prompt and largest
+max_tokens), so it compiles once, plus once more when a line first asks for logprobs or stop
+strings.
 
 Without `--output` the completions are printed to stdout (one block per completion, headed
 `==> ID <==` when there is more than one). With `--output FILE` every prompt gets one JSON
@@ -29,8 +31,8 @@ line, in input order:
 plus `"logprobs"` (per token, under the final sampling distribution), `"raw_logprobs"`
 (per token, log-softmax of the model's logits) and `"top_logprobs"` (per token, the top-n
 raw alternatives as `[token_id, logprob]` pairs) for prompts whose `logprobs` is above 0.
-With `-n N` > 1 each completion field holds a list of N values, one per sample. Lines are
-written and fsync'ed once per batch.
+With `-n N` > 1 each completion field holds a list of N values, one per sample. A line is
+written (and fsync'ed) as soon as it and every line before it are done.
 
 Resuming: when the output file exists, the ids already in it are skipped and the rest are
 appended (a partial last line, left by a killed run, is cut off first), so re-running a
@@ -727,7 +729,8 @@ def _generate(args: argparse.Namespace) -> int:
             if args.stream:
                 tokens = _stream_one(ll, model, todo[0], batch_list[0].params, args.ignore_eos)
             else:
-                tokens = _run_batches(ll, model, args, batch_list, sink, len(todo), quiet)
+                shapes = dict(_job_bounds(items, info, defaults), slots=call_size)
+                tokens = _run_batches(args, model, todo, defaults, shapes, sink, quiet, info)
     finally:
         sink.close()
     gen_s = time.perf_counter() - gen_started
@@ -841,34 +844,60 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_batches(ll, model, args, batch_list, sink, total: int, quiet: bool) -> int:
+def _job_bounds(items: Sequence[Item], info, defaults) -> dict[str, int]:
+    """Longest prompt and largest max_tokens over every input line, done ones included, so
+    that a resumed run decodes with the same shapes as an uninterrupted one."""
+    longest, most = 1, 1
+    for item in items:
+        if item.token_ids is not None:
+            length = len(item.token_ids)
+        elif isinstance(item.prompt, str):
+            length = len(info.tokenizer.encode(item.prompt)) if info.tokenizer else 1
+        else:
+            length = len(item.prompt)
+        longest = max(longest, length)
+        most = max(most, int(float(item.knobs.get("max_tokens", defaults["max_tokens"]))))
+    cap = info.max_length - 1
+    return {"max_prompt_len": min(longest, cap), "max_tokens": min(most, cap)}
+
+
+def _run_batches(args, model, todo, defaults, shapes, sink, quiet: bool, info) -> int:
+    """Generate every line with continuous batching; write records in input order."""
     from tqdm import tqdm
 
+    from logitloop.decoding.batching import Request, iter_generate_many
+
     bar = tqdm(
-        total=total,
+        total=len(todo),
         unit="prompt",
         file=sys.stderr,
         disable=quiet or args.input is None,
         dynamic_ncols=True,
     )
+    requests = (
+        Request(it.token_ids, _make_params([it.knobs], defaults, info.vocab_size), id=it.id)
+        for it in todo
+    )
     tokens = 0
+    finished: dict[int, dict[str, Any]] = {}
+    written = 0
     try:
-        for batch in batch_list:
-            prompts = [it.token_ids for it in batch.items]
-            prompts += [batch.items[0].token_ids] * len(batch.padded)
-            try:
-                result = ll.generate(
-                    model, prompts, batch.params, n=args.n, ignore_eos=args.ignore_eos
-                )
-            except ValueError as e:
-                raise CLIError(f"{batch.items[0].where} to {batch.items[-1].where}: {e}") from None
-            records = [
-                _record(item, result, j * args.n, args.n) for j, item in enumerate(batch.items)
-            ]
-            sink.write(records, args.n)
-            tokens += sum(result.num_tokens[: len(batch.items) * args.n])
-            bar.update(len(batch.items))
+        results = iter_generate_many(
+            model, requests, n=args.n, ignore_eos=args.ignore_eos, **shapes
+        )
+        for index, result in results:
+            finished[index] = _record(todo[index], result, 0, args.n)
+            tokens += sum(result.num_tokens)
+            ready = []
+            while written in finished:
+                ready.append(finished.pop(written))
+                written += 1
+            if ready:
+                sink.write(ready, args.n)
+            bar.update(1)
             bar.set_postfix(tokens=tokens, refresh=False)
+    except ValueError as e:
+        raise CLIError(f"{todo[0].where} to {todo[-1].where}: {e}") from None
     finally:
         bar.close()
     return tokens
@@ -941,7 +970,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=32,
         metavar="N",
-        help="input lines per generate call (default: 32)",
+        help="prompts decoded together (continuous batching slots; default: 32)",
     )
     io.add_argument("--stream", action="store_true", help="print text as it is generated")
     io.add_argument(
