@@ -40,7 +40,7 @@ from logitloop.decoding.history import History, distinct_tokens
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from logitloop.ops.sampling import Thresholds, filter_and_sample
 from logitloop.ops.sampling.noise import row_keys
-from logitloop.ops.sampling.xla import NUM_CANDIDATES, candidates, thresholds
+from logitloop.ops.sampling.xla import NUM_CANDIDATES, candidates, thresholds, topk_barrier
 
 STATUS_OK = 0
 STATUS_ALL_MASKED = 1
@@ -135,7 +135,7 @@ def _no_top_logprobs(batch: int) -> TopLogprobs:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("backend",))
+@functools.partial(jax.jit, static_argnames=("backend", "gspmd"))
 def sample(
     logits: jax.Array,
     params: SamplingParams,
@@ -143,6 +143,7 @@ def sample(
     history: History | None = None,
     *,
     backend: str = "auto",
+    gspmd: bool = False,
 ) -> SampleOutput:
     """Draw one token per row under the row's own settings (see the module docstring).
 
@@ -150,8 +151,14 @@ def sample(
     `SamplingParams` of batch B; positions: [B] int, the 0-based index among the row's
     generated tokens of the token being drawn (it keys the random stream with the seed and
     drives `min_tokens`); history: the prompt and generated tokens, needed for the
-    penalties (without it the penalties are not applied).
+    penalties (without it the penalties are not applied). `gspmd=True` when tracing inside
+    a GSPMD-partitioned program (`logitloop.decoding.sharding` sets it).
     """
+    with topk_barrier(not gspmd):
+        return _sample(logits, params, positions, history, backend)
+
+
+def _sample(logits, params, positions, history, backend) -> SampleOutput:
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history)

@@ -439,4 +439,4 @@ def sample(
         if size > 1 and vocab % size == 0:
             rows = DATA_AXIS if batch % mesh.shape[DATA_AXIS] == 0 else None
             return sample_sharded(logits, params, positions, history, mesh=mesh, batch_axis=rows)
-    return sampler.sample(logits, params, positions, history)
+    return sampler.sample(logits, params, positions, history, gspmd=mesh is not None)

@@ -22,6 +22,8 @@ the same noise. A row's token never depends on the rest of the batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -270,13 +272,30 @@ def draw(
     return Draw(tokens=tokens.astype(jnp.int32), logprobs=logprobs, log_norm=rel_norm + m[:, 0])
 
 
+_TOPK_BARRIER = [True]
+
+
+@contextlib.contextmanager
+def topk_barrier(enabled: bool):
+    """Trace-time switch for the barrier in `candidates` (off inside GSPMD programs)."""
+    previous = _TOPK_BARRIER[0]
+    _TOPK_BARRIER[0] = enabled
+    try:
+        yield
+    finally:
+        _TOPK_BARRIER[0] = previous
+
+
 def candidates(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
     """The C largest entries per row, descending, ties in index order: [B, C] values, ids.
 
     The barrier keeps XLA:CPU on its TopK routine: without it, slicing the result (as the
-    thresholds do) lets XLA rewrite top_k into a full sort of the row.
+    thresholds do) lets XLA rewrite top_k into a full sort of the row. XLA's SPMD
+    partitioner rejects the barrier (a check failure in jax 0.10), so code traced for a
+    GSPMD-partitioned program turns it off with `topk_barrier(False)`.
     """
-    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, c))
+    out = jax.lax.top_k(x, c)
+    vals, ids = jax.lax.optimization_barrier(out) if _TOPK_BARRIER[0] else out
     return vals, ids.astype(jnp.int32)
 
 
