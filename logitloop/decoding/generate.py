@@ -430,6 +430,18 @@ def _row_stops(params: SamplingParams, row: int) -> tuple[tuple[str, ...], bool]
     return stops, include
 
 
+def _stop_reason(code: int, matched: int, seqs: np.ndarray) -> Any:
+    """The stop token id or stop sequence (ids) a row finished on; None for other finishes.
+
+    seqs: the row's [Q, L] stop sequences, right-aligned and -1 padded.
+    """
+    if code == FINISH_STOP_TOKEN:
+        return matched
+    if code == FINISH_STOP_SEQUENCE:
+        return [int(t) for t in seqs[matched] if t >= 0]
+    return None
+
+
 def collect(
     state: DecodeState, ids: list[list[int]], params: SamplingParams, info: ModelInfo
 ) -> GenerationResult:
@@ -467,12 +479,7 @@ def collect(
         result.token_ids.append(row_ids)
         result.num_tokens.append(k)
         reason = _FINISH_REASON.get(code, "length")
-        if code == FINISH_STOP_TOKEN:
-            stop = int(matched[r])
-        elif code == FINISH_STOP_SEQUENCE:
-            stop = [int(t) for t in seqs[r, int(matched[r])] if t >= 0]
-        else:
-            stop = None
+        stop = _stop_reason(code, int(matched[r]), seqs[r])
         if result.text is not None:
             stops, include = _row_stops(params, r)
             text, hit = row_text(info.tokenizer, row_ids, code, stops, include)
@@ -602,11 +609,7 @@ def stream(
             stops_r, include = _row_stops(params, r)
             if code != RUNNING:
                 reason = _FINISH_REASON.get(code, "length")
-                stop: Any = None
-                if code == FINISH_STOP_TOKEN:
-                    stop = int(matched[r])
-                elif code == FINISH_STOP_SEQUENCE:
-                    stop = [int(t) for t in seqs[r, int(matched[r])] if t >= 0]
+                stop = _stop_reason(code, int(matched[r]), seqs[r])
                 text = ""
                 if tok is not None:
                     final, hit = row_text(tok, tokens[r, :k].tolist(), code, stops_r, include)
