@@ -11,7 +11,7 @@ loop as on one device, laid out over a `jax.sharding.Mesh` with axes "data" and 
   model-axis size does not divide is replicated instead (`mesh_spec`), as is every weight
   of a `FunctionModel`, which carries no names. Weights already laid out by the rules (a
   `restore_sharded` model, or `shard_model`) are not moved; others are `device_put`.
-- The KV cache (`[B, S, H, D]` per layer and per k/v) has its rows over "data" and its
+- The KV cache (`[B, H, S, D]` per layer and per k/v) has its rows over "data" and its
   heads over "model" when the head count is divisible, like the k/v projections.
 - Inside the jit-compiled prefill and decode, `with_sharding_constraint` pins the inputs
   and the loop state to these layouts and GSPMD propagates them through the model. The
@@ -190,13 +190,13 @@ def _row_spec(x: Any, batch: int) -> P:
 
 
 def _cache_spec(x: Any, batch: int, model_size: int) -> P:
-    """[B, S, H, D] cache arrays: rows over data, heads over model when divisible."""
+    """[B, H, S, D] cache arrays: rows over data, heads over model when divisible."""
     shape = np.shape(x)
     spec: list[str | None] = [None] * len(shape)
     if shape and shape[0] == batch:
         spec[0] = DATA_AXIS
-    if len(shape) == 4 and model_size > 1 and shape[2] % model_size == 0:
-        spec[2] = MODEL_AXIS
+    if len(shape) == 4 and model_size > 1 and shape[1] % model_size == 0:
+        spec[1] = MODEL_AXIS
     return P(*spec)
 
 

@@ -53,7 +53,7 @@ class GPT2Block(nnx.Module):
         self,
         x: jax.Array,  # [B, T, E]
         positions: jax.Array,  # [B, T] int, -1 for padding
-        cache: dict[str, jax.Array],  # k, v: [B, S, H, D]
+        cache: dict[str, jax.Array],  # k, v: [B, H, S, D]
         mask: jax.Array,  # [B, T, S] bool
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
@@ -98,7 +98,7 @@ class GPT2Model(nnx.Module):
         self.ln_f_bias = layers.param(rngs, (c.hidden_size,), dtype, ("embed",), init="zeros")
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """Zeros: per layer `dict(k=[B, S, H, D], v=[B, S, H, D])`, S = max_length."""
+        """Zeros: per layer `dict(k=[B, H, S, D], v=[B, H, S, D])`, S = max_length."""
         c = self.config
         return layers.init_kv_cache(
             batch_size,
@@ -127,7 +127,7 @@ class GPT2Model(nnx.Module):
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
         c = self.config
-        mask = layers.attention_mask(positions, cache[0]["k"].shape[1], None)
+        mask = layers.attention_mask(positions, layers.cache_slots(cache), None)
         x = jnp.take(self.wte[...], tokens, axis=0, mode="clip")  # [B, T, E]
         x = x + jnp.take(self.wpe[...], jnp.maximum(positions, 0), axis=0, mode="clip")
         new_cache = []

@@ -3,8 +3,10 @@
 The KV cache, its masks and attention live here once, so both architectures follow the
 same protocol (see `logitloop.models.llama.LlamaModel.__call__`):
 
-- The cache of one layer is `dict(k=[B, S, Hkv, D], v=[B, S, Hkv, D])`; slot `s` holds the
-  key/value of the token at absolute position `s` in that row.
+- The cache of one layer is `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`; slot `s` holds the
+  key/value of the token at absolute position `s` in that row. Heads come before slots so
+  that attention is a plain batched matrix product over (row, head): with slots first,
+  XLA:CPU copies the whole cache into that order at every step.
 - `positions[b, t]` is the absolute position of column `t` of row `b`, or -1 for padding.
   Real tokens are written to slot `positions[b, t]`; padding is mapped to slot `S`, which
   a `mode="drop"` scatter discards. Positions must stay below S (the caller sizes the
@@ -148,22 +150,27 @@ def apply_rope(
 def init_kv_cache(
     batch_size: int, max_length: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype
 ) -> KVCache:
-    """Zeros: one `dict(k=[B, S, Hkv, D], v=[B, S, Hkv, D])` per layer, S = max_length."""
-    shape = (batch_size, max_length, num_kv_heads, head_dim)
+    """Zeros: one `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])` per layer, S = max_length."""
+    shape = (batch_size, num_kv_heads, max_length, head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)]
 
 
+def cache_slots(cache: KVCache) -> int:
+    """The number of slots S of a cache made by `init_kv_cache`."""
+    return cache[0]["k"].shape[2]
+
+
 def write_cache(
-    cache: jax.Array,  # [B, S, Hkv, D]
+    cache: jax.Array,  # [B, Hkv, S, D]
     values: jax.Array,  # [B, T, Hkv, D]
     positions: jax.Array,  # [B, T] int, -1 for padding
 ) -> jax.Array:
     """Scatter each real token's values into slot == its position; drop padding."""
-    batch, slots = cache.shape[0], cache.shape[1]
+    slots = cache.shape[2]
     # Padding, and anything past the end, goes to slot S, which mode="drop" discards.
     slot = jnp.where((positions >= 0) & (positions < slots), positions, slots)  # [B, T]
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], slot.shape)  # [B, T]
-    return cache.at[rows, slot].set(values.astype(cache.dtype), mode="drop")
+    values = values.astype(cache.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    return jax.vmap(lambda c, v, s: c.at[:, s].set(v, mode="drop"))(cache, values, slot)
 
 
 def attention_mask(
@@ -182,8 +189,8 @@ def attention_mask(
 
 def attend(
     q: jax.Array,  # [B, T, H, D]
-    k: jax.Array,  # [B, S, Hkv, D]
-    v: jax.Array,  # [B, S, Hkv, D]
+    k: jax.Array,  # [B, Hkv, S, D]
+    v: jax.Array,  # [B, Hkv, S, D]
     mask: jax.Array,  # [B, T, S] bool
     scale: float,
 ) -> jax.Array:
@@ -194,15 +201,15 @@ def attend(
     query dtype.
     """
     b, t, h, d = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1]
     q = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
     k = k.astype(q.dtype)
     v = v.astype(q.dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)  # [B, Hkv, G, T, S]
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # [B, T, Hkv, G, D]
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)  # [B, T, Hkv, G, D]
     return out.reshape(b, t, h, d)
 
 

@@ -64,7 +64,7 @@ class LlamaBlock(nnx.Module):
         self,
         x: jax.Array,  # [B, T, E]
         positions: jax.Array,  # [B, T] int, -1 for padding
-        cache: dict[str, jax.Array],  # k, v: [B, S, Hkv, D]
+        cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
         mask: jax.Array,  # [B, T, S] bool
         inv_freq,  # [D // 2] numpy
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -126,7 +126,7 @@ class LlamaModel(nnx.Module):
             )
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """Zeros: per layer `dict(k=[B, S, Hkv, D], v=[B, S, Hkv, D])`, S = max_length."""
+        """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length."""
         c = self.config
         return layers.init_kv_cache(
             batch_size,
@@ -157,7 +157,7 @@ class LlamaModel(nnx.Module):
         """
         c = self.config
         inv_freq = layers.rope_inverse_frequencies(c.rope, c.head_dim)
-        num_slots = cache[0]["k"].shape[1]
+        num_slots = layers.cache_slots(cache)
         masks = {w: layers.attention_mask(positions, num_slots, w) for w in set(c.sliding_windows)}
         # Clip so a pad id outside the vocabulary cannot produce NaN (take fills by default).
         x = jnp.take(self.embedding[...], tokens, axis=0, mode="clip")  # [B, T, E]

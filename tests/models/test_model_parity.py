@@ -97,9 +97,9 @@ def test_padding_never_writes_the_cache(pair, forward):
         for values in (layer["k"], layer["v"]):
             values = np.asarray(values)
             for row, prompt in enumerate(prompts):
-                # Slots 0..len-1 hold the prompt; every later slot is still zero.
-                assert np.all(np.any(values[row, : len(prompt)] != 0, axis=(-1, -2)))
-                assert not np.any(values[row, len(prompt) :])
+                # [B, H, S, D]: slots 0..len-1 hold the prompt; every later slot is zero.
+                assert np.all(np.any(values[row, :, : len(prompt)] != 0, axis=(0, -1)))
+                assert not np.any(values[row, :, len(prompt) :])
 
 
 def test_all_padding_row_gives_finite_logits(pair, forward):
