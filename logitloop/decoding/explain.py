@@ -175,6 +175,7 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
     vocab = x.shape[1]
     cand_x, _ = jax.lax.top_k(x, min(NUM_CANDIDATES, vocab))
     thr = thresholds(x, params.top_k, params.top_p, params.min_p, cand_x)
+    status = proc.status(thr.row_max)
     off = jnp.full_like(thr.row_max, -jnp.inf)
     no_greedy = jnp.zeros_like(proc.greedy)
     t_zero = params.temperature == 0
@@ -209,9 +210,9 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
         proc.greedy[:, None] & not_argmax, jnp.where(t_zero[:, None], CUT_GREEDY, CUT_TOP_K), cut
     )
     cut = jnp.where(adj_x == -jnp.inf, CUT_MASK, cut)
-    cut = jnp.where((proc.status == STATUS_BAD_LOGITS)[:, None], CUT_INVALID, cut)
+    cut = jnp.where((status == STATUS_BAD_LOGITS)[:, None], CUT_INVALID, cut)
     cut = cut.astype(jnp.int8)
-    ok = (proc.status == STATUS_OK)[:, None]
+    ok = (status == STATUS_OK)[:, None]
 
     def only_ok(p):
         return jnp.where(ok, p, 0.0)
@@ -229,7 +230,7 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
             row_max=thr.row_max, top_k=thr.top_k, top_p=thr.top_p, min_p=thr.min_p, kept=thr.kept
         ),
         greedy=proc.greedy,
-        status=proc.status,
+        status=status,
     )
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import struct
 
 _EMPTY = jnp.iinfo(jnp.int32).max  # sorts after every real token id
+MAX_VOCAB = 2**30  # `distinct_tokens` packs (id, flag) into one int32
 
 
 @struct.dataclass
@@ -43,6 +44,8 @@ class History:
         `generate` sizes the history so that this cannot happen.
         """
         rows = [list(map(int, p)) for p in prompt_token_ids]
+        if not 0 < vocab_size <= MAX_VOCAB:
+            raise ValueError(f"vocab_size = {vocab_size} is outside the allowed range [1, 2^30]")
         if not rows:
             raise ValueError("prompt_token_ids is empty: need one (possibly empty) list per row")
         if capacity < 0:
@@ -114,8 +117,11 @@ def distinct_tokens(history: History) -> DistinctTokens:
     col = jnp.arange(cap)[None, :]  # [1, C]
     valid = tokens >= 0
     is_gen = (valid & (col >= history.num_prompt[:, None])).astype(jnp.int32)
-    key = jnp.where(valid, tokens, _EMPTY)
-    ids, gen = jax.lax.sort((key, is_gen), dimension=1, num_keys=1)  # [B, C] each
+    # One int32 key per entry, token id then the generated flag: XLA:CPU sorts a single
+    # array several times faster than (ids, flags) pairs. Ids are below 2^30 (`create`).
+    packed = jnp.sort(jnp.where(valid, tokens * 2 + is_gen, _EMPTY), axis=1)  # [B, C]
+    ids = jnp.where(packed == _EMPTY, _EMPTY, packed >> 1)
+    gen = jnp.where(packed == _EMPTY, 0, packed & 1)
     differs = ids[:, 1:] != ids[:, :-1]  # [B, C-1]
     ones = jnp.ones_like(ids[:, :1], bool)
     run_start = jnp.concatenate([ones, differs], axis=1)

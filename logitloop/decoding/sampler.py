@@ -39,8 +39,16 @@ from logitloop.decoding import transforms
 from logitloop.decoding.history import History, distinct_tokens
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from logitloop.ops.sampling import Thresholds, filter_and_sample
+from logitloop.ops.sampling.dispatch import resolve_backend
 from logitloop.ops.sampling.noise import row_keys
-from logitloop.ops.sampling.xla import NUM_CANDIDATES, candidates, thresholds, topk_barrier
+from logitloop.ops.sampling.xla import (
+    NUM_CANDIDATES,
+    candidates,
+    scale_logits,
+    thresholds,
+    topk_barrier,
+)
+from logitloop.ops.sampling.xla import filter_and_sample as xla_filter_and_sample
 
 STATUS_OK = 0
 STATUS_ALL_MASKED = 1
@@ -73,9 +81,27 @@ class Processed:
     raw_max: jax.Array  # [B] f32, row max of the raw logits (0 on bad rows)
     raw_norm: jax.Array  # [B] f32, log(sum(exp(raw - raw_max)))
     adjusted: jax.Array  # [B, V] f32, after masks, bias, min_tokens and penalties (steps 1-3)
-    scaled: jax.Array  # [B, V] f32, after temperature (step 4), NaN replaced by -inf
+    temperature: jax.Array  # [B] f32, the temperature applied: 0 on greedy rows
     greedy: jax.Array  # [B] bool
-    status: jax.Array  # [B] i32
+    bad: jax.Array  # [B] bool, logits hold NaN or +inf
+
+    @property
+    def scaled(self) -> jax.Array:
+        """[B, V] f32, after temperature (step 4), NaN replaced by -inf.
+
+        `sample` never writes this array out: it reads `adjusted` and scales what it needs.
+        """
+        return scale_logits(self.adjusted, self.temperature)
+
+    def status(self, row_max: jax.Array | None = None) -> jax.Array:
+        """[B] i32 status; `row_max`, the max of `scaled` when the caller already has it."""
+        if row_max is None:
+            row_max = jnp.max(self.scaled, axis=1)
+        all_masked = row_max == NEG_INF
+        status = jnp.where(
+            self.bad, STATUS_BAD_LOGITS, jnp.where(all_masked, STATUS_ALL_MASKED, STATUS_OK)
+        )
+        return status.astype(jnp.int32)
 
 
 def adjust_logits(
@@ -83,12 +109,16 @@ def adjust_logits(
 ) -> Processed:
     """Steps 1-4: masks and bias, min_tokens, penalties, temperature."""
     raw = logits.astype(jnp.float32)
-    # An explicit test: a vectorised max on XLA:CPU does not reliably propagate NaN.
-    bad = jnp.any(jnp.isnan(raw) | (raw == jnp.inf), axis=1)
     raw_max = jnp.max(raw, axis=1)  # [B]
-    raw_max = jnp.where(bad | ~jnp.isfinite(raw_max), 0.0, raw_max)
+    shift = jnp.where(jnp.isfinite(raw_max), raw_max, 0.0)
     # Kept relative to the max: at |logits| ~ 1e4 an absolute logsumexp loses ~1e-3.
-    raw_norm = jnp.log(jnp.sum(jnp.exp(raw - raw_max[:, None]), axis=1))
+    raw_sum = jnp.sum(jnp.exp(raw - shift[:, None]), axis=1)
+    # Bad rows, found without a pass of their own: a sum propagates NaN (a vectorised max on
+    # XLA:CPU may skip it), and +inf is the max or, where a NaN hid it, a NaN in the sum.
+    # Finite rows sum to >= 1 and all -inf rows to 0, so neither looks bad.
+    bad = jnp.isnan(raw_sum) | (raw_max == jnp.inf)
+    raw_max = jnp.where(bad, 0.0, shift)
+    raw_norm = jnp.log(raw_sum)
     z = transforms.allowed_mask(raw, params.allowed_ids, params.has_allowed)
     z = transforms.logit_bias(z, params.bias_ids, params.bias_values)
     z = transforms.ban_tokens(z, params.banned_ids)
@@ -100,19 +130,15 @@ def adjust_logits(
             z, seen, params.presence_penalty, params.frequency_penalty
         )
     greedy = (params.temperature == 0) | (params.top_k == 1)
-    # Greedy rows stay unscaled so that temperature 0 and top_k 1 pick the same argmax.
-    x = transforms.apply_temperature(z, jnp.where(greedy, 0.0, params.temperature))
-    x = jnp.where(jnp.isnan(x), NEG_INF, x)
-    all_masked = jnp.max(x, axis=1) == NEG_INF
-    status = jnp.where(bad, STATUS_BAD_LOGITS, jnp.where(all_masked, STATUS_ALL_MASKED, STATUS_OK))
     return Processed(
         raw=raw,
         raw_max=raw_max,
         raw_norm=raw_norm,
         adjusted=z,
-        scaled=x,
+        # Greedy rows stay unscaled so that temperature 0 and top_k 1 pick the same argmax.
+        temperature=jnp.where(greedy, 0.0, params.temperature),
         greedy=greedy,
-        status=status.astype(jnp.int32),
+        bad=bad,
     )
 
 
@@ -163,11 +189,22 @@ def _sample(logits, params, positions, history, backend) -> SampleOutput:
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history)
     key = row_keys(params.seed, positions)
-    drawn, _ = filter_and_sample(
-        proc.scaled, params.top_k, params.top_p, params.min_p, proc.greedy, key, backend=backend
-    )
+    if resolve_backend(backend) == "xla":
+        # Candidates and thresholds straight from the unscaled logits: no [B, V] write.
+        drawn, thr = xla_filter_and_sample(
+            proc.adjusted,
+            *_truncation(params, proc.greedy),
+            proc.greedy,
+            key,
+            temperature=proc.temperature,
+        )
+    else:
+        drawn, thr = filter_and_sample(
+            proc.scaled, *_truncation(params, proc.greedy), proc.greedy, key, backend=backend
+        )
+    proc_status = proc.status(thr.row_max)
     batch, vocab = proc.raw.shape
-    ok = proc.status == STATUS_OK
+    ok = proc_status == STATUS_OK
     tokens = jnp.where(ok, jnp.clip(drawn.tokens, 0, vocab - 1), 0)
     # The raw log-softmax at one token per row; the full [B, V] array only when top-n is asked.
     norm = jnp.where(ok, proc.raw_norm, 0.0)
@@ -186,7 +223,16 @@ def _sample(logits, params, positions, history, backend) -> SampleOutput:
         logprobs=jnp.where(ok, drawn.logprobs, NEG_INF),
         raw_logprobs=jnp.where(ok, raw_tok, NEG_INF),
         top_logprobs=top,
-        status=proc.status,
+        status=proc_status,
+    )
+
+
+def _truncation(params: SamplingParams, greedy: jax.Array):
+    """top_k, top_p, min_p with every rule off on greedy rows (their token is the argmax)."""
+    return (
+        jnp.where(greedy, 0, params.top_k),
+        jnp.where(greedy, 1.0, params.top_p),
+        jnp.where(greedy, 0.0, params.min_p),
     )
 
 
@@ -216,4 +262,4 @@ def sampling_distribution(
     cand_x, _ = candidates(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
     thr = thresholds(proc.scaled, params.top_k, params.top_p, params.min_p, cand_x)
     probs = kept_distribution(proc.scaled, thr, proc.greedy)
-    return jnp.where((proc.status == STATUS_OK)[:, None], probs, 0.0)
+    return jnp.where((proc.status(thr.row_max) == STATUS_OK)[:, None], probs, 0.0)

@@ -34,18 +34,14 @@ def allowed_mask(logits: jax.Array, allowed_ids: jax.Array, has_allowed: jax.Arr
     """Set every token outside the row's allow-list to -inf.
 
     logits: [B, V]; allowed_ids: [B, Na] (-1 padded); has_allowed: [B] bool. Rows with
-    `has_allowed == False` are unchanged. Costs one pass over `[B, V]`, so it is skipped
-    (`lax.cond`) when no row has an allow-list.
+    `has_allowed == False` are unchanged. One elementwise pass writes the new array (the
+    scatters of the later steps then update it in place) and the allowed values are put back.
     """
     vocab = logits.shape[1]
-
-    def restrict(x):
-        idx = _scatter_index(allowed_ids, vocab)
-        kept = jnp.take_along_axis(x, jnp.minimum(idx, vocab - 1), axis=1)  # [B, Na]
-        only = jnp.full_like(x, NEG_INF).at[_rows(x), idx].set(kept, mode="drop")
-        return jnp.where(has_allowed[:, None], only, x)
-
-    return jax.lax.cond(jnp.any(has_allowed), restrict, lambda x: x, logits)
+    idx = jnp.where(has_allowed[:, None], _scatter_index(allowed_ids, vocab), vocab)
+    kept = jnp.take_along_axis(logits, jnp.minimum(idx, vocab - 1), axis=1)  # [B, Na]
+    only = jnp.where(has_allowed[:, None], NEG_INF, logits)
+    return only.at[_rows(logits), idx].set(kept, mode="drop")
 
 
 def logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:

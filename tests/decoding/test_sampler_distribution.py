@@ -61,6 +61,8 @@ SETTINGS = {
     # A nucleus wider than the sampler's candidate list: hundreds of kept tokens, in a
     # vocabulary that is not a multiple of a power of two.
     "wide_nucleus": (2000, Row(temperature=1.5, top_p=0.99), dict(scale=2.5, neg_inf_frac=0.0)),
+    # Candidates from the blocked two-step top_k; top-k beyond them (a threshold search).
+    "large_vocabulary": (20_011, Row(temperature=0.9, top_k=300, min_p=0.002), dict(scale=2.0)),
 }
 
 

@@ -71,6 +71,7 @@ def _alone(name, values, **common):
 
 
 V = 256  # one vocabulary (and 8 rows per case) so that the cases share compiled samplers
+LARGE_V = 20_011
 # name -> (vocab, dtype, logits kwargs, rows(rng) -> 8 Rows)
 CASES = {
     "temperature": (V, jnp.float32, {}, _alone(
@@ -151,6 +152,14 @@ CASES = {
         Row(), Row(top_k=3, temperature=2.0), Row(top_p=0.5), Row(temperature=0.0),
         Row(banned=(0, 1, 2, 3), min_p=0.5), Row(temperature=1024.0), Row(temperature=4096.0,
         top_p=0.9), Row(temperature=2048.0, top_k=10),
+    ]),
+    # Large enough that the candidates come from the two-step blocked top_k (not a multiple
+    # of its block size), with every knob, kept sets wider than the candidates and ties.
+    "large_vocabulary": (LARGE_V, jnp.float32, dict(tie_frac=0.05), lambda rng: [
+        _random_row(rng, LARGE_V) for _ in range(4)
+    ] + [
+        Row(min_p=0.2, temperature=3.0), Row(top_k=400, temperature=0.7), Row(temperature=0.0),
+        Row(top_k=200, top_p=0.9, min_p=0.01, **_history(rng, LARGE_V)),
     ]),
     "bfloat16": (V, jnp.bfloat16, {}, lambda rng: [_random_row(rng, V) for _ in range(8)]),
     "float16": (V, jnp.float16, {}, lambda rng: [_random_row(rng, V) for _ in range(8)]),
