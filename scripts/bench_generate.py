@@ -14,7 +14,10 @@ Run on a ~40M-parameter Llama (batch 8) and on a tiny one where dispatch dominat
 Part 2 (`--peer transformers`): the same ~40M-parameter Llama checkpoint, written by
 `transformers` and loaded by logitloop, generating 128 tokens from 64-token prompts at batch 1
 and 8, greedy and top-p 0.9, in logitloop and in `transformers`' `generate` (PyTorch CPU).
-Compile time is reported separately; tokens per second exclude it.
+Compile time is reported separately; tokens per second exclude it. `matmul floor` is the
+time of one decode step's matrix products alone (every weight matrix times a [batch, in]
+activation) in XLA and in PyTorch, and `matmul-bound tok/s` the tokens per second that
+PyTorch's products allow: no library can decode faster than that on the machine.
 """
 
 from __future__ import annotations
@@ -153,6 +156,56 @@ def loop_overhead(name: str, batch: int, prompt_len: int, new_tokens: int, repea
     return out
 
 
+def matmul_floor(model, hf, batch: int, repeats: int) -> tuple[float, float]:
+    """Seconds per decode step spent in the model's matrix products alone, at `batch` rows.
+
+    Every weight matrix of the model (attention, MLP, LM head) multiplies a [batch, in]
+    activation once, as one decode step does: in XLA (jit, the logitloop weights) and in
+    PyTorch (`F.linear`, the transformers weights). No attention, norms or sampling: a lower
+    bound on a step for either library on this machine.
+    """
+    import torch
+
+    weights = [
+        w.reshape(w.shape[0], -1)
+        if w.ndim == 3 and w.shape[0] == model.config.hidden_size
+        else w.reshape(-1, w.shape[-1])
+        for w in jax.tree.leaves(nnx.state(model, nnx.Param))
+        if w.ndim >= 2
+    ]
+    # The tied embedding serves as the LM head ([V, E], contracted on E).
+    head = model.embedding[...]
+    weights = [w for w in weights if w.shape != head.shape]
+    rng = np.random.default_rng(0)
+    inputs = {
+        n: jnp.asarray(rng.standard_normal((batch, n)), jnp.float32)
+        for n in {w.shape[0] for w in weights} | {head.shape[1]}
+    }
+
+    @jax.jit
+    def products(weights, head, inputs):
+        total = sum(jnp.sum(inputs[w.shape[0]] @ w) for w in weights)
+        return total + jnp.sum(inputs[head.shape[1]] @ head.T)
+
+    t_xla = median_time(lambda: products(weights, head, inputs), max(repeats, 5) * 4)
+    linears = [m.weight.detach() for m in hf.modules() if isinstance(m, torch.nn.Linear)]
+    t_in = {n: torch.randn(batch, n) for n in {w.shape[1] for w in linears}}
+
+    def torch_products():
+        with torch.inference_mode():
+            return sum(
+                float(torch.nn.functional.linear(t_in[w.shape[1]], w).sum()) for w in linears
+            )
+
+    torch_products()
+    times = []
+    for _ in range(max(repeats, 5) * 4):
+        t0 = time.perf_counter()
+        torch_products()
+        times.append(time.perf_counter() - t0)
+    return t_xla, statistics.median(times)
+
+
 def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> list[dict]:
     import torch
     import transformers
@@ -215,6 +268,8 @@ def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> 
             else:
                 same = float("nan")
             tokens = batch * new_tokens
+            if greedy:
+                floor_xla, floor_torch = matmul_floor(model, hf, batch, repeats)
             rows.append(
                 {
                     "batch": batch,
@@ -225,6 +280,10 @@ def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> 
                     "speedup": t_hf / t_ours,
                     "logitloop compile s": compile_s,
                     "greedy token agreement": same,
+                    # The matrix products of one step alone, and the tokens/s they allow.
+                    "matmul floor ms (xla)": floor_xla * 1e3,
+                    "matmul floor ms (torch)": floor_torch * 1e3,
+                    "matmul-bound tok/s (torch)": batch / floor_torch,
                 }
             )
     return rows
@@ -261,13 +320,16 @@ def main() -> None:
         report["transformers"] = rows
         print(
             f"{'batch':>5} {'mode':>10} {'logitloop tok/s':>15} {'transformers tok/s':>18} "
-            f"{'speedup':>7} {'compile s':>9} {'greedy agree':>12}"
+            f"{'speedup':>7} {'compile s':>9} {'greedy agree':>12} {'matmul ms xla/torch':>19} "
+            f"{'matmul-bound tok/s':>18}"
         )
         for r in rows:
             print(
                 f"{r['batch']:>5} {r['mode']:>10} {r['logitloop tok/s']:>15.1f} "
                 f"{r['transformers tok/s']:>18.1f} {r['speedup']:>7.2f} "
-                f"{r['logitloop compile s']:>9.1f} {r['greedy token agreement']:>12.3f}"
+                f"{r['logitloop compile s']:>9.1f} {r['greedy token agreement']:>12.3f} "
+                f"{r['matmul floor ms (xla)']:>9.2f}/{r['matmul floor ms (torch)']:<9.2f} "
+                f"{r['matmul-bound tok/s (torch)']:>18.1f}"
             )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
