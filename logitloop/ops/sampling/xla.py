@@ -172,8 +172,14 @@ def rows_that_need(fn, need: jax.Array, fill, *args):
 
         return jax.lax.cond(want, run, lambda: fill)
 
-    out = jax.lax.map(one, (jnp.arange(need.shape[0]), need))
-    return jax.tree.map(lambda a: a[:, 0], out)
+    def every_row():
+        out = jax.lax.map(one, (jnp.arange(need.shape[0]), need))
+        return jax.tree.map(lambda a: a[:, 0], out)
+
+    def no_row():
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (need.shape[0], *a.shape[1:])), fill)
+
+    return jax.lax.cond(jnp.any(need), every_row, no_row)
 
 
 def first_argmax(scores: jax.Array) -> jax.Array:
@@ -379,13 +385,17 @@ def candidates(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
         return vals, ids.astype(jnp.int32)
     main = num_blocks * BLOCK
     block_max = jnp.max(x[:, :main].reshape(batch, num_blocks, BLOCK), axis=2)
-    _, blocks = _barrier(jax.lax.top_k(block_max, c))
+    block_vals, blocks = _barrier(jax.lax.top_k(block_max, c))
     blocks = jnp.sort(blocks.astype(jnp.int32), axis=1)  # index order, for top_k's ties
     ids = (blocks[:, :, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).reshape(batch, -1)
     if main < vocab:
         tail = jnp.arange(main, vocab, dtype=jnp.int32)
         ids = jnp.concatenate([ids, jnp.broadcast_to(tail, (batch, vocab - main))], axis=1)
-    vals, pos = _barrier(jax.lax.top_k(jnp.take_along_axis(x, ids, axis=1), c))
+    # Only tokens at or above the C-th block maximum can rank among the top C (the C blocks'
+    # maxima are C such tokens); masking the rest spares TopK most of its heap updates.
+    gathered = jnp.take_along_axis(x, ids, axis=1)
+    gathered = jnp.where(gathered >= block_vals[:, -1:], gathered, NEG_INF)
+    vals, pos = _barrier(jax.lax.top_k(gathered, c))
     return vals, jnp.take_along_axis(ids, pos, axis=1)
 
 
