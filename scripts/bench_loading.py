@@ -12,13 +12,15 @@ warm-up each:
 - `restore`: `logitloop.models.restore_converted(dir)` of the same model written once by
   `save_converted` (Orbax).
 
-Both are timed until every parameter is on the device. The restored parameters are
+Both are timed until every parameter is on the device, alternating convert and restore so
+that both meet the same state of the machine. The restored parameters are
 checked bit for bit against the converted ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -64,31 +66,38 @@ def params_of(model):
     return jax.tree.leaves(nnx.state(model, nnx.Param))
 
 
-def timed(load, repeats: int) -> tuple[float, object]:
-    model = load()  # warm-up: imports, page cache, first-call tracing
+def load_and_wait(load):
+    model = load()
     jax.block_until_ready(params_of(model))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model = load()
-        jax.block_until_ready(params_of(model))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), model
+    return model
 
 
 def run(name: str, repeats: int, workdir: Path) -> dict:
     folder = workdir / name / "hf"
     n_params = write_checkpoint(name, folder)
-    t_convert, converted = timed(lambda: ll.load_pretrained(folder, dtype=jnp.float32), repeats)
+    convert = functools.partial(ll.load_pretrained, folder, dtype=jnp.float32)
+    converted = load_and_wait(convert)
     target = workdir / name / "orbax"
     t0 = time.perf_counter()
     save_converted(converted, target)
     t_save = time.perf_counter() - t0
-    t_restore, restored = timed(lambda: restore_converted(target), repeats)
+    restore = functools.partial(restore_converted, target)
+    restored = load_and_wait(restore)  # warm-up
     same = all(
         np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(params_of(converted), params_of(restored), strict=True)
     )
+    del converted, restored
+    # Alternate the two, so that both see the same state of the machine and page cache.
+    times: dict[str, list[float]] = {"convert": [], "restore": []}
+    for _ in range(repeats):
+        for kind, load in (("convert", convert), ("restore", restore)):
+            t0 = time.perf_counter()
+            model = load_and_wait(load)
+            times[kind].append(time.perf_counter() - t0)
+            del model
+    t_convert = statistics.median(times["convert"])
+    t_restore = statistics.median(times["restore"])
     size_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
     return {
         "model": name,
@@ -99,6 +108,7 @@ def run(name: str, repeats: int, workdir: Path) -> dict:
         "save s": t_save,
         "convert / restore": t_convert / t_restore,
         "bit-exact": bool(same),
+        "times": times,
     }
 
 

@@ -38,6 +38,9 @@ def bucket_width(n: int, minimum: int = MIN_LIST_WIDTH) -> int:
     return 1 << (n - 1).bit_length()
 
 
+_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)  # the smallest T whose 1 / T is finite
+
+
 def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
     """Broadcast a scalar knob to the batch or check a per-row list's length."""
     if isinstance(value, (str, bytes)) or np.ndim(value) == 0:
@@ -290,6 +293,12 @@ class SamplingParams:
         temp = _check_range(
             "temperature", _per_row("temperature", temperature, b), 0, inf, hi_open=True
         )
+        for row, t in enumerate(temp):
+            if 0 < t < _MIN_TEMPERATURE:  # 1 / T would overflow float32
+                raise ValueError(
+                    f"temperature[{row}] = {t} is outside the allowed range: 0 (greedy) or "
+                    f"[{_MIN_TEMPERATURE:.6g}, inf)"
+                )
         k = _check_range(
             "top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True
         )

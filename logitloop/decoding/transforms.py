@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from logitloop.decoding.history import DistinctTokens
+from logitloop.ops.sampling.xla import inverse_temperature
 
 NEG_INF = float("-inf")
 
@@ -104,6 +105,7 @@ def presence_frequency_penalty(
 
 
 def apply_temperature(logits: jax.Array, temperature: jax.Array) -> jax.Array:
-    """Divide by the row's temperature. Rows with temperature 0 are greedy and unscaled."""
-    t = temperature[:, None]
-    return jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
+    """Divide by the row's temperature: a product with its float32 reciprocal 1 / T (see
+    `logitloop.ops.sampling.xla.scale_logits`). Rows with temperature 0 are greedy and
+    unscaled."""
+    return logits * inverse_temperature(temperature)[:, None]

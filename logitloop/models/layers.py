@@ -25,6 +25,7 @@ writes row 0 slots 0-1 and row 1 slots 0-3; the next step passes positions [[2],
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -41,6 +42,21 @@ from logitloop.models.config import RopeConfig
 MASK_VALUE = float(np.finfo(np.float32).min)
 
 KVCache = list[dict[str, jax.Array]]
+
+
+_SHAPES_ONLY = [False]
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Build models without drawing random weights (for `nnx.eval_shape`: tracing a random
+    normal per parameter costs more than reading a small checkpoint)."""
+    previous = _SHAPES_ONLY[0]
+    _SHAPES_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY[0] = previous
 
 
 def param(
@@ -60,7 +76,7 @@ def param(
     """
     if init == "ones":
         value = jnp.ones(shape, dtype)
-    elif init == "zeros":
+    elif init == "zeros" or _SHAPES_ONLY[0]:
         value = jnp.zeros(shape, dtype)
     else:
         value = (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
-from logitloop.models import gpt2, llama
+from logitloop.models import gpt2, layers, llama
 from logitloop.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
 from logitloop.models.gpt2 import GPT2Model
 from logitloop.models.layers import CheckpointTensor
@@ -50,7 +50,8 @@ def build_model(config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None
 
 def abstract_model(config: ModelConfig, dtype) -> Model:
     """The model with `jax.ShapeDtypeStruct` in place of every parameter."""
-    return nnx.eval_shape(lambda: build_model(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    with layers.shapes_only():
+        return nnx.eval_shape(lambda: build_model(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
 def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Model:

@@ -25,6 +25,7 @@ def _row1(bad, good):
 INVALID = [
     ("temperature", _row1(-0.5, 1.0), ["temperature[1]", "[0, inf)"]),
     ("temperature", _row1(NAN, 1.0), ["temperature[1]", "[0, inf)"]),
+    ("temperature", _row1(1e-45, 1.0), ["temperature[1]", "0 (greedy) or [1.17549e-38, inf)"]),
     ("top_p", _row1(0.0, 1.0), ["top_p[1]", "(0, 1]"]),
     ("top_p", _row1(1.5, 1.0), ["top_p[1]", "(0, 1]"]),
     ("top_p", _row1(NAN, 1.0), ["top_p[1]", "(0, 1]"]),

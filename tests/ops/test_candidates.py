@@ -67,3 +67,19 @@ def test_unscaled_logits_with_temperature_equal_scaled_logits(vocab):
         # Sums over a whole row may run in another order once fused: float32 rounding.
         np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), 1e-6)
         np.testing.assert_allclose(np.asarray(got.log_norm), np.asarray(want.log_norm), 1e-6)
+
+
+def test_tiny_temperature_scales_every_read_alike():
+    """T = 1e-30 makes |x| ~ 1e31: the candidates, the whole-vocabulary race and the chosen
+    token's logit must be scaled to the same bits, or the log-probability of the argmax
+    (which holds all the mass) comes out as a difference of huge numbers instead of 0."""
+    rng = np.random.default_rng(5)
+    z = jnp.asarray(rng.standard_normal((3, 20_011)).astype(np.float32) * 3)
+    temperature = jnp.full((3,), 1e-30, jnp.float32)
+    key = row_keys(jnp.arange(3, dtype=jnp.uint32), jnp.zeros(3))
+    draw, _ = jax.jit(xla.filter_and_sample)(
+        z, jnp.zeros(3, jnp.int32), jnp.asarray([1.0, 0.9, 0.5]), jnp.zeros(3),
+        jnp.zeros(3, bool), key, temperature=temperature,
+    )
+    np.testing.assert_array_equal(np.asarray(draw.tokens), np.asarray(jnp.argmax(z, axis=1)))
+    np.testing.assert_array_equal(np.asarray(draw.logprobs), 0.0)

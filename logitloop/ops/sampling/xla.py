@@ -70,16 +70,24 @@ def key_to_float(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def scale_logits(logits: jax.Array, temperature: jax.Array | None) -> jax.Array:
-    """The scaled logits x: `logits / T` per row (rows with T == 0 unchanged), NaN -> -inf.
+def inverse_temperature(temperature: jax.Array) -> jax.Array:
+    """[B] f32: 1 / T, and 1 where T == 0 (greedy rows stay unscaled)."""
+    return 1.0 / jnp.where(temperature > 0, temperature, 1.0)
 
-    logits: [B, N]; temperature: [B] or None (no scaling). Division by T > 0 never
-    reorders values, so the C largest scaled logits are the C largest logits, scaled:
-    the sampler finds candidates on the unscaled logits and scales only what it reads.
+
+def scale_logits(logits: jax.Array, temperature: jax.Array | None) -> jax.Array:
+    """The scaled logits x: `logits * (1 / T)` per row (T == 0: unchanged), NaN -> -inf.
+
+    logits: [B, N]; temperature: [B] or None (no scaling). A product with the row's float32
+    reciprocal, not a division: XLA rewrites a division by a broadcast row value into
+    exactly this product, but divides elementwise where nothing is broadcast, and the two
+    can differ in the last bit. Written as a product, every place that scales the same
+    logit gets the same bits. Scaling by 1 / T > 0 never reorders values, so the C largest
+    scaled logits are the C largest logits, scaled: the sampler finds candidates on the
+    unscaled logits and scales only what it reads.
     """
     if temperature is not None:
-        t = temperature[:, None]
-        logits = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
+        logits = logits * inverse_temperature(temperature)[:, None]
     return jnp.where(jnp.isnan(logits), NEG_INF, logits)
 
 
