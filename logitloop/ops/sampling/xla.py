@@ -256,10 +256,22 @@ def thresholds(
     # running sum; otherwise it takes one pass over the vocabulary, for the rows that need it.
     survivors_in_cand = (t_k > last_cand) | (c == vocab)
     whole_row = p_on & ~survivors_in_cand
+    every_token = whole_row & (t_k == NEG_INF)  # top-k off: a plain exp-sum, one fused pass
+    some_tokens = whole_row & (t_k > NEG_INF)
+    inv = jnp.ones_like(row_max) if temperature is None else inverse_temperature(temperature)
     total = jax.lax.cond(
-        jnp.any(whole_row),
-        lambda: jnp.where(whole_row, jnp.sum(mass(scale_logits(x, temperature)), axis=1), 0.0),
+        jnp.any(every_token),
+        lambda: jnp.sum(jnp.exp(x * inv[:, None] - safe_max), axis=1),  # NaN only on bad rows
         lambda: jnp.zeros_like(row_max),
+    )
+    total = jnp.where(
+        some_tokens,
+        jax.lax.cond(
+            jnp.any(some_tokens),
+            lambda: jnp.sum(mass(scale_logits(x, temperature)), axis=1),
+            lambda: jnp.zeros_like(row_max),
+        ),
+        total,
     )
     target = top_p * jnp.where(whole_row, total, cum[:, -1])  # [B]
     reach = jnp.sum(cum < target[:, None], axis=1)  # index of the first candidate reaching p
