@@ -206,12 +206,11 @@ def matmul_floor(model, hf, batch: int, repeats: int) -> tuple[float, float]:
     return t_xla, statistics.median(times)
 
 
-def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> list[dict]:
+def transformers_llama(c: dict, *, tie_word_embeddings: bool = True):
+    """A randomly initialised `transformers` Llama (seed 0) with the sizes in `c`."""
     import torch
     import transformers
 
-    torch.set_num_threads(threads)
-    c = MODELS["llama-40m"]
     hf_config = transformers.LlamaConfig(
         vocab_size=c["vocab"],
         hidden_size=c["hidden"],
@@ -220,13 +219,21 @@ def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> 
         num_attention_heads=c["heads"],
         num_key_value_heads=c["kv_heads"],
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    return transformers.LlamaForCausalLM(hf_config).eval()
+
+
+def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> list[dict]:
+    import torch
+
+    torch.set_num_threads(threads)
+    c = MODELS["llama-40m"]
+    hf = transformers_llama(c)
     folder = Path(tempfile.mkdtemp()) / "llama-40m"
     hf.save_pretrained(folder)
     model = ll.load_pretrained(folder, dtype=jnp.float32)

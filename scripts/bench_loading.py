@@ -30,6 +30,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_generate import transformers_llama  # scripts/ is on the path when run as a script
 from flax import nnx
 
 import logitloop as ll
@@ -42,22 +43,7 @@ SIZES = {
 
 
 def write_checkpoint(name: str, folder: Path) -> int:
-    import torch
-    import transformers
-
-    c = SIZES[name]
-    hf_config = transformers.LlamaConfig(
-        vocab_size=c["vocab"],
-        hidden_size=c["hidden"],
-        intermediate_size=c["ffn"],
-        num_hidden_layers=c["layers"],
-        num_attention_heads=c["heads"],
-        num_key_value_heads=c["kv_heads"],
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_config)
+    hf = transformers_llama(SIZES[name], tie_word_embeddings=False)
     hf.save_pretrained(folder)
     return sum(p.numel() for p in hf.parameters())
 

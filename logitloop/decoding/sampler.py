@@ -10,8 +10,10 @@ Per row, in this order (each step is one pure function in `transforms.py` or
 3. Penalties (need `history`): repetition penalty over prompt and generated tokens (positive
    logits divided, negative multiplied, once per distinct token); presence and frequency
    over generated tokens: `logit -= frequency * count + presence * (count > 0)`.
-4. Temperature: divide by T. `temperature == 0` is greedy: the argmax after steps 1-3, ties
-   to the lowest token id. `top_k == 1` is greedy too, bit for bit the same.
+4. Temperature: divide by T, as a product with the float32 reciprocal 1 / T (the same bits
+   wherever a logit is scaled; `ops.sampling.xla.scale_logits`). `temperature == 0` is
+   greedy: the argmax after steps 1-3, ties to the lowest token id. `top_k == 1` is greedy
+   too, bit for bit the same.
 5. top-k: keep every token whose logit is at least the k-th largest (ties kept);
    `top_k <= 0` or `>= V` disables it.
 6. top-p over the top-k survivors renormalised: the smallest set of most likely tokens whose
