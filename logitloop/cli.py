@@ -977,7 +977,19 @@ def build_parser() -> argparse.ArgumentParser:
         "-q", "--quiet", action="store_true", help="no progress bar and no final summary"
     )
 
-    model = gen.add_argument_group("model")
+    _add_model_flags(gen)
+
+    s = gen.add_argument_group(
+        "sampling (defaults: SamplingParams.create's; JSONL lines may override each)"
+    )
+    _add_sampling_flags(s, generation=True)
+
+    _add_explain_parser(sub)
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
         metavar="PATH",
@@ -988,14 +1000,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "bfloat16", "float16"),
         help="parameter dtype (default: the checkpoint's own)",
     )
-
-    s = gen.add_argument_group(
-        "sampling (defaults: SamplingParams.create's; JSONL lines may override each)"
-    )
-    _add_sampling_flags(s, generation=True)
-
-    _add_explain_parser(sub)
-    return parser
 
 
 def _add_sampling_flags(s, *, generation: bool) -> None:
@@ -1098,17 +1102,7 @@ def _add_explain_parser(sub) -> None:
         metavar="N",
         help="tokens drawn with ll.sample (seeds S, S+1, ...) for --plot (default: 2000)",
     )
-    model = ex.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        metavar="PATH",
-        help="Hugging Face checkpoint folder (default: the model shipped with logitloop)",
-    )
-    model.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        help="parameter dtype (default: the checkpoint's own)",
-    )
+    _add_model_flags(ex)
     s = ex.add_argument_group("sampling (defaults: SamplingParams.create's)")
     _add_sampling_flags(s, generation=False)
 

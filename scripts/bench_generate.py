@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import first_call, median_time  # scripts/ is on the path when run as a script
 
 import logitloop as ll
 from logitloop.decoding.model import model_info
@@ -59,21 +60,6 @@ def config(name: str, context: int = 1024) -> LlamaConfig:
         max_position_embeddings=context,
         tie_word_embeddings=True,
     )
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def first_call(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 @functools.partial(jax.jit, static_argnames=("runner", "steps", "cache_len"))

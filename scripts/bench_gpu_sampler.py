@@ -28,14 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing  # scripts/ is on the path when run as a script
 
 from logitloop.ops.sampling import pallas, xla
 
@@ -117,14 +116,7 @@ def check() -> bool:
 
 def median_time(fn, repeats: int) -> float:
     """Median seconds per call after two warm-up calls (the first compiles)."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timing.median_time(fn, repeats, warmup=2)
 
 
 def copy_bandwidth(mib: int, repeats: int) -> float:

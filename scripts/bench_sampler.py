@@ -28,12 +28,12 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time  # scripts/ is on the path when run as a script
 
 import logitloop as ll
 
@@ -66,14 +66,7 @@ def knobs(setting: str, batch: int) -> dict:
 
 
 def time_call(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # warm-up / compile
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeats, warmup=2)  # the first call compiles
 
 
 @jax.jit

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -166,18 +164,9 @@ def restore_sharded(directory: str | os.PathLike, mesh: Mesh):
     """Restore a converted model (`save_converted`) with every parameter read straight
     into its shards on `mesh`; no device ever holds a full copy of a sharded weight."""
     from logitloop.models import orbax_io
-    from logitloop.models.config import config_from_dict
     from logitloop.models.loading import abstract_model
 
-    meta_path = Path(directory).absolute() / orbax_io._META_FILE
-    if not meta_path.is_file():
-        return orbax_io.restore_converted(directory)  # raises its FileNotFoundError
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        config = config_from_dict(meta["config"])
-        dtype = jnp.dtype(meta["dtype"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{meta_path}: unreadable converted-model metadata: {e}") from e
+    _, config, dtype = orbax_io.read_metadata(directory)
     shardings = param_shardings(abstract_model(config, dtype), mesh)
     return orbax_io.restore_converted(directory, sharding=shardings)
 

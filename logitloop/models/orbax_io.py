@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import tokenizers
 from flax import nnx
 
-from logitloop.models.config import config_from_dict, config_to_dict
+from logitloop.models.config import ModelConfig, config_from_dict, config_to_dict
 from logitloop.models.loading import Model, abstract_model
 from logitloop.models.tokenizer import Tokenizer
 
@@ -64,6 +64,24 @@ def save_converted(model: Model, directory: str | os.PathLike) -> None:
     (directory / _META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
 
 
+def read_metadata(directory: str | os.PathLike) -> tuple[dict, ModelConfig, jnp.dtype]:
+    """The metadata `save_converted` wrote: (the whole record, the config, the dtype).
+
+    Raises:
+      FileNotFoundError: `directory` is not a converted model.
+      ValueError: its metadata is unreadable.
+    """
+    directory = Path(directory).absolute()
+    meta_path = directory / _META_FILE
+    if not meta_path.is_file() or not (directory / _STATE_DIR).is_dir():
+        raise FileNotFoundError(f"{directory} is not a converted model (no {_META_FILE})")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        return meta, config_from_dict(meta["config"]), jnp.dtype(meta["dtype"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: unreadable converted-model metadata: {e}") from e
+
+
 def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> Model:
     """Rebuild a model written by `save_converted`, bit for bit.
 
@@ -79,16 +97,7 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
       ValueError: its metadata is unreadable or `sharding` does not match the state.
     """
     directory = Path(directory).absolute()
-    meta_path = directory / _META_FILE
-    if not meta_path.is_file() or not (directory / _STATE_DIR).is_dir():
-        raise FileNotFoundError(f"{directory} is not a converted model (no {_META_FILE})")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        config = config_from_dict(meta["config"])
-        dtype = jnp.dtype(meta["dtype"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{meta_path}: unreadable converted-model metadata: {e}") from e
-
+    meta, config, dtype = read_metadata(directory)
     model = abstract_model(config, dtype)
     state = nnx.state(model, nnx.Param)
     target = nnx.to_pure_dict(state)  # ShapeDtypeStruct leaves

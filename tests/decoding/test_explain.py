@@ -15,6 +15,8 @@ import logitloop as ll
 from logitloop.decoding import explain as ex
 from logitloop.decoding.generate import initial_state, prepare
 
+from .test_sampler_distribution import _pooled
+
 # The checkpoint these tests run. Until the shipped model (logitloop/models/tiny/) exists they
 # use a stand-in; set STAND_IN_MODEL = None to run the shipped default (load_pretrained(None)).
 # LOGITLOOP_CLI_TEST_MODEL, when set, overrides it ("" = the shipped default).
@@ -176,20 +178,6 @@ def test_logits_are_what_generate_sees(model, knobs):
     np.testing.assert_allclose(
         np.asarray(state.top_values[0, 0]), np.log(expl.raw[top_ids]), atol=1e-5
     )
-
-
-def _pooled(observed, expected, min_expected=5.0):
-    """Pool every bin whose expected count is below `min_expected` into one bin."""
-    small = expected < min_expected
-    obs, exp = list(observed[~small]), list(expected[~small])
-    if small.any() and expected[small].sum() > 0:
-        obs.append(observed[small].sum())
-        exp.append(expected[small].sum())
-        if exp[-1] < min_expected:  # still too small: merge into the smallest other bin
-            i = int(np.argmin(exp[:-1]))
-            obs[i] += obs.pop()
-            exp[i] += exp.pop()
-    return np.asarray(obs, float), np.asarray(exp, float)
 
 
 def test_draws_follow_the_final_distribution(model, plain):
