@@ -15,24 +15,9 @@ import pytest
 
 import logitloop
 
-# The checkpoint every test runs. Until the shipped model (logitloop/models/tiny/) exists the
-# tests use a stand-in; set STAND_IN_MODEL = None to run the shipped default (no --model).
-# LOGITLOOP_CLI_TEST_MODEL, when set, overrides both ("" = the shipped default).
-STAND_IN_MODEL: str | None = None
-
 TIMEOUT_S = 300
 A, B = 100, 200  # two ordinary token ids for the forced-stop lines
 BASE_FLAGS = ["--max-tokens", "10", "--top-p", "0.95", "--batch-size", "4"]
-
-
-@pytest.fixture(scope="session")
-def model_args() -> list[str]:
-    path = os.environ.get("LOGITLOOP_CLI_TEST_MODEL", STAND_IN_MODEL)
-    if not path:
-        return []
-    if not Path(path).is_dir():
-        pytest.skip(f"stand-in checkpoint {path} is missing (set STAND_IN_MODEL = None)")
-    return ["--model", path]
 
 
 _CACHE_VARS = (

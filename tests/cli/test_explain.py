@@ -8,15 +8,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from logitloop import cli
 
-# The checkpoint is test_cli.py's STAND_IN_MODEL (set it to None there to run the shipped
-# default); LOGITLOOP_CLI_TEST_MODEL, when set, overrides it ("" = the shipped default).
-from .test_cli import STAND_IN_MODEL
+# The checkpoint: the `model_args` fixture in conftest.py.
 
 TIMEOUT_S = 300
 PROMPT = "Once upon a time"
@@ -26,16 +23,6 @@ DRAWS = 500
 STAGES = ("raw", "masks/bias/pen", "temperature", "top-k", "top-p", "min-p=final")
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # the `plot` extra
 FATES = {"kept", "cut: masks", "cut: temperature 0", "cut: top-k", "cut: top-p", "cut: min-p"}
-
-
-@pytest.fixture(scope="module")
-def model_args() -> list[str]:
-    path = os.environ.get("LOGITLOOP_CLI_TEST_MODEL", STAND_IN_MODEL)
-    if not path:
-        return []
-    if not Path(path).is_dir():
-        pytest.skip(f"stand-in checkpoint {path} is missing (set STAND_IN_MODEL = None)")
-    return ["--model", path]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
