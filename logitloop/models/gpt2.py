@@ -58,15 +58,14 @@ class GPT2Block(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
         h = layers.layer_norm(x, self.ln_1_scale[...], self.ln_1_bias[...], c.layer_norm_eps)
-        qkv = jnp.einsum("bte,eshd->sbthd", h, self.w_qkv[...])  # [3, B, T, H, D]
-        qkv = qkv + self.b_qkv[...][:, None, None]
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        qkv = layers.split_heads(h, self.w_qkv[...]) + self.b_qkv[...]  # [B, T, 3, H, D]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         cache = {
             "k": layers.write_cache(cache["k"], k, positions),
             "v": layers.write_cache(cache["v"], v, positions),
         }
         attn = layers.attend(q, cache["k"], cache["v"], mask, scale=self.scale)
-        x = x + jnp.einsum("bthd,hde->bte", attn, self.wo[...]) + self.bo[...]
+        x = x + layers.merge_heads(attn, self.wo[...]) + self.bo[...]
 
         h = layers.layer_norm(x, self.ln_2_scale[...], self.ln_2_bias[...], c.layer_norm_eps)
         h = layers.activation(c.hidden_act, h @ self.w_fc[...] + self.b_fc[...])  # [B, T, F]

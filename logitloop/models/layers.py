@@ -116,6 +116,23 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+def split_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` for a head-split weight: `[B, T, E] x [E, ..., D] -> [B, T, ..., D]`.
+
+    One 2-D product on `w` seen as `[E, rest]` (a free reshape of its row-major layout).
+    Written as an einsum over the head axes, XLA:CPU chose dimension orders that copied
+    the weight (or the activation) at every decode step.
+    """
+    out = x @ w.reshape(w.shape[0], -1)
+    return out.reshape(*x.shape[:-1], *w.shape[1:])
+
+
+def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The output projection `[B, T, H, D] x [H, D, E] -> [B, T, E]`, as one 2-D product."""
+    b, t, h, d = x.shape
+    return x.reshape(b, t, h * d) @ w.reshape(h * d, w.shape[-1])
+
+
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """Per-frequency inverse wavelengths, `[head_dim // 2]` float32.
 

@@ -70,9 +70,9 @@ class LlamaBlock(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
         h = layers.rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
-        q = jnp.einsum("bte,ehd->bthd", h, self.wq[...])  # [B, T, H, D]
-        k = jnp.einsum("bte,ehd->bthd", h, self.wk[...])  # [B, T, Hkv, D]
-        v = jnp.einsum("bte,ehd->bthd", h, self.wv[...])  # [B, T, Hkv, D]
+        q = layers.split_heads(h, self.wq[...])  # [B, T, H, D]
+        k = layers.split_heads(h, self.wk[...])  # [B, T, Hkv, D]
+        v = layers.split_heads(h, self.wv[...])  # [B, T, Hkv, D]
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if c.qk_norm:
@@ -85,7 +85,7 @@ class LlamaBlock(nnx.Module):
             "v": layers.write_cache(cache["v"], v, positions),
         }
         attn = layers.attend(q, cache["k"], cache["v"], mask, scale=c.head_dim**-0.5)
-        attn = jnp.einsum("bthd,hde->bte", attn, self.wo[...])  # [B, T, E]
+        attn = layers.merge_heads(attn, self.wo[...])  # [B, T, E]
         if c.o_bias:
             attn = attn + self.bo[...]
         x = x + attn
