@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -146,9 +144,11 @@ def matmul_floor(model, hf, batch: int, repeats: int) -> tuple[float, float]:
     """Seconds per decode step spent in the model's matrix products alone, at `batch` rows.
 
     Every weight matrix of the model (attention, MLP, LM head) multiplies a [batch, in]
-    activation once, as one decode step does: in XLA (jit, the logitloop weights) and in
-    PyTorch (`F.linear`, the transformers weights). No attention, norms or sampling: a lower
-    bound on a step for either library on this machine.
+    activation once, as one decode step does, and each product feeds the next (as in a
+    step, where no layer can start before the one below it ends): in XLA, 16 such steps
+    in a `lax.fori_loop` (the logitloop weights), and in PyTorch with `F.linear` (the
+    transformers weights). No attention, norms or sampling: a lower bound on a step for
+    either library on this machine.
     """
     import torch
 
@@ -162,34 +162,45 @@ def matmul_floor(model, hf, batch: int, repeats: int) -> tuple[float, float]:
     # The tied embedding serves as the LM head ([V, E], contracted on E).
     head = model.embedding[...]
     weights = [w for w in weights if w.shape != head.shape]
-    rng = np.random.default_rng(0)
-    inputs = {
-        n: jnp.asarray(rng.standard_normal((batch, n)), jnp.float32)
-        for n in {w.shape[0] for w in weights} | {head.shape[1]}
-    }
+    widths = sorted({w.shape[0] for w in weights} | {w.shape[1] for w in weights})
+    steps = 16
+
+    def chain(acts, ws, product):
+        # Each product reads the activation of its input width as the previous products
+        # left it and adds into that of its output width: one dependent chain per step.
+        acts = dict(acts)
+        for w, (n_in, n_out) in ws:
+            acts[n_out] = acts[n_out] + 1e-3 * product(acts[n_in], w)
+        return acts
 
     @jax.jit
-    def products(weights, head, inputs):
-        total = sum(jnp.sum(inputs[w.shape[0]] @ w) for w in weights)
-        return total + jnp.sum(inputs[head.shape[1]] @ head.T)
+    def products(weights, head, acts):
+        ws = [(w, w.shape) for w in weights]
 
-    t_xla = median_time(lambda: products(weights, head, inputs), max(repeats, 5) * 4)
+        def step(_, acts):
+            acts = chain(acts, ws, jnp.matmul)
+            logits = acts[head.shape[1]] @ head.T
+            acts[head.shape[1]] = acts[head.shape[1]] + 1e-3 * logits[:, : head.shape[1]]
+            return acts
+
+        return jax.lax.fori_loop(0, steps, step, acts)
+
+    rng = np.random.default_rng(0)
+    acts = {n: jnp.asarray(rng.standard_normal((batch, n)), jnp.float32) for n in widths}
+    t_xla = median_time(lambda: products(weights, head, acts), max(repeats, 5), warmup=1) / steps
+
     linears = [m.weight.detach() for m in hf.modules() if isinstance(m, torch.nn.Linear)]
-    t_in = {n: torch.randn(batch, n) for n in {w.shape[1] for w in linears}}
+    t_ws = [(w, (w.shape[1], w.shape[0])) for w in linears]  # F.linear: [out, in]
+    t_acts = {n: torch.randn(batch, n) for n in {s for _, io in t_ws for s in io}}
 
     def torch_products():
         with torch.inference_mode():
-            return sum(
-                float(torch.nn.functional.linear(t_in[w.shape[1]], w).sum()) for w in linears
-            )
+            acts = t_acts
+            for _ in range(steps):
+                acts = chain(acts, t_ws, torch.nn.functional.linear)
+            return float(sum(a.sum() for a in acts.values()))
 
-    torch_products()
-    times = []
-    for _ in range(max(repeats, 5) * 4):
-        t0 = time.perf_counter()
-        torch_products()
-        times.append(time.perf_counter() - t0)
-    return t_xla, statistics.median(times)
+    return t_xla, median_time(torch_products, max(repeats, 5), warmup=1) / steps
 
 
 def transformers_llama(c: dict, *, tie_word_embeddings: bool = True):
