@@ -14,6 +14,7 @@ Run on a ~40M-parameter Llama (batch 8) and on a tiny one where dispatch dominat
 Part 2 (`--peer transformers`): the same ~40M-parameter Llama checkpoint, written by
 `transformers` and loaded by logitloop, generating 128 tokens from 64-token prompts at batch 1
 and 8, greedy and top-p 0.9, in logitloop and in `transformers`' `generate` (PyTorch CPU).
+The two alternate, repeat by repeat (median of each).
 Compile time is reported separately; tokens per second exclude it. `matmul floor` is the
 time of one decode step's matrix products alone (every weight matrix times a [batch, in]
 activation) in XLA and in PyTorch, and `matmul-bound tok/s` the tokens per second that
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -250,7 +252,6 @@ def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> 
             )
             ours = functools.partial(ll.generate, model, prompts.tolist(), params, ignore_eos=True)
             compile_s = first_call(lambda: ours().token_ids)  # noqa: B023 (called at once)
-            t_ours = median_time(lambda: ours().token_ids, repeats)  # noqa: B023
             ids = torch.tensor(prompts)
             kwargs = dict(
                 max_new_tokens=new_tokens,
@@ -262,9 +263,16 @@ def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> 
                 attention_mask=torch.ones_like(ids),
                 pad_token_id=0,
             )
+            theirs = functools.partial(hf.generate, ids, **kwargs)
             with torch.inference_mode():
-                hf.generate(ids, **kwargs)  # warm-up
-                t_hf = median_time(functools.partial(hf.generate, ids, **kwargs), repeats)
+                theirs()  # warm-up
+                # Alternate the two, so that both see the same state of the shared machine.
+                times = [
+                    (first_call(lambda: ours().token_ids), first_call(theirs))  # noqa: B023
+                    for _ in range(repeats)
+                ]
+            t_ours = statistics.median(t for t, _ in times)
+            t_hf = statistics.median(t for _, t in times)
             if greedy:
                 with torch.inference_mode():
                     ref = hf.generate(ids, **kwargs)[:, prompt_len:].numpy()
