@@ -17,11 +17,6 @@ from logitloop.decoding.generate import initial_state, prepare
 
 from .test_sampler_distribution import _pooled
 
-# The checkpoint these tests run. Until the shipped model (logitloop/models/tiny/) exists they
-# use a stand-in; set STAND_IN_MODEL = None to run the shipped default (load_pretrained(None)).
-# LOGITLOOP_CLI_TEST_MODEL, when set, overrides it ("" = the shipped default).
-STAND_IN_MODEL: str | None = None
-
 PROMPT = "Once upon a time"
 NUM_DRAWS = 6000
 CHUNK = 2048  # one batch shape for every draw in this file: ll.sample compiles once
@@ -30,9 +25,10 @@ P_MIN = 1e-3
 
 @pytest.fixture(scope="module")
 def model():
-    path = os.environ.get("LOGITLOOP_CLI_TEST_MODEL", STAND_IN_MODEL)
+    """The shipped model, unless LOGITLOOP_CLI_TEST_MODEL names another checkpoint folder."""
+    path = os.environ.get("LOGITLOOP_CLI_TEST_MODEL")
     if path and not Path(path).is_dir():
-        pytest.skip(f"stand-in checkpoint {path} is missing (set STAND_IN_MODEL = None)")
+        pytest.skip(f"LOGITLOOP_CLI_TEST_MODEL={path} is not a folder")
     return ll.load_pretrained(path or None)
 
 
