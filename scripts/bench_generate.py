@@ -3,6 +3,7 @@
     python scripts/bench_generate.py                       # loop overhead (floor, Python loop)
     python scripts/bench_generate.py --peer transformers   # also transformers.generate, on CPU
     python scripts/bench_generate.py --out bench_out/generate.json
+    python scripts/bench_generate.py --skip-overhead --buffers 192 1088 2112
 
 Part 1, loop overhead, on the same model and batch, in one run:
 - `generate`: `logitloop.generate` (prefill + one `lax.while_loop`), sampling included.
@@ -19,6 +20,11 @@ Compile time is reported separately; tokens per second exclude it. `matmul floor
 time of one decode step's matrix products alone (every weight matrix times a [batch, in]
 activation, each product feeding the next) in XLA and in PyTorch, and `matmul-bound tok/s`
 the tokens per second those products allow each library: neither can decode faster.
+
+Part 3 (`--buffers S ...`): the cost of a KV cache sized for long outputs while the rows
+are still short: the floor's 128 steps (batch 8, prompt 64, llama-40m) with caches of S
+slots, against the smallest S. A decode step reads only the prefix of the cache that
+holds every visible slot (`logitloop.models.layers.attend`), so the ratio should stay near 1.
 """
 
 from __future__ import annotations
@@ -302,6 +308,35 @@ def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> 
     return rows
 
 
+def long_buffers(buffers: list[int], repeats: int) -> list[dict]:
+    """Seconds for prefill + 127 greedy steps of llama-40m at batch 8 with S-slot caches."""
+    model = LlamaModel(config("llama-40m", context=max(buffers)), rngs=nnx.Rngs(0))
+    info = model_info(model)
+    batch, prompt_len = 8, 64
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, info.vocab_size, (batch, prompt_len)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt.shape)
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    rows, tokens = [], {}
+    for slots in buffers:
+        run = functools.partial(
+            scan_floor,
+            info.runner,
+            info.weights,
+            prompt,
+            positions,
+            lens,
+            steps=127,
+            cache_len=slots,
+        )
+        tokens[slots] = np.asarray(run())
+        rows.append({"slots": slots, "seconds": median_time(run, repeats)})
+    for r in rows:
+        r["vs smallest"] = r["seconds"] / rows[0]["seconds"]
+        r["same tokens"] = bool((tokens[r["slots"]] == tokens[buffers[0]]).all())
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peer", choices=["transformers"], default=None)
@@ -310,6 +345,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--buffers", type=int, nargs="*", default=[], help="cache sizes (part 3)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     report: dict = {"jax": jax.__version__}
@@ -343,6 +379,14 @@ def main() -> None:
                 f"{r['logitloop compile s']:>9.1f} {r['greedy token agreement']:>12.3f} "
                 f"{r['matmul floor ms (xla)']:>9.2f}/{r['matmul floor ms (torch)']:<9.2f} "
                 f"{r['matmul-bound tok/s (xla)']:>13.1f}/{r['matmul-bound tok/s (torch)']:<14.1f}"
+            )
+    if args.buffers:
+        rows = long_buffers(sorted(args.buffers), args.repeats)
+        report["buffers"] = rows
+        print(f"{'slots':>6} {'seconds':>8} {'vs smallest':>11} same tokens")
+        for r in rows:
+            print(
+                f"{r['slots']:>6} {r['seconds']:>8.3f} {r['vs smallest']:>11.2f} {r['same tokens']}"
             )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -220,6 +220,13 @@ def attention_mask(
     return mask
 
 
+# A single query column attends only a prefix of the cache that holds every visible slot,
+# chosen among these fractions of the cache, once the cache has at least this many slots.
+# (Below it, one product over every slot costs about as much as the branch would save.)
+PREFIX_FRACTIONS = (8, 4, 2)
+MIN_PREFIX_SLOTS = 512
+
+
 def attend(
     q: jax.Array,  # [B, T, H, D]
     k: jax.Array,  # [B, Hkv, S, D]
@@ -232,7 +239,28 @@ def attend(
     Each of the Hkv key/value heads serves H // Hkv consecutive query heads (HF's
     `repeat_kv` layout). Scores and softmax are float32; the weighted sum runs in the
     query dtype.
+
+    A decode step (T = 1) over a cache of `MIN_PREFIX_SLOTS` slots or more reads only the
+    shortest of S/8, S/4, S/2 or S slots that holds every slot some row may see: with a
+    buffer sized for long outputs, the first steps then read a fraction of the cache.
+    Slots past the prefix are masked for every row, so the result is the same up to the
+    order of float32 sums.
     """
+    slots = k.shape[2]
+    if q.shape[1] != 1 or slots < MIN_PREFIX_SLOTS:
+        return _attend(q, k, v, mask, scale)
+    extents = sorted({-(-slots // f) for f in PREFIX_FRACTIONS} | {slots})
+    # One past the last slot any row may see (0 when no row sees any).
+    needed = jnp.max(jnp.where(mask, jnp.arange(1, slots + 1), 0))
+    branch = jnp.sum(jnp.asarray(extents[:-1]) < needed)  # the shortest extent >= needed
+
+    def prefix(e):
+        return lambda q, k, v, mask: _attend(q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale)
+
+    return jax.lax.switch(branch, [prefix(e) for e in extents], q, k, v, mask)
+
+
+def _attend(q, k, v, mask, scale):
     b, t, h, d = q.shape
     hkv = k.shape[1]
     q = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
