@@ -195,14 +195,16 @@ def _sample(logits, params, positions, history, backend) -> SampleOutput:
         # Candidates and thresholds straight from the unscaled logits: no [B, V] write.
         drawn, thr = xla_filter_and_sample(
             proc.adjusted,
-            *_truncation(params, proc.greedy),
+            params.top_k,
+            params.top_p,
+            params.min_p,
             proc.greedy,
             key,
             temperature=proc.temperature,
         )
     else:
         drawn, thr = filter_and_sample(
-            proc.scaled, *_truncation(params, proc.greedy), proc.greedy, key, backend=backend
+            proc.scaled, params.top_k, params.top_p, params.min_p, proc.greedy, key, backend=backend
         )
     proc_status = proc.status(thr.row_max)
     batch, vocab = proc.raw.shape
@@ -226,15 +228,6 @@ def _sample(logits, params, positions, history, backend) -> SampleOutput:
         raw_logprobs=jnp.where(ok, raw_tok, NEG_INF),
         top_logprobs=top,
         status=proc_status,
-    )
-
-
-def _truncation(params: SamplingParams, greedy: jax.Array):
-    """top_k, top_p, min_p with every rule off on greedy rows (their token is the argmax)."""
-    return (
-        jnp.where(greedy, 0, params.top_k),
-        jnp.where(greedy, 1.0, params.top_p),
-        jnp.where(greedy, 0.0, params.min_p),
     )
 
 

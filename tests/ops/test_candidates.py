@@ -5,6 +5,8 @@
 - `filter_and_sample` with `temperature=` (unscaled logits, scaled only where read) returns
   the same tokens and thresholds as on the scaled logits, and the same log-probabilities
   up to float32 summation order.
+- A batch of greedy rows takes a shortcut (the first argmax, nothing else); each row gets
+  exactly what the full path gives a greedy row.
 """
 
 from __future__ import annotations
@@ -83,3 +85,35 @@ def test_tiny_temperature_scales_every_read_alike():
     )
     np.testing.assert_array_equal(np.asarray(draw.tokens), np.asarray(jnp.argmax(z, axis=1)))
     np.testing.assert_array_equal(np.asarray(draw.logprobs), 0.0)
+
+
+@pytest.mark.parametrize("vocab", [300, 20_011])
+def test_all_greedy_batch_equals_greedy_rows_of_the_full_path(vocab):
+    rng = np.random.default_rng(vocab)
+    rows = 8
+    z = rng.standard_normal((rows + 1, vocab)).astype(np.float32) * 3
+    z[1] = -np.inf  # every token masked
+    z[2] = 1.25  # constant
+    z[3, rng.choice(vocab, 40, replace=False)] = 20.0  # ties at the max
+    z[4, 7] = np.inf
+    z[5, 11] = np.nan  # NaN and +inf rows: the sampler reports them bad, token 0
+    z[5, 12] = 50.0
+    z[6] = z[6] * 1e3 + 3e4  # large magnitudes
+    z = jnp.asarray(z)
+    top_k = jnp.asarray(rng.integers(0, 50, rows + 1), jnp.int32)
+    top_p = jnp.asarray(rng.uniform(0.3, 1.0, rows + 1), jnp.float32)
+    min_p = jnp.asarray(rng.uniform(0.0, 0.2, rows + 1), jnp.float32)
+    key = row_keys(jnp.arange(rows + 1, dtype=jnp.uint32), jnp.zeros(rows + 1))
+    run = jax.jit(xla.filter_and_sample)
+    greedy = jnp.ones(rows + 1, bool)
+    t = jnp.zeros(rows + 1, jnp.float32)
+    # The last row sampled instead: the whole batch then takes the full path.
+    full = run(z, top_k, top_p, min_p, greedy.at[-1].set(False), key, temperature=t.at[-1].set(1.0))
+    fast = run(z, top_k, top_p, min_p, greedy, key, temperature=t)
+    # Not the NaN row: which of its tokens wins is undefined (the sampler reports it bad).
+    same = np.flatnonzero(~np.isnan(np.asarray(z)[:rows]).any(axis=1))
+    pairs = zip(jax.tree.leaves(fast), jax.tree.leaves(full), strict=True)
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a)[same], np.asarray(b)[same])
+    tokens = np.asarray(fast[0].tokens)
+    np.testing.assert_array_equal(tokens[same], np.argmax(np.asarray(z)[same], axis=1))

@@ -45,6 +45,7 @@ from logitloop.ops.sampling.xla import (
     Thresholds,
     key_to_float,
     race_scores,
+    rules_off_on_greedy,
     sortable_key,
 )
 
@@ -266,6 +267,8 @@ def filter_and_sample_sharded(
     laid out as `P(batch_axis)`; see the module docstring for what is exact.
     """
     _check(x, mesh, axis, batch_axis)
+    # As in the unsharded operator, the filters are not evaluated on greedy rows.
+    top_k, top_p, min_p = rules_off_on_greedy(top_k, top_p, min_p, greedy)
     mesh = auto_axes(mesh)
     row = P(batch_axis)
     body = functools.partial(

@@ -419,6 +419,15 @@ def candidates(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
     return vals, jnp.take_along_axis(ids, pos, axis=1)
 
 
+def rules_off_on_greedy(top_k, top_p, min_p, greedy):
+    """top_k, top_p, min_p with every filter off on greedy rows (their token is the argmax)."""
+    return (
+        jnp.where(greedy, 0, top_k),
+        jnp.where(greedy, 1.0, top_p),
+        jnp.where(greedy, 0.0, min_p),
+    )
+
+
 def filter_and_sample(
     x: jax.Array,  # [B, V] f32: the scaled logits, or the unscaled ones with `temperature`
     top_k: jax.Array,  # [B] i32
@@ -435,9 +444,28 @@ def filter_and_sample(
     With `temperature` ([B]), `x` holds the unscaled logits and the operator works on
     `scale_logits(x, temperature)` without writing that [B, V] array out: the result is
     the same as passing the scaled logits.
+
+    On greedy rows the filters are not evaluated (their token is the argmax): thresholds
+    -inf, log-probability 0, `log_norm` the row maximum. A batch of greedy rows takes only
+    the first candidate (one pass for the block maxima, then one block per row) and skips
+    the thresholds and races.
     """
-    c = min(num_candidates, x.shape[1])
-    cand_z, cand_i = candidates(x, c)
-    cand_x = scale_logits(cand_z, temperature)
-    thr = thresholds(x, top_k, top_p, min_p, cand_x, temperature)
-    return draw(x, thr, cand_x, cand_i, greedy, key, temperature), thr
+    top_k, top_p, min_p = rules_off_on_greedy(top_k, top_p, min_p, greedy)
+
+    def every_rule():
+        c = min(num_candidates, x.shape[1])
+        cand_z, cand_i = candidates(x, c)
+        cand_x = scale_logits(cand_z, temperature)
+        thr = thresholds(x, top_k, top_p, min_p, cand_x, temperature)
+        return draw(x, thr, cand_x, cand_i, greedy, key, temperature), thr
+
+    def argmax_only():
+        best_z, best_i = candidates(x, 1)  # the first of the candidates, alone
+        row_max = scale_logits(best_z, temperature)[:, 0]
+        token = best_i[:, 0]
+        off = jnp.full_like(row_max, NEG_INF)
+        m = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        drawn = Draw(tokens=token, logprobs=jnp.zeros_like(row_max), log_norm=m)
+        return drawn, Thresholds(row_max=row_max, top_k=off, top_p=off, min_p=off)
+
+    return jax.lax.cond(jnp.all(greedy), argmax_only, every_rule)
