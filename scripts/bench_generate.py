@@ -85,6 +85,20 @@ def scan_floor(runner, weights, prompt, positions, lens, *, steps, cache_len):
     return toks
 
 
+def floor_run(info, prompt, positions, lens, steps: int, cache_len: int):
+    """`scan_floor` on the model of `info`, as a function of no arguments."""
+    return functools.partial(
+        scan_floor,
+        info.runner,
+        info.weights,
+        prompt,
+        positions,
+        lens,
+        steps=steps,
+        cache_len=cache_len,
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("runner",), donate_argnames=("cache",))
 def single_step(runner, weights, tok, pos, cache, params, index):
     logits, cache = runner.forward(weights, tok[:, None], pos[:, None], cache)
@@ -120,16 +134,7 @@ def loop_overhead(name: str, batch: int, prompt_len: int, new_tokens: int, repea
     positions[:, plen - prompt_len :] = np.arange(prompt_len)
     prompt, positions = jnp.asarray(prompt), jnp.asarray(positions)
     lens = jnp.full((batch,), prompt_len, jnp.int32)
-    run_floor = functools.partial(
-        scan_floor,
-        info.runner,
-        info.weights,
-        prompt,
-        positions,
-        lens,
-        steps=new_tokens - 1,
-        cache_len=plen + buf,
-    )
+    run_floor = floor_run(info, prompt, positions, lens, new_tokens - 1, plen + buf)
     dev_params = params.device_only()
     run_loop = lambda: python_loop(  # noqa: E731
         info, prompt, positions, lens, dev_params, new_tokens - 1, plen + buf
@@ -319,16 +324,7 @@ def long_buffers(buffers: list[int], repeats: int) -> list[dict]:
     lens = jnp.full((batch,), prompt_len, jnp.int32)
     rows, tokens = [], {}
     for slots in buffers:
-        run = functools.partial(
-            scan_floor,
-            info.runner,
-            info.weights,
-            prompt,
-            positions,
-            lens,
-            steps=127,
-            cache_len=slots,
-        )
+        run = floor_run(info, prompt, positions, lens, 127, slots)
         tokens[slots] = np.asarray(run())
         rows.append({"slots": slots, "seconds": median_time(run, repeats)})
     for r in rows:
