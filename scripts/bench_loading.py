@@ -30,14 +30,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_generate import transformers_llama  # scripts/ is on the path when run as a script
+from bench_generate import MODELS, transformers_llama  # scripts/ is on the path as a script
 from flax import nnx
 
 import logitloop as ll
 from logitloop.models import restore_converted, save_converted
 
 SIZES = {
-    "llama-40m": dict(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1376, vocab=32000),
+    "llama-40m": MODELS["llama-40m"],  # the peer benchmark's model
     "llama-300m": dict(hidden=1024, layers=20, heads=16, kv_heads=8, ffn=2816, vocab=32000),
 }
 

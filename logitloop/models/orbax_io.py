@@ -102,13 +102,14 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
     model = abstract_model(config, dtype)
     state = nnx.state(model, nnx.Param)
     target = nnx.to_pure_dict(state)  # ShapeDtypeStruct leaves
+    # Explicit restore arguments: Orbax's own inference of each leaf's sharding from the
+    # checkpoint metadata took a third of the restore (scripts/bench_loading.py).
     if sharding is None:
-        # Onto the default device: read every array into host memory, then one batched
-        # transfer. This skips Orbax's per-leaf sharding inference from the checkpoint
-        # metadata, which took a third of the restore (scripts/bench_loading.py).
+        # Onto the default device: every array into host memory, then one batched transfer.
         restore_args = jax.tree.map(
             lambda x: ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype), target
         )
+        place = jax.device_put
     else:
         restore_args = jax.tree.map(
             lambda x: ocp.ArrayRestoreArgs(
@@ -116,13 +117,12 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
             ),
             _with_shardings(target, sharding),
         )
+        place = lambda tree: tree  # noqa: E731 (read straight into the shardings)
     restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
         directory / _STATE_DIR,
         args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
     )
-    if sharding is None:
-        restored = jax.device_put(restored)
-    nnx.replace_by_pure_dict(state, restored)
+    nnx.replace_by_pure_dict(state, place(restored))
     nnx.update(model, state)
 
     if meta.get("tokenizer") is not None:
