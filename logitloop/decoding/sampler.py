@@ -45,10 +45,11 @@ from logitloop.ops.sampling.dispatch import resolve_backend
 from logitloop.ops.sampling.noise import row_keys
 from logitloop.ops.sampling.xla import (
     NUM_CANDIDATES,
+    SINGLE,
+    Axes,
     candidates,
     scale_logits,
     thresholds,
-    topk_barrier,
 )
 from logitloop.ops.sampling.xla import filter_and_sample as xla_filter_and_sample
 
@@ -107,26 +108,46 @@ class Processed:
 
 
 def adjust_logits(
-    logits: jax.Array, params: SamplingParams, positions: jax.Array, history: History | None
+    logits: jax.Array,
+    params: SamplingParams,
+    positions: jax.Array,
+    history: History | None,
+    axes: Axes = SINGLE,
 ) -> Processed:
-    """Steps 1-4: masks and bias, min_tokens, penalties, temperature."""
+    """Steps 1-4: masks and bias, min_tokens, penalties, temperature.
+
+    `axes`: inside `shard_map`, where `logits` is this device's slice of the vocabulary
+    (`ops.sampling.xla.Axes`): token ids are mapped to its columns, row statistics reduced
+    over the vocabulary axis.
+    """
     raw = logits.astype(jnp.float32)
-    raw_max = jnp.max(raw, axis=1)  # [B]
+    width = raw.shape[1]
+    raw_max = axes.max(jnp.max(raw, axis=1))  # [B]
     shift = jnp.where(jnp.isfinite(raw_max), raw_max, 0.0)
     # Kept relative to the max: at |logits| ~ 1e4 an absolute logsumexp loses ~1e-3.
-    raw_sum = jnp.sum(jnp.exp(raw - shift[:, None]), axis=1)
+    raw_sum = axes.sum(jnp.sum(jnp.exp(raw - shift[:, None]), axis=1))
     # Bad rows, found without a pass of their own: a sum propagates NaN (a vectorised max on
     # XLA:CPU may skip it), and +inf is the max or, where a NaN hid it, a NaN in the sum.
     # Finite rows sum to >= 1 and all -inf rows to 0, so neither looks bad.
     bad = jnp.isnan(raw_sum) | (raw_max == jnp.inf)
     raw_max = jnp.where(bad, 0.0, shift)
     raw_norm = jnp.log(raw_sum)
-    z = transforms.allowed_mask(raw, params.allowed_ids, params.has_allowed)
-    z = transforms.logit_bias(z, params.bias_ids, params.bias_values)
-    z = transforms.ban_tokens(z, params.banned_ids)
-    z = transforms.suppress_stop_tokens(z, params.stop_token_ids, positions, params.min_tokens)
+
+    def local(ids):
+        return axes.local_ids(ids, width)
+
+    z = transforms.allowed_mask(raw, local(params.allowed_ids), params.has_allowed)
+    z = transforms.logit_bias(z, local(params.bias_ids), params.bias_values)
+    z = transforms.ban_tokens(z, local(params.banned_ids))
+    z = transforms.suppress_stop_tokens(
+        z, local(params.stop_token_ids), positions, params.min_tokens
+    )
     if history is not None:
         seen = distinct_tokens(history)
+        if axes.vocab is not None:  # this device's columns only
+            ids = seen.ids - axes.offset(width)
+            mine = (ids >= 0) & (ids < width)
+            seen = seen.replace(ids=jnp.where(mine, ids, 0), is_distinct=seen.is_distinct & mine)
         z = transforms.repetition_penalty(z, seen, params.repetition_penalty)
         z = transforms.presence_frequency_penalty(
             z, seen, params.presence_penalty, params.frequency_penalty
@@ -144,9 +165,12 @@ def adjust_logits(
     )
 
 
-def _top_logprobs(raw_logp: jax.Array, n: jax.Array) -> TopLogprobs:
-    k = min(MAX_TOP_LOGPROBS, raw_logp.shape[1])
-    vals, ids = jax.lax.top_k(raw_logp, k)
+def _top_logprobs(raw_logp: jax.Array, n: jax.Array, axes: Axes) -> TopLogprobs:
+    k = min(MAX_TOP_LOGPROBS, axes.vocab_size(raw_logp))
+    if axes.vocab is None:
+        vals, ids = jax.lax.top_k(raw_logp, k)
+    else:
+        vals, ids = candidates(raw_logp, k, axes)
     pad = ((0, 0), (0, MAX_TOP_LOGPROBS - k))  # vocabularies smaller than the maximum n
     vals = jnp.pad(vals, pad, constant_values=NEG_INF)
     ids = jnp.pad(ids, pad, constant_values=-1)
@@ -163,7 +187,7 @@ def _no_top_logprobs(batch: int) -> TopLogprobs:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "gspmd"))
+@functools.partial(jax.jit, static_argnames=("backend",))
 def sample(
     logits: jax.Array,
     params: SamplingParams,
@@ -171,7 +195,6 @@ def sample(
     history: History | None = None,
     *,
     backend: str = "auto",
-    gspmd: bool = False,
 ) -> SampleOutput:
     """Draw one token per row under the row's own settings (see the module docstring).
 
@@ -179,19 +202,33 @@ def sample(
     `SamplingParams` of batch B; positions: [B] int, the 0-based index among the row's
     generated tokens of the token being drawn (it keys the random stream with the seed and
     drives `min_tokens`); history: the prompt and generated tokens, needed for the
-    penalties (without it the penalties are not applied). `gspmd=True` when tracing inside
-    a GSPMD-partitioned program (`logitloop.decoding.sharding` sets it).
+    penalties (without it the penalties are not applied). On a mesh the decode loop runs
+    this same step under `shard_map` (`sample_step` with `axes`).
     """
-    with topk_barrier(not gspmd):
-        return _sample(logits, params, positions, history, backend)
+    return sample_step(logits, params, positions, history, backend=backend)
 
 
-def _sample(logits, params, positions, history, backend) -> SampleOutput:
+def sample_step(
+    logits: jax.Array,
+    params: SamplingParams,
+    positions: jax.Array,
+    history: History | None,
+    *,
+    backend: str = "auto",
+    axes: Axes = SINGLE,
+) -> SampleOutput:
+    """The sampling step, traceable anywhere: `sample` is this under `jit` on one device;
+    inside `shard_map`, `axes` says how the rows and the vocabulary lie on the mesh (the
+    logits are then this device's [B_s, V_s] slice, the results those of its rows)."""
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
-    proc = adjust_logits(logits, params, positions, history)
+    proc = adjust_logits(logits, params, positions, history, axes)
     key = row_keys(params.seed, positions)
-    if resolve_backend(backend) == "xla":
+    if axes.vocab is None and resolve_backend(backend) == "pallas":
+        drawn, thr = filter_and_sample(
+            proc.scaled, params.top_k, params.top_p, params.min_p, proc.greedy, key, backend=backend
+        )
+    else:
         # Candidates and thresholds straight from the unscaled logits: no [B, V] write.
         drawn, thr = xla_filter_and_sample(
             proc.adjusted,
@@ -201,24 +238,22 @@ def _sample(logits, params, positions, history, backend) -> SampleOutput:
             proc.greedy,
             key,
             temperature=proc.temperature,
-        )
-    else:
-        drawn, thr = filter_and_sample(
-            proc.scaled, params.top_k, params.top_p, params.min_p, proc.greedy, key, backend=backend
+            axes=axes,
         )
     proc_status = proc.status(thr.row_max)
-    batch, vocab = proc.raw.shape
+    batch = proc.raw.shape[0]
+    vocab = axes.vocab_size(proc.raw)
     ok = proc_status == STATUS_OK
     tokens = jnp.where(ok, jnp.clip(drawn.tokens, 0, vocab - 1), 0)
     # The raw log-softmax at one token per row; the full [B, V] array only when top-n is asked.
     norm = jnp.where(ok, proc.raw_norm, 0.0)
-    shift = proc.raw_max[:, None]
-    raw_tok = (jnp.take_along_axis(proc.raw, tokens[:, None], axis=1) - shift)[:, 0] - norm
+    raw_tok = (axes.at(proc.raw, tokens) - proc.raw_max) - norm
     top = jax.lax.cond(
-        jnp.any(params.logprobs > 0),
+        axes.any(params.logprobs > 0),
         lambda: _top_logprobs(
-            jnp.where(ok[:, None], proc.raw - shift, 0.0) - norm[:, None],
+            jnp.where(ok[:, None], proc.raw - proc.raw_max[:, None], 0.0) - norm[:, None],
             jnp.where(ok, params.logprobs, 0),
+            axes,
         ),
         lambda: _no_top_logprobs(batch),
     )

@@ -44,17 +44,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from logitloop.decoding import sampler, transforms
-from logitloop.decoding.history import History, distinct_tokens
-from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
-from logitloop.ops.sampling.noise import row_keys
-from logitloop.ops.sampling.sharded import auto_axes, filter_and_sample_shard, top_k_shard
+from logitloop.decoding import sampler
+from logitloop.decoding.history import History
+from logitloop.decoding.params import SamplingParams
+from logitloop.ops.sampling.sharded import auto_axes
+from logitloop.ops.sampling.xla import Axes
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 # Logical parameter axes laid over the model axis; the rest are replicated.
 MODEL_PARALLEL_AXES = frozenset({"heads", "kv_heads", "mlp", "vocab"})
-NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------- the mesh
@@ -274,103 +273,6 @@ def host_view(tree: Any, mesh: Mesh | None) -> Any:
 # ----------------------------------------------------------------------------- sampling
 
 
-def _local_ids(ids: jax.Array, offset: jax.Array, width: int) -> jax.Array:
-    """Global token ids -> this shard's column, or -1 (the transforms' padding) elsewhere."""
-    local = ids - offset
-    return jnp.where((ids >= 0) & (local >= 0) & (local < width), local, -1)
-
-
-def _sample_shard(
-    logits_l: jax.Array,
-    params: SamplingParams,
-    positions: jax.Array,
-    history: History | None,
-    *,
-    axis: str,
-    batch_axes: tuple[str, ...],
-) -> sampler.SampleOutput:
-    """`sampler.sample` on this shard's slice of the vocabulary (inside shard_map)."""
-    width = logits_l.shape[1]
-    vocab = width * jax.lax.axis_size(axis)
-    offset = jax.lax.axis_index(axis).astype(jnp.int32) * width
-    all_axes = (*batch_axes, axis)
-
-    def local(ids):
-        return _local_ids(ids, offset, width)
-
-    # Steps 1-4 (`sampler.adjust_logits`) with every id list mapped to local columns.
-    raw = logits_l.astype(jnp.float32)
-    bad_l = jnp.any(jnp.isnan(raw) | (raw == jnp.inf), axis=1)
-    bad = jax.lax.pmax(bad_l.astype(jnp.int32), axis) > 0
-    z = transforms.allowed_mask(raw, local(params.allowed_ids), params.has_allowed)
-    z = transforms.logit_bias(z, local(params.bias_ids), params.bias_values)
-    z = transforms.ban_tokens(z, local(params.banned_ids))
-    z = transforms.suppress_stop_tokens(
-        z, local(params.stop_token_ids), positions, params.min_tokens
-    )
-    if history is not None:
-        seen = distinct_tokens(history)
-        ids = seen.ids - offset
-        mine = (ids >= 0) & (ids < width)
-        seen = seen.replace(ids=jnp.where(mine, ids, 0), is_distinct=seen.is_distinct & mine)
-        z = transforms.repetition_penalty(z, seen, params.repetition_penalty)
-        z = transforms.presence_frequency_penalty(
-            z, seen, params.presence_penalty, params.frequency_penalty
-        )
-    greedy = (params.temperature == 0) | (params.top_k == 1)
-    x = transforms.apply_temperature(z, jnp.where(greedy, 0.0, params.temperature))
-    x = jnp.where(jnp.isnan(x), NEG_INF, x)
-    all_masked = jax.lax.pmax(jnp.max(x, axis=1), axis) == NEG_INF
-    status = jnp.where(
-        bad,
-        sampler.STATUS_BAD_LOGITS,
-        jnp.where(all_masked, sampler.STATUS_ALL_MASKED, sampler.STATUS_OK),
-    ).astype(jnp.int32)
-
-    # Step 5-8: truncation and draw.
-    key = row_keys(params.seed, positions)
-    drawn, _ = filter_and_sample_shard(
-        x, params.top_k, params.top_p, params.min_p, greedy, key, axis=axis, batch_axes=batch_axes
-    )
-    batch = x.shape[0]
-    ok = status == sampler.STATUS_OK
-    tokens = jnp.where(ok, jnp.clip(drawn.tokens, 0, vocab - 1), 0)
-
-    # Raw log-softmax as jax.nn.log_softmax computes it, reduced over the shards.
-    raw_safe = jnp.where(jnp.isnan(raw), NEG_INF, raw)
-    r = jnp.where(ok[:, None], raw_safe, 0.0)
-    shifted = r - jax.lax.pmax(jnp.max(r, axis=1, keepdims=True), axis)
-    raw_logp = shifted - jnp.log(
-        jax.lax.psum(jnp.sum(jnp.exp(shifted), axis=1, keepdims=True), axis)
-    )
-    col = tokens - offset
-    holds = (col >= 0) & (col < width)
-    at_tok = jnp.take_along_axis(raw_logp, jnp.clip(col, 0, width - 1)[:, None], axis=1)[:, 0]
-    raw_tok = jax.lax.psum(jnp.where(holds, at_tok, 0.0), axis)
-
-    def top():
-        k = min(MAX_TOP_LOGPROBS, vocab)
-        vals, ids = top_k_shard(raw_logp, k, axis)
-        pad = ((0, 0), (0, MAX_TOP_LOGPROBS - k))
-        vals = jnp.pad(vals, pad, constant_values=NEG_INF)
-        ids = jnp.pad(ids, pad, constant_values=-1)
-        n = jnp.where(ok, params.logprobs, 0)
-        keep = jnp.arange(MAX_TOP_LOGPROBS)[None, :] < n[:, None]
-        return sampler.TopLogprobs(
-            ids=jnp.where(keep, ids, -1).astype(jnp.int32), values=jnp.where(keep, vals, NEG_INF)
-        )
-
-    want_top = jax.lax.psum(jnp.any(params.logprobs > 0).astype(jnp.int32), all_axes) > 0
-    top_lp = jax.lax.cond(want_top, top, lambda: sampler._no_top_logprobs(batch))
-    return sampler.SampleOutput(
-        tokens=tokens.astype(jnp.int32),
-        logprobs=jnp.where(ok, drawn.logprobs, NEG_INF),
-        raw_logprobs=jnp.where(ok, raw_tok, NEG_INF),
-        top_logprobs=top_lp,
-        status=status,
-    )
-
-
 def sample_sharded(
     logits: jax.Array,
     params: SamplingParams,
@@ -378,39 +280,36 @@ def sample_sharded(
     history: History | None = None,
     *,
     mesh: Mesh,
-    axis: str = MODEL_AXIS,
+    axis: str | None = MODEL_AXIS,
     batch_axis: str | None = DATA_AXIS,
 ) -> sampler.SampleOutput:
-    """`sampler.sample` with the vocabulary split over mesh axis `axis`, in one shard_map.
+    """`sampler.sample` on a mesh: the same step (`sampler.sample_step`) in one shard_map.
 
-    Every step of the sampler runs on each shard's slice of the logits: masks, bias, bans
-    and penalties on the shard's own columns (token ids mapped to local columns), then
-    `filter_and_sample_shard`, the raw log-softmax with reduced max and sum, and the top-n
-    raw alternatives by per-shard top-k. Only per-row results cross the mesh. The tokens
-    equal `sample`'s (see `logitloop.ops.sampling.sharded` for what is exact); the
-    log-probabilities agree to float32 rounding. Rows go over `batch_axis` (None:
-    replicated); V must be a multiple of the size of `axis` and B of `batch_axis`.
+    With the vocabulary split over mesh axis `axis`, every step runs on each device's slice
+    of the logits: masks, bias, bans and penalties on its own columns (token ids mapped to
+    local columns), the candidates, thresholds and race with their reductions over `axis`,
+    the raw log-softmax with a reduced max and sum. Only per-row results cross the mesh.
+    The tokens equal `sample`'s (see `logitloop.ops.sampling.sharded` for what is exact);
+    the log-probabilities agree to float32 rounding. Rows go over `batch_axis` (None:
+    replicated); V must be a multiple of the size of `axis` (None: every device holds
+    whole rows) and B of `batch_axis`.
     """
     mesh = auto_axes(mesh)
     batch, vocab = logits.shape
-    if vocab % mesh.shape[axis]:
+    if axis is not None and vocab % mesh.shape[axis]:
         raise ValueError(f"vocabulary {vocab} is not a multiple of mesh axis {axis!r}")
     if batch_axis is not None and batch % mesh.shape[batch_axis]:
         raise ValueError(f"batch {batch} is not a multiple of mesh axis {batch_axis!r}")
-    params = params.device_only()
-    positions = jnp.asarray(positions, jnp.int32)
+    axes = Axes(vocab=axis, rows=() if batch_axis is None else (batch_axis,), in_mesh=True)
     row = P(batch_axis)
-    body = functools.partial(
-        _sample_shard, axis=axis, batch_axes=() if batch_axis is None else (batch_axis,)
-    )
     fn = jax.shard_map(
-        body,
+        functools.partial(sampler.sample_step, axes=axes),
         mesh=mesh,
         in_specs=(P(batch_axis, axis), row, row, row),
         out_specs=row,
         check_vma=False,
     )
-    return fn(logits, params, positions, history)
+    return fn(logits, params.device_only(), jnp.asarray(positions, jnp.int32), history)
 
 
 def sample(
@@ -420,12 +319,15 @@ def sample(
     history: History | None,
     mesh: Mesh | None,
 ) -> sampler.SampleOutput:
-    """The decode loop's sampling step: `sample_sharded` when the mesh splits the
-    vocabulary (model axis > 1 and dividing V), otherwise `sampler.sample` (GSPMD)."""
-    if mesh is not None:
-        size = mesh.shape[MODEL_AXIS]
-        batch, vocab = logits.shape
-        if size > 1 and vocab % size == 0:
-            rows = DATA_AXIS if batch % mesh.shape[DATA_AXIS] == 0 else None
-            return sample_sharded(logits, params, positions, history, mesh=mesh, batch_axis=rows)
-    return sampler.sample(logits, params, positions, history, gspmd=mesh is not None)
+    """The decode loop's sampling step: `sampler.sample_step` on one device, or under
+    `shard_map` on a mesh, the vocabulary split over "model" when its size divides V and
+    the rows over "data" when its size divides B."""
+    if mesh is None:
+        return sampler.sample_step(logits, params, positions, history)
+    batch, vocab = logits.shape
+    size = mesh.shape[MODEL_AXIS]
+    vocab_axis = MODEL_AXIS if size > 1 and vocab % size == 0 else None
+    rows = DATA_AXIS if batch % mesh.shape[DATA_AXIS] == 0 else None
+    return sample_sharded(
+        logits, params, positions, history, mesh=mesh, axis=vocab_axis, batch_axis=rows
+    )

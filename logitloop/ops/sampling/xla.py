@@ -18,11 +18,17 @@ some row needs it (`lax.cond`). The draw is an exponential race
 candidates when the kept set lies inside them and over the whole vocabulary otherwise, and
 both pick the same token, as does any other backend or any vocabulary sharding that uses
 the same noise. A row's token never depends on the rest of the batch.
+
+The same functions run inside `jax.shard_map` on a mesh (`sharded.py` wraps them): `axes`
+names the mesh axis the vocabulary is split over and the axes the rows are split over, and
+every reduction across the vocabulary (max, sums, counts, candidate top-k, the race's
+argmax) is reduced over the vocabulary axis as well. With `Axes()` (one device) no
+collective is traced and the program is the single-device one.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +38,80 @@ from logitloop.ops.sampling import noise
 
 NUM_CANDIDATES = 256
 NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """Where the operands lie on a mesh when an operator runs inside `jax.shard_map`.
+
+    vocab: the mesh axis the vocabulary is split over (each device holds a contiguous slice
+    `[s * V_s, (s + 1) * V_s)` of every row it holds), or None when devices hold whole rows;
+    rows: the mesh axes the batch is split over. `Axes()` is one device, outside any mesh.
+    """
+
+    vocab: str | None = None
+    rows: tuple[str, ...] = ()
+    in_mesh: bool = False  # inside `shard_map` though neither rows nor vocabulary are split
+
+    @property
+    def partitioned(self) -> bool:
+        """Traced for a partitioned program: XLA's SPMD partitioner rejects the
+        optimization barriers (a check failure in jax 0.10), so they are left out."""
+        return self.in_mesh or self.vocab is not None or bool(self.rows)
+
+    def vocab_size(self, x: jax.Array) -> int:
+        """The whole vocabulary of `x`'s rows ([B, V_s] on each device)."""
+        return x.shape[-1] * (1 if self.vocab is None else jax.lax.axis_size(self.vocab))
+
+    def offset(self, width: int) -> jax.Array | int:
+        """Global id of this device's first column, its slice `width` columns wide."""
+        if self.vocab is None:
+            return 0
+        return jax.lax.axis_index(self.vocab).astype(jnp.int32) * width
+
+    def local_ids(self, ids: jax.Array, width: int) -> jax.Array:
+        """Global token ids -> columns of this device's slice, -1 (padding) elsewhere."""
+        if self.vocab is None:
+            return ids
+        local = ids - self.offset(width)
+        return jnp.where((ids >= 0) & (local >= 0) & (local < width), local, -1)
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        """Per-row partial results summed over the vocabulary axis."""
+        return x if self.vocab is None else jax.lax.psum(x, self.vocab)
+
+    def max(self, x: jax.Array) -> jax.Array:
+        return x if self.vocab is None else jax.lax.pmax(x, self.vocab)
+
+    def min(self, x: jax.Array) -> jax.Array:
+        return x if self.vocab is None else jax.lax.pmin(x, self.vocab)
+
+    def any(self, pred: jax.Array) -> jax.Array:
+        """`jnp.any` over the whole batch wherever a branch holds collectives: every
+        device of the mesh then takes a `lax.cond` the same way."""
+        if self.vocab is None:
+            return jnp.any(pred)
+        return jax.lax.psum(jnp.any(pred).astype(jnp.int32), (*self.rows, self.vocab)) > 0
+
+    def all(self, pred: jax.Array) -> jax.Array:
+        return jnp.all(pred) if self.vocab is None else ~self.any(~pred)
+
+    def barrier(self, x):
+        """`lax.optimization_barrier` on one device (see `candidates`), else `x`."""
+        return x if self.partitioned else jax.lax.optimization_barrier(x)
+
+    def at(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+        """x[b, ids[b]] for one global id per row ([B]), whichever device holds it."""
+        if self.vocab is None:
+            return jnp.take_along_axis(x, ids[:, None], axis=1)[:, 0]
+        width = x.shape[1]
+        local = ids - self.offset(width)
+        mine = (local >= 0) & (local < width)
+        val = jnp.take_along_axis(x, jnp.clip(local, 0, width - 1)[:, None], axis=1)[:, 0]
+        return self.sum(jnp.where(mine, val, 0))  # one device holds it: the sum is exact
+
+
+SINGLE = Axes()
 
 
 @struct.dataclass
@@ -98,6 +178,7 @@ def interval_threshold(
     upper: jax.Array,  # [B], with W(x > upper) < target, so the answer is <= upper
     need: jax.Array,  # [B] bool, rows to solve; the others return -inf
     c: int,
+    axes: Axes = SINGLE,
 ) -> jax.Array:
     """The largest value v among x with W(x >= v) >= target, per row, without sorting.
 
@@ -109,28 +190,29 @@ def interval_threshold(
     bisection over the bits of a float. Rows whose W never reaches the target return -inf.
     """
     finite = x > NEG_INF
-    lo0 = jnp.min(jnp.where(finite, x, jnp.inf), axis=1) - 1.0
+    lo0 = axes.min(jnp.min(jnp.where(finite, x, jnp.inf), axis=1)) - 1.0
     lo0 = jnp.where(jnp.isfinite(lo0), lo0, 0.0)
     hi0 = upper
 
     w = weight_fn(x)  # [B, V], computed once: each step then only compares and sums
 
     # Counts as float32 sums (exact below 2^24 entries; XLA:CPU sums floats faster than ints).
-    one = 1.0 if x.shape[1] < 2**24 else 1
+    one = 1.0 if axes.vocab_size(x) < 2**24 else 1
 
     def stats(mid, hi):  # W(x > mid) and the count in (mid, hi]
         above = x > mid[:, None]
         inside = above & (x <= hi[:, None])
-        return jnp.sum(jnp.where(above, w, 0.0), axis=1), jnp.sum(jnp.where(inside, one, 0), axis=1)
+        w_above = jnp.sum(jnp.where(above, w, 0.0), axis=1)
+        return axes.sum(w_above), axes.sum(jnp.sum(jnp.where(inside, one, 0), axis=1))
 
     w_lo, n_in = stats(lo0, hi0)  # W(x > lo0) and the count in (lo0, hi0]
-    w_hi = jnp.sum(jnp.where(x > hi0[:, None], w, 0.0), axis=1)
+    w_hi = axes.sum(jnp.sum(jnp.where(x > hi0[:, None], w, 0.0), axis=1))
     reachable = w_lo >= target
     active = need & reachable
 
     def cond(st):
         step, lo, hi, n_in, _ = st
-        return (step < 64) & jnp.any(active & (n_in > c) & (lo < hi))
+        return (step < 64) & axes.any(active & (n_in > c) & (lo < hi))
 
     def body(st):
         step, lo, hi, n_in, w_hi = st
@@ -153,7 +235,7 @@ def interval_threshold(
 
     _, lo, hi, _, w_hi = jax.lax.while_loop(cond, body, (0, lo0, hi0, n_in, w_hi))
     inside = (x > lo[:, None]) & (x <= hi[:, None])
-    vals, _ = candidates(jnp.where(inside, x, NEG_INF), c)  # the interval's values, descending
+    vals, _ = candidates(jnp.where(inside, x, NEG_INF), c, axes)  # the interval's, descending
     cum = w_hi[:, None] + jnp.cumsum(jnp.where(vals > NEG_INF, weight_fn(vals), 0.0), axis=1)
     first = jnp.sum(cum < target[:, None], axis=1)  # index of the first value reaching it
     found = jnp.take_along_axis(vals, jnp.minimum(first, c - 1)[:, None], axis=1)[:, 0]
@@ -162,47 +244,68 @@ def interval_threshold(
     return jnp.where(active, answer, NEG_INF)
 
 
-def rows_that_need(fn, need: jax.Array, fill, *args):
+def rows_that_need(fn, need: jax.Array, fill, *args, axes: Axes = SINGLE):
     """`fn` on the rows where `need` holds, one row at a time; `fill` elsewhere.
 
-    fn takes each argument with a batch axis of one and returns a pytree of [1, ...]
-    arrays (`fill` has the same structure). The fallbacks below cost passes over the whole
-    vocabulary; run batched, one wide row would make every row of the batch pay for them.
-    A row's slice of the arguments is taken inside the branch, so rows that do not need
-    `fn` cost no copy of their row.
+    fn takes a [rows] bool mask of the rows to solve, then each argument with a batch axis
+    of one, and returns a pytree of [1, ...] arrays (`fill` has the same structure). The
+    fallbacks below cost passes over the whole vocabulary; run batched, one wide row would
+    make every row of the batch pay for them. A row's slice of the arguments is taken
+    inside the branch, so rows that do not need `fn` cost no copy of their row.
+
+    With the vocabulary split over a mesh axis, `fn` holds collectives, which every device
+    must reach alike: it then runs once on the whole batch (rows that do not need it are
+    masked by the mask and by the caller), when any row of the batch needs it.
     """
+    batch = need.shape[0]
+
+    def no_row():
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape[1:])), fill)
+
+    if axes.vocab is not None:
+        return jax.lax.cond(axes.any(need), lambda: fn(need, *args), no_row)
 
     def one(row):
         i, want = row
 
         def run():
-            return fn(*(jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0) for a in args))
+            rows = (jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0) for a in args)
+            return fn(jnp.ones((1,), bool), *rows)
 
         return jax.lax.cond(want, run, lambda: fill)
 
     def every_row():
-        out = jax.lax.map(one, (jnp.arange(need.shape[0]), need))
+        out = jax.lax.map(one, (jnp.arange(batch), need))
         return jax.tree.map(lambda a: a[:, 0], out)
-
-    def no_row():
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (need.shape[0], *a.shape[1:])), fill)
 
     return jax.lax.cond(jnp.any(need), every_row, no_row)
 
 
-def first_argmax(scores: jax.Array) -> jax.Array:
-    """`jnp.argmax(scores, axis=1)` for NaN-free scores: the first index of the row max.
+def first_argmax(scores: jax.Array, axes: Axes = SINGLE) -> jax.Array:
+    """`jnp.argmax(scores, axis=1)` for NaN-free scores: the first (global) index of the
+    row max, found over every device of the vocabulary axis.
 
     XLA:CPU runs argmax as a scalar loop over (value, index) pairs; a max and then a min
     over the indices that reach it are two vectorised reductions, several times faster
     over a whole vocabulary. The scores are computed once (the barrier keeps XLA from
     recomputing them inside each reduction).
     """
-    scores = _barrier(scores)
-    best = jnp.max(scores, axis=1, keepdims=True)
-    index = jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :]
-    first = jnp.min(jnp.where(scores == best, index, scores.shape[1]), axis=1)
-    return jnp.minimum(first, scores.shape[1] - 1)  # all-NaN rows cannot occur; stay in range
+    scores = axes.barrier(scores)
+    width = scores.shape[1]
+    best = axes.max(jnp.max(scores, axis=1, keepdims=True))
+    index = jnp.arange(width, dtype=jnp.int32)[None, :] + axes.offset(width)
+    vocab = axes.vocab_size(scores)
+    first = axes.min(jnp.min(jnp.where(scores == best, index, vocab), axis=1))
+    return jnp.minimum(first, vocab - 1)  # all-NaN rows cannot occur; stay in range
+
+
+def logsumexp(log_w: jax.Array, axes: Axes = SINGLE) -> jax.Array:
+    """[B, N] -> [B]: `jax.nn.logsumexp` over the row, its max and sum over every device."""
+    if axes.vocab is None:
+        return jax.nn.logsumexp(log_w, axis=1)
+    mx = axes.max(jnp.max(log_w, axis=1))
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    return jnp.log(axes.sum(jnp.sum(jnp.exp(log_w - mx[:, None]), axis=1))) + mx
 
 
 def thresholds(
@@ -212,6 +315,7 @@ def thresholds(
     min_p: jax.Array,  # [B] f32
     cand_x: jax.Array,  # [B, C] f32, the C largest scaled logits per row, descending
     temperature: jax.Array | None = None,  # [B]: x is unscaled, see `scale_logits`
+    axes: Axes = SINGLE,
 ) -> Thresholds:
     """The per-row thresholds of top-k, top-p (over the top-k survivors) and min-p.
 
@@ -219,7 +323,7 @@ def thresholds(
     threshold: the top-p mass when some top-k survivor may lie outside the candidates, and
     the row-by-row interval searches.
     """
-    vocab = x.shape[1]
+    vocab = axes.vocab_size(x)
     c = cand_x.shape[1]
     row_max = cand_x[:, 0]
     last_cand = cand_x[:, -1]
@@ -232,8 +336,8 @@ def thresholds(
     k_far = k_on & ~k_in_cand
     no_answer = jnp.full((1,), NEG_INF, jnp.float32)
     t_k_far = rows_that_need(
-        lambda zr, tr, kr, ur: interval_threshold(
-            scale_logits(zr, tr), jnp.ones_like, kr, ur, jnp.ones(1, bool), c
+        lambda need, zr, tr, kr, ur: interval_threshold(
+            scale_logits(zr, tr), jnp.ones_like, kr, ur, need, c, axes
         ),
         k_far,
         no_answer,
@@ -241,6 +345,7 @@ def thresholds(
         t_rows,
         top_k.astype(jnp.float32),
         last_cand,
+        axes=axes,
     )
     t_k = jnp.where(k_in_cand, t_k_cand, jnp.where(k_far, t_k_far, NEG_INF))
 
@@ -260,15 +365,15 @@ def thresholds(
     some_tokens = whole_row & (t_k > NEG_INF)
     inv = jnp.ones_like(row_max) if temperature is None else inverse_temperature(temperature)
     total = jax.lax.cond(
-        jnp.any(every_token),
-        lambda: jnp.sum(jnp.exp(x * inv[:, None] - safe_max), axis=1),  # NaN only on bad rows
+        axes.any(every_token),
+        lambda: axes.sum(jnp.sum(jnp.exp(x * inv[:, None] - safe_max), axis=1)),  # NaN: bad rows
         lambda: jnp.zeros_like(row_max),
     )
     total = jnp.where(
         some_tokens,
         jax.lax.cond(
-            jnp.any(some_tokens),
-            lambda: jnp.sum(mass(scale_logits(x, temperature)), axis=1),
+            axes.any(some_tokens),
+            lambda: axes.sum(jnp.sum(mass(scale_logits(x, temperature)), axis=1)),
             lambda: jnp.zeros_like(row_max),
         ),
         total,
@@ -279,8 +384,8 @@ def thresholds(
     t_p_cand = jnp.take_along_axis(cand_x, jnp.minimum(reach, c - 1)[:, None], axis=1)[:, 0]
     p_far = p_on & ~p_in_cand
     t_p_far = rows_that_need(
-        lambda zr, tr, gr, ur, kr, mr: interval_threshold(
-            scale_logits(zr, tr), lambda v: mass(v, kr, mr), gr, ur, jnp.ones(1, bool), c
+        lambda need, zr, tr, gr, ur, kr, mr: interval_threshold(
+            scale_logits(zr, tr), lambda v: mass(v, kr, mr), gr, ur, need, c, axes
         ),
         p_far,
         no_answer,
@@ -290,6 +395,7 @@ def thresholds(
         last_cand,
         t_k,
         safe_max,
+        axes=axes,
     )
     t_p = jnp.where(p_in_cand, t_p_cand, jnp.where(p_far, t_p_far, NEG_INF))
 
@@ -316,6 +422,7 @@ def draw(
     greedy: jax.Array,  # [B] bool
     key: jax.Array,  # [B, 2] u32
     temperature: jax.Array | None = None,  # [B]: x is unscaled, see `scale_logits`
+    axes: Axes = SINGLE,
 ) -> Draw:
     """Draw one token per row from softmax(x) restricted to x >= thr.kept.
 
@@ -323,7 +430,8 @@ def draw(
     per-token noise, so they pick the same token whenever the kept set lies inside the
     candidates; the whole-vocabulary race runs only for rows whose kept set does not.
     """
-    batch, vocab = x.shape
+    width = x.shape[1]
+    vocab = axes.vocab_size(x)
     c = cand_x.shape[1]
     t = thr.kept[:, None]  # [B, 1]
     m = jnp.where(jnp.isfinite(thr.row_max), thr.row_max, 0.0)[:, None]
@@ -335,12 +443,15 @@ def draw(
     cand_tok = jnp.take_along_axis(cand_i, pick[:, None], axis=1)[:, 0]
     cand_norm = jax.nn.logsumexp(cand_log_w, axis=1)  # relative to the row max
 
-    def whole_vocab(zr, sr, tr, mr, kr):  # one row, batch axis of 1
+    def whole_vocab(need, zr, sr, tr, mr, kr):  # rows of x (one row on a single device)
+        del need
         xr = scale_logits(zr, sr)
-        log_w = jnp.where(xr >= tr, xr - mr, NEG_INF)  # [1, V]
-        ids = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
-        tok = first_argmax(race_scores(log_w, kr, ids))
-        return tok.astype(jnp.int32), jax.nn.logsumexp(log_w, axis=1)
+        log_w = jnp.where(xr >= tr, xr - mr, NEG_INF)  # [rows, V]
+        ids = jnp.arange(width, dtype=jnp.uint32)[None, :]
+        if axes.vocab is not None:
+            ids = ids + axes.offset(width).astype(jnp.uint32)
+        tok = first_argmax(race_scores(log_w, kr, ids), axes)
+        return tok.astype(jnp.int32), logsumexp(log_w, axes)
 
     far_tok, far_norm = rows_that_need(
         whole_vocab,
@@ -351,31 +462,14 @@ def draw(
         t,
         m,
         key,
+        axes=axes,
     )
     tokens = jnp.where(greedy, cand_i[:, 0], jnp.where(inside, cand_tok, far_tok))
     rel_norm = jnp.where(inside, cand_norm, far_norm)
-    x_tok = scale_logits(jnp.take_along_axis(x, tokens[:, None], axis=1), temperature)[:, 0]
+    x_tok = scale_logits(axes.at(x, tokens)[:, None], temperature)[:, 0]
     # Subtract the row max before the normaliser: at |x| ~ 1e4, x_tok - (m + lse) cancels.
     logprobs = jnp.where(greedy, 0.0, (x_tok - m[:, 0]) - rel_norm)
     return Draw(tokens=tokens.astype(jnp.int32), logprobs=logprobs, log_norm=rel_norm + m[:, 0])
-
-
-_BARRIERS = [True]
-
-
-@contextlib.contextmanager
-def topk_barrier(enabled: bool):
-    """Trace-time switch for the optimization barriers below (off inside GSPMD programs)."""
-    previous = _BARRIERS[0]
-    _BARRIERS[0] = enabled
-    try:
-        yield
-    finally:
-        _BARRIERS[0] = previous
-
-
-def _barrier(x):
-    return jax.lax.optimization_barrier(x) if _BARRIERS[0] else x
 
 
 # `candidates` first keeps the blocks of BLOCK consecutive tokens with the largest maxima,
@@ -384,7 +478,7 @@ def _barrier(x):
 BLOCK = 16
 
 
-def candidates(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+def candidates(x: jax.Array, c: int, axes: Axes = SINGLE) -> tuple[jax.Array, jax.Array]:
     """The C largest entries per row, descending, ties in index order: [B, C] values, ids.
 
     Exactly `lax.top_k(x, c)`, found in two steps. Each token among the top C lies in a
@@ -394,18 +488,29 @@ def candidates(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
     leftover tail of the row), go through `lax.top_k` once more.
 
     The barriers keep XLA:CPU on its TopK routine: without them, slicing the result (as
-    the thresholds do) lets XLA rewrite top_k into a full sort of the row. XLA's SPMD
-    partitioner rejects the barrier (a check failure in jax 0.10), so code traced for a
-    GSPMD-partitioned program turns it off with `topk_barrier(False)`.
+    the thresholds do) lets XLA rewrite top_k into a full sort of the row.
+
+    With the vocabulary split over a mesh axis, each device takes its own top C (with
+    global ids); the gathered lists, ordered by device and so by id, go through one more
+    `lax.top_k`: a device holding k of the global top C has them among its own top C, so
+    the result is the same C values and ids, in the same order, as on one device.
     """
+    if axes.vocab is not None:
+        width = x.shape[1]
+        vals, idx = jax.lax.top_k(x, min(c, width))
+        ids = idx.astype(jnp.int32) + axes.offset(width)
+        all_vals = jax.lax.all_gather(vals, axes.vocab, axis=1, tiled=True)  # [B, n * c]
+        all_ids = jax.lax.all_gather(ids, axes.vocab, axis=1, tiled=True)
+        top_vals, pos = jax.lax.top_k(all_vals, c)
+        return top_vals, jnp.take_along_axis(all_ids, pos, axis=1)
     batch, vocab = x.shape
     num_blocks = vocab // BLOCK
     if num_blocks <= 2 * c:  # small vocabularies: one top_k is as cheap
-        vals, ids = _barrier(jax.lax.top_k(x, c))
+        vals, ids = axes.barrier(jax.lax.top_k(x, c))
         return vals, ids.astype(jnp.int32)
     main = num_blocks * BLOCK
     block_max = jnp.max(x[:, :main].reshape(batch, num_blocks, BLOCK), axis=2)
-    block_vals, blocks = _barrier(jax.lax.top_k(block_max, c))
+    block_vals, blocks = axes.barrier(jax.lax.top_k(block_max, c))
     blocks = jnp.sort(blocks.astype(jnp.int32), axis=1)  # index order, for top_k's ties
     ids = (blocks[:, :, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).reshape(batch, -1)
     if main < vocab:
@@ -415,7 +520,7 @@ def candidates(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
     # maxima are C such tokens); masking the rest spares TopK most of its heap updates.
     gathered = jnp.take_along_axis(x, ids, axis=1)
     gathered = jnp.where(gathered >= block_vals[:, -1:], gathered, NEG_INF)
-    vals, pos = _barrier(jax.lax.top_k(gathered, c))
+    vals, pos = axes.barrier(jax.lax.top_k(gathered, c))
     return vals, jnp.take_along_axis(ids, pos, axis=1)
 
 
@@ -438,6 +543,7 @@ def filter_and_sample(
     *,
     num_candidates: int = NUM_CANDIDATES,
     temperature: jax.Array | None = None,
+    axes: Axes = SINGLE,
 ) -> tuple[Draw, Thresholds]:
     """Truncate each row by its own top-k/top-p/min-p and draw one token (XLA path).
 
@@ -449,18 +555,21 @@ def filter_and_sample(
     -inf, log-probability 0, `log_norm` the row maximum. A batch of greedy rows takes only
     the first candidate (one pass for the block maxima, then one block per row) and skips
     the thresholds and races.
+
+    `axes`: inside `shard_map`, where `x` is this device's slice of the vocabulary (see
+    `Axes`); the results are the same on every device of the vocabulary axis.
     """
     top_k, top_p, min_p = rules_off_on_greedy(top_k, top_p, min_p, greedy)
 
     def every_rule():
-        c = min(num_candidates, x.shape[1])
-        cand_z, cand_i = candidates(x, c)
+        c = min(num_candidates, axes.vocab_size(x))
+        cand_z, cand_i = candidates(x, c, axes)
         cand_x = scale_logits(cand_z, temperature)
-        thr = thresholds(x, top_k, top_p, min_p, cand_x, temperature)
-        return draw(x, thr, cand_x, cand_i, greedy, key, temperature), thr
+        thr = thresholds(x, top_k, top_p, min_p, cand_x, temperature, axes)
+        return draw(x, thr, cand_x, cand_i, greedy, key, temperature, axes), thr
 
     def argmax_only():
-        best_z, best_i = candidates(x, 1)  # the first of the candidates, alone
+        best_z, best_i = candidates(x, 1, axes)  # the first of the candidates, alone
         row_max = scale_logits(best_z, temperature)[:, 0]
         token = best_i[:, 0]
         off = jnp.full_like(row_max, NEG_INF)
@@ -468,4 +577,4 @@ def filter_and_sample(
         drawn = Draw(tokens=token, logprobs=jnp.zeros_like(row_max), log_norm=m)
         return drawn, Thresholds(row_max=row_max, top_k=off, top_p=off, min_p=off)
 
-    return jax.lax.cond(jnp.all(greedy), argmax_only, every_rule)
+    return jax.lax.cond(axes.all(greedy), argmax_only, every_rule)
