@@ -926,8 +926,9 @@ Output (--output FILE.jsonl): one line per prompt, in input order:
   plus "logprobs", "raw_logprobs", "top_logprobs" when logprobs > 0.
 An existing output file is resumed: ids already in it are skipped.
 Bad input exits with status 2 and one "logitloop: error: ..." line on stderr.
-Every process compiles its programs afresh; set JAX_COMPILATION_CACHE_DIR to keep them
-on disk between runs.
+Compiled programs are kept between runs in ~/.cache/logitloop/jax (XDG_CACHE_HOME is
+honoured); LOGITLOOP_COMPILE_CACHE=DIR puts them elsewhere, LOGITLOOP_COMPILE_CACHE=off or
+--no-compile-cache compiles afresh every run.
 """
 
 
@@ -1000,6 +1001,48 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16", "float16"),
         help="parameter dtype (default: the checkpoint's own)",
     )
+    model.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_false",
+        help="do not keep compiled programs between runs (see LOGITLOOP_COMPILE_CACHE below)",
+    )
+
+
+COMPILE_CACHE_ENV = "LOGITLOOP_COMPILE_CACHE"
+
+
+def compile_cache_dir() -> Path | None:
+    """Where the CLI keeps JAX's compiled programs between runs, or None when it does not.
+
+    `LOGITLOOP_COMPILE_CACHE`: a folder, or "0"/"off" to turn the cache off; unset: the
+    per-user cache folder (`$XDG_CACHE_HOME/logitloop/jax`, `~/.cache/logitloop/jax`).
+    """
+    value = os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "logitloop" / "jax"
+
+
+def use_compile_cache(enabled: bool) -> None:
+    """Turn on JAX's persistent compilation cache, so that a second run of the same command
+    loads its programs instead of compiling them. A cache the user configured for JAX
+    (`JAX_COMPILATION_CACHE_DIR`, or `JAX_ENABLE_COMPILATION_CACHE=false`) is left as it is."""
+    import jax
+
+    folder = compile_cache_dir() if enabled else None
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    if jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    # Every program, however quick to compile: the CLI's small ones add up to seconds.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _add_sampling_flags(s, *, generation: bool) -> None:
@@ -1125,6 +1168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return EXIT_BAD_INPUT
+        use_compile_cache(args.compile_cache)
         if args.command == "explain":
             return _explain(args)
         return _generate(args)

@@ -1,0 +1,45 @@
+"""The CLI keeps compiled programs between runs (JAX's persistent compilation cache)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from logitloop import cli
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.pop(cli.COMPILE_CACHE_ENV, None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(cli.COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.compile_cache_dir() == tmp_path / "logitloop" / "jax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cli.compile_cache_dir() == Path.home() / ".cache" / "logitloop" / "jax"
+    monkeypatch.setenv(cli.COMPILE_CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert cli.compile_cache_dir() == tmp_path / "elsewhere"
+    for off in ("0", "off", "OFF", "false", "no"):
+        monkeypatch.setenv(cli.COMPILE_CACHE_ENV, off)
+        assert cli.compile_cache_dir() is None
+
+
+def test_a_run_fills_the_cache_and_the_flag_turns_it_off(tmp_path, model_args):
+    on, off = tmp_path / "on", tmp_path / "off"
+    base = [sys.executable, "-m", "logitloop", "generate", "The for", "--max-tokens", "2",
+            "--temperature", "0", *model_args]
+    subprocess.run(base, env=_env(LOGITLOOP_COMPILE_CACHE=str(on)), check=True,
+                   capture_output=True, timeout=600)
+    assert on.is_dir() and any(on.iterdir()), "no compiled program was kept"
+    proc = subprocess.run([*base, "--no-compile-cache"],
+                          env=_env(LOGITLOOP_COMPILE_CACHE=str(off)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert not off.exists() or not any(off.iterdir())
