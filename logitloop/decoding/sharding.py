@@ -5,11 +5,10 @@ loop as on one device, laid out over a `jax.sharding.Mesh` with axes "data" and 
 
 - Rows go over "data". The batch is padded to a multiple of the data-axis size with dummy
   rows (copies of row 0 that stop after one token) which never reach the result.
-- Weights go over "model" by their logical axis names (`nnx.get_partition_spec` reads them
-  from the parameters' metadata): "heads", "kv_heads", "mlp" and "vocab" map to "model",
-  everything else ("embed", "head_dim", unnamed axes) is replicated. A dimension that the
-  model-axis size does not divide is replicated instead (`mesh_spec`), as is every weight
-  of a `FunctionModel`, which carries no names. Weights already laid out by the rules (a
+- Weights go over "model" by their logical axis names, by the rules that live with the
+  models (`logitloop.models.partitioning`, re-exported here): "heads", "kv_heads", "mlp"
+  and "vocab" map to "model", the rest is replicated, as is every weight of a
+  `FunctionModel`, which carries no names. Weights already laid out by the rules (a
   `restore_sharded` model, or `shard_model`) are not moved; others are `device_put`.
 - The KV cache (`[B, H, S, D]` per layer and per k/v) has its rows over "data" and its
   heads over "model" when the head count is divisible, like the k/v projections.
@@ -34,26 +33,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from logitloop.decoding import sampler
 from logitloop.decoding.history import History
 from logitloop.decoding.params import SamplingParams
+from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mesh API in one place
+    MODEL_AXIS,
+    param_shardings,
+    place_weights,
+    restore_sharded,
+    shard_model,
+)
 from logitloop.ops.sampling.sharded import auto_axes
 from logitloop.ops.sampling.xla import Axes
 
 DATA_AXIS = "data"
-MODEL_AXIS = "model"
-# Logical parameter axes laid over the model axis; the rest are replicated.
-MODEL_PARALLEL_AXES = frozenset({"heads", "kv_heads", "mlp", "vocab"})
 
 
 # ----------------------------------------------------------------------------- the mesh
@@ -81,93 +82,6 @@ def as_auto(mesh: Mesh | None) -> Mesh | None:
 
 def _named(mesh: Mesh, spec: P) -> NamedSharding:
     return NamedSharding(as_auto(mesh), spec)
-
-
-# ----------------------------------------------------------------------------- weights
-
-
-def mesh_spec(names: Any, shape: tuple[int, ...], model_size: int) -> P:
-    """Logical axis names of one parameter -> its PartitionSpec over the mesh.
-
-    A name in `MODEL_PARALLEL_AXES` whose dimension `model_size` divides becomes "model"
-    (at most once per parameter); every other dimension is replicated.
-    """
-    names = tuple(names) if isinstance(names, (tuple, list, P)) else ()
-    out: list[str | None] = []
-    used = False
-    for i, dim in enumerate(shape):
-        name = names[i] if i < len(names) else None
-        if (
-            not used
-            and model_size > 1
-            and isinstance(name, str)
-            and name in MODEL_PARALLEL_AXES
-            and dim % model_size == 0
-        ):
-            out.append(MODEL_AXIS)
-            used = True
-        else:
-            out.append(None)
-    return P(*out)
-
-
-def partition_specs(weights: Any, model_size: int) -> Any:
-    """PartitionSpecs for a model's parameters (same tree structure as `weights`).
-
-    weights: an NNX module (its `nnx.Param` state), an `nnx.State` (as `nnx.split` or
-    `nnx.state` give it; arrays or `ShapeDtypeStruct`s), or any other pytree of arrays,
-    which is replicated.
-    """
-    if isinstance(weights, nnx.Module):
-        weights = nnx.state(weights, nnx.Param)
-    if isinstance(weights, nnx.State):
-        logical = nnx.get_partition_spec(weights)
-    else:
-        logical = jax.tree.map(lambda _: P(), weights)
-    return jax.tree.map(
-        lambda w, names: mesh_spec(names if isinstance(names, P) else (), w.shape, model_size),
-        weights,
-        logical,
-    )
-
-
-def param_shardings(weights: Any, mesh: Mesh) -> Any:
-    """`NamedSharding`s for a model's parameters by the logical-axis rules.
-
-    Passing a module gives the tree `restore_converted(..., sharding=...)` expects.
-    """
-    mesh = as_auto(mesh)
-    specs = partition_specs(weights, mesh.shape[MODEL_AXIS])
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def _put(x: Any, sharding: NamedSharding) -> Any:
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
-
-
-def place_weights(weights: Any, mesh: Mesh) -> Any:
-    """Lay `weights` (an `nnx.State` or any pytree) over the mesh by the rules."""
-    return jax.tree.map(_put, weights, param_shardings(weights, mesh))
-
-
-def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-    """Move an NNX model's parameters onto the mesh in place (once, before generating)."""
-    state = nnx.state(model)
-    nnx.update(model, place_weights(state, mesh))
-    return model
-
-
-def restore_sharded(directory: str | os.PathLike, mesh: Mesh):
-    """Restore a converted model (`save_converted`) with every parameter read straight
-    into its shards on `mesh`; no device ever holds a full copy of a sharded weight."""
-    from logitloop.models import orbax_io
-    from logitloop.models.loading import abstract_model
-
-    _, config, dtype = orbax_io.read_metadata(directory)
-    shardings = param_shardings(abstract_model(config, dtype), mesh)
-    return orbax_io.restore_converted(directory, sharding=shardings)
 
 
 # ----------------------------------------------------------------------------- rows, cache

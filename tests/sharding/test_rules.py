@@ -6,9 +6,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from logitloop.decoding.sharding import mesh_spec, partition_specs
 from logitloop.models import GPT2Config, LlamaConfig
 from logitloop.models.loading import abstract_model
+from logitloop.models.partitioning import mesh_spec, partition_specs
 
 
 def test_mesh_spec_maps_model_parallel_names():

@@ -1,0 +1,123 @@
+"""Model weights over a device mesh: the partition rules and the sharded Orbax restore.
+
+Weights go over the mesh's "model" axis by their logical axis names (`nnx.get_partition_spec`
+reads them from the parameters' metadata, set by `layers.param`): "heads", "kv_heads",
+"mlp" and "vocab" map to "model", everything else ("embed", "head_dim", unnamed axes) is
+replicated. A dimension that the model-axis size does not divide is replicated instead
+(`mesh_spec`), as is every weight of a pytree that carries no names. The decode loop's
+layout of rows and caches lives with the loop (`logitloop.decoding.sharding`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from logitloop.ops.sampling.sharded import auto_axes
+
+MODEL_AXIS = "model"
+# Logical parameter axes laid over the model axis; the rest are replicated.
+MODEL_PARALLEL_AXES = frozenset({"heads", "kv_heads", "mlp", "vocab"})
+
+
+def _model_mesh(mesh: Mesh) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh)!r}")
+    if MODEL_AXIS not in mesh.shape:
+        raise ValueError(
+            f"mesh has axes {tuple(mesh.axis_names)}; the weights need a {MODEL_AXIS!r} axis "
+            "(give it size 1 to replicate them)"
+        )
+    return auto_axes(mesh)
+
+
+
+def mesh_spec(names: Any, shape: tuple[int, ...], model_size: int) -> P:
+    """Logical axis names of one parameter -> its PartitionSpec over the mesh.
+
+    A name in `MODEL_PARALLEL_AXES` whose dimension `model_size` divides becomes "model"
+    (at most once per parameter); every other dimension is replicated.
+    """
+    names = tuple(names) if isinstance(names, (tuple, list, P)) else ()
+    out: list[str | None] = []
+    used = False
+    for i, dim in enumerate(shape):
+        name = names[i] if i < len(names) else None
+        if (
+            not used
+            and model_size > 1
+            and isinstance(name, str)
+            and name in MODEL_PARALLEL_AXES
+            and dim % model_size == 0
+        ):
+            out.append(MODEL_AXIS)
+            used = True
+        else:
+            out.append(None)
+    return P(*out)
+
+
+def partition_specs(weights: Any, model_size: int) -> Any:
+    """PartitionSpecs for a model's parameters (same tree structure as `weights`).
+
+    weights: an NNX module (its `nnx.Param` state), an `nnx.State` (as `nnx.split` or
+    `nnx.state` give it; arrays or `ShapeDtypeStruct`s), or any other pytree of arrays,
+    which is replicated.
+    """
+    if isinstance(weights, nnx.Module):
+        weights = nnx.state(weights, nnx.Param)
+    if isinstance(weights, nnx.State):
+        logical = nnx.get_partition_spec(weights)
+    else:
+        logical = jax.tree.map(lambda _: P(), weights)
+    return jax.tree.map(
+        lambda w, names: mesh_spec(names if isinstance(names, P) else (), w.shape, model_size),
+        weights,
+        logical,
+    )
+
+
+def param_shardings(weights: Any, mesh: Mesh) -> Any:
+    """`NamedSharding`s for a model's parameters by the logical-axis rules.
+
+    Passing a module gives the tree `restore_converted(..., sharding=...)` expects.
+    """
+    mesh = _model_mesh(mesh)
+    specs = partition_specs(weights, mesh.shape[MODEL_AXIS])
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _put(x: Any, sharding: NamedSharding) -> Any:
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
+
+
+def place_weights(weights: Any, mesh: Mesh) -> Any:
+    """Lay `weights` (an `nnx.State` or any pytree) over the mesh by the rules."""
+    return jax.tree.map(_put, weights, param_shardings(weights, mesh))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Move an NNX model's parameters onto the mesh in place (once, before generating)."""
+    state = nnx.state(model)
+    nnx.update(model, place_weights(state, mesh))
+    return model
+
+
+def restore_sharded(directory: str | os.PathLike, mesh: Mesh):
+    """Restore a converted model (`save_converted`) with every parameter read straight
+    into its shards on `mesh`; no device ever holds a full copy of a sharded weight."""
+    from logitloop.models import orbax_io
+    from logitloop.models.loading import abstract_model
+
+    _, config, dtype = orbax_io.read_metadata(directory)
+    shardings = param_shardings(abstract_model(config, dtype), mesh)
+    return orbax_io.restore_converted(directory, sharding=shardings)
+
+
