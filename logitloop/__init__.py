@@ -6,14 +6,9 @@ out = ll.sample(logits, params, positions)
 """
 
 from logitloop.decoding.batching import Request, generate_many, iter_generate_many
-from logitloop.decoding.generate import (
-    DecodeState,
-    GenerationResult,
-    StreamEvent,
-    generate,
-    stream,
-)
+from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.history import History
+from logitloop.decoding.loop import DecodeState
 from logitloop.decoding.model import FunctionModel
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.sampler import (

@@ -460,57 +460,6 @@ class _StdoutSink:
         pass
 
 
-# --------------------------------------------------------------------------- compile timer
-
-
-class _CompileTimer:
-    """Wall time spent tracing, lowering and compiling, from jax.monitoring events.
-
-    Each event reports its duration when it ends; overlapping intervals (a nested jit traced
-    inside another) are merged, so nothing is counted twice.
-    """
-
-    EVENTS = (
-        "/jax/core/compile/jaxpr_trace_duration",
-        "/jax/core/compile/jaxpr_to_mlir_module_duration",
-        "/jax/core/compile/backend_compile_duration",
-    )
-    _registered = False
-    _active: _CompileTimer | None = None
-
-    def __init__(self):
-        self.intervals: list[tuple[float, float]] = []
-
-    @classmethod
-    def _listener(cls, event: str, duration: float, **kwargs) -> None:
-        timer = cls._active
-        if timer is not None and event in cls.EVENTS:
-            now = time.perf_counter()
-            timer.intervals.append((now - duration, now))
-
-    def __enter__(self) -> _CompileTimer:
-        import jax
-
-        if not _CompileTimer._registered:
-            jax.monitoring.register_event_duration_secs_listener(_CompileTimer._listener)
-            _CompileTimer._registered = True
-        _CompileTimer._active = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _CompileTimer._active = None
-
-    @property
-    def seconds(self) -> float:
-        total, end = 0.0, -math.inf
-        for a, b in sorted(self.intervals):
-            if b <= end:
-                continue
-            total += b - max(a, end)
-            end = b
-        return total
-
-
 # --------------------------------------------------------------------------- the job
 
 
@@ -725,7 +674,9 @@ def _generate(args: argparse.Namespace) -> int:
     tokens = 0
     gen_started = time.perf_counter()
     try:
-        with _CompileTimer() as timer:
+        from logitloop.decoding.compiles import CompileWatch
+
+        with CompileWatch() as timer:
             if args.stream:
                 tokens = _stream_one(ll, model, todo[0], batch_list[0].params, args.ignore_eos)
             else:

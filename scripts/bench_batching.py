@@ -38,29 +38,9 @@ from flax import nnx
 
 import logitloop as ll
 from logitloop.decoding.batching import Request, generate_many
+from logitloop.decoding.compiles import CompileWatch
 from logitloop.decoding.generate import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
 from logitloop.models import LlamaConfig, LlamaModel, load_pretrained
-
-
-class Compiles:
-    """Counts XLA compilations while active."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count, self.active = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self)
-
-    def __call__(self, event, duration, **kwargs):
-        if self.active and event == self.EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        self.count, self.active = 0, True
-        return self
-
-    def __exit__(self, *exc):
-        self.active = False
 
 
 def random_model(vocab: int = 512, seed: int = 0) -> LlamaModel:
@@ -182,7 +162,7 @@ def main() -> None:
     print(f"model: {name}; {len(jobs)} prompts, slots {args.slots}, chunk {args.chunk_steps}")
     print(f"backend: {jax.default_backend()}, {jax.device_count()} device(s)")
 
-    counter = Compiles()
+    counter = CompileWatch()
     t0 = time.perf_counter()
     shapes = warm_up(model, jobs, args, bounds)
     warm_s = time.perf_counter() - t0

@@ -52,13 +52,12 @@ from logitloop.decoding import stop_strings
 from logitloop.decoding.generate import (
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
-    DecodeState,
     GenerationResult,
     bucket,
-    decode,
-    prefill,
+    pad_prompts,
 )
 from logitloop.decoding.history import History
+from logitloop.decoding.loop import DecodeState, decode, prefill
 from logitloop.decoding.model import FunctionModel, ModelInfo, ModelRunner, model_info
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, MIN_LIST_WIDTH, SamplingParams
 from logitloop.decoding.stop_strings import SENTINEL, StopStrings
@@ -566,15 +565,7 @@ class _Batcher:
                 used.append(int(slot[i]))
             real = len(group)
             group += [group[0]] * (self.group - real)
-            prompt = np.zeros((self.group, plen), np.int32)
-            positions = np.full((self.group, plen), -1, np.int32)
-            hist = np.full((self.group, cap), -1, np.int32)
-            for r, row in enumerate(group):
-                p = row.ids
-                prompt[r, plen - len(p) :] = p
-                positions[r, plen - len(p) :] = np.arange(len(p))
-                hist[r, : len(p)] = p
-            lens = np.asarray([len(row.ids) for row in group], np.int32)
+            prompt, positions, hist, lens = pad_prompts([row.ids for row in group], plen, cap)
             fields = _stack([_fit(row.params, layout) for row in group])
             strings, lengths = _stop_rows([row.stop for row in group], layout)
             self.state, self.params, self.stops = _admit(

@@ -37,7 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding import transforms
-from logitloop.decoding.generate import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket, prepare
+from logitloop.decoding.generate import (
+    MIN_BUFFER_BUCKET,
+    MIN_PROMPT_BUCKET,
+    bucket,
+    pad_prompts,
+    prepare,
+)
 from logitloop.decoding.history import History
 from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
@@ -271,13 +277,8 @@ def explain_next_token(
     # The prefill layout of generate.initial_state for a one-token buffer.
     plen = bucket(len(ids0), MIN_PROMPT_BUCKET)
     buffer_len = bucket(1, MIN_BUFFER_BUCKET)
-    prompt_cols = np.zeros((1, plen), np.int32)
-    positions = np.full((1, plen), -1, np.int32)
-    prompt_cols[0, plen - len(ids0) :] = ids0
-    positions[0, plen - len(ids0) :] = np.arange(len(ids0))
-    hist = np.full((1, plen + buffer_len), -1, np.int32)
-    hist[0, : len(ids0)] = ids0
-    lens = jnp.asarray([len(ids0)], jnp.int32)
+    prompt_cols, positions, hist, lens = pad_prompts([ids0], plen, plen + buffer_len)
+    lens = jnp.asarray(lens)
     history = History(jnp.asarray(hist), lens, lens)
     logits = _prefill_logits(
         info.runner,

@@ -1,44 +1,36 @@
-"""`generate`: one-pass prefill, then one `lax.while_loop` that samples until every row stops.
+"""The host side of generation: prompts in, results out, around the device loop.
 
-Index bookkeeping, for one row with prompt [a, b, c] in a batch whose prompts are bucketed to
-P = 4 columns and whose generation buffer holds N tokens:
-
-    prefill tokens     [pad, a, b, c]     positions [-1, 0, 1, 2]
-    cache slots        0:a 1:b 2:c        (the pad is never written)
-    logits of column 3 -> token t0, generated index 0, random stream (seed, 0)
-    step 1 feeds t0 at position 3 -> t1 (index 1), step 2 feeds t1 at position 4 -> t2, ...
-
-so the token generated at index i is fed back at position `prompt_len + i`, and the cache
-needs `P + N` slots. A row stops after the token that matches one of its stop conditions;
-from then on the loop leaves its slots, cache and counters untouched.
-"""
+`generate` and `stream` tokenize and validate the prompts (`prepare`), pad them and run the
+prefill (`initial_state`), run the device loop (`logitloop.decoding.loop`: the state, the
+index bookkeeping, prefill and decode), and copy the finished rows to the host (`collect`).
+`generate_many` (`batching.py`) and `explain` use the same helpers"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from logitloop.decoding import sharding, stop_strings
 from logitloop.decoding.history import History
-from logitloop.decoding.model import ModelInfo, ModelRunner, model_info
-from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
-from logitloop.decoding.sampler import STATUS_OK, SampleOutput
+from logitloop.decoding.loop import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP_SEQUENCE,
+    FINISH_STOP_STRING,
+    FINISH_STOP_TOKEN,
+    RUNNING,
+    DecodeState,
+    decode,
+    prefill,
+)
+from logitloop.decoding.model import ModelInfo, model_info
+from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams, bucket_width
 from logitloop.decoding.stop_strings import StopStrings
-
-# finish codes, per row
-RUNNING = 0
-FINISH_STOP_TOKEN = 1
-FINISH_STOP_SEQUENCE = 2
-FINISH_LENGTH = 3
-FINISH_ERROR = 4
-FINISH_STOP_STRING = 5
 
 MIN_PROMPT_BUCKET = 16
 MIN_BUFFER_BUCKET = 16
@@ -46,32 +38,7 @@ MIN_BUFFER_BUCKET = 16
 
 def bucket(n: int, minimum: int) -> int:
     """Round up to a power of two (at least `minimum`) so that new lengths rarely compile."""
-    n = max(int(n), minimum)
-    return 1 << (n - 1).bit_length()
-
-
-@struct.dataclass
-class DecodeState:
-    """Everything the decode loop carries from one step to the next.
-
-    B rows, N = generation buffer length, P + N cache slots, L = longest stop sequence.
-    """
-
-    step: jax.Array  # [] i32, loop iterations run (tokens drawn after the first)
-    done: jax.Array  # [B] bool, the row has stopped; it never changes again
-    finish: jax.Array  # [B] i32, RUNNING or a FINISH_* code
-    matched: jax.Array  # [B] i32, stop token id or stop-sequence index that matched, else -1
-    tokens: jax.Array  # [B, N] i32, generated tokens, -1 past num_tokens
-    num_tokens: jax.Array  # [B] i32, tokens generated so far
-    logprobs: jax.Array  # [B, N] f32, log-prob under the final distribution
-    raw_logprobs: jax.Array  # [B, N] f32, log-softmax of the model's logits
-    top_ids: jax.Array  # [B, N, K] i32, K = MAX_TOP_LOGPROBS when asked, else 0
-    top_values: jax.Array  # [B, N, K] f32
-    prompt_len: jax.Array  # [B] i32
-    cache: Any  # the model's KV cache, P + N slots per row
-    history: History  # prompt + generated tokens, for the penalties
-    window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
-    text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
+    return bucket_width(n, minimum)
 
 
 @dataclasses.dataclass
@@ -88,168 +55,6 @@ class GenerationResult:
     top_logprobs: list[list[dict[int, float]]] | None = None
     text: list[str] | None = None
     error: list[str | None] | None = None
-
-
-def _record(
-    state: DecodeState, out: SampleOutput, params: SamplingParams, stops: StopStrings | None
-) -> DecodeState:
-    """Append each running row's new token and check its stop conditions."""
-    batch, buf = state.tokens.shape
-    active = ~state.done
-    ok = out.status == STATUS_OK
-    write = active & ok
-    rows = jnp.arange(batch)
-    col = jnp.where(write, state.num_tokens, buf)  # out of range -> dropped
-    tok = out.tokens
-
-    def put(arr, val):
-        return arr.at[rows, col].set(val, mode="drop")
-
-    num_tokens = state.num_tokens + write.astype(jnp.int32)
-    window = jnp.where(
-        write[:, None], jnp.concatenate([state.window[:, 1:], tok[:, None]], axis=1), state.window
-    )
-
-    # Stop token ids (EOS included by the caller).
-    hit_token = jnp.any(params.stop_token_ids == tok[:, None], axis=1)
-    # Multi-token stop sequences, right-aligned against the window of generated tokens.
-    seqs = params.stop_sequences  # [B, Q, L]
-    seq_hit = jnp.all((seqs < 0) | (seqs == window[:, None, :]), axis=2) & jnp.any(
-        seqs >= 0, axis=2
-    )
-    seq_hit = seq_hit & (num_tokens >= params.min_tokens)[:, None]
-    hit_seq = jnp.any(seq_hit, axis=1)
-    hit_len = num_tokens >= params.max_tokens
-    text_window = state.text_window
-    if stops is None:
-        hit_str = jnp.zeros_like(hit_seq)
-        which_str = jnp.zeros_like(state.matched)
-    else:
-        text_window, hit_str, which_str = stop_strings.advance(text_window, stops, tok, write)
-        hit_str = hit_str & (num_tokens >= params.min_tokens)
-
-    finish = jnp.where(
-        ~ok,
-        FINISH_ERROR,
-        jnp.where(
-            hit_token,
-            FINISH_STOP_TOKEN,
-            jnp.where(
-                hit_seq,
-                FINISH_STOP_SEQUENCE,
-                jnp.where(hit_str, FINISH_STOP_STRING, jnp.where(hit_len, FINISH_LENGTH, RUNNING)),
-            ),
-        ),
-    )
-    finish = jnp.where(active, finish, state.finish)
-    matched = jnp.where(
-        hit_token,
-        tok,
-        jnp.where(hit_seq, jnp.argmax(seq_hit, axis=1), jnp.where(hit_str, which_str, -1)),
-    ).astype(jnp.int32)
-    matched = jnp.where(active & ok, matched, state.matched)
-
-    top_ids, top_values = state.top_ids, state.top_values
-    if top_ids.shape[2]:
-        top_ids = put(top_ids, out.top_logprobs.ids)
-        top_values = put(top_values, out.top_logprobs.values)
-    return state.replace(
-        done=state.done | (finish != RUNNING),
-        finish=finish.astype(jnp.int32),
-        matched=matched,
-        tokens=put(state.tokens, tok),
-        num_tokens=num_tokens,
-        logprobs=put(state.logprobs, out.logprobs),
-        raw_logprobs=put(state.raw_logprobs, out.raw_logprobs),
-        top_ids=top_ids,
-        top_values=top_values,
-        history=state.history.append(tok, where=write),
-        window=window,
-        text_window=text_window,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("runner", "buffer_len", "num_top", "mesh"))
-def prefill(
-    runner: ModelRunner,
-    weights: Any,
-    prompt: jax.Array,  # [B, P] i32, left-padded
-    positions: jax.Array,  # [B, P] i32, -1 on padding
-    prompt_len: jax.Array,  # [B] i32
-    history: History,  # [B, P + N]
-    params: SamplingParams,
-    stops: StopStrings | None,
-    *,
-    buffer_len: int,
-    num_top: int,
-    mesh: jax.sharding.Mesh | None = None,
-) -> DecodeState:
-    """Run the whole prompt in one forward pass and draw each row's first token."""
-    batch, plen = prompt.shape
-    prompt, positions, prompt_len, history, params = sharding.constrain_rows(
-        (prompt, positions, prompt_len, history, params), mesh, batch
-    )
-    cache = runner.init_cache(weights, batch, plen + buffer_len)
-    cache = sharding.constrain_cache(cache, batch, mesh)
-    logits, cache = runner.forward(weights, prompt, positions, cache)
-    window_len = params.stop_sequences.shape[2]
-    state = DecodeState(
-        step=jnp.zeros((), jnp.int32),
-        done=jnp.zeros((batch,), bool),
-        finish=jnp.zeros((batch,), jnp.int32),
-        matched=jnp.full((batch,), -1, jnp.int32),
-        tokens=jnp.full((batch, buffer_len), -1, jnp.int32),
-        num_tokens=jnp.zeros((batch,), jnp.int32),
-        logprobs=jnp.zeros((batch, buffer_len), jnp.float32),
-        raw_logprobs=jnp.zeros((batch, buffer_len), jnp.float32),
-        top_ids=jnp.full((batch, buffer_len, num_top), -1, jnp.int32),
-        top_values=jnp.full((batch, buffer_len, num_top), -jnp.inf, jnp.float32),
-        prompt_len=prompt_len,
-        cache=cache,
-        history=history,
-        window=jnp.full((batch, window_len), -1, jnp.int32),
-        text_window=(
-            jnp.zeros((batch, 0), jnp.int32)
-            if stops is None
-            else stop_strings.empty_window(batch, stops)
-        ),
-    )
-    out = sharding.sample(logits, params, state.num_tokens, history, mesh)
-    return sharding.constrain_state(_record(state, out, params, stops), mesh)
-
-
-@functools.partial(jax.jit, static_argnames=("runner", "mesh"), donate_argnames=("state",))
-def decode(
-    runner: ModelRunner,
-    weights: Any,
-    state: DecodeState,
-    params: SamplingParams,
-    stops: StopStrings | None,
-    max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
-    mesh: jax.sharding.Mesh | None = None,
-) -> DecodeState:
-    """Feed each row's last token and sample the next, until every row is done.
-
-    Also stops once `state.step` reaches `max_steps` or the buffer is full, so that
-    `stream` can run the same compiled loop in chunks.
-    """
-    buf = state.tokens.shape[1]
-
-    def cond(s: DecodeState):
-        return (s.step < max_steps) & jnp.any(~s.done) & (s.step < buf - 1)
-
-    def body(s: DecodeState):
-        batch = s.tokens.shape[0]
-        last = jnp.take_along_axis(s.tokens, jnp.maximum(s.num_tokens - 1, 0)[:, None], axis=1)
-        # Finished rows feed a padding position, so their cache is never written again.
-        pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
-        logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
-        out = sharding.sample(logits, params, s.num_tokens, s.history, mesh)
-        s = _record(s.replace(cache=cache), out, params, stops)
-        del batch
-        return sharding.constrain_state(s.replace(step=s.step + 1), mesh)
-
-    return jax.lax.while_loop(cond, body, state)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -340,8 +145,7 @@ def _with_stop_ids(params: SamplingParams, extra: Sequence[int]) -> SamplingPara
     old = np.asarray(params.stop_token_ids)
     rows = [[int(t) for t in r if t >= 0] for r in old]
     rows = [r + [e for e in extra if e not in r] for r in rows]
-    width = max(old.shape[1], max(len(r) for r in rows))
-    width = 1 << (width - 1).bit_length()
+    width = bucket_width(max(old.shape[1], max(len(r) for r in rows)))
     arr = np.full((len(rows), width), -1, np.int32)
     for i, r in enumerate(rows):
         arr[i, : len(r)] = r
@@ -359,6 +163,25 @@ def stop_tables(info: ModelInfo, params: SamplingParams) -> StopStrings | None:
     )
 
 
+def pad_prompts(
+    ids: Sequence[Sequence[int]], prompt_len: int, capacity: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The prefill layout of a batch of prompts (see the module docstring), on the host.
+
+    Returns prompt [B, P] (left-padded with 0), positions [B, P] (-1 on padding), the
+    history's tokens [B, capacity] (each prompt from column 0, -1 after) and lengths [B].
+    """
+    batch = len(ids)
+    prompt = np.zeros((batch, prompt_len), np.int32)
+    positions = np.full((batch, prompt_len), -1, np.int32)
+    hist = np.full((batch, capacity), -1, np.int32)
+    for r, p in enumerate(ids):
+        prompt[r, prompt_len - len(p) :] = p
+        positions[r, prompt_len - len(p) :] = np.arange(len(p))
+        hist[r, : len(p)] = p
+    return prompt, positions, hist, np.asarray([len(p) for p in ids], np.int32)
+
+
 def initial_state(
     info: ModelInfo,
     ids: list[list[int]],
@@ -373,18 +196,10 @@ def initial_state(
     Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
     """
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
-    batch = len(ids)
     plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET)
     if buffer_len is None:
         buffer_len = bucket(int(np.max(np.asarray(params.max_tokens))), MIN_BUFFER_BUCKET)
-    prompt = np.zeros((batch, plen), np.int32)
-    positions = np.full((batch, plen), -1, np.int32)
-    hist = np.full((batch, plen + buffer_len), -1, np.int32)
-    for r, p in enumerate(ids):
-        prompt[r, plen - len(p) :] = p
-        positions[r, plen - len(p) :] = np.arange(len(p))
-        hist[r, : len(p)] = p
-    lens = np.asarray([len(p) for p in ids], np.int32)
+    prompt, positions, hist, lens = pad_prompts(ids, plen, plen + buffer_len)
     history = History(jnp.asarray(hist), jnp.asarray(lens), jnp.asarray(lens))
     num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
     return prefill(

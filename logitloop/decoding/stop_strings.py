@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from logitloop.decoding.params import bucket_width
+
 SENTINEL = 256  # not a byte: never equal to a stop-string byte
 
 _TABLE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -60,7 +62,7 @@ def token_bytes(tokenizer, vocab_size: int) -> TokenBytes:
     pieces = [
         tokenizer.token_bytes(i) if i < tokenizer.vocab_size else b"" for i in range(vocab_size)
     ]
-    width = _pow2(max(len(p) for p in pieces), 4)
+    width = bucket_width(max(len(p) for p in pieces), 4)
     table = np.zeros((vocab_size, width), np.int32)
     for i, p in enumerate(pieces):
         table[i, : len(p)] = np.frombuffer(p, np.uint8)
@@ -71,16 +73,11 @@ def token_bytes(tokenizer, vocab_size: int) -> TokenBytes:
     return out
 
 
-def _pow2(n: int, minimum: int) -> int:
-    """Bucketed table sizes, so that new stop strings rarely change the compiled shapes."""
-    return 1 << (max(n, minimum) - 1).bit_length()
-
-
 def build(stop: Sequence[Sequence[str]], tokens: TokenBytes) -> StopStrings:
     """Tables for per-row stop strings (`SamplingParams.stop`)."""
     encoded = [[s.encode("utf-8") for s in row] for row in stop]
-    q = _pow2(max(len(r) for r in encoded), 4)
-    ls = _pow2(max((len(s) for r in encoded for s in r), default=1), 16)
+    q = bucket_width(max(len(r) for r in encoded), 4)
+    ls = bucket_width(max((len(s) for r in encoded for s in r), default=1), 16)
     strings = np.full((len(stop), q, ls), SENTINEL, np.int32)
     lengths = np.zeros((len(stop), q), np.int32)
     for i, row in enumerate(encoded):
