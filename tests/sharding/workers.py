@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -140,6 +141,28 @@ def _random_logits(rng, batch, vocab):
     return jnp.asarray(x)
 
 
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.+?) "
+    r"(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter|collective-broadcast)"
+    r"(?:-start)?\("
+)
+
+
+def collective_results(hlo_text: str) -> list:
+    """[op, [shape, ...]] for each cross-device collective in a compiled HLO module's text:
+    the shapes of its result (a tuple result lists each element)."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.match(line)
+        if m:
+            shapes = [
+                [int(d) for d in dims.split(",") if d]
+                for dims in re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", m.group(1))
+            ]
+            out.append([m.group(2), shapes])
+    return out
+
+
 def worker_sampler() -> None:
     """The vocabulary-sharded operator and sampling step against the unsharded ones."""
     from logitloop.decoding import sampler
@@ -249,6 +272,33 @@ def worker_sampler() -> None:
             if not np.array_equal(np.asarray(got.top_logprobs.ids),
                                   np.asarray(want.top_logprobs.ids)):
                 step_mismatch.append([mname, trial, "top_ids"])
+    # What crosses the mesh in the compiled sampling step, on a vocabulary large enough
+    # that each shard holds more than the candidates it contributes.
+    big_vocab = 32768
+    big = dict(
+        batch_size=batch,
+        temperature=rng.choice([0.0, 0.5, 1.0], batch),
+        top_k=rng.choice([0, 10, 300], batch),
+        top_p=rng.choice([1.0, 0.5, 0.95], batch),
+        min_p=rng.choice([0.0, 0.02], batch),
+        repetition_penalty=1.2,
+        logprobs=5,
+    )
+    big_hist = ll.History.create([[1, 2, 3]] * batch, vocab_size=big_vocab, capacity=8)
+    collectives = {}
+    for mname, (mesh, b) in meshes.items():
+        fn = jax.jit(
+            lambda lg, p, pos, h, m=mesh, b=b: sharding.sample_sharded(
+                lg, p, pos, h, mesh=m, batch_axis=b
+            )
+        )
+        hlo = fn.lower(
+            jnp.zeros((batch, big_vocab), jnp.float32),
+            ll.SamplingParams.create(**big),
+            jnp.zeros(batch, jnp.int32),
+            big_hist,
+        ).compile().as_text()
+        collectives[mname] = collective_results(hlo)
     # top_k_sharded is lax.top_k
     x = _random_logits(rng, batch, vocab)
     v, i = sharded.top_k_sharded(x, 70, mesh=meshes["1x8"][0])
@@ -257,7 +307,8 @@ def worker_sampler() -> None:
         np.array_equal(np.asarray(v), np.asarray(wv))
     )
     emit({"mismatches": mismatches, "step_mismatches": step_mismatch, "compared": compared,
-          "top_k_ok": topk_ok, "seconds": time.time() - t0})
+          "top_k_ok": topk_ok, "collectives": collectives, "hlo_vocab": big_vocab,
+          "seconds": time.time() - t0})
 
 
 def worker_multiprocess(process_id: int, port: int) -> None:
