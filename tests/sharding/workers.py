@@ -20,10 +20,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import logitloop as ll  # noqa: E402
 from logitloop.decoding import sharding  # noqa: E402
-from logitloop.models import LlamaConfig, LlamaModel, save_converted  # noqa: E402
+from logitloop.models import (  # noqa: E402
+    LlamaConfig,
+    LlamaModel,
+    restore_converted,
+    save_converted,
+)
 
 VOCAB = 256
 
@@ -92,6 +99,32 @@ def make_mesh(shape, devices=None):
     return jax.make_mesh(tuple(shape), ("data", "model"), devices=devices)
 
 
+def param_layouts(original, restored) -> dict:
+    """Per parameter of `restored`: its spec, global shape, each shard's (device id, index
+    as [start, stop] per dimension) and whether its values equal `original`'s bit for bit."""
+    want = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(original, nnx.Param)))
+    got = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(restored, nnx.Param)))
+    out = {}
+    for (path, a), (path_b, b) in zip(want[0], got[0], strict=True):
+        assert path == path_b
+        shards = [
+            [
+                shard.device.id,
+                [list(sl.indices(dim)[:2]) for sl, dim in zip(shard.index, b.shape, strict=True)],
+            ]
+            for shard in b.addressable_shards
+        ]
+        out[jax.tree_util.keystr(path)] = {
+            "spec": str(b.sharding.spec),
+            "shape": list(b.shape),
+            "shards": shards,
+            "equal": bool(
+                np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            ),
+        }
+    return out
+
+
 def worker_meshes() -> None:
     """generate on one device and on (8,1), (2,4), (1,8); stream and an Orbax restore on
     (2,4) (these two reuse the compiled (2,4) programs)."""
@@ -129,6 +162,19 @@ def worker_meshes() -> None:
             "final_norm": [str(norm.sharding.spec), list(norm.addressable_shards[0].data.shape)],
         }
         out["restored_2x4"] = summarize(ll.generate(restored, PROMPTS, params, mesh=mesh))
+        out["restored_params"] = param_layouts(model, restored)
+        # The same checkpoint onto shardings mapped from the logical axis names by hand,
+        # partitioning over both mesh axes.
+        rules = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+        rules["embed"] = "data"
+        logical = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, P(*(rules.get(n) for n in spec))),
+            nnx.to_pure_dict(logical),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        by_names = restore_converted(os.path.join(tmp, "conv"), sharding=shardings)
+        out["restored_by_names"] = param_layouts(model, by_names)
     out["seconds"] = time.time() - t0
     emit(out)
 
