@@ -2,7 +2,8 @@
 # The Pallas sampling kernel on one GPU, in under 5 minutes on an H100/H200:
 #   1. versions and devices;
 #   2. correctness against the XLA path at several shapes (scripts/bench_gpu_sampler.py);
-#   3. the compiled kernel test class, when pytest is installed;
+#   3. the tests that run nowhere else: the compiled kernel test class and the
+#      compile-only sm_90 build (needs pytest; a skip counts as a failure);
 #   4. the timing table (batch 1/8/64/256, V 128256), JSON to $1 (default
 #      bench_out/gpu_sampler.json).
 # Installs nothing except `pip install -e .` when logitloop is not importable and
@@ -38,12 +39,24 @@ status=0
 echo "== correctness: kernel vs XLA path"
 timeout 150 $PY scripts/bench_gpu_sampler.py --check-only || status=1
 
+# The tests the default suite skips without a GPU (their skip reasons point here): the
+# compiled kernel test class and the compile-only sm_90 (H100/H200) build. A skip here is
+# a failure: these tests run nowhere else.
+GPU_TESTS=(
+  "tests/ops/test_sampling_kernel.py::TestSamplingKernel"
+  "tests/ops/test_sampling_kernel.py::test_kernel_compiles_for_h100_without_a_gpu"
+)
 if $PY -c "import pytest" 2>/dev/null; then
   echo "== pytest: compiled kernel tests"
-  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/ops/test_sampling_kernel.py \
-    -k "not Interpret" || status=1
+  log=$(mktemp)
+  timeout 240 $PY -m pytest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 | tee "$log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if grep -qE "[0-9]+ skipped|no tests ran" "$log"; then
+    echo "FAILED: GPU tests were skipped or not collected"; status=1
+  fi
+  rm -f "$log"
 else
-  echo "== pytest not installed: skipping tests/ops (step 2 covered correctness)"
+  echo "== pytest not installed: the GPU tests did not run"; status=1
 fi
 
 echo "== timings"

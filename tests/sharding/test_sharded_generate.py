@@ -6,6 +6,8 @@ One subprocess with 8 CPU devices runs the single-device reference and the three
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -53,3 +55,29 @@ def test_orbax_restore_onto_mesh(meshes):
     assert layout["lm_head"] == ["P('model', None)", [64, 64]]  # vocab 256 over 4
     assert layout["final_norm"] == ["P(None,)", [64]]
     _assert_same_run(meshes["restored_2x4"], meshes["single"])
+
+
+@pytest.mark.parametrize("how", ["restored_params", "restored_by_names"])
+def test_orbax_restore_partitions_weights_and_keeps_values(meshes, how):
+    """Every parameter restored onto the (2, 4) mesh equals the saved one bit for bit, and
+    each one whose spec names a mesh axis is split: every device holds one piece, the
+    pieces are distinct, equally sized and tile the array, and no device holds all of it.
+    "restored_params": `sharding.restore_sharded` (the model axis); "restored_by_names":
+    shardings mapped from the logical axis names by hand, "embed" over the data axis too."""
+    axis_size = {"data": 2, "model": 4}
+    split_over_both = 0
+    for name, p in meshes[how].items():
+        assert p["equal"], name
+        assert sorted(device for device, _ in p["shards"]) == list(range(8)), name
+        pieces = {tuple(map(tuple, index)) for _, index in p["shards"]}
+        ways = math.prod(n for axis, n in axis_size.items() if f"'{axis}'" in p["spec"])
+        assert len(pieces) == ways, (name, p["spec"])
+        size = math.prod(p["shape"])
+        for piece in pieces:
+            assert math.prod(stop - start for start, stop in piece) * ways == size, name
+        split_over_both += ways == 8
+    partitioned = [n for n, p in meshes[how].items() if "'model'" in p["spec"]]
+    # 2 layers x (wq, wk, wv, wo, gate, up, down), the embedding and the LM head.
+    assert len(partitioned) == 16, partitioned
+    if how == "restored_by_names":
+        assert split_over_both >= 14

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -19,10 +20,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import logitloop as ll  # noqa: E402
 from logitloop.decoding import sharding  # noqa: E402
-from logitloop.models import LlamaConfig, LlamaModel, save_converted  # noqa: E402
+from logitloop.models import (  # noqa: E402
+    LlamaConfig,
+    LlamaModel,
+    restore_converted,
+    save_converted,
+)
 
 VOCAB = 256
 
@@ -91,6 +99,32 @@ def make_mesh(shape, devices=None):
     return jax.make_mesh(tuple(shape), ("data", "model"), devices=devices)
 
 
+def param_layouts(original, restored) -> dict:
+    """Per parameter of `restored`: its spec, global shape, each shard's (device id, index
+    as [start, stop] per dimension) and whether its values equal `original`'s bit for bit."""
+    want = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(original, nnx.Param)))
+    got = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(restored, nnx.Param)))
+    out = {}
+    for (path, a), (path_b, b) in zip(want[0], got[0], strict=True):
+        assert path == path_b
+        shards = [
+            [
+                shard.device.id,
+                [list(sl.indices(dim)[:2]) for sl, dim in zip(shard.index, b.shape, strict=True)],
+            ]
+            for shard in b.addressable_shards
+        ]
+        out[jax.tree_util.keystr(path)] = {
+            "spec": str(b.sharding.spec),
+            "shape": list(b.shape),
+            "shards": shards,
+            "equal": bool(
+                np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            ),
+        }
+    return out
+
+
 def worker_meshes() -> None:
     """generate on one device and on (8,1), (2,4), (1,8); stream and an Orbax restore on
     (2,4) (these two reuse the compiled (2,4) programs)."""
@@ -128,6 +162,19 @@ def worker_meshes() -> None:
             "final_norm": [str(norm.sharding.spec), list(norm.addressable_shards[0].data.shape)],
         }
         out["restored_2x4"] = summarize(ll.generate(restored, PROMPTS, params, mesh=mesh))
+        out["restored_params"] = param_layouts(model, restored)
+        # The same checkpoint onto shardings mapped from the logical axis names by hand,
+        # partitioning over both mesh axes.
+        rules = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+        rules["embed"] = "data"
+        logical = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, P(*(rules.get(n) for n in spec))),
+            nnx.to_pure_dict(logical),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        by_names = restore_converted(os.path.join(tmp, "conv"), sharding=shardings)
+        out["restored_by_names"] = param_layouts(model, by_names)
     out["seconds"] = time.time() - t0
     emit(out)
 
@@ -138,6 +185,59 @@ def _random_logits(rng, batch, vocab):
     x[1, 7::11] = x[1].max() + 1.0  # ties at the top
     x[2, 100:] = -np.inf  # masked tail
     return jnp.asarray(x)
+
+
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.+?) "
+    r"(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter|collective-broadcast)"
+    r"(?:-start)?\("
+)
+
+
+def collective_results(hlo_text: str) -> list:
+    """[op, [shape, ...]] for each cross-device collective in a compiled HLO module's text:
+    the shapes of its result (a tuple result lists each element)."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.match(line)
+        if m:
+            shapes = [
+                [int(d) for d in dims.split(",") if d]
+                for dims in re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", m.group(1))
+            ]
+            out.append([m.group(2), shapes])
+    return out
+
+
+def _unambiguous_logits(rng, batch, vocab, top_k, top_p, min_p, greedy):
+    """`_random_logits` whose sampled rows' kept sets do not hinge on float32 rounding.
+
+    The sharded top-p sums masses in another order than the unsharded operator, which may
+    move a nucleus boundary by a few ulps (`logitloop.ops.sampling.sharded`). A row the
+    float64 reference calls ambiguous (a near-tie within `MARGIN` at a boundary, or a
+    cumulative mass within `MASS_MARGIN` of p; see `tests/decoding/reference.py`) is
+    redrawn. Returns (logits [B, V] f32, per row the reference's kept set, None if greedy).
+    """
+    from tests.decoding.reference import AmbiguousBoundary, reference_distribution
+    from tests.decoding.sampler_cases import MARGIN, MASS_MARGIN
+
+    x = np.array(_random_logits(rng, batch, vocab))
+    kept: list = [None] * batch
+    for r in range(batch):
+        while not bool(greedy[r]):
+            try:
+                _, kept[r] = reference_distribution(
+                    x[r],
+                    top_k=int(top_k[r]),
+                    top_p=float(top_p[r]),
+                    min_p=float(min_p[r]),
+                    margin=MARGIN,
+                    mass_margin=MASS_MARGIN,
+                )
+                break
+            except AmbiguousBoundary:
+                x[r] = rng.normal(size=vocab).astype(np.float32) * rng.uniform(0.5, 4.0)
+    return x, kept
 
 
 def worker_sampler() -> None:
@@ -166,6 +266,7 @@ def worker_sampler() -> None:
     meshes = {"1x8": (make_mesh((1, 8)), None), "2x4": (make_mesh((2, 4)), "data")}
     mismatches: list = []
     compared = 0
+    checked_rows = 0
     ref = jax.jit(xla.filter_and_sample)
     fns = {
         k: jax.jit(
@@ -179,19 +280,37 @@ def worker_sampler() -> None:
         min_p = jnp.asarray(np.broadcast_to(s.get("min_p", 0.0), batch), jnp.float32)
         greedy = top_k == 1
         for trial in range(3):
-            x = _random_logits(rng, batch, vocab)
+            x, ref_kept = _unambiguous_logits(rng, batch, vocab, top_k, top_p, min_p, greedy)
+            x = jnp.asarray(x)
             key = row_keys(jnp.arange(batch, dtype=jnp.uint32) + 100 * trial, jnp.zeros(batch))
             want, want_thr = ref(x, top_k, top_p, min_p, greedy, key)
+            runs = {"unsharded": (want, want_thr)}
             for mname, fn in fns.items():
-                got, got_thr = fn(x, top_k, top_p, min_p, greedy, key)
+                runs[mname] = fn(x, top_k, top_p, min_p, greedy, key)
+            for mname, (got, got_thr) in runs.items():
                 compared += batch
+                # Every sampled row's kept set is the float64 reference's, exactly.
+                kept = (x >= got_thr.kept[:, None]) & jnp.isfinite(x)
+                rows = [r for r in range(batch) if ref_kept[r] is not None]
+                checked_rows += len(rows)
+                bad = [r for r in rows if not np.array_equal(np.asarray(kept[r]), ref_kept[r])]
+                if bad:
+                    mismatches.append([name, mname, trial, f"kept set, rows {bad}"])
+                if mname == "unsharded":
+                    continue
                 if not np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens)):
                     mismatches.append([name, mname, trial, "tokens"])
+                # A top-p threshold found by bisection may be any value between the last
+                # kept and the first dropped token, so only the other thresholds must be
+                # bit-equal; the kept sets above are compared for every setting.
                 if not all(
                     np.array_equal(np.asarray(a), np.asarray(b))
-                    for a, b in zip(jax.tree.leaves(got_thr), jax.tree.leaves(want_thr),
-                                    strict=True)
-                ) and name not in ("top_p_narrow", "top_p_wide", "mixed"):
+                    for a, b in zip(
+                        (got_thr.row_max, got_thr.top_k, got_thr.min_p),
+                        (want_thr.row_max, want_thr.top_k, want_thr.min_p),
+                        strict=True,
+                    )
+                ):
                     mismatches.append([name, mname, trial, "thresholds"])
                 lp_err = float(np.max(np.abs(np.asarray(got.logprobs) - np.asarray(want.logprobs))))
                 if not lp_err < 1e-4:
@@ -249,6 +368,33 @@ def worker_sampler() -> None:
             if not np.array_equal(np.asarray(got.top_logprobs.ids),
                                   np.asarray(want.top_logprobs.ids)):
                 step_mismatch.append([mname, trial, "top_ids"])
+    # What crosses the mesh in the compiled sampling step, on a vocabulary large enough
+    # that each shard holds more than the candidates it contributes.
+    big_vocab = 32768
+    big = dict(
+        batch_size=batch,
+        temperature=rng.choice([0.0, 0.5, 1.0], batch),
+        top_k=rng.choice([0, 10, 300], batch),
+        top_p=rng.choice([1.0, 0.5, 0.95], batch),
+        min_p=rng.choice([0.0, 0.02], batch),
+        repetition_penalty=1.2,
+        logprobs=5,
+    )
+    big_hist = ll.History.create([[1, 2, 3]] * batch, vocab_size=big_vocab, capacity=8)
+    collectives = {}
+    for mname, (mesh, b) in meshes.items():
+        fn = jax.jit(
+            lambda lg, p, pos, h, m=mesh, b=b: sharding.sample_sharded(
+                lg, p, pos, h, mesh=m, batch_axis=b
+            )
+        )
+        hlo = fn.lower(
+            jnp.zeros((batch, big_vocab), jnp.float32),
+            ll.SamplingParams.create(**big),
+            jnp.zeros(batch, jnp.int32),
+            big_hist,
+        ).compile().as_text()
+        collectives[mname] = collective_results(hlo)
     # top_k_sharded is lax.top_k
     x = _random_logits(rng, batch, vocab)
     v, i = sharded.top_k_sharded(x, 70, mesh=meshes["1x8"][0])
@@ -257,7 +403,9 @@ def worker_sampler() -> None:
         np.array_equal(np.asarray(v), np.asarray(wv))
     )
     emit({"mismatches": mismatches, "step_mismatches": step_mismatch, "compared": compared,
-          "top_k_ok": topk_ok, "seconds": time.time() - t0})
+          "top_k_ok": topk_ok, "collectives": collectives, "hlo_vocab": big_vocab,
+          "kept_rows_checked": checked_rows,
+          "seconds": time.time() - t0})
 
 
 def worker_multiprocess(process_id: int, port: int) -> None:
