@@ -3,7 +3,7 @@
 `generate` runs one batch until its slowest row stops, so rows that finish early sit idle.
 `generate_many` instead owns `slots` rows of one long-lived `DecodeState` and:
 
-1. prefills waiting requests into free slots (`_admit`: `prefill` from `generate.py` on a
+1. prefills waiting requests into free slots (`_admit`: `prefill` from `loop.py` on a
    group of `prefill_batch` prompts, then a scatter of every per-row field of the fresh
    state, the per-slot `SamplingParams` rows and the stop-string rows into the slots);
 2. decodes every slot for `chunk_steps` steps with the same `decode` while loop as
