@@ -383,8 +383,7 @@ class _Batcher:
         self.max_tokens = max_tokens
         self.prompt_len = bucket(max_prompt_len, MIN_PROMPT_BUCKET)
         self.buffer_len = bucket(max_tokens, MIN_BUFFER_BUCKET)
-        # decode's loop also stops at `buffer_len - 1` steps since its step counter was reset
-        self.chunk_steps = min(chunk_steps, self.buffer_len - 1)
+        self.chunk_steps = chunk_steps
         self.group = prefill_batch
         self.defaults = dict(defaults)
         self.n = n

@@ -207,13 +207,15 @@ def decode(
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
 
-    Also stops once `state.step` reaches `max_steps` or the buffer is full, so that
-    `stream` can run the same compiled loop in chunks.
+    Also stops once `state.step` reaches `max_steps` or every running row's buffer is full, so
+    that `stream` and `generate_many` can run the same compiled loop in chunks.
     """
     buf = state.tokens.shape[1]
 
     def cond(s: DecodeState):
-        return (s.step < max_steps) & jnp.any(~s.done) & (s.step < buf - 1)
+        # Buffer full is judged per row: rows that entered later (generate_many's slots)
+        # have room left when the first rows' buffers are full.
+        return (s.step < max_steps) & jnp.any(~s.done & (s.num_tokens < buf))
 
     def body(s: DecodeState):
         batch = s.tokens.shape[0]
