@@ -111,6 +111,33 @@ def _parse_bias(text: str) -> tuple[int, float]:
         ) from None
 
 
+_STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
+_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.?)", re.DOTALL)
+
+
+def _parse_stop(text: str) -> str:
+    """A `--stop` value with the usual escapes read: \\n \\t \\r \\0 \\\\ \\" \\' \\xHH \\uHHHH
+    \\UHHHHHHHH (a shell passes `"\\n\\n"` as backslash-n twice). Other escapes are an error."""
+
+    def one(match: re.Match) -> str:
+        code = match.group(1)
+        if code in _STOP_ESCAPES:
+            return _STOP_ESCAPES[code]
+        if code[:1] in ("x", "u", "U") and len(code) > 1:
+            value = int(code[1:], 16)
+            if value > 0x10FFFF or 0xD800 <= value <= 0xDFFF:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: \\{code} is not a Unicode character"
+                )
+            return chr(value)
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown escape \\{code}; the escapes are \\n \\t \\r \\0 \\\\ \\\" "
+            "\\' \\xHH \\uHHHH \\UHHHHHHHH (write \\\\ for a backslash)"
+        )
+
+    return _ESCAPE.sub(one, text)
+
+
 def _parse_id_sequence(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
@@ -1034,7 +1061,14 @@ def _add_sampling_flags(s, *, generation: bool) -> None:
         s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
     s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
     if generation:
-        s.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+        s.add_argument(
+            "--stop",
+            type=_parse_stop,
+            action="append",
+            metavar="STR",
+            help="stop string (repeatable); backslash escapes are read: \\n \\t \\r \\\\ "
+            "\\xHH \\uHHHH (so --stop '\\n\\n' stops at a blank line)",
+        )
     s.add_argument(
         "--stop-token-id",
         type=int,
