@@ -38,7 +38,9 @@ def bucket_width(n: int, minimum: int = MIN_LIST_WIDTH) -> int:
     return 1 << (n - 1).bit_length()
 
 
-_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)  # the smallest T whose 1 / T is finite
+_F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32, 1.17549e-38
+_F32_MAX = float(np.finfo(np.float32).max)  # 3.40282e+38
+_MIN_TEMPERATURE = _F32_TINY  # the smallest T whose 1 / T is finite
 
 
 def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
@@ -63,11 +65,21 @@ def _check_range(
     lo_open: bool = False,
     hi_open: bool = False,
     integer: bool = False,
+    normal: bool = True,
 ) -> np.ndarray:
-    """Validate every row against [lo, hi] (open ends as flagged); NaN always fails."""
+    """Validate every row against [lo, hi] (open ends as flagged); NaN always fails.
+
+    A float knob (`integer=False`) is stored as float32, so an unbounded end is the float32
+    maximum, and (unless `normal=False`, for a caller with its own lower bound) a nonzero
+    value must be a normal float32 (magnitude at least 1.17549e-38): nothing overflows to
+    inf or rounds to 0 or a denormal on its way to the device.
+    Integer ranges print exactly.
+    """
+    if not integer and hi == math.inf:
+        hi, hi_open = _F32_MAX, False
     left = "(" if lo_open else "["
     right = ")" if hi_open else "]"
-    allowed = f"{left}{lo:g}, {hi:g}{right}"
+    allowed = f"{left}{_fmt_bound(lo, integer)}, {_fmt_bound(hi, integer)}{right}"
     out = []
     for row, v in enumerate(values):
         if isinstance(v, bool) or v is None:
@@ -85,8 +97,19 @@ def _check_range(
         ok = ok and (f < hi if hi_open else f <= hi)
         if not ok:
             raise ValueError(f"{name}[{row}] = {v!r} is outside the allowed range {allowed}")
+        if not integer and normal and f != 0 and abs(f) < _F32_TINY:
+            raise ValueError(
+                f"{name}[{row}] = {v!r} is outside the allowed range {allowed}: as float32 it "
+                f"would be denormal or 0 (a nonzero value needs magnitude >= {_F32_TINY:.6g})"
+            )
         out.append(int(f) if integer else f)
     return np.asarray(out)
+
+
+def _fmt_bound(x: float, integer: bool) -> str:
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return str(int(x)) if integer else f"{x:g}"
 
 
 def _is_id_list(value: Any) -> bool:
@@ -291,13 +314,18 @@ class SamplingParams:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         inf = math.inf
         temp = _check_range(
-            "temperature", _per_row("temperature", temperature, b), 0, inf, hi_open=True
+            "temperature",
+            _per_row("temperature", temperature, b),
+            0,
+            inf,
+            hi_open=True,
+            normal=False,
         )
         for row, t in enumerate(temp):
             if 0 < t < _MIN_TEMPERATURE:  # 1 / T would overflow float32
                 raise ValueError(
                     f"temperature[{row}] = {t} is outside the allowed range: 0 (greedy) or "
-                    f"[{_MIN_TEMPERATURE:.6g}, inf)"
+                    f"[{_MIN_TEMPERATURE:.6g}, {_F32_MAX:.6g}]"
                 )
         k = _check_range(
             "top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True

@@ -49,6 +49,7 @@ from logitloop.decoding.history import History, distinct_tokens
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from logitloop.ops.sampling.noise import row_keys
 from logitloop.ops.sampling.sharded import auto_axes, filter_and_sample_shard, top_k_shard
+from logitloop.ops.sampling.xla import scale_logits
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -318,8 +319,7 @@ def _sample_shard(
             z, seen, params.presence_penalty, params.frequency_penalty
         )
     greedy = (params.temperature == 0) | (params.top_k == 1)
-    x = transforms.apply_temperature(z, jnp.where(greedy, 0.0, params.temperature))
-    x = jnp.where(jnp.isnan(x), NEG_INF, x)
+    x = scale_logits(z, jnp.where(greedy, 0.0, params.temperature))
     all_masked = jax.lax.pmax(jnp.max(x, axis=1), axis) == NEG_INF
     status = jnp.where(
         bad,

@@ -23,17 +23,18 @@ def _row1(bad, good):
 
 # (argument, value, substrings the message must contain: the argument, the row, the range)
 INVALID = [
-    ("temperature", _row1(-0.5, 1.0), ["temperature[1]", "[0, inf)"]),
-    ("temperature", _row1(NAN, 1.0), ["temperature[1]", "[0, inf)"]),
-    ("temperature", _row1(1e-45, 1.0), ["temperature[1]", "0 (greedy) or [1.17549e-38, inf)"]),
+    ("temperature", _row1(-0.5, 1.0), ["temperature[1]", "[0, 3.40282e+38]"]),
+    ("temperature", _row1(NAN, 1.0), ["temperature[1]", "[0, 3.40282e+38]"]),
+    ("temperature", _row1(1e-45, 1.0),
+     ["temperature[1]", "0 (greedy) or [1.17549e-38, 3.40282e+38]"]),
     ("top_p", _row1(0.0, 1.0), ["top_p[1]", "(0, 1]"]),
     ("top_p", _row1(1.5, 1.0), ["top_p[1]", "(0, 1]"]),
     ("top_p", _row1(NAN, 1.0), ["top_p[1]", "(0, 1]"]),
     ("min_p", _row1(-0.1, 0.0), ["min_p[1]", "[0, 1]"]),
     ("min_p", _row1(1.01, 0.0), ["min_p[1]", "[0, 1]"]),
     ("min_p", _row1(NAN, 0.0), ["min_p[1]", "[0, 1]"]),
-    ("repetition_penalty", _row1(0.0, 1.0), ["repetition_penalty[1]", "(0, inf)"]),
-    ("repetition_penalty", _row1(-1.2, 1.0), ["repetition_penalty[1]", "(0, inf)"]),
+    ("repetition_penalty", _row1(0.0, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]"]),
+    ("repetition_penalty", _row1(-1.2, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]"]),
     ("presence_penalty", _row1(2.5, 0.0), ["presence_penalty[1]", "[-2, 2]"]),
     ("presence_penalty", _row1(-2.01, 0.0), ["presence_penalty[1]", "[-2, 2]"]),
     ("frequency_penalty", _row1(3.0, 0.0), ["frequency_penalty[1]", "[-2, 2]"]),
@@ -47,6 +48,87 @@ INVALID = [
     ("logprobs", _row1(21, 0), ["logprobs[1]", "[0, 20]"]),
     ("logprobs", _row1(-1, 0), ["logprobs[1]", "[0, 20]"]),
 ]
+
+F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+# Values that float32 cannot hold: overflow to inf, or round to a denormal or 0. Each names
+# the argument, the row and the float32 range; integer ranges print as exact integers.
+NOT_FLOAT32 = [
+    ("repetition_penalty", _row1(1e-45, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]",
+                                               "1.17549e-38"]),
+    ("repetition_penalty", _row1(1e300, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]"]),
+    ("repetition_penalty", _row1(math.inf, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]"]),
+    ("temperature", _row1(1e39, 1.0), ["temperature[1]", "[0, 3.40282e+38]"]),
+    ("temperature", _row1(math.inf, 1.0), ["temperature[1]", "[0, 3.40282e+38]"]),
+    ("top_p", _row1(1e-46, 1.0), ["top_p[1]", "(0, 1]", "1.17549e-38"]),
+    ("top_p", _row1(1e-40, 1.0), ["top_p[1]", "(0, 1]", "denormal"]),
+    ("min_p", _row1(1e-45, 0.0), ["min_p[1]", "[0, 1]", "1.17549e-38"]),
+    ("presence_penalty", _row1(-1e-40, 0.0), ["presence_penalty[1]", "[-2, 2]", "1.17549e-38"]),
+    ("frequency_penalty", _row1(1e-39, 0.0), ["frequency_penalty[1]", "[-2, 2]"]),
+    ("logit_bias", _row1({3: 1e-45}, {}), ["logit_bias[1][3]", "[-100, 100]", "1.17549e-38"]),
+    ("seed", _row1(2**32, 0), ["seed[1]", "[0, 4294967295]"]),
+    ("max_tokens", _row1(2**31, 4), ["max_tokens[1]", "[1, 2147483647]"]),
+    ("top_k", _row1(2**31, 0), ["top_k[1]", "[-2147483647, 2147483647]"]),
+]
+
+
+@pytest.mark.parametrize("arg, value, expected", NOT_FLOAT32,
+                         ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(NOT_FLOAT32)])
+def test_values_float32_cannot_hold_are_rejected(arg, value, expected):
+    with pytest.raises(ValueError) as err:
+        ll.SamplingParams.create(batch_size=B, vocab_size=V, **{arg: value})
+    message = str(err.value)
+    for text in expected:
+        assert text in message, f"{text!r} missing from: {message}"
+    assert "e+09" not in message, message
+
+
+# The extremes that are accepted, one setting per row (8 rows), and the float32 limit values
+# stored exactly as given.
+EXTREMES = dict(
+    temperature=[F32_TINY, F32_MAX, 1.0, 1.0, 1.0, 0.0, 1.0, 2e-38],
+    repetition_penalty=[1.0, 1.0, F32_TINY, F32_MAX, 1.0, F32_TINY, 1.0, F32_TINY],
+    top_p=[1.0, 1.0, 1.0, 1.0, F32_TINY, 1.0, 1.0, 0.5],
+    min_p=[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, F32_TINY, 1.0],
+    presence_penalty=[0.0, 2.0, 0.0, -2.0, 0.0, 0.0, 2.0, 0.0],
+    logit_bias=[{}, {}, {}, {}, {}, {}, {0: 100.0, 1: -100.0}, {2: F32_TINY}],
+)
+
+
+def test_extreme_accepted_values_are_stored_exactly():
+    params = ll.SamplingParams.create(batch_size=8, **EXTREMES)
+    for name in ("temperature", "repetition_penalty", "top_p", "min_p"):
+        stored = np.asarray(getattr(params, name), np.float64)
+        assert np.all(np.isfinite(stored)), (name, stored)
+        np.testing.assert_array_equal(stored, np.float32(EXTREMES[name]).astype(np.float64))
+
+
+def test_extreme_accepted_values_never_give_nan():
+    rng = np.random.default_rng(23)
+    logits = jnp.asarray(rng.normal(size=(8, V)).astype(np.float32) * 30)
+    seen = [list(rng.choice(V, size=12, replace=False)) for _ in range(8)]
+    hist = ll.History.create(seen, vocab_size=V, capacity=32)
+    hist = hist.append(jnp.asarray([int(s[0]) for s in seen], jnp.int32))
+    params = ll.SamplingParams.create(batch_size=8, seed=list(range(8)), logprobs=5, **EXTREMES)
+    positions = jnp.ones(8, jnp.int32)
+    out = jax.tree.map(np.asarray, ll.sample(logits, params, positions, hist))
+    assert (out.status == ll.STATUS_OK).all(), out.status
+    assert ((out.tokens >= 0) & (out.tokens < V)).all(), out.tokens
+    for name, values in (("logprobs", out.logprobs), ("raw_logprobs", out.raw_logprobs),
+                         ("top_logprobs.values", out.top_logprobs.values)):
+        assert not np.isnan(values).any(), f"{name}: {values}"
+    assert np.isfinite(out.logprobs).all() and (out.logprobs <= 0).all(), out.logprobs
+    probs = np.asarray(ll.sampling_distribution(logits, params, positions, hist), np.float64)
+    assert not np.isnan(probs).any()
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-5)
+
+    # Row 0, temperature 1.17549e-38: every logit times 1/T past the float32 maximum
+    # saturates there, so the row is uniform over those tokens (float64 reference).
+    inv = np.float64(np.float32(1.0) / np.float32(F32_TINY))
+    saturated = np.asarray(logits[0], np.float64) * inv >= F32_MAX
+    assert saturated.sum() >= 2
+    np.testing.assert_allclose(probs[0], saturated / saturated.sum(), atol=1e-6)
+
 
 # Per-row lists of the wrong length: the message names the argument and both lengths.
 WRONG_LENGTH = [
