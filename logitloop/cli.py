@@ -37,7 +37,12 @@ written (and fsync'ed) as soon as it and every line before it are done.
 Resuming: when the output file exists, the ids already in it are skipped and the rest are
 appended (a partial last line, left by a killed run, is cut off first), so re-running a
 killed job with the same arguments neither duplicates nor loses a line. `--overwrite`
-starts the file afresh instead.
+starts the file afresh instead: the new file replaces the old one with its first result, so
+a job that fails before that (a bad line, a broken model) leaves the old results as they
+were. A run holds a lock on its output: a second run on the same file fails, naming the
+first one's process id. `--output -` writes the JSONL lines to stdout, as does a path that is
+not a regular file (`/dev/stdout`); an output that is the input file is refused. See
+`logitloop.cli_output`.
 
 `explain` prints, for the token after one PROMPT, the top candidates with their probability
 after each step of the sampler and the step that cut each one (see
@@ -57,7 +62,6 @@ import argparse
 import inspect
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -65,6 +69,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from logitloop.cli_output import (
+    JsonlOutput,
+    OutputError,
+    check_not_input,
+    discard_stdout,
+    id_key,
+)
 
 PROG = "logitloop"
 EXIT_BAD_INPUT = 2
@@ -270,10 +282,6 @@ class Item:
     token_ids: list[int] | None = None
 
 
-def _id_key(value: Any) -> tuple[str, Any]:
-    return (type(value).__name__, value)
-
-
 def _describe_id(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -354,7 +362,7 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
         raise CLIError(f"{name} holds no prompts")
     seen: dict[tuple[str, Any], Item] = {}
     for item in items:
-        key = _id_key(item.id)
+        key = id_key(item.id)
         if key in seen:
             raise CLIError(
                 f"duplicate id {_describe_id(item.id)} in {name}: lines {seen[key].line} "
@@ -365,43 +373,6 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
 
 
 # --------------------------------------------------------------------------- output file
-
-
-def _done_ids(path: Path, warn) -> set[tuple[str, Any]]:
-    """Ids already written to `path`; a partial last line is cut off first."""
-    if not path.exists():
-        return set()
-    try:
-        with open(path, "r+b") as f:
-            data = f.read()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                f.truncate(end)
-                f.flush()
-                os.fsync(f.fileno())
-                warn(
-                    f"{path}: dropped a partial last line ({len(data) - end} bytes) "
-                    "left by an interrupted run"
-                )
-    except IsADirectoryError:
-        raise CLIError(f"output file {path} is a directory") from None
-    except OSError as e:
-        raise CLIError(f"cannot read output file {path} to resume: {e.strerror or e}") from None
-    done = set()
-    for lineno, raw in enumerate(data[:end].split(b"\n")[:-1], 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-            item_id = obj["id"]
-            hash(item_id)
-        except (ValueError, KeyError, TypeError):
-            raise CLIError(
-                f"{path} line {lineno}: not a result line with an 'id'; refusing to resume "
-                "into it (use --overwrite to start it afresh)"
-            ) from None
-        done.add(_id_key(item_id))
-    return done
 
 
 def _finite(x: float) -> float | None:
@@ -442,32 +413,21 @@ def _record(item: Item, result, first_row: int, n: int) -> dict[str, Any]:
     return rec
 
 
-class _JsonlSink:
-    def __init__(self, path: Path, overwrite: bool):
-        try:
-            self.file = open(path, "w" if overwrite else "a", encoding="utf-8")
-        except IsADirectoryError:
-            raise CLIError(f"output file {path} is a directory") from None
-        except OSError as e:
-            raise CLIError(f"cannot write output file {path}: {e.strerror or e}") from None
-
-    def write(self, records: Sequence[dict[str, Any]], n: int) -> None:
-        del n
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        self.file.write(text)
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def close(self) -> None:
-        self.file.close()
-
-
 class _StdoutSink:
     def __init__(self, headers: bool):
         self.headers = headers
         self.blocks = 0
 
     def write(self, records: Sequence[dict[str, Any]], n: int) -> None:
+        try:
+            self._write(records, n)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            discard_stdout()
+            raise CLIError(f"cannot write stdout: {e.strerror or e}") from None
+
+    def _write(self, records: Sequence[dict[str, Any]], n: int) -> None:
         out = sys.stdout
         for rec in records:
             texts = rec["text"] if n > 1 else [rec["text"]]
@@ -699,18 +659,30 @@ def _generate(args: argparse.Namespace) -> int:
             if not item.prompt:
                 raise CLIError(f"{item.where}: prompt is empty")
 
-    output = Path(args.output) if args.output else None
+    sink = None
     skipped = 0
-    if output is not None and not args.overwrite:
-        done = _done_ids(output, warn)
-        input_ids = {_id_key(it.id) for it in items}
-        stray = len(done - input_ids)
-        if stray:
-            warn(f"{output} holds {stray} ids that are not in the input")
-        todo = [it for it in items if _id_key(it.id) not in done]
-        skipped = len(items) - len(todo)
-    else:
-        todo = items
+    todo = items
+    if args.output:
+        check_not_input(args.output, args.input)
+        sink = JsonlOutput.open(args.output, args.overwrite, warn)
+        output = sink.name
+        if sink.done:
+            stray = len(sink.done - {id_key(it.id) for it in items})
+            if stray:
+                warn(f"{output} holds {stray} ids that are not in the input")
+            todo = [it for it in items if id_key(it.id) not in sink.done]
+            skipped = len(items) - len(todo)
+    try:
+        return _generate_job(args, items, todo, skipped, base, defaults, sink, note, started)
+    finally:
+        if sink is not None:
+            sink.close()
+
+
+def _generate_job(args, items, todo, skipped, base, defaults, sink, note, started) -> int:
+    """The job after its inputs and output are settled: validate, load, generate."""
+    output = None if sink is None else sink.name
+    quiet = args.quiet
 
     # Fixed batches of consecutive input positions, padded to one call size.
     call_size = min(args.batch_size, len(items))
@@ -722,10 +694,7 @@ def _generate(args: argparse.Namespace) -> int:
         batch.padded = [dict(_PAD_KNOBS)] * (call_size - len(batch.items))
         batch.params = _batch_params(batch, defaults)
 
-    sink = _JsonlSink(output, args.overwrite) if output is not None else None
     if not todo:
-        if sink is not None:
-            sink.close()
         note(f"nothing to do: all {len(items)} prompts are already in {output}")
         return 0
 
@@ -751,15 +720,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     tokens = 0
     gen_started = time.perf_counter()
-    try:
-        with _CompileTimer() as timer:
-            if args.stream:
-                tokens = _stream_one(ll, model, todo[0], batch_list[0].params, args.ignore_eos)
-            else:
-                shapes = dict(_job_bounds(items, info, defaults), slots=call_size)
-                tokens = _run_batches(args, model, todo, defaults, shapes, sink, quiet, info)
-    finally:
-        sink.close()
+    with _CompileTimer() as timer:
+        if args.stream:
+            tokens = _stream_one(ll, model, todo[0], batch_list[0].params, args.ignore_eos)
+        else:
+            shapes = dict(_job_bounds(items, info, defaults), slots=call_size)
+            tokens = _run_batches(args, model, todo, defaults, shapes, sink, quiet, info)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds
 
@@ -1162,7 +1128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "explain":
             return _explain(args)
         return _generate(args)
-    except CLIError as e:
+    except (CLIError, OutputError) as e:
         message = " ".join(str(e).splitlines())
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
@@ -1171,8 +1137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # Output piped into a reader that went away (`... | head`): stop quietly.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        discard_stdout()
         return 1
 
 
