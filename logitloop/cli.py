@@ -286,6 +286,15 @@ def _describe_id(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _check_prompt_text(where: str, text: str) -> None:
+    from logitloop.decoding.params import check_text
+
+    try:
+        check_text("the prompt", text)
+    except ValueError as e:
+        raise CLIError(f"{where}: {e}") from None
+
+
 def _read_text(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
@@ -317,6 +326,7 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
             continue
         where = f"{name} line {i + 1}"
         if not jsonl:
+            _check_prompt_text(where, line)
             items.append(Item(i, where, line, dict(base), len(items), i + 1))
             continue
         try:
@@ -339,6 +349,7 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
                 raise CLIError(f"{where}: prompt must be a string, got {type(prompt).__name__}")
             if not prompt:
                 raise CLIError(f"{where}: prompt is empty")
+            _check_prompt_text(where, prompt)
         else:
             prompt = obj["prompt_token_ids"]
             if (
@@ -658,6 +669,7 @@ def _generate(args: argparse.Namespace) -> int:
         for item in items:
             if not item.prompt:
                 raise CLIError(f"{item.where}: prompt is empty")
+            _check_prompt_text(item.where, item.prompt)
 
     sink = None
     skipped = 0
@@ -762,6 +774,7 @@ def _plot_formats() -> dict[str, str]:
 def _explain(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise CLIError("prompt is empty")
+    _check_prompt_text("PROMPT", args.prompt)
     if args.top < 1:
         raise CLIError(f"--top = {args.top} is outside the allowed range [1, inf)")
     if args.draws < 1:

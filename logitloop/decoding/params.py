@@ -45,9 +45,16 @@ _MIN_TEMPERATURE = _F32_TINY  # the smallest T whose 1 / T is finite
 
 def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
     """Broadcast a scalar knob to the batch or check a per-row list's length."""
-    if isinstance(value, (str, bytes)) or np.ndim(value) == 0:
+    if isinstance(value, (str, bytes, Mapping)) or (
+        not isinstance(value, (Sequence, np.ndarray)) and np.ndim(value) == 0
+    ):
         return [value] * batch_size
-    values = list(np.asarray(value).reshape(-1)) if isinstance(value, np.ndarray) else list(value)
+    if hasattr(value, "shape") and len(value.shape) > 1:  # nothing flattened silently
+        raise ValueError(
+            f"{name} is an array of shape {tuple(value.shape)}: pass a scalar or one value per "
+            f"row (shape ({batch_size},))"
+        )
+    values = list(value)
     if len(values) != batch_size:
         raise ValueError(
             f"{name} has {len(values)} entries but batch_size is {batch_size}: "
@@ -82,7 +89,7 @@ def _check_range(
     allowed = f"{left}{_fmt_bound(lo, integer)}, {_fmt_bound(hi, integer)}{right}"
     out = []
     for row, v in enumerate(values):
-        if isinstance(v, bool) or v is None:
+        if isinstance(v, (bool, np.bool_, str, bytes)) or v is None:
             raise ValueError(f"{name}[{row}] = {v!r} is not a number; allowed range {allowed}")
         try:
             f = float(v)
@@ -112,19 +119,39 @@ def _fmt_bound(x: float, integer: bool) -> str:
     return str(int(x)) if integer else f"{x:g}"
 
 
+def is_token_id(x: Any) -> bool:
+    """An int (not a bool, not a float even when whole): nothing is coerced into an id."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim == 1)
+
+
 def _is_id_list(value: Any) -> bool:
     """True for a flat list of token ids (applies to every row)."""
-    return all(isinstance(x, (int, np.integer)) for x in value)
+    return _is_list(value) and all(is_token_id(x) for x in value)
+
+
+def _not_an_id(name: str, x: Any) -> ValueError:
+    return ValueError(f"{name} holds {x!r}, which is not a token id (an int)")
 
 
 def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
-    """None, one list of ids for all rows, or one list (or None) per row."""
+    """None, one id or one list of ids for all rows, or one list (or id, or None) per row."""
     if value is None:
         return [[] for _ in range(batch_size)]
-    if isinstance(value, (int, np.integer)):
+    if is_token_id(value):
         return [[int(value)] for _ in range(batch_size)]
+    if not _is_list(value):
+        raise ValueError(
+            f"{name} must be a list of token ids or one list (or None) per row, got {value!r}"
+        )
     value = list(value)
-    if _is_id_list(value):
+    if not any(x is None or _is_list(x) for x in value):  # one flat list for every row
+        for x in value:
+            if not is_token_id(x):
+                raise _not_an_id(name, x)
         return [[int(x) for x in value] for _ in range(batch_size)]
     if len(value) != batch_size:
         raise ValueError(f"{name} has {len(value)} per-row lists but batch_size is {batch_size}")
@@ -132,13 +159,17 @@ def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
     for row, ids in enumerate(value):
         if ids is None:
             rows.append([])
-        elif isinstance(ids, (int, np.integer)):
+        elif is_token_id(ids):
             rows.append([int(ids)])
-        else:
-            ids = list(ids)
-            if not _is_id_list(ids):
-                raise ValueError(f"{name}[{row}] must be a list of integer token ids, got {ids!r}")
+        elif _is_list(ids):
+            for x in ids:
+                if not is_token_id(x):
+                    raise _not_an_id(f"{name}[{row}]", x)
             rows.append([int(x) for x in ids])
+        else:
+            raise ValueError(
+                f"{name}[{row}] must be a list of token ids (or None), got {ids!r}"
+            )
     return rows
 
 
@@ -180,23 +211,54 @@ def _bias_rows(value: Any, batch_size: int) -> list[dict[int, float]]:
     return rows
 
 
+def check_text(name: str, text: str) -> None:
+    """Raise ValueError unless `text` can be encoded as UTF-8 (no lone surrogates: what
+    Python makes of bytes that are not UTF-8 in argv, or of a JSON "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = (
+            f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8,"
+            if 0xDC80 <= code <= 0xDCFF
+            else f"the lone surrogate U+{code:04X}, which is not a character,"
+        )
+        raise ValueError(
+            f"{name} is not valid text: it holds {what} at character {e.start}"
+        ) from None
+
+
 def _stop_strings(value: Any, batch_size: int) -> tuple[tuple[str, ...], ...]:
     if value is None:
         return tuple(() for _ in range(batch_size))
     if isinstance(value, str):
         value = [value]
+    if not _is_list(value):
+        raise ValueError(
+            f"stop must be a string, a list of strings or one list per row, got {value!r}"
+        )
     value = list(value)
-    if all(isinstance(s, str) for s in value):
+    if not any(r is None or _is_list(r) for r in value):  # one list for every row
+        for s in value:
+            if not isinstance(s, str):
+                raise ValueError(f"stop holds {s!r}; stop strings must be non-empty str")
         rows = [value] * batch_size
     else:
         if len(value) != batch_size:
             raise ValueError(f"stop has {len(value)} per-row lists but batch_size is {batch_size}")
-        rows = [[] if r is None else ([r] if isinstance(r, str) else list(r)) for r in value]
+        rows = []
+        for row, r in enumerate(value):
+            if r is not None and not isinstance(r, str) and not _is_list(r):
+                raise ValueError(
+                    f"stop[{row}] holds {r!r}; stop strings must be non-empty str"
+                )
+            rows.append([] if r is None else ([r] if isinstance(r, str) else list(r)))
     out = []
     for row, strings in enumerate(rows):
         for s in strings:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop[{row}] holds {s!r}; stop strings must be non-empty str")
+            check_text(f"stop[{row}] {s!r}", s)
         out.append(tuple(strings))
     return tuple(out)
 
@@ -206,17 +268,39 @@ def _stop_sequences(value: Any, batch_size: int, vocab_size: int | None) -> np.n
     if value is None:
         rows: list[list[list[int]]] = [[] for _ in range(batch_size)]
     else:
+        if not _is_list(value):
+            raise ValueError(
+                f"stop_sequences must be a list of token-id lists (or one such list per row), "
+                f"got {value!r}"
+            )
         value = list(value)
-        if all(isinstance(s, (list, tuple)) and _is_id_list(s) for s in value) and all(
-            len(s) > 0 for s in value
-        ):
-            rows = [[list(map(int, s)) for s in value] for _ in range(batch_size)]
+        if all(_is_list(s) and len(s) > 0 and not any(_is_list(t) for t in s) for s in value):
+            for seq in value:  # one list of sequences for every row
+                for t in seq:
+                    if not is_token_id(t):
+                        raise _not_an_id("stop_sequences", t)
+            rows = [[[int(t) for t in s] for s in value] for _ in range(batch_size)]
         else:
             if len(value) != batch_size:
                 raise ValueError(
                     f"stop_sequences has {len(value)} per-row lists but batch_size is {batch_size}"
                 )
-            rows = [[list(map(int, s)) for s in (r or [])] for r in value]
+            rows = []
+            for row, r in enumerate(value):
+                if r is not None and not _is_list(r):
+                    raise ValueError(
+                        f"stop_sequences[{row}] must be a list of token-id lists, got {r!r}"
+                    )
+                for seq in r if r is not None else []:
+                    if not _is_list(seq):
+                        raise ValueError(
+                            f"stop_sequences[{row}] holds {seq!r}; each stop sequence is a "
+                            "list of token ids"
+                        )
+                    for t in seq:
+                        if not is_token_id(t):
+                            raise _not_an_id(f"stop_sequences[{row}]", t)
+                rows.append([[int(t) for t in seq] for seq in (r if r is not None else [])])
     for row, seqs in enumerate(rows):
         for s in seqs:
             if len(s) == 0:
@@ -368,7 +452,7 @@ class SamplingParams:
         bias_vals = [[] for _ in range(b)]
         for row, d in enumerate(bias_rows):
             for tok, val in d.items():
-                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                if not is_token_id(tok):
                     raise ValueError(f"logit_bias[{row}] has key {tok!r}; keys must be token ids")
                 fval = _check_range(f"logit_bias[{row}][{tok}]", [val], -100, 100)[0]
                 bias_ids[row].append(int(tok))
@@ -378,9 +462,19 @@ class SamplingParams:
         _check_ids("banned_token_ids", banned, vocab_size)
         if allowed_token_ids is None:
             allowed, has_allowed = [[] for _ in range(b)], [False] * b
+        elif is_token_id(allowed_token_ids):
+            allowed, has_allowed = [[int(allowed_token_ids)] for _ in range(b)], [True] * b
         else:
+            if not _is_list(allowed_token_ids):
+                raise ValueError(
+                    "allowed_token_ids must be a list of token ids or one list (or None) per "
+                    f"row, got {allowed_token_ids!r}"
+                )
             raw = list(allowed_token_ids)
-            if _is_id_list(raw):
+            if not any(r is None or _is_list(r) for r in raw):
+                for x in raw:
+                    if not is_token_id(x):
+                        raise _not_an_id("allowed_token_ids", x)
                 if not raw:
                     raise ValueError("allowed_token_ids is empty: pass None to allow every token")
                 allowed, has_allowed = [list(map(int, raw)) for _ in range(b)], [True] * b
@@ -403,6 +497,11 @@ class SamplingParams:
         _check_ids("stop_token_ids", stops, vocab_size)
         stop_strs = _stop_strings(stop, b)
         include = _per_row("include_stop_str_in_output", include_stop_str_in_output, b)
+        for row, v in enumerate(include):
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(
+                    f"include_stop_str_in_output[{row}] = {v!r} must be True or False"
+                )
 
         nb = bucket_width(max(len(r) for r in bias_ids))
         bias_val_arr = np.zeros((b, nb), np.float32)

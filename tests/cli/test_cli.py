@@ -275,6 +275,18 @@ BAD_INPUTS = {
         "long.txt line 2: the prompt has",
     ),
     "input-file": (lambda tmp: ["--input", str(tmp / "missing.txt")], "input file not found"),
+    "non-utf8-argument": (
+        lambda tmp: ["fine", "bad \udcff byte"],  # argv bytes b"bad \xff byte"
+        "prompt 1: the prompt is not valid text: it holds the byte 0xff",
+    ),
+    "surrogate-in-jsonl": (
+        lambda tmp: ["--input", _write(tmp / "s.jsonl", '{"prompt": "a\\ud800"}\n')],
+        "s.jsonl line 1: the prompt is not valid text: it holds the lone surrogate U+D800",
+    ),
+    "string-max-tokens": (
+        lambda tmp: ["--input", _write(tmp / "t.jsonl", '{"prompt": "a", "max_tokens": "8"}\n')],
+        "t.jsonl line 1: max_tokens = '8' is not a number",
+    ),
     "duplicate-id": (
         lambda tmp: [
             "--input",

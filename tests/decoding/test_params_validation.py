@@ -130,6 +130,69 @@ def test_extreme_accepted_values_never_give_nan():
     np.testing.assert_allclose(probs[0], saturated / saturated.sum(), atol=1e-6)
 
 
+# Wrong types: each a ValueError naming the argument (and the row where there is one);
+# nothing is coerced (1.5 -> 1, True -> 1, "0.5" -> 0.5, "no" -> True, 2-D -> flat).
+BAD_TYPES = [
+    ("banned_token_ids", [1.5], ["banned_token_ids", "1.5", "not a token id"]),
+    ("banned_token_ids", [1, 2.7, 3], ["banned_token_ids", "2.7", "not a token id"]),
+    ("banned_token_ids", [True], ["banned_token_ids", "True", "not a token id"]),
+    ("banned_token_ids", [[1], [2.0], None], ["banned_token_ids[1]", "2.0"]),
+    ("banned_token_ids", "12", ["banned_token_ids", "'12'"]),
+    ("stop_token_ids", [[1], "x", None], ["stop_token_ids[1]", "'x'"]),
+    ("allowed_token_ids", [2.0], ["allowed_token_ids", "2.0", "not a token id"]),
+    ("allowed_token_ids", [[1], [2.5], None], ["allowed_token_ids[1]", "2.5"]),
+    ("allowed_token_ids", 1.0, ["allowed_token_ids", "1.0"]),
+    ("stop_sequences", [[1.5, 2]], ["stop_sequences", "1.5", "not a token id"]),
+    ("stop_sequences", [[1, 2.7, 3]], ["stop_sequences", "2.7"]),
+    ("stop_sequences", [["a"]], ["stop_sequences", "'a'", "not a token id"]),
+    ("stop_sequences", [[[1, True]], None, None], ["stop_sequences[0]", "True"]),
+    ("stop_sequences", [[[1]], [5], None], ["stop_sequences[1]", "5", "list of token ids"]),
+    ("stop", [5], ["stop", "5", "non-empty str"]),
+    ("stop", [["a"], [5], None], ["stop[1]", "5"]),
+    ("stop", 5, ["stop", "5"]),
+    ("stop", ["\ud800"], ["stop[0]", "not valid text", "U+D800"]),
+    ("stop", ["ok", "a\udcffb"], ["stop[0]", "not valid text", "0xff"]),
+    ("logit_bias", {True: 1.0}, ["logit_bias[0]", "True"]),
+    ("logit_bias", {3: "1"}, ["logit_bias[0][3]", "'1'", "not a number"]),
+    ("include_stop_str_in_output", "no", ["include_stop_str_in_output[0]", "'no'"]),
+    ("include_stop_str_in_output", [True, 1, False], ["include_stop_str_in_output[1]"]),
+    ("temperature", "0.5", ["temperature[0]", "'0.5'", "not a number"]),
+    ("temperature", [1.0, "0.5", 1.0], ["temperature[1]", "'0.5'", "not a number"]),
+    ("max_tokens", "8", ["max_tokens[0]", "'8'", "not a number"]),
+    ("seed", b"1", ["seed[0]", "not a number"]),
+    ("top_p", np.full((3, 1), 0.5), ["top_p", "shape (3, 1)", "(3,)"]),
+]
+
+
+@pytest.mark.parametrize("arg, value, expected", BAD_TYPES,
+                         ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD_TYPES)])
+def test_wrong_types_are_errors_naming_the_argument(arg, value, expected):
+    with pytest.raises(ValueError) as err:
+        ll.SamplingParams.create(batch_size=B, vocab_size=V, **{arg: value})
+    message = str(err.value)
+    for text in expected:
+        assert text in message, f"{text!r} missing from: {message}"
+
+
+def test_a_two_by_two_array_is_not_flattened_into_four_rows():
+    with pytest.raises(ValueError, match=r"temperature is an array of shape \(2, 2\)"):
+        ll.SamplingParams.create(batch_size=4, temperature=np.full((2, 2), 0.5))
+
+
+def test_the_accepted_list_forms_still_mean_what_they_did():
+    params = ll.SamplingParams.create(
+        batch_size=B, vocab_size=V, banned_token_ids=np.asarray([1, 2]), stop_token_ids=7,
+        allowed_token_ids=[[3, 4], None, 5], stop_sequences=[[1, 2], [3]], stop="x",
+        include_stop_str_in_output=np.asarray([True, False, True]), temperature=np.float32(0.5),
+    )
+    assert np.asarray(params.banned_ids)[:, :2].tolist() == [[1, 2]] * B
+    assert np.asarray(params.stop_token_ids)[:, 0].tolist() == [7] * B
+    assert np.asarray(params.has_allowed).tolist() == [True, False, True]
+    assert np.asarray(params.allowed_ids)[2, 0] == 5
+    assert params.stop == (("x",),) * B
+    assert params.include_stop_str_in_output == (True, False, True)
+
+
 # Per-row lists of the wrong length: the message names the argument and both lengths.
 WRONG_LENGTH = [
     ("temperature", [1.0, 0.5]),
@@ -237,3 +300,32 @@ def test_unsampleable_rows_do_not_disturb_the_others():
     for a, b in zip(jax.tree.leaves(jax.tree.map(lambda v: v[good], out)),
                     jax.tree.leaves(alone), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# Bad prompts: a ValueError naming the prompt, before anything compiles.
+BAD_PROMPTS = [
+    (["abc\ud800def"], ["prompts[0]", "not valid text", "U+D800", "character 3"]),
+    (["ok", "bad \udcff byte"], ["prompts[1]", "not valid text", "0xff"]),
+    ([b"abc"], ["prompts[0]", "bytes", "decode"]),
+    ([1, 2, 3], ["flat list of token ids", "[[1, 2, 3]]"]),
+    ([[1, 2.7, 3]], ["prompts[0]", "2.7", "not a token id"]),
+    ([[1, True]], ["prompts[0]", "True", "not a token id"]),
+    ([None], ["prompts[0]", "NoneType"]),
+    (b"abc", ["prompts must be a list", "bytes"]),
+]
+
+
+@pytest.fixture(scope="module")
+def shipped_model():
+    return ll.load_pretrained()
+
+
+@pytest.mark.parametrize("prompts, expected", BAD_PROMPTS,
+                         ids=[f"prompt-{i}" for i in range(len(BAD_PROMPTS))])
+def test_bad_prompts_are_errors_naming_the_prompt(shipped_model, prompts, expected):
+    batch = len(prompts) if isinstance(prompts, list) else 1
+    params = ll.SamplingParams.create(batch_size=batch, max_tokens=2)
+    with pytest.raises(ValueError) as err:
+        ll.generate(shipped_model, prompts, params)
+    for text in expected:
+        assert text in str(err.value), f"{text!r} missing from: {err.value}"
