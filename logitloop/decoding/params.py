@@ -345,6 +345,10 @@ class SamplingParams:
     logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
+    # The vocabulary size every token id was checked against (create's `vocab_size`), or
+    # None. Static: `sample` checks it against the logits' V when it traces, without
+    # reading an id back from the device.
+    vocab_size: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def batch_size(self) -> int:
@@ -383,9 +387,10 @@ class SamplingParams:
         `{token_id: bias}` or one per row; `stop` one string, a list of strings, or one list
         per row; `stop_sequences` a list of token-id lists, or one such list per row.
 
-        `vocab_size`, when given, bounds every token id; `generate` checks them against the
-        model's vocabulary in any case. Raises `ValueError` naming the argument, the row
-        and the allowed range.
+        `vocab_size`, when given, bounds every token id, and `sample` checks it against the
+        logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);
+        `generate` checks the ids against the model's vocabulary in any case. Raises
+        `ValueError` naming the argument, the row and the allowed range.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -528,6 +533,7 @@ class SamplingParams:
             logprobs=jnp.asarray(n_logprobs, jnp.int32),
             stop=stop_strs,
             include_stop_str_in_output=tuple(bool(x) for x in include),
+            vocab_size=None if vocab_size is None else int(vocab_size),
         )
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -545,7 +551,9 @@ class SamplingParams:
 
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
-        return dataclasses.replace(self, stop=(), include_stop_str_in_output=())
+        return dataclasses.replace(
+            self, stop=(), include_stop_str_in_output=(), vocab_size=None
+        )
 
     def take(self, rows: Any) -> SamplingParams:
         """Select (or repeat) rows: `params.take([0, 0, 1])`."""
@@ -557,4 +565,5 @@ class SamplingParams:
             include_stop_str_in_output=tuple(self.include_stop_str_in_output[i] for i in idx)
             if self.include_stop_str_in_output
             else (),
+            vocab_size=self.vocab_size,
         )

@@ -329,3 +329,41 @@ def test_bad_prompts_are_errors_naming_the_prompt(shipped_model, prompts, expect
         ll.generate(shipped_model, prompts, params)
     for text in expected:
         assert text in str(err.value), f"{text!r} missing from: {err.value}"
+
+
+# ll.sample's inputs whose shapes do not fit: one line naming what is wrong, at trace time.
+def _shape_case(logits_shape=(B, V), params_batch=B, positions_shape=(B,), history_batch=None,
+                vocab_size=None, ids=None):
+    logits = jnp.zeros(logits_shape, jnp.float32)
+    params = ll.SamplingParams.create(batch_size=params_batch, vocab_size=vocab_size, **(ids or {}))
+    positions = jnp.zeros(positions_shape, jnp.int32)
+    history = None
+    if history_batch is not None:
+        history = ll.History.create([[1]] * history_batch, vocab_size=V, capacity=8)
+    return logits, params, positions, history
+
+
+BAD_SHAPES = [
+    (dict(logits_shape=(V,), params_batch=1), "logits must be [B, V] (2-D), got shape (50,)"),
+    (dict(logits_shape=(1, 2, V), params_batch=1), "got shape (1, 2, 50)"),
+    (dict(logits_shape=(B, 0)), "V = 0"),
+    (dict(params_batch=B + 1), f"params has batch_size {B + 1} but logits have {B} rows"),
+    (dict(positions_shape=()), f"positions must be [B] = ({B},), one per row, got shape ()"),
+    (dict(positions_shape=(B + 2,)), f"got shape ({B + 2},)"),
+    (dict(history_batch=B - 1), f"history has {B - 1} rows but logits have {B}"),
+    (dict(vocab_size=V + 14, ids=dict(banned_token_ids=[V + 3])),
+     f"vocab_size = {V + 14}, but the logits have V = {V}"),
+    (dict(vocab_size=V + 1, ids=dict(logit_bias={V: 1.0})), f"V = {V}"),
+    (dict(vocab_size=V + 1, ids=dict(allowed_token_ids=[0, V])), f"V = {V}"),
+]
+
+
+@pytest.mark.parametrize("case, message", BAD_SHAPES,
+                         ids=[f"shape-{i}" for i in range(len(BAD_SHAPES))])
+def test_sample_rejects_inputs_that_do_not_fit(case, message):
+    logits, params, positions, history = _shape_case(**case)
+    for fn in (ll.sample, ll.sampling_distribution):
+        with pytest.raises(ValueError) as err:
+            jax.eval_shape(fn, logits, params, positions, history)  # trace only, no run
+        text = str(err.value)
+        assert message in text and "\n" not in text, text
