@@ -258,12 +258,24 @@ def _row_value(name: str, value: Any) -> Any:
     return value
 
 
-_ROW_INDEX = re.compile(r"\b([A-Za-z_]+)\[0\]")
+_ROW_INDEX = re.compile(r"\b([A-Za-z_]+)\[0\](?!\[)")
 
 
 def _one_row_message(error: ValueError) -> str:
     """SamplingParams' message for a batch of one, without the `[0]` row index."""
     return _ROW_INDEX.sub(r"\1", str(error))
+
+
+def _span(items: Sequence[Item]) -> str:
+    """Names a run of prompts in messages: "prompt 3", "prompts 0 to 3", "x.jsonl lines 1
+    to 4"."""
+    first, last = items[0], items[-1]
+    if first is last:
+        return first.where
+    if first.line and last.line:
+        name = first.where.rsplit(" line ", 1)[0]
+        return f"{name} lines {first.line} to {last.line}"
+    return f"prompts {first.position} to {last.position}"
 
 
 # --------------------------------------------------------------------------- inputs
@@ -297,7 +309,7 @@ def _check_prompt_text(where: str, text: str) -> None:
 
 def _read_text(path: str) -> str:
     if path == "-":
-        return sys.stdin.read()
+        return sys.stdin.read().removeprefix("\ufeff")
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -307,7 +319,7 @@ def _read_text(path: str) -> str:
     except OSError as e:
         raise CLIError(f"cannot read input file {path}: {e.strerror or e}") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")  # a BOM is not part of a prompt
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise CLIError(f"{path} line {line}: not valid UTF-8 text") from None
@@ -546,9 +558,7 @@ def _batch_params(batch: _Batch, defaults, vocab_size=None):
                 _make_params([item.knobs], defaults, vocab_size)
             except ValueError as e:
                 raise CLIError(f"{item.where}: {_one_row_message(e)}") from None
-        raise CLIError(
-            f"{batch.items[0].where} to {batch.items[-1].where}: {batch_error}"
-        ) from None
+        raise CLIError(f"{_span(batch.items)}: {batch_error}") from None
 
 
 def _load_model(path: str | None, dtype: str | None):
@@ -597,7 +607,7 @@ def _check_vocab(batch: _Batch, vocab_size: int, defaults) -> None:
         batch.params.check_vocab(vocab_size)
     except ValueError as e:
         _batch_params(batch, defaults, vocab_size)  # names the line when it can
-        raise CLIError(f"{batch.items[0].where} to {batch.items[-1].where}: {e}") from None
+        raise CLIError(f"{_span(batch.items)}: {e}") from None
 
 
 def _plural(count: int, noun: str) -> str:
@@ -903,7 +913,11 @@ def _run_batches(args, model, todo, defaults, shapes, sink, quiet: bool, info) -
             bar.update(1)
             bar.set_postfix(tokens=tokens, refresh=False)
     except ValueError as e:
-        raise CLIError(f"{todo[0].where} to {todo[-1].where}: {e}") from None
+        request = re.match(r"requests\[(\d+)\](?: \(id .*?\))?: ", str(e))
+        if request and int(request.group(1)) < len(todo):  # one request: name its line
+            where, message = todo[int(request.group(1))].where, str(e)[request.end() :]
+            raise CLIError(f"{where}: {_one_row_message(ValueError(message))}") from None
+        raise CLIError(f"{_span(todo)}: {e}") from None
     finally:
         bar.close()
     return tokens
@@ -1084,10 +1098,10 @@ def _add_explain_parser(sub) -> None:
     ex = sub.add_parser(
         "explain",
         help="show what every sampling knob does to the next token",
-        description=(
-            "For the token after PROMPT, print a table of the top candidates: the model's "
-            "raw probability, the probability after each step of the sampler (masks, bias "
-            "and penalties; temperature; top-k; top-p; min-p = final) and the step that cut "
+        description=(  # RawDescriptionHelpFormatter prints it as is: lines kept short
+            "For the token after PROMPT, print a table of the top candidates: the model's\n"
+            "raw probability, the probability after each step of the sampler (masks, bias\n"
+            "and penalties; temperature; top-k; top-p; min-p = final) and the step that cut\n"
             "each token. The numbers come from the sampler's own code."
         ),
         epilog=_EXPLAIN_HELP,

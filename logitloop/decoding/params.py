@@ -73,6 +73,7 @@ def _check_range(
     hi_open: bool = False,
     integer: bool = False,
     normal: bool = True,
+    where: str | None = None,
 ) -> np.ndarray:
     """Validate every row against [lo, hi] (open ends as flagged); NaN always fails.
 
@@ -80,7 +81,8 @@ def _check_range(
     maximum, and (unless `normal=False`, for a caller with its own lower bound) a nonzero
     value must be a normal float32 (magnitude at least 1.17549e-38): nothing overflows to
     inf or rounds to 0 or a denormal on its way to the device.
-    Integer ranges print exactly.
+    Integer ranges print exactly. `where` names the value in messages instead of
+    `name[row]`.
     """
     if not integer and hi == math.inf:
         hi, hi_open = _F32_MAX, False
@@ -89,24 +91,25 @@ def _check_range(
     allowed = f"{left}{_fmt_bound(lo, integer)}, {_fmt_bound(hi, integer)}{right}"
     out = []
     for row, v in enumerate(values):
+        label = f"{name}[{row}]" if where is None else where
         if isinstance(v, (bool, np.bool_, str, bytes)) or v is None:
-            raise ValueError(f"{name}[{row}] = {v!r} is not a number; allowed range {allowed}")
+            raise ValueError(f"{label} = {v!r} is not a number; allowed range {allowed}")
         try:
             f = float(v)
         except (TypeError, ValueError):
             raise ValueError(
-                f"{name}[{row}] = {v!r} is not a number; allowed range {allowed}"
+                f"{label} = {v!r} is not a number; allowed range {allowed}"
             ) from None
         if integer and (not math.isfinite(f) or f != int(f)):
-            raise ValueError(f"{name}[{row}] = {v!r} is not an integer; allowed range {allowed}")
+            raise ValueError(f"{label} = {v!r} is not an integer; allowed range {allowed}")
         ok = not math.isnan(f)
         ok = ok and (f > lo if lo_open else f >= lo)
         ok = ok and (f < hi if hi_open else f <= hi)
         if not ok:
-            raise ValueError(f"{name}[{row}] = {v!r} is outside the allowed range {allowed}")
+            raise ValueError(f"{label} = {v!r} is outside the allowed range {allowed}")
         if not integer and normal and f != 0 and abs(f) < _F32_TINY:
             raise ValueError(
-                f"{name}[{row}] = {v!r} is outside the allowed range {allowed}: as float32 it "
+                f"{label} = {v!r} is outside the allowed range {allowed}: as float32 it "
                 f"would be denormal or 0 (a nonzero value needs magnitude >= {_F32_TINY:.6g})"
             )
         out.append(int(f) if integer else f)
@@ -459,7 +462,8 @@ class SamplingParams:
             for tok, val in d.items():
                 if not is_token_id(tok):
                     raise ValueError(f"logit_bias[{row}] has key {tok!r}; keys must be token ids")
-                fval = _check_range(f"logit_bias[{row}][{tok}]", [val], -100, 100)[0]
+                where = f"logit_bias[{row}] token {tok}: bias"
+                fval = _check_range("logit_bias", [val], -100, 100, where=where)[0]
                 bias_ids[row].append(int(tok))
                 bias_vals[row].append(float(fval))
         _check_ids("logit_bias", bias_ids, vocab_size)
