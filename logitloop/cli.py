@@ -37,7 +37,12 @@ written (and fsync'ed) as soon as it and every line before it are done.
 Resuming: when the output file exists, the ids already in it are skipped and the rest are
 appended (a partial last line, left by a killed run, is cut off first), so re-running a
 killed job with the same arguments neither duplicates nor loses a line. `--overwrite`
-starts the file afresh instead.
+starts the file afresh instead: the new file replaces the old one with its first result, so
+a job that fails before that (a bad line, a broken model) leaves the old results as they
+were. A run holds a lock on its output: a second run on the same file fails, naming the
+first one's process id. `--output -` writes the JSONL lines to stdout, as does a path that is
+not a regular file (`/dev/stdout`); an output that is the input file is refused. See
+`logitloop.cli_output`.
 
 `explain` prints, for the token after one PROMPT, the top candidates with their probability
 after each step of the sampler and the step that cut each one (see
@@ -65,6 +70,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from logitloop.cli_output import (
+    JsonlOutput,
+    OutputError,
+    check_not_input,
+    discard_stdout,
+    id_key,
+)
 
 PROG = "logitloop"
 EXIT_BAD_INPUT = 2
@@ -109,6 +122,33 @@ def _parse_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(
             f"expected TOKEN=BIAS with an integer token id and a number, got {text!r}"
         ) from None
+
+
+_STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
+_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.?)", re.DOTALL)
+
+
+def _parse_stop(text: str) -> str:
+    """A `--stop` value with the usual escapes read: \\n \\t \\r \\0 \\\\ \\" \\' \\xHH \\uHHHH
+    \\UHHHHHHHH (a shell passes `"\\n\\n"` as backslash-n twice). Other escapes are an error."""
+
+    def one(match: re.Match) -> str:
+        code = match.group(1)
+        if code in _STOP_ESCAPES:
+            return _STOP_ESCAPES[code]
+        if code[:1] in ("x", "u", "U") and len(code) > 1:
+            value = int(code[1:], 16)
+            if value > 0x10FFFF or 0xD800 <= value <= 0xDFFF:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: \\{code} is not a Unicode character"
+                )
+            return chr(value)
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown escape \\{code}; the escapes are \\n \\t \\r \\0 \\\\ \\\" "
+            "\\' \\xHH \\uHHHH \\UHHHHHHHH (write \\\\ for a backslash)"
+        )
+
+    return _ESCAPE.sub(one, text)
 
 
 def _parse_id_sequence(text: str) -> list[int]:
@@ -219,12 +259,24 @@ def _row_value(name: str, value: Any) -> Any:
     return value
 
 
-_ROW_INDEX = re.compile(r"\b([A-Za-z_]+)\[0\]")
+_ROW_INDEX = re.compile(r"\b([A-Za-z_]+)\[0\](?!\[)")
 
 
 def _one_row_message(error: ValueError) -> str:
     """SamplingParams' message for a batch of one, without the `[0]` row index."""
     return _ROW_INDEX.sub(r"\1", str(error))
+
+
+def _span(items: Sequence[Item]) -> str:
+    """Names a run of prompts in messages: "prompt 3", "prompts 0 to 3", "x.jsonl lines 1
+    to 4"."""
+    first, last = items[0], items[-1]
+    if first is last:
+        return first.where
+    if first.line and last.line:
+        name = first.where.rsplit(" line ", 1)[0]
+        return f"{name} lines {first.line} to {last.line}"
+    return f"prompts {first.position} to {last.position}"
 
 
 # --------------------------------------------------------------------------- inputs
@@ -243,17 +295,22 @@ class Item:
     token_ids: list[int] | None = None
 
 
-def _id_key(value: Any) -> tuple[str, Any]:
-    return (type(value).__name__, value)
-
-
 def _describe_id(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _check_prompt_text(where: str, text: str) -> None:
+    from logitloop.decoding.params import check_text
+
+    try:
+        check_text("the prompt", text)
+    except ValueError as e:
+        raise CLIError(f"{where}: {e}") from None
+
+
 def _read_text(path: str) -> str:
     if path == "-":
-        return sys.stdin.read()
+        return sys.stdin.read().removeprefix("\ufeff")
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -263,7 +320,7 @@ def _read_text(path: str) -> str:
     except OSError as e:
         raise CLIError(f"cannot read input file {path}: {e.strerror or e}") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")  # a BOM is not part of a prompt
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise CLIError(f"{path} line {line}: not valid UTF-8 text") from None
@@ -282,6 +339,7 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
             continue
         where = f"{name} line {i + 1}"
         if not jsonl:
+            _check_prompt_text(where, line)
             items.append(Item(i, where, line, dict(base), len(items), i + 1))
             continue
         try:
@@ -304,6 +362,7 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
                 raise CLIError(f"{where}: prompt must be a string, got {type(prompt).__name__}")
             if not prompt:
                 raise CLIError(f"{where}: prompt is empty")
+            _check_prompt_text(where, prompt)
         else:
             prompt = obj["prompt_token_ids"]
             if (
@@ -327,7 +386,7 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
         raise CLIError(f"{name} holds no prompts")
     seen: dict[tuple[str, Any], Item] = {}
     for item in items:
-        key = _id_key(item.id)
+        key = id_key(item.id)
         if key in seen:
             raise CLIError(
                 f"duplicate id {_describe_id(item.id)} in {name}: lines {seen[key].line} "
@@ -338,43 +397,6 @@ def _read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> 
 
 
 # --------------------------------------------------------------------------- output file
-
-
-def _done_ids(path: Path, warn) -> set[tuple[str, Any]]:
-    """Ids already written to `path`; a partial last line is cut off first."""
-    if not path.exists():
-        return set()
-    try:
-        with open(path, "r+b") as f:
-            data = f.read()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                f.truncate(end)
-                f.flush()
-                os.fsync(f.fileno())
-                warn(
-                    f"{path}: dropped a partial last line ({len(data) - end} bytes) "
-                    "left by an interrupted run"
-                )
-    except IsADirectoryError:
-        raise CLIError(f"output file {path} is a directory") from None
-    except OSError as e:
-        raise CLIError(f"cannot read output file {path} to resume: {e.strerror or e}") from None
-    done = set()
-    for lineno, raw in enumerate(data[:end].split(b"\n")[:-1], 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-            item_id = obj["id"]
-            hash(item_id)
-        except (ValueError, KeyError, TypeError):
-            raise CLIError(
-                f"{path} line {lineno}: not a result line with an 'id'; refusing to resume "
-                "into it (use --overwrite to start it afresh)"
-            ) from None
-        done.add(_id_key(item_id))
-    return done
 
 
 def _finite(x: float) -> float | None:
@@ -415,32 +437,21 @@ def _record(item: Item, result, first_row: int, n: int) -> dict[str, Any]:
     return rec
 
 
-class _JsonlSink:
-    def __init__(self, path: Path, overwrite: bool):
-        try:
-            self.file = open(path, "w" if overwrite else "a", encoding="utf-8")
-        except IsADirectoryError:
-            raise CLIError(f"output file {path} is a directory") from None
-        except OSError as e:
-            raise CLIError(f"cannot write output file {path}: {e.strerror or e}") from None
-
-    def write(self, records: Sequence[dict[str, Any]], n: int) -> None:
-        del n
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        self.file.write(text)
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def close(self) -> None:
-        self.file.close()
-
-
 class _StdoutSink:
     def __init__(self, headers: bool):
         self.headers = headers
         self.blocks = 0
 
     def write(self, records: Sequence[dict[str, Any]], n: int) -> None:
+        try:
+            self._write(records, n)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            discard_stdout()
+            raise CLIError(f"cannot write stdout: {e.strerror or e}") from None
+
+    def _write(self, records: Sequence[dict[str, Any]], n: int) -> None:
         out = sys.stdout
         for rec in records:
             texts = rec["text"] if n > 1 else [rec["text"]]
@@ -497,9 +508,7 @@ def _batch_params(batch: _Batch, defaults, vocab_size=None):
                 _make_params([item.knobs], defaults, vocab_size)
             except ValueError as e:
                 raise CLIError(f"{item.where}: {_one_row_message(e)}") from None
-        raise CLIError(
-            f"{batch.items[0].where} to {batch.items[-1].where}: {batch_error}"
-        ) from None
+        raise CLIError(f"{_span(batch.items)}: {batch_error}") from None
 
 
 def _load_model(path: str | None, dtype: str | None):
@@ -548,7 +557,7 @@ def _check_vocab(batch: _Batch, vocab_size: int, defaults) -> None:
         batch.params.check_vocab(vocab_size)
     except ValueError as e:
         _batch_params(batch, defaults, vocab_size)  # names the line when it can
-        raise CLIError(f"{batch.items[0].where} to {batch.items[-1].where}: {e}") from None
+        raise CLIError(f"{_span(batch.items)}: {e}") from None
 
 
 def _plural(count: int, noun: str) -> str:
@@ -620,19 +629,32 @@ def _generate(args: argparse.Namespace) -> int:
         for item in items:
             if not item.prompt:
                 raise CLIError(f"{item.where}: prompt is empty")
+            _check_prompt_text(item.where, item.prompt)
 
-    output = Path(args.output) if args.output else None
+    sink = None
     skipped = 0
-    if output is not None and not args.overwrite:
-        done = _done_ids(output, warn)
-        input_ids = {_id_key(it.id) for it in items}
-        stray = len(done - input_ids)
-        if stray:
-            warn(f"{output} holds {stray} ids that are not in the input")
-        todo = [it for it in items if _id_key(it.id) not in done]
-        skipped = len(items) - len(todo)
-    else:
-        todo = items
+    todo = items
+    if args.output:
+        check_not_input(args.output, args.input)
+        sink = JsonlOutput.open(args.output, args.overwrite, warn)
+        output = sink.name
+        if sink.done:
+            stray = len(sink.done - {id_key(it.id) for it in items})
+            if stray:
+                warn(f"{output} holds {stray} ids that are not in the input")
+            todo = [it for it in items if id_key(it.id) not in sink.done]
+            skipped = len(items) - len(todo)
+    try:
+        return _generate_job(args, items, todo, skipped, base, defaults, sink, note, started)
+    finally:
+        if sink is not None:
+            sink.close()
+
+
+def _generate_job(args, items, todo, skipped, base, defaults, sink, note, started) -> int:
+    """The job after its inputs and output are settled: validate, load, generate."""
+    output = None if sink is None else sink.name
+    quiet = args.quiet
 
     # Fixed batches of consecutive input positions, padded to one call size.
     call_size = min(args.batch_size, len(items))
@@ -644,10 +666,7 @@ def _generate(args: argparse.Namespace) -> int:
         batch.padded = [dict(_PAD_KNOBS)] * (call_size - len(batch.items))
         batch.params = _batch_params(batch, defaults)
 
-    sink = _JsonlSink(output, args.overwrite) if output is not None else None
     if not todo:
-        if sink is not None:
-            sink.close()
         note(f"nothing to do: all {len(items)} prompts are already in {output}")
         return 0
 
@@ -673,17 +692,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     tokens = 0
     gen_started = time.perf_counter()
-    try:
-        from logitloop.decoding.compiles import CompileWatch
+    from logitloop.decoding.compiles import CompileWatch
 
-        with CompileWatch() as timer:
-            if args.stream:
-                tokens = _stream_one(ll, model, todo[0], batch_list[0].params, args.ignore_eos)
-            else:
-                shapes = dict(_job_bounds(items, info, defaults), slots=call_size)
-                tokens = _run_batches(args, model, todo, defaults, shapes, sink, quiet, info)
-    finally:
-        sink.close()
+    with CompileWatch() as timer:
+        if args.stream:
+            tokens = _stream_one(ll, model, todo[0], batch_list[0].params, args.ignore_eos)
+        else:
+            shapes = dict(_job_bounds(items, info, defaults), slots=call_size)
+            tokens = _run_batches(args, model, todo, defaults, shapes, sink, quiet, info)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds
 
@@ -720,6 +736,7 @@ def _plot_formats() -> dict[str, str]:
 def _explain(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise CLIError("prompt is empty")
+    _check_prompt_text("PROMPT", args.prompt)
     if args.top < 1:
         raise CLIError(f"--top = {args.top} is outside the allowed range [1, inf)")
     if args.draws < 1:
@@ -848,7 +865,11 @@ def _run_batches(args, model, todo, defaults, shapes, sink, quiet: bool, info) -
             bar.update(1)
             bar.set_postfix(tokens=tokens, refresh=False)
     except ValueError as e:
-        raise CLIError(f"{todo[0].where} to {todo[-1].where}: {e}") from None
+        request = re.match(r"requests\[(\d+)\](?: \(id .*?\))?: ", str(e))
+        if request and int(request.group(1)) < len(todo):  # one request: name its line
+            where, message = todo[int(request.group(1))].where, str(e)[request.end() :]
+            raise CLIError(f"{where}: {_one_row_message(ValueError(message))}") from None
+        raise CLIError(f"{_span(todo)}: {e}") from None
     finally:
         bar.close()
     return tokens
@@ -1028,7 +1049,14 @@ def _add_sampling_flags(s, *, generation: bool) -> None:
         s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
     s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
     if generation:
-        s.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+        s.add_argument(
+            "--stop",
+            type=_parse_stop,
+            action="append",
+            metavar="STR",
+            help="stop string (repeatable); backslash escapes are read: \\n \\t \\r \\\\ "
+            "\\xHH \\uHHHH (so --stop '\\n\\n' stops at a blank line)",
+        )
     s.add_argument(
         "--stop-token-id",
         type=int,
@@ -1065,10 +1093,10 @@ def _add_explain_parser(sub) -> None:
     ex = sub.add_parser(
         "explain",
         help="show what every sampling knob does to the next token",
-        description=(
-            "For the token after PROMPT, print a table of the top candidates: the model's "
-            "raw probability, the probability after each step of the sampler (masks, bias "
-            "and penalties; temperature; top-k; top-p; min-p = final) and the step that cut "
+        description=(  # RawDescriptionHelpFormatter prints it as is: lines kept short
+            "For the token after PROMPT, print a table of the top candidates: the model's\n"
+            "raw probability, the probability after each step of the sampler (masks, bias\n"
+            "and penalties; temperature; top-k; top-p; min-p = final) and the step that cut\n"
             "each token. The numbers come from the sampler's own code."
         ),
         epilog=_EXPLAIN_HELP,
@@ -1123,7 +1151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "explain":
             return _explain(args)
         return _generate(args)
-    except CLIError as e:
+    except (CLIError, OutputError) as e:
         message = " ".join(str(e).splitlines())
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
@@ -1132,8 +1160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # Output piped into a reader that went away (`... | head`): stop quietly.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        discard_stdout()
         return 1
 
 

@@ -29,7 +29,13 @@ from logitloop.decoding.loop import (
     prefill,
 )
 from logitloop.decoding.model import ModelInfo, model_info
-from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams, bucket_width
+from logitloop.decoding.params import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    bucket_width,
+    check_text,
+    is_token_id,
+)
 from logitloop.decoding.stop_strings import StopStrings
 
 MIN_PROMPT_BUCKET = 16
@@ -61,18 +67,38 @@ class GenerationResult:
 
 
 def _tokenize(prompts: Sequence[Any], info: ModelInfo) -> list[list[int]]:
-    if isinstance(prompts, (str, np.ndarray)) or not isinstance(prompts, Sequence):
-        raise ValueError("prompts must be a list of strings or a list of token-id lists")
+    if isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, Sequence):
+        raise ValueError(
+            "prompts must be a list of strings or a list of token-id lists, "
+            f"got {type(prompts).__name__}"
+        )
     if len(prompts) == 0:
         raise ValueError("prompts is empty: pass at least one prompt")
+    if all(is_token_id(p) for p in prompts):
+        raise ValueError(
+            "prompts is a flat list of token ids: pass a list of prompts, e.g. [[1, 2, 3]] "
+            "for one prompt"
+        )
     out = []
     for row, p in enumerate(prompts):
         if isinstance(p, str):
+            check_text(f"prompts[{row}]", p)
             if info.tokenizer is None:
                 raise ValueError(f"prompts[{row}] is a string but the model has no tokenizer")
             ids = list(info.tokenizer.encode(p))
-        else:
+        elif isinstance(p, (list, tuple)) or (isinstance(p, np.ndarray) and p.ndim == 1):
+            for t in p:
+                if not is_token_id(t):
+                    raise ValueError(
+                        f"prompts[{row}] holds {t!r}, which is not a token id (an int)"
+                    )
             ids = [int(t) for t in p]
+        else:
+            hint = " (decode bytes to str first)" if isinstance(p, (bytes, bytearray)) else ""
+            raise ValueError(
+                f"prompts[{row}] must be a string or a list of token ids, got "
+                f"{type(p).__name__}{hint}"
+            )
         if not ids:
             raise ValueError(f"prompts[{row}] is empty: a prompt needs at least one token")
         for t in ids:

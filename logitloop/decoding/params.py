@@ -38,14 +38,23 @@ def bucket_width(n: int, minimum: int = MIN_LIST_WIDTH) -> int:
     return 1 << (n - 1).bit_length()
 
 
-_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)  # the smallest T whose 1 / T is finite
+_F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32, 1.17549e-38
+_F32_MAX = float(np.finfo(np.float32).max)  # 3.40282e+38
+_MIN_TEMPERATURE = _F32_TINY  # the smallest T whose 1 / T is finite
 
 
 def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
     """Broadcast a scalar knob to the batch or check a per-row list's length."""
-    if isinstance(value, (str, bytes)) or np.ndim(value) == 0:
+    if isinstance(value, (str, bytes, Mapping)) or (
+        not isinstance(value, (Sequence, np.ndarray)) and np.ndim(value) == 0
+    ):
         return [value] * batch_size
-    values = list(np.asarray(value).reshape(-1)) if isinstance(value, np.ndarray) else list(value)
+    if hasattr(value, "shape") and len(value.shape) > 1:  # nothing flattened silently
+        raise ValueError(
+            f"{name} is an array of shape {tuple(value.shape)}: pass a scalar or one value per "
+            f"row (shape ({batch_size},))"
+        )
+    values = list(value)
     if len(values) != batch_size:
         raise ValueError(
             f"{name} has {len(values)} entries but batch_size is {batch_size}: "
@@ -63,45 +72,89 @@ def _check_range(
     lo_open: bool = False,
     hi_open: bool = False,
     integer: bool = False,
+    normal: bool = True,
+    where: str | None = None,
 ) -> np.ndarray:
-    """Validate every row against [lo, hi] (open ends as flagged); NaN always fails."""
+    """Validate every row against [lo, hi] (open ends as flagged); NaN always fails.
+
+    A float knob (`integer=False`) is stored as float32, so an unbounded end is the float32
+    maximum, and (unless `normal=False`, for a caller with its own lower bound) a nonzero
+    value must be a normal float32 (magnitude at least 1.17549e-38): nothing overflows to
+    inf or rounds to 0 or a denormal on its way to the device.
+    Integer ranges print exactly. `where` names the value in messages instead of
+    `name[row]`.
+    """
+    if not integer and hi == math.inf:
+        hi, hi_open = _F32_MAX, False
     left = "(" if lo_open else "["
     right = ")" if hi_open else "]"
-    allowed = f"{left}{lo:g}, {hi:g}{right}"
+    allowed = f"{left}{_fmt_bound(lo, integer)}, {_fmt_bound(hi, integer)}{right}"
     out = []
     for row, v in enumerate(values):
-        if isinstance(v, bool) or v is None:
-            raise ValueError(f"{name}[{row}] = {v!r} is not a number; allowed range {allowed}")
+        label = f"{name}[{row}]" if where is None else where
+        if isinstance(v, (bool, np.bool_, str, bytes)) or v is None:
+            raise ValueError(f"{label} = {v!r} is not a number; allowed range {allowed}")
         try:
             f = float(v)
         except (TypeError, ValueError):
             raise ValueError(
-                f"{name}[{row}] = {v!r} is not a number; allowed range {allowed}"
+                f"{label} = {v!r} is not a number; allowed range {allowed}"
             ) from None
         if integer and (not math.isfinite(f) or f != int(f)):
-            raise ValueError(f"{name}[{row}] = {v!r} is not an integer; allowed range {allowed}")
+            raise ValueError(f"{label} = {v!r} is not an integer; allowed range {allowed}")
         ok = not math.isnan(f)
         ok = ok and (f > lo if lo_open else f >= lo)
         ok = ok and (f < hi if hi_open else f <= hi)
         if not ok:
-            raise ValueError(f"{name}[{row}] = {v!r} is outside the allowed range {allowed}")
+            raise ValueError(f"{label} = {v!r} is outside the allowed range {allowed}")
+        if not integer and normal and f != 0 and abs(f) < _F32_TINY:
+            raise ValueError(
+                f"{label} = {v!r} is outside the allowed range {allowed}: as float32 it "
+                f"would be denormal or 0 (a nonzero value needs magnitude >= {_F32_TINY:.6g})"
+            )
         out.append(int(f) if integer else f)
     return np.asarray(out)
 
 
+def _fmt_bound(x: float, integer: bool) -> str:
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return str(int(x)) if integer else f"{x:g}"
+
+
+def is_token_id(x: Any) -> bool:
+    """An int (not a bool, not a float even when whole): nothing is coerced into an id."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim == 1)
+
+
 def _is_id_list(value: Any) -> bool:
     """True for a flat list of token ids (applies to every row)."""
-    return all(isinstance(x, (int, np.integer)) for x in value)
+    return _is_list(value) and all(is_token_id(x) for x in value)
+
+
+def _not_an_id(name: str, x: Any) -> ValueError:
+    return ValueError(f"{name} holds {x!r}, which is not a token id (an int)")
 
 
 def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
-    """None, one list of ids for all rows, or one list (or None) per row."""
+    """None, one id or one list of ids for all rows, or one list (or id, or None) per row."""
     if value is None:
         return [[] for _ in range(batch_size)]
-    if isinstance(value, (int, np.integer)):
+    if is_token_id(value):
         return [[int(value)] for _ in range(batch_size)]
+    if not _is_list(value):
+        raise ValueError(
+            f"{name} must be a list of token ids or one list (or None) per row, got {value!r}"
+        )
     value = list(value)
-    if _is_id_list(value):
+    if not any(x is None or _is_list(x) for x in value):  # one flat list for every row
+        for x in value:
+            if not is_token_id(x):
+                raise _not_an_id(name, x)
         return [[int(x) for x in value] for _ in range(batch_size)]
     if len(value) != batch_size:
         raise ValueError(f"{name} has {len(value)} per-row lists but batch_size is {batch_size}")
@@ -109,13 +162,17 @@ def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
     for row, ids in enumerate(value):
         if ids is None:
             rows.append([])
-        elif isinstance(ids, (int, np.integer)):
+        elif is_token_id(ids):
             rows.append([int(ids)])
-        else:
-            ids = list(ids)
-            if not _is_id_list(ids):
-                raise ValueError(f"{name}[{row}] must be a list of integer token ids, got {ids!r}")
+        elif _is_list(ids):
+            for x in ids:
+                if not is_token_id(x):
+                    raise _not_an_id(f"{name}[{row}]", x)
             rows.append([int(x) for x in ids])
+        else:
+            raise ValueError(
+                f"{name}[{row}] must be a list of token ids (or None), got {ids!r}"
+            )
     return rows
 
 
@@ -157,23 +214,54 @@ def _bias_rows(value: Any, batch_size: int) -> list[dict[int, float]]:
     return rows
 
 
+def check_text(name: str, text: str) -> None:
+    """Raise ValueError unless `text` can be encoded as UTF-8 (no lone surrogates: what
+    Python makes of bytes that are not UTF-8 in argv, or of a JSON "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = (
+            f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8,"
+            if 0xDC80 <= code <= 0xDCFF
+            else f"the lone surrogate U+{code:04X}, which is not a character,"
+        )
+        raise ValueError(
+            f"{name} is not valid text: it holds {what} at character {e.start}"
+        ) from None
+
+
 def _stop_strings(value: Any, batch_size: int) -> tuple[tuple[str, ...], ...]:
     if value is None:
         return tuple(() for _ in range(batch_size))
     if isinstance(value, str):
         value = [value]
+    if not _is_list(value):
+        raise ValueError(
+            f"stop must be a string, a list of strings or one list per row, got {value!r}"
+        )
     value = list(value)
-    if all(isinstance(s, str) for s in value):
+    if not any(r is None or _is_list(r) for r in value):  # one list for every row
+        for s in value:
+            if not isinstance(s, str):
+                raise ValueError(f"stop holds {s!r}; stop strings must be non-empty str")
         rows = [value] * batch_size
     else:
         if len(value) != batch_size:
             raise ValueError(f"stop has {len(value)} per-row lists but batch_size is {batch_size}")
-        rows = [[] if r is None else ([r] if isinstance(r, str) else list(r)) for r in value]
+        rows = []
+        for row, r in enumerate(value):
+            if r is not None and not isinstance(r, str) and not _is_list(r):
+                raise ValueError(
+                    f"stop[{row}] holds {r!r}; stop strings must be non-empty str"
+                )
+            rows.append([] if r is None else ([r] if isinstance(r, str) else list(r)))
     out = []
     for row, strings in enumerate(rows):
         for s in strings:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop[{row}] holds {s!r}; stop strings must be non-empty str")
+            check_text(f"stop[{row}] {s!r}", s)
         out.append(tuple(strings))
     return tuple(out)
 
@@ -183,17 +271,39 @@ def _stop_sequences(value: Any, batch_size: int, vocab_size: int | None) -> np.n
     if value is None:
         rows: list[list[list[int]]] = [[] for _ in range(batch_size)]
     else:
+        if not _is_list(value):
+            raise ValueError(
+                f"stop_sequences must be a list of token-id lists (or one such list per row), "
+                f"got {value!r}"
+            )
         value = list(value)
-        if all(isinstance(s, (list, tuple)) and _is_id_list(s) for s in value) and all(
-            len(s) > 0 for s in value
-        ):
-            rows = [[list(map(int, s)) for s in value] for _ in range(batch_size)]
+        if all(_is_list(s) and len(s) > 0 and not any(_is_list(t) for t in s) for s in value):
+            for seq in value:  # one list of sequences for every row
+                for t in seq:
+                    if not is_token_id(t):
+                        raise _not_an_id("stop_sequences", t)
+            rows = [[[int(t) for t in s] for s in value] for _ in range(batch_size)]
         else:
             if len(value) != batch_size:
                 raise ValueError(
                     f"stop_sequences has {len(value)} per-row lists but batch_size is {batch_size}"
                 )
-            rows = [[list(map(int, s)) for s in (r or [])] for r in value]
+            rows = []
+            for row, r in enumerate(value):
+                if r is not None and not _is_list(r):
+                    raise ValueError(
+                        f"stop_sequences[{row}] must be a list of token-id lists, got {r!r}"
+                    )
+                for seq in r if r is not None else []:
+                    if not _is_list(seq):
+                        raise ValueError(
+                            f"stop_sequences[{row}] holds {seq!r}; each stop sequence is a "
+                            "list of token ids"
+                        )
+                    for t in seq:
+                        if not is_token_id(t):
+                            raise _not_an_id(f"stop_sequences[{row}]", t)
+                rows.append([[int(t) for t in seq] for seq in (r if r is not None else [])])
     for row, seqs in enumerate(rows):
         for s in seqs:
             if len(s) == 0:
@@ -238,6 +348,10 @@ class SamplingParams:
     logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
+    # The vocabulary size every token id was checked against (create's `vocab_size`), or
+    # None. Static: `sample` checks it against the logits' V when it traces, without
+    # reading an id back from the device.
+    vocab_size: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def batch_size(self) -> int:
@@ -276,9 +390,10 @@ class SamplingParams:
         `{token_id: bias}` or one per row; `stop` one string, a list of strings, or one list
         per row; `stop_sequences` a list of token-id lists, or one such list per row.
 
-        `vocab_size`, when given, bounds every token id; `generate` checks them against the
-        model's vocabulary in any case. Raises `ValueError` naming the argument, the row
-        and the allowed range.
+        `vocab_size`, when given, bounds every token id, and `sample` checks it against the
+        logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);
+        `generate` checks the ids against the model's vocabulary in any case. Raises
+        `ValueError` naming the argument, the row and the allowed range.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -291,13 +406,18 @@ class SamplingParams:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         inf = math.inf
         temp = _check_range(
-            "temperature", _per_row("temperature", temperature, b), 0, inf, hi_open=True
+            "temperature",
+            _per_row("temperature", temperature, b),
+            0,
+            inf,
+            hi_open=True,
+            normal=False,
         )
         for row, t in enumerate(temp):
             if 0 < t < _MIN_TEMPERATURE:  # 1 / T would overflow float32
                 raise ValueError(
                     f"temperature[{row}] = {t} is outside the allowed range: 0 (greedy) or "
-                    f"[{_MIN_TEMPERATURE:.6g}, inf)"
+                    f"[{_MIN_TEMPERATURE:.6g}, {_F32_MAX:.6g}]"
                 )
         k = _check_range(
             "top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True
@@ -340,9 +460,10 @@ class SamplingParams:
         bias_vals = [[] for _ in range(b)]
         for row, d in enumerate(bias_rows):
             for tok, val in d.items():
-                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                if not is_token_id(tok):
                     raise ValueError(f"logit_bias[{row}] has key {tok!r}; keys must be token ids")
-                fval = _check_range(f"logit_bias[{row}][{tok}]", [val], -100, 100)[0]
+                where = f"logit_bias[{row}] token {tok}: bias"
+                fval = _check_range("logit_bias", [val], -100, 100, where=where)[0]
                 bias_ids[row].append(int(tok))
                 bias_vals[row].append(float(fval))
         _check_ids("logit_bias", bias_ids, vocab_size)
@@ -350,9 +471,19 @@ class SamplingParams:
         _check_ids("banned_token_ids", banned, vocab_size)
         if allowed_token_ids is None:
             allowed, has_allowed = [[] for _ in range(b)], [False] * b
+        elif is_token_id(allowed_token_ids):
+            allowed, has_allowed = [[int(allowed_token_ids)] for _ in range(b)], [True] * b
         else:
+            if not _is_list(allowed_token_ids):
+                raise ValueError(
+                    "allowed_token_ids must be a list of token ids or one list (or None) per "
+                    f"row, got {allowed_token_ids!r}"
+                )
             raw = list(allowed_token_ids)
-            if _is_id_list(raw):
+            if not any(r is None or _is_list(r) for r in raw):
+                for x in raw:
+                    if not is_token_id(x):
+                        raise _not_an_id("allowed_token_ids", x)
                 if not raw:
                     raise ValueError("allowed_token_ids is empty: pass None to allow every token")
                 allowed, has_allowed = [list(map(int, raw)) for _ in range(b)], [True] * b
@@ -375,6 +506,11 @@ class SamplingParams:
         _check_ids("stop_token_ids", stops, vocab_size)
         stop_strs = _stop_strings(stop, b)
         include = _per_row("include_stop_str_in_output", include_stop_str_in_output, b)
+        for row, v in enumerate(include):
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(
+                    f"include_stop_str_in_output[{row}] = {v!r} must be True or False"
+                )
 
         nb = bucket_width(max(len(r) for r in bias_ids))
         bias_val_arr = np.zeros((b, nb), np.float32)
@@ -401,6 +537,7 @@ class SamplingParams:
             logprobs=jnp.asarray(n_logprobs, jnp.int32),
             stop=stop_strs,
             include_stop_str_in_output=tuple(bool(x) for x in include),
+            vocab_size=None if vocab_size is None else int(vocab_size),
         )
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -418,7 +555,9 @@ class SamplingParams:
 
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
-        return dataclasses.replace(self, stop=(), include_stop_str_in_output=())
+        return dataclasses.replace(
+            self, stop=(), include_stop_str_in_output=(), vocab_size=None
+        )
 
     def take(self, rows: Any) -> SamplingParams:
         """Select (or repeat) rows: `params.take([0, 0, 1])`."""
@@ -430,4 +569,5 @@ class SamplingParams:
             include_stop_str_in_output=tuple(self.include_stop_str_in_output[i] for i in idx)
             if self.include_stop_str_in_output
             else (),
+            vocab_size=self.vocab_size,
         )

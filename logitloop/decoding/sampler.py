@@ -205,7 +205,40 @@ def sample(
     penalties (without it the penalties are not applied). On a mesh the decode loop runs
     this same step under `shard_map` (`sample_step` with `axes`).
     """
+    check_shapes("ll.sample", logits, params, positions, history)
     return sample_step(logits, params, positions, history, backend=backend)
+
+
+def check_shapes(
+    name: str, logits: jax.Array, params: SamplingParams, positions, history
+) -> None:
+    """One-line ValueErrors for inputs whose shapes do not fit together, at trace time (the
+    shapes and `params.vocab_size` are static: nothing is read back from the device)."""
+    shape = tuple(jnp.shape(logits))
+    if len(shape) != 2:
+        raise ValueError(f"{name}: logits must be [B, V] (2-D), got shape {shape}")
+    batch, vocab = shape
+    if vocab == 0:
+        raise ValueError(f"{name}: logits have V = 0 tokens (shape {shape})")
+    if params.batch_size != batch:
+        raise ValueError(
+            f"{name}: params has batch_size {params.batch_size} but logits have {batch} rows"
+        )
+    if params.vocab_size is not None and params.vocab_size > vocab:
+        raise ValueError(
+            f"{name}: params were checked against vocab_size = {params.vocab_size}, but the "
+            f"logits have V = {vocab}: token ids up to {params.vocab_size - 1} would lie "
+            "outside them"
+        )
+    pos_shape = tuple(jnp.shape(positions))
+    if pos_shape != (batch,):
+        raise ValueError(
+            f"{name}: positions must be [B] = ({batch},), one per row, got shape {pos_shape}"
+        )
+    if history is not None and history.tokens.shape[0] != batch:
+        raise ValueError(
+            f"{name}: history has {history.tokens.shape[0]} rows but logits have {batch}"
+        )
 
 
 def sample_step(
@@ -286,6 +319,7 @@ def sampling_distribution(
 
     Greedy rows are one-hot at their argmax; rows with a non-OK status are all zero.
     """
+    check_shapes("ll.sampling_distribution", logits, params, positions, history)
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history)

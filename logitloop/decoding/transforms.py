@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from logitloop.decoding.history import DistinctTokens
-from logitloop.ops.sampling.xla import inverse_temperature
+from logitloop.ops.sampling.xla import F32_MAX, inverse_temperature
 
 NEG_INF = float("-inf")
 
@@ -78,13 +78,16 @@ def repetition_penalty(logits: jax.Array, seen: DistinctTokens, penalty: jax.Arr
     """Penalise every distinct token of the prompt and the generated text once.
 
     Positive logits are divided by `penalty` ([B]), negative ones multiplied (the CTRL /
-    `transformers` rule). Touches only the row's distinct tokens (gather, then scatter).
+    `transformers` rule), saturating at +-F32_MAX. Touches only the row's distinct tokens
+    (gather, then scatter).
     """
     vocab = logits.shape[1]
     idx = jnp.where(seen.is_distinct, seen.ids, vocab)  # [B, C]
     vals = jnp.take_along_axis(logits, jnp.minimum(idx, vocab - 1), axis=1)
     p = penalty[:, None]
     new = jnp.where(vals > 0, vals / p, vals * p)
+    # An extreme penalty overflows a finite logit: saturate it (a masked -inf stays -inf).
+    new = jnp.where(jnp.isinf(vals), vals, jnp.clip(new, -F32_MAX, F32_MAX))
     return logits.at[_rows(logits), idx].set(new, mode="drop")
 
 

@@ -146,6 +146,7 @@ def config_from_hf(
     *,
     generation_config: Mapping[str, Any] | None = None,
     source: str = "config.json",
+    generation_source: str = "generation_config.json",
 ) -> ModelConfig:
     """Build a config from the parsed `config.json` of a Hugging Face checkpoint.
 
@@ -153,11 +154,12 @@ def config_from_hf(
       hf: the parsed `config.json`.
       generation_config: the parsed `generation_config.json`, if any; its
         `eos_token_id` / `bos_token_id` take precedence, as in `transformers.generate`.
-      source: the file name used in error messages.
+      source, generation_source: the file names used in error messages.
 
     Raises:
-      ValueError: naming `source` and the field, for an unsupported `model_type`, RoPE
-        type or activation, or a missing required field.
+      ValueError: naming the file and the field, for an unsupported `model_type`, RoPE
+        type or activation, a missing required field, a size that is not a positive
+        integer, or an EOS/BOS token id that is not an id inside the vocabulary.
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -165,6 +167,7 @@ def config_from_hf(
             f"{source}: unsupported model_type {model_type!r}; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    _check_hf_fields(hf, generation_config, source, generation_source)
 
     def need(key: str) -> Any:
         if key not in hf or hf[key] is None:
@@ -230,6 +233,58 @@ def config_from_hf(
         eos_token_id=eos_ids,
         bos_token_id=bos_id,
     )
+
+
+_SIZE_FIELDS = {
+    "gpt2": ("vocab_size", "n_embd", "n_inner", "n_layer", "n_head", "n_positions"),
+    "llama": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_hf_fields(
+    hf: Mapping[str, Any],
+    generation_config: Mapping[str, Any] | None,
+    source: str,
+    generation_source: str,
+) -> None:
+    """Sizes are positive integers and EOS/BOS ids are token ids inside the vocabulary, each
+    error naming the file and the field (before any of them is used)."""
+    sizes = _SIZE_FIELDS["gpt2" if hf.get("model_type") == "gpt2" else "llama"]
+    for key in sizes:
+        value = hf.get(key)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"{source}: {key} = {value!r} must be a positive integer")
+    vocab = hf.get("vocab_size")
+    for key in ("eos_token_id", "bos_token_id"):
+        where, value = source, hf.get(key)
+        if generation_config is not None and generation_config.get(key) is not None:
+            where, value = generation_source, generation_config[key]
+        if value is None:
+            continue
+        ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
+        what = "a token id or a list of token ids" if key == "eos_token_id" else "a token id"
+        for tok in ids:
+            if not _is_int(tok):
+                raise ValueError(f"{where}: {key} = {value!r} must be {what} (integers)")
+            if tok < 0 or (vocab is not None and tok >= vocab):
+                top = "" if vocab is None else f", {vocab - 1}]"
+                raise ValueError(
+                    f"{where}: {key} = {value!r} holds {tok}, outside the vocabulary range "
+                    f"[0{top or ', ...)'}"
+                )
 
 
 def _check_activation(act: str, source: str) -> None:

@@ -78,7 +78,12 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Mod
     hf_config = _read_json(config_path)
     generation_path = folder / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else None
-    config = config_from_hf(hf_config, generation_config=generation, source=str(config_path))
+    config = config_from_hf(
+        hf_config,
+        generation_config=generation,
+        source=str(config_path),
+        generation_source=str(generation_path),
+    )
 
     locations = _tensor_locations(folder)  # tensor name -> file holding it
     expected, ignored, rename = _checkpoint_layout(config)

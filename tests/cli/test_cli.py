@@ -275,6 +275,18 @@ BAD_INPUTS = {
         "long.txt line 2: the prompt has",
     ),
     "input-file": (lambda tmp: ["--input", str(tmp / "missing.txt")], "input file not found"),
+    "non-utf8-argument": (
+        lambda tmp: ["fine", "bad \udcff byte"],  # argv bytes b"bad \xff byte"
+        "prompt 1: the prompt is not valid text: it holds the byte 0xff",
+    ),
+    "surrogate-in-jsonl": (
+        lambda tmp: ["--input", _write(tmp / "s.jsonl", '{"prompt": "a\\ud800"}\n')],
+        "s.jsonl line 1: the prompt is not valid text: it holds the lone surrogate U+D800",
+    ),
+    "string-max-tokens": (
+        lambda tmp: ["--input", _write(tmp / "t.jsonl", '{"prompt": "a", "max_tokens": "8"}\n')],
+        "t.jsonl line 1: max_tokens = '8' is not a number",
+    ),
     "duplicate-id": (
         lambda tmp: [
             "--input",
@@ -299,3 +311,119 @@ def test_bad_input_is_one_line_and_status_2(case, model_args, tmp_path):
     assert expected in lines[0], lines[0]
     if case == "too-long":
         assert "context" in lines[0]
+
+
+# --------------------------------------------------------------------------- the output file
+
+OLD_RESULTS = "".join(json.dumps({"id": i, "text": f"old {i}"}) + "\n" for i in range(400))
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("logitloop: error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("link, flags", [(None, []), ("symlink", ["--overwrite"])])
+def test_output_that_is_the_input_is_refused(link, flags, model_args, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    text = "".join(json.dumps(line) + "\n" for line in LINES[:3])
+    prompts.write_text(text, encoding="utf-8")
+    output = prompts
+    if link:
+        output = tmp_path / "results.jsonl"
+        output.symlink_to(prompts)
+    proc = run_cli("generate", "--input", str(prompts), "--output", str(output), *flags,
+                   *model_args)
+    assert "is the input file" in _one_error_line(proc)
+    assert prompts.read_text(encoding="utf-8") == text
+
+
+def _broken_model(tmp: Path) -> list[str]:
+    folder = tmp / "broken-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return ["--model", str(folder)]
+
+
+@pytest.mark.parametrize("failure", ["bad-line-7", "broken-model"])
+def test_overwrite_that_fails_keeps_the_old_results(failure, model_args, tmp_path):
+    lines = [dict(line) for line in LINES[:10]]
+    flags = list(model_args)
+    if failure == "bad-line-7":
+        lines[6] = {"prompt_token_ids": [1, 10**6]}
+    else:
+        flags = _broken_model(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    out.write_text(OLD_RESULTS, encoding="utf-8")
+    proc = run_cli("generate", "--input", str(prompts), "--output", str(out), "--overwrite",
+                   *BASE_FLAGS, *flags)
+    line = _one_error_line(proc)
+    assert ("line 7" in line) if failure == "bad-line-7" else ("model" in line), line
+    assert out.read_text(encoding="utf-8") == OLD_RESULTS
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="finds the lock in /proc/locks")
+def test_second_run_on_one_output_fails_naming_the_first(jobs, model_args, tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("", encoding="utf-8")  # a restart: the output already exists
+    args = ["generate", "--input", str(jobs), "--output", str(out), *BASE_FLAGS, *model_args]
+    first = subprocess.Popen([sys.executable, "-m", "logitloop", *args], env=cli_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while f" {first.pid} " not in Path("/proc/locks").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, "no lock taken"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)  # holds the lock while the second run starts
+        line = _one_error_line(run_cli(*args))
+        assert str(out) in line and f"process {first.pid}" in line, line
+    finally:
+        first.kill()
+        first.wait()
+    assert out.read_text(encoding="utf-8").count("\n") < len(LINES)
+
+
+def test_resume_says_when_the_output_holds_duplicates(jobs, clean_run, model_args, tmp_path):
+    records, _ = clean_run
+    out = tmp_path / "out.jsonl"
+    lines = [json.dumps(r) + "\n" for r in records]
+    out.write_text("".join(lines[:5] + lines[3:4] + lines[5:]), encoding="utf-8")
+    proc = run_cli("generate", "--input", str(jobs), "--output", str(out), *BASE_FLAGS,
+                   *model_args)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 duplicate result line" in proc.stderr and "lines 4 and 6" in proc.stderr
+    assert "nothing to do" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def four_greedy_lines(jobs) -> tuple[Path, list[int]]:
+    rows = [0, 8, 10, 18]
+    path = jobs.parent / "four.jsonl"
+    path.write_text("".join(json.dumps({"id": IDS[i], **LINES[i]}) + "\n" for i in rows))
+    return path, rows
+
+
+@pytest.mark.parametrize("output", ["-", "/dev/stdout"])
+def test_output_to_stdout(output, four_greedy_lines, clean_run, model_args):
+    path, rows = four_greedy_lines
+    records, _ = clean_run
+    proc = run_cli("generate", "--input", str(path), "--output", output, *BASE_FLAGS,
+                   *model_args)  # stdout is a pipe here
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line) for line in proc.stdout.splitlines()] == [records[i] for i in rows]
+    assert not Path("-").exists()
+
+
+def test_full_disk_is_one_error_line(four_greedy_lines, model_args):
+    path, _ = four_greedy_lines
+    proc = run_cli("generate", "--input", str(path), "--output", "/dev/full", *BASE_FLAGS,
+                   *model_args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("logitloop:")]
+    assert lines == ["logitloop: error: cannot write /dev/full: No space left on device"], lines

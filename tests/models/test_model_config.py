@@ -77,3 +77,47 @@ def test_configs_are_hashable():
 def test_unsupported_configs_name_the_file(change, message):
     with pytest.raises(ValueError, match=f"ckpt/config.json.*{message}"):
         config_from_hf(dict(LLAMA, **change), source="ckpt/config.json")
+
+
+# Model folders with bad fields: (config.json changes, generation_config.json or None, the
+# file the message must name, the text it must hold). Loaded with load_pretrained from a
+# folder that holds only the two files: the check comes before any weight is read.
+BAD_FOLDERS = [
+    ({}, {"eos_token_id": [[0]]}, "generation_config.json", "eos_token_id = [[0]] must be"),
+    ({}, {"eos_token_id": "x"}, "generation_config.json", "eos_token_id = 'x' must be"),
+    ({}, {"eos_token_id": 0.7}, "generation_config.json", "eos_token_id = 0.7 must be"),
+    ({}, {"eos_token_id": -1}, "generation_config.json", "holds -1, outside the vocabulary"),
+    ({}, {"eos_token_id": 99999}, "generation_config.json", "holds 99999, outside the "
+                                                             "vocabulary range [0, 31]"),
+    ({}, {"eos_token_id": [2, True]}, "generation_config.json", "eos_token_id = [2, True]"),
+    ({}, {"bos_token_id": [1]}, "generation_config.json", "bos_token_id = [1] must be"),
+    ({"eos_token_id": 40}, None, "config.json", "eos_token_id = 40 holds 40"),
+    ({"vocab_size": -5}, None, "config.json", "vocab_size = -5 must be a positive integer"),
+    ({"vocab_size": "big"}, None, "config.json", "vocab_size = 'big' must be a positive"),
+    ({"max_position_embeddings": 0}, None, "config.json",
+     "max_position_embeddings = 0 must be a positive integer"),
+    ({"num_hidden_layers": 2.5}, None, "config.json", "num_hidden_layers = 2.5"),
+    ({"num_attention_heads": True}, None, "config.json", "num_attention_heads = True"),
+]
+
+
+@pytest.mark.parametrize("change, generation, file, message", BAD_FOLDERS,
+                         ids=[f"folder-{i}" for i in range(len(BAD_FOLDERS))])
+def test_bad_fields_in_a_model_folder_name_the_file_and_field(change, generation, file, message,
+                                                              tmp_path):
+    import json
+
+    from logitloop.models import load_pretrained
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA, **change)))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(ValueError) as err:
+        load_pretrained(tmp_path)
+    text = str(err.value)
+    assert text.startswith(str(tmp_path / file) + ": ") and message in text, text
+
+
+def test_generation_config_overrides_a_bad_config_id():
+    config = config_from_hf(dict(LLAMA, eos_token_id=[3]), generation_config={"eos_token_id": 5})
+    assert config.eos_token_id == (5,)

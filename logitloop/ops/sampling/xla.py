@@ -38,6 +38,7 @@ from logitloop.ops.sampling import noise
 
 NUM_CANDIDATES = 256
 NEG_INF = float("-inf")
+F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +166,17 @@ def scale_logits(logits: jax.Array, temperature: jax.Array | None) -> jax.Array:
     logit gets the same bits. Scaling by 1 / T > 0 never reorders values, so the C largest
     scaled logits are the C largest logits, scaled: the sampler finds candidates on the
     unscaled logits and scales only what it reads.
+
+    A finite logit whose product overflows float32 (a temperature near 1.2e-38, a logit
+    pushed up by an extreme repetition penalty) saturates at +-F32_MAX instead of becoming
+    +-inf, so the row keeps a finite maximum and never turns into NaN; tokens saturated
+    together tie. Infinite logits (masked tokens) stay infinite.
     """
-    if temperature is not None:
-        logits = logits * inverse_temperature(temperature)[:, None]
-    return jnp.where(jnp.isnan(logits), NEG_INF, logits)
+    if temperature is None:
+        return jnp.where(jnp.isnan(logits), NEG_INF, logits)
+    x = logits * inverse_temperature(temperature)[:, None]
+    x = jnp.where(jnp.isinf(logits), logits, jnp.clip(x, -F32_MAX, F32_MAX))
+    return jnp.where(jnp.isnan(x), NEG_INF, x)
 
 
 def interval_threshold(

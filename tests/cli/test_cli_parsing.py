@@ -1,0 +1,113 @@
+"""The command line's argument parsing, in process (no model, no compile): what each flag
+value becomes, and the one-line error for a bad one."""
+
+from __future__ import annotations
+
+import pytest
+
+from logitloop import cli
+
+# --stop: (the argument as the shell passes it, the stop string it must become)
+STOP_ESCAPES = [
+    (r"\n\n", "\n\n"),
+    (r"\t", "\t"),
+    (r"a\r\nb", "a\r\nb"),
+    (r"back\\slash", "back\\slash"),
+    (r"\\n", "\\n"),
+    (r"quote\"s\'", "quote\"s'"),
+    (r"\x41\u00e9\U0001F600", "A\u00e9\U0001F600"),
+    (r"\0", "\0"),
+    ("plain text", "plain text"),
+    ("caf\u00e9 \u2014 ok", "caf\u00e9 \u2014 ok"),
+]
+
+# --stop: (the argument, a substring of the one-line error)
+STOP_BAD = [
+    (r"\q", r"unknown escape \q"),
+    ("end\\", "unknown escape \\;"),
+    (r"\x4", r"unknown escape \x"),
+    (r"\ud800", r"\ud800 is not a Unicode character"),
+    (r"\U00110000", r"\U00110000 is not a Unicode character"),
+]
+
+
+def _generate_args(*argv: str):
+    return cli.build_parser().parse_args(["generate", "hello", *argv])
+
+
+@pytest.mark.parametrize("given, expected", STOP_ESCAPES, ids=[g for g, _ in STOP_ESCAPES])
+def test_stop_flag_reads_backslash_escapes(given, expected):
+    assert _generate_args("--stop", given).stop == [expected]
+
+
+@pytest.mark.parametrize("given, message", STOP_BAD, ids=[g for g, _ in STOP_BAD])
+def test_stop_flag_rejects_unknown_escapes(given, message):
+    with pytest.raises(cli.CLIError) as err:
+        _generate_args("--stop", given)
+    assert "--stop" in str(err.value) and message in str(err.value), str(err.value)
+
+
+def test_stop_flag_help_names_the_escapes():
+    text = cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "--stop '\\n\\n'" in text, text
+
+
+# Messages, in process: (arguments, files to write first, the exact error line). Every case
+# fails before the model is loaded, except the last, which loads a model without a tokenizer.
+MESSAGES = [
+    (["--logit-bias", "5=200"], {},
+     "logit_bias token 5: bias = 200.0 is outside the allowed range [-100, 100]"),
+    (["--seed", "4294967296"], {},
+     "seed = 4294967296 is outside the allowed range [0, 4294967295]"),
+    (["--max-tokens", "2147483648"], {},
+     "max_tokens = 2147483648 is outside the allowed range [1, 2147483647]"),
+    (["--input", "{tmp}/b.jsonl"],
+     {"b.jsonl": '{"prompt": "a"}\n{"prompt": "b", "logit_bias": {"7": 500}}\n'},
+     "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "
+     "[-100, 100]"),
+    (["--input", "{tmp}/s.jsonl", "--model", "{tmp}/no-tokenizer"],
+     {"s.jsonl": '{"prompt_token_ids": [1, 2], "stop": ["x"]}\n'},
+     "{tmp}/s.jsonl line 1: stop strings need a model that carries a tokenizer"),
+]
+
+
+def _no_tokenizer_model(folder):
+    import shutil
+    from pathlib import Path
+
+    import logitloop
+
+    shipped = Path(logitloop.__file__).parent / "models" / "tiny"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(shipped / name, folder / name)
+
+
+@pytest.mark.parametrize("argv, files, expected", MESSAGES,
+                         ids=[f"message-{i}" for i in range(len(MESSAGES))])
+def test_error_messages_read_right(argv, files, expected, tmp_path, capsys):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    if "{tmp}/no-tokenizer" in argv:
+        _no_tokenizer_model(tmp_path / "no-tokenizer")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    status = cli.main(["generate", *([] if "--input" in argv else ["a"]), *argv, "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err == ["logitloop: error: " + expected.replace("{tmp}", str(tmp_path))]
+
+
+def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffHello\nWorld\n".encode())
+    items = cli._read_items(str(path), {}, [])
+    assert [it.prompt for it in items] == ["Hello", "World"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_bytes('\ufeff{"prompt": "Hi"}\n'.encode())
+    assert [it.prompt for it in cli._read_items(str(jsonl), {}, [])] == ["Hi"]
+
+
+@pytest.mark.parametrize("command", ["generate", "explain"])
+def test_help_lines_are_wrapped(command):
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    long = [line for line in parser.format_help().splitlines() if len(line) > 100]
+    assert long == [], long
