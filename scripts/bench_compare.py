@@ -27,6 +27,7 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 sys.path.insert(0, "scripts")
 from bench_generate import config
+from bench_sampler import knobs
 from timing import median_time
 import logitloop as ll
 from logitloop.models import LlamaModel
@@ -39,29 +40,16 @@ for vocab in (32000, 128256):
         logits = jnp.asarray(rng.normal(size=(batch, vocab)).astype(np.float32) * 4)
         hist = ll.History.create(rng.integers(0, vocab, (batch, 64)).tolist(), vocab, 256)
         pos = jnp.zeros(batch, jnp.int32)
-        r = np.random.default_rng(7)
-        settings = {
-            "greedy": dict(temperature=0.0),
-            "top_p": dict(temperature=0.8, top_p=0.9),
-            "wide": dict(temperature=1.5, top_p=0.99),
-            "all": dict(
-                temperature=r.uniform(0.5, 1.2, batch).tolist(),
-                top_k=r.integers(20, 100, batch).tolist(),
-                top_p=r.uniform(0.8, 0.97, batch).tolist(),
-                min_p=r.uniform(0.01, 0.1, batch).tolist(),
-                repetition_penalty=r.uniform(1.0, 1.3, batch).tolist(),
-                presence_penalty=r.uniform(0.0, 0.5, batch).tolist(),
-            ),
-        }
-        for name, knobs in settings.items():
-            p = ll.SamplingParams.create(batch_size=batch, seed=list(range(batch)), **knobs)
+        for name in ("greedy", "top_p", "all", "wide"):
+            seeds = list(range(batch))
+            p = ll.SamplingParams.create(batch_size=batch, seed=seeds, **knobs(name, batch))
             fn = lambda p=p: ll.sample(logits, p, pos, hist).tokens
             out[f"sample {batch}x{vocab} {name}"] = median_time(fn, repeats, warmup=1)
 model = LlamaModel(config("llama-40m"), rngs=nnx.Rngs(0))
 for batch in (1, 8):
     prompts = rng.integers(0, 32000, (batch, 64)).tolist()
-    for name, knobs in (("greedy", dict(temperature=0.0)), ("top_p", dict(top_p=0.9))):
-        p = ll.SamplingParams.create(batch_size=batch, max_tokens=128, seed=0, **knobs)
+    for name, extra in (("greedy", dict(temperature=0.0)), ("top_p", dict(top_p=0.9))):
+        p = ll.SamplingParams.create(batch_size=batch, max_tokens=128, seed=0, **extra)
         fn = lambda p=p, prompts=prompts: ll.generate(model, prompts, p, ignore_eos=True).token_ids
         out[f"generate b{batch} {name}"] = median_time(fn, max(1, repeats // 2), warmup=1)
 print("RESULT:" + json.dumps(out))
