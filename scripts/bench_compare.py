@@ -1,0 +1,98 @@
+"""Two source trees side by side: the sampler and the decode loop, alternating, one machine.
+
+    python scripts/bench_compare.py --base ../old-checkout --new . --rounds 3
+
+Each round runs one measuring process per tree, base first, then new (each with
+PYTHONPATH set to its tree), so both see the same machine load in turn. A process times
+`ll.sample` (batch 8 and 64 at V 32000 and 128256; greedy, top-p 0.9, every knob per row,
+and a wide top-p 0.99) and `ll.generate` on the llama-40m configuration (prompt 64, 128 new
+tokens; batch 1 and 8; greedy and top-p 0.9): each the median of `--repeats` calls after a
+warm-up call. The table gives, per measurement, the median over rounds for each tree and
+new / base (below 1: the new tree is faster). Used to check that a refactor costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+MEASURE = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+sys.path.insert(0, "scripts")
+from bench_generate import config
+from bench_sampler import knobs
+from timing import median_time
+import logitloop as ll
+from logitloop.models import LlamaModel
+
+repeats = int(sys.argv[1])
+out = {}
+rng = np.random.default_rng(0)
+for vocab in (32000, 128256):
+    for batch in (8, 64):
+        logits = jnp.asarray(rng.normal(size=(batch, vocab)).astype(np.float32) * 4)
+        hist = ll.History.create(rng.integers(0, vocab, (batch, 64)).tolist(), vocab, 256)
+        pos = jnp.zeros(batch, jnp.int32)
+        for name in ("greedy", "top_p", "all", "wide"):
+            seeds = list(range(batch))
+            p = ll.SamplingParams.create(batch_size=batch, seed=seeds, **knobs(name, batch))
+            fn = lambda p=p: ll.sample(logits, p, pos, hist).tokens
+            out[f"sample {batch}x{vocab} {name}"] = median_time(fn, repeats, warmup=1)
+model = LlamaModel(config("llama-40m"), rngs=nnx.Rngs(0))
+for batch in (1, 8):
+    prompts = rng.integers(0, 32000, (batch, 64)).tolist()
+    for name, extra in (("greedy", dict(temperature=0.0)), ("top_p", dict(top_p=0.9))):
+        p = ll.SamplingParams.create(batch_size=batch, max_tokens=128, seed=0, **extra)
+        fn = lambda p=p, prompts=prompts: ll.generate(model, prompts, p, ignore_eos=True).token_ids
+        out[f"generate b{batch} {name}"] = median_time(fn, max(1, repeats // 2), warmup=1)
+print("RESULT:" + json.dumps(out))
+"""
+
+
+def measure(tree: Path, repeats: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(repeats)],
+        cwd=tree, env=env, capture_output=True, text=True, check=False,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT:"):
+            return json.loads(line[len("RESULT:"):])
+    raise SystemExit(f"{tree}: no result\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", type=Path, required=True, help="the old tree (a checkout)")
+    ap.add_argument("--new", type=Path, default=Path("."))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
+    for i in range(args.rounds):
+        for side in ("base", "new"):
+            runs[side].append(measure(getattr(args, side).resolve(), args.repeats))
+            print(f"round {i + 1} {side} done", file=sys.stderr, flush=True)
+    rows = []
+    print(f"{'measurement':<34} {'base ms':>9} {'new ms':>9} {'new/base':>9}")
+    for key in runs["base"][0]:
+        b = statistics.median(r[key] for r in runs["base"])
+        n = statistics.median(r[key] for r in runs["new"])
+        rows.append(dict(measurement=key, base=b, new=n, ratio=n / b))
+        print(f"{key:<34} {1e3 * b:>9.2f} {1e3 * n:>9.2f} {n / b:>9.3f}")
+    ratios = [r["ratio"] for r in rows]
+    print(f"median new/base {statistics.median(ratios):.3f}, worst {max(ratios):.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(runs=runs, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
