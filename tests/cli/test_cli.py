@@ -248,6 +248,31 @@ def test_stream_prints_the_same_text(plain_run, clean_run, model_args):
     assert proc.stdout == records[0]["text"] + "\n"
 
 
+# `--stream --stop` prints what the plain run prints. The first setting is the issue's: the
+# spaces inside the first three tokens do not count under --min-tokens 4.
+STREAM_STOP_CASES = {
+    "min-tokens": (["--stop", " ", "--min-tokens", "4"], " allows feature to"),
+    "sampled": (
+        ["--stop", "e", "--stop", ", ", "--min-tokens", "2", "--include-stop-str-in-output",
+         "--temperature", "1.3", "--seed", "5"],
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAM_STOP_CASES))
+def test_stream_with_stop_prints_the_plain_text(case, model_args):
+    flags, want = STREAM_STOP_CASES[case]
+    args = ["generate", "The for statement", "--max-tokens", "24", *flags, *model_args]
+    plain = run_cli(*args)
+    assert plain.returncode == 0, plain.stderr
+    streamed = run_cli(*args, "--stream")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == plain.stdout
+    if want is not None and not model_args:
+        assert plain.stdout == want + "\n"
+
+
 def _write(path: Path, text: str) -> str:
     path.write_text(text, encoding="utf-8")
     return str(path)
