@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-import logitloop
-
 TIMEOUT_S = 300
 A, B = 100, 200  # two ordinary token ids for the forced-stop lines
 BASE_FLAGS = ["--max-tokens", "10", "--top-p", "0.95", "--batch-size", "4"]
@@ -239,7 +237,6 @@ def test_prompts_print_one_block_each(plain_run, clean_run):
     assert proc.stdout == "\n".join(f"==> {k} <==\n{t}\n" for k, t in enumerate(texts))
 
 
-@pytest.mark.skipif(not hasattr(logitloop, "stream"), reason="logitloop.stream does not exist yet")
 def test_stream_prints_the_same_text(plain_run, clean_run, model_args):
     _, prompts, flags = plain_run
     records, _ = clean_run
