@@ -258,17 +258,34 @@ def _text_ids(ids: list[int], finish: int) -> list[int]:
 
 
 def row_text(
-    tokenizer, ids: list[int], finish: int, stops: Sequence[str], include_stop: bool
+    tokenizer,
+    ids: list[int],
+    finish: int,
+    stops: Sequence[str],
+    include_stop: bool,
+    min_tokens: int = 0,
 ) -> tuple[str, str | None]:
-    """Final text of a row and the stop string it was cut at (None if none)."""
+    """Final text of a row and the stop string it was cut at (None if none).
+
+    Only a row that a stop string ended is cut, at the occurrence that ended it: the loop
+    counts an occurrence once the row has `min_tokens` tokens, so it must end in the bytes
+    of token `min_tokens - 1` or later. With stop=[" "], min_tokens=4 and the tokens
+    " allows", " feature", " to", " format", the spaces inside the first three tokens do
+    not count: the text is " allows feature to", cut before the space of " format".
+    """
     text = stop_strings.detokenize(tokenizer, _text_ids(ids, finish))
-    return stop_strings.trim(text, stops, include_stop) if stops else (text, None)
+    if finish != FINISH_STOP_STRING or not stops:
+        return text, None
+    head = stop_strings.Detokenizer(tokenizer)
+    head.feed(ids[: max(min_tokens - 1, 0)])  # complete characters only: no finish()
+    return stop_strings.trim(text, stops, include_stop, after=len(head.text))
 
 
-def _row_stops(params: SamplingParams, row: int) -> tuple[tuple[str, ...], bool]:
+def _row_stops(params: SamplingParams, row: int) -> tuple[tuple[str, ...], bool, int]:
+    """The row's stop strings, include_stop_str_in_output and min_tokens."""
     stops = params.stop[row] if params.stop else ()
     include = params.include_stop_str_in_output[row] if params.include_stop_str_in_output else False
-    return stops, include
+    return stops, include, int(np.asarray(params.min_tokens)[row])
 
 
 def _stop_reason(code: int, matched: int, seqs: np.ndarray) -> Any:
@@ -322,8 +339,8 @@ def collect(
         reason = _FINISH_REASON.get(code, "length")
         stop = _stop_reason(code, int(matched[r]), seqs[r])
         if result.text is not None:
-            stops, include = _row_stops(params, r)
-            text, hit = row_text(info.tokenizer, row_ids, code, stops, include)
+            stops, include, min_tokens = _row_stops(params, r)
+            text, hit = row_text(info.tokenizer, row_ids, code, stops, include, min_tokens)
             if hit is not None:
                 reason, stop = "stop", hit
             result.text.append(text)
@@ -368,8 +385,9 @@ def generate(
     matched; `stop_reason` says which), "length" (max_tokens) or "error" (its logits held
     NaN/inf or every token was masked). `token_ids` holds every generated token including a
     matched stop token; `text` (when the model has a tokenizer) is the UTF-8 text of those
-    tokens without a matched stop token id, cut before the first stop string unless
-    `include_stop_str_in_output`.
+    tokens without a matched stop token id; a row that a stop string ended is cut before
+    the occurrence that ended it (kept with `include_stop_str_in_output`). An occurrence
+    ending within the first `min_tokens - 1` tokens does not count, and is kept.
 
     Prefill and decode are two jit-compiled calls; prompt length and buffer length are
     bucketed to powers of two, so a new prompt length or max_tokens rarely compiles.
@@ -447,13 +465,15 @@ def stream(
             k, code = int(num[r]), int(finish[r])
             new = tokens[r, seen[r] : k].tolist()
             seen[r] = k
-            stops_r, include = _row_stops(params, r)
+            stops_r, include, min_r = _row_stops(params, r)
             if code != RUNNING:
                 reason = _FINISH_REASON.get(code, "length")
                 stop = _stop_reason(code, int(matched[r]), seqs[r])
                 text = ""
                 if tok is not None:
-                    final, hit = row_text(tok, tokens[r, :k].tolist(), code, stops_r, include)
+                    final, hit = row_text(
+                        tok, tokens[r, :k].tolist(), code, stops_r, include, min_r
+                    )
                     if hit is not None:
                         reason, stop = "stop", hit
                     text = final[len(emitted[r]) :]

@@ -10,9 +10,10 @@ every position where an occurrence would end inside the new bytes. `W = Ls - 1 +
 new bytes. Bytes before the first generated token are a sentinel (256) that matches
 nothing, so a stop string inside the prompt does not count.
 
-Text is the UTF-8 decoding of the generated tokens' bytes (`Detokenizer`); the host finds the
-earliest occurrence of any of the row's stop strings in it and cuts there
-(`include_stop_str_in_output` keeps the stop string).
+Text is the UTF-8 decoding of the generated tokens' bytes (`Detokenizer`). When a stop string
+ended the row, the host cuts at the occurrence that ended it: the earliest occurrence of any of
+the row's stop strings that ends after the text of its first `min_tokens - 1` tokens (the loop
+does not count occurrences that end before; `include_stop_str_in_output` keeps the stop string).
 """
 
 from __future__ import annotations
@@ -127,19 +128,25 @@ def advance(
 # ----------------------------------------------------------------------------- host side
 
 
-def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """(start index, stop string) of the earliest occurrence in `text`; ties: the longer."""
+def first_stop(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, str] | None:
+    """(start index, stop string) of the earliest occurrence in `text` that ends after
+    character `after` (exclusive end index > after); ties: the longer."""
     best = None
     for s in stops:
-        i = text.find(s)
+        i = text.find(s, max(0, after - len(s) + 1))
         if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
             best = (i, s)
     return best
 
 
-def trim(text: str, stops: Sequence[str], include: bool) -> tuple[str, str | None]:
-    """Cut `text` at its earliest stop string; returns (text, the stop string or None)."""
-    hit = first_stop(text, stops)
+def trim(
+    text: str, stops: Sequence[str], include: bool, after: int = 0
+) -> tuple[str, str | None]:
+    """Cut `text` at its earliest stop string ending after character `after`.
+
+    Returns (text, the stop string or None).
+    """
+    hit = first_stop(text, stops, after)
     if hit is None:
         return text, None
     start, s = hit

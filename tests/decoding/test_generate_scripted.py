@@ -157,17 +157,43 @@ def test_n_samples_per_prompt_have_their_own_seeds(table):
     assert res.token_ids[0] == single.token_ids[0]  # child 0 keeps the row's seed
 
 
-def test_logprobs_are_returned(table):
+def test_logprobs_match_the_closed_form(table):
+    # The scripted logits are 10 at the scripted token and 0 at the V - 1 others, so every
+    # log-probability has a closed form (float64 here). Row 0 samples at temperature 2 with
+    # no truncation (the final distribution puts 5 against 0); row 1 at temperature 1 with
+    # min_p = 0.1, which keeps the scripted token alone (final log-probability 0).
     model = make_model(table)
-    params = ll.SamplingParams.create(batch_size=1, temperature=1.0, max_tokens=4, logprobs=3)
-    res = ll.generate(model, [[1]], params)
-    assert len(res.logprobs[0]) == 4 and len(res.top_logprobs[0]) == 4
-    for tok, raw, top in zip(
-        res.token_ids[0], res.raw_logprobs[0], res.top_logprobs[0], strict=True
-    ):
-        assert len(top) == 3
-        if tok in top:
-            assert top[tok] == pytest.approx(raw, abs=1e-6)
+    params = ll.SamplingParams.create(
+        batch_size=2, temperature=[2.0, 1.0], min_p=[0.0, 0.1], max_tokens=8, logprobs=[3, 5],
+        seed=[1, 2],
+    )
+    res = ll.generate(model, [[1], [2]], params)
+    top_raw = 10 - np.log(np.exp(10.0) + (V - 1))  # raw log-softmax of the scripted token
+    other_raw = -np.log(np.exp(10.0) + (V - 1))
+    hits = []
+    for r, (prompt, n) in enumerate([(1, 3), (2, 5)]):
+        assert res.num_tokens[r] == 8
+        prev = prompt
+        for i, tok in enumerate(res.token_ids[r]):
+            scripted = int(table[prev, i])  # prompt of one token: position i feeds index i
+            hit = tok == scripted
+            hits.append((r, hit))
+            want_raw = top_raw if hit else other_raw
+            if r == 0:
+                want = (5.0 if hit else 0.0) - np.log(np.exp(5.0) + (V - 1))
+            else:
+                assert hit  # min_p keeps nothing else
+                want = 0.0
+            assert res.raw_logprobs[r][i] == pytest.approx(want_raw, rel=1e-6, abs=1e-6)
+            assert res.logprobs[r][i] == pytest.approx(want, rel=1e-6, abs=1e-6)
+            top = res.top_logprobs[r][i]
+            assert len(top) == n
+            assert top[scripted] == pytest.approx(top_raw, rel=1e-6, abs=1e-6)
+            assert list(top)[0] == scripted  # the most likely first
+            others = [v for t, v in top.items() if t != scripted]
+            np.testing.assert_allclose(others, other_raw, rtol=1e-6, atol=1e-6)
+            prev = tok
+    assert {(0, True), (0, False)} <= set(hits)  # row 0's seed exercises both closed forms
 
 
 @pytest.mark.parametrize(

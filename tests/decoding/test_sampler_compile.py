@@ -7,7 +7,7 @@ import numpy as np
 
 import logitloop as ll
 
-B, V = 4, 300
+B, V = 4, 307  # a shape of this test's own, so that its first call does compile
 
 
 def _call(rng, history, **knobs):
@@ -17,13 +17,21 @@ def _call(rng, history, **knobs):
     return ll.sample(logits, params, positions, history)
 
 
+def _ids(rng, n):
+    return rng.choice(V, n, replace=False).tolist()
+
+
 def test_new_values_compile_nothing(compile_counter):
     rng = np.random.default_rng(0)
     hist = ll.History.create([[1, 2], [3], [4, 5, 6], [7]], vocab_size=V, capacity=8)
-    base = dict(logprobs=2, logit_bias={5: 1.0}, banned_token_ids=[9], stop_token_ids=[1])
-    _call(rng, hist, **base)
+    # logprobs 0 first: asking for top logprobs later compiles nothing in `sample` (only the
+    # decode loop gains buffers for them, `test_generate_compile.py`).
+    base = dict(logprobs=0, logit_bias={5: 1.0}, banned_token_ids=[9], stop_token_ids=[1])
     with compile_counter as c:
-        for trial in range(5):
+        _call(rng, hist, **base)
+    assert c.count > 0  # the counter sees this shape's compile
+    with compile_counter as c:
+        for trial in range(5):  # 0..4
             _call(
                 rng,
                 hist,
@@ -38,9 +46,10 @@ def test_new_values_compile_nothing(compile_counter):
                 min_tokens=rng.integers(0, 5, B).tolist(),
                 max_tokens=10,
                 logprobs=rng.integers(0, 21, B).tolist(),
-                logit_bias={int(rng.integers(V)): float(rng.uniform(-5, 5))},
-                banned_token_ids=[int(rng.integers(V))],
-                allowed_token_ids=None if trial % 2 else [[1, 2], None, [3], None],
-                stop_token_ids=[int(rng.integers(V))],
+                # Lists of 0 to 4 entries: all inside the smallest bucket (MIN_LIST_WIDTH).
+                logit_bias={int(t): float(rng.uniform(-5, 5)) for t in _ids(rng, trial)},
+                banned_token_ids=_ids(rng, 4 - trial),
+                allowed_token_ids=None if trial % 2 else [_ids(rng, 4), None, [3], None],
+                stop_token_ids=_ids(rng, trial),
             )
     assert c.count == 0

@@ -155,3 +155,57 @@ def test_temperature_zero_is_top_k_one_bit_for_bit(x, batch, hot):
     b, pb = run(x, top1_rows)
     assert_outputs_equal(a, b)
     np.testing.assert_array_equal(pa, pb)
+
+
+@st.composite
+def wide_logits(draw):
+    """[B, V] float32 spanning 0 to -40 below the top: the float32 running mass of the
+    largest tokens reaches 1 before the tail, where a cumulative top-p would cut. Scaled by
+    1 / T <= 2, every weight exp(x - max) stays a normal float32 (XLA flushes subnormals)."""
+    ints = draw(hnp.arrays(np.int32, (B, V), elements=st.integers(-640, 0)))
+    x = ints.astype(np.float32) / 16
+    x[:, 0] = 0.0
+    mask = draw(hnp.arrays(np.bool_, (B, V), elements=st.booleans()))
+    mask[:, 0] = False
+    x[mask & (ints % 7 == 0)] = -np.inf
+    return x
+
+
+@SETTINGS
+@given(
+    x=wide_logits(),
+    top_k=st.lists(st.sampled_from([0, 2, 5, 17, V - 1, V, -1]), min_size=B, max_size=B),
+    temperature=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=B, max_size=B),
+    seeds=st.lists(st.integers(0, 2**32 - 1), min_size=B, max_size=B),
+)
+def test_top_p_one_and_min_p_zero_are_exact_identities(x, top_k, temperature, seeds):
+    # With top_p = 1 and min_p = 0, the distribution and the draw are bit for bit those of
+    # top-k alone: the library's final softmax and race run on thresholds made here, with the
+    # top-k threshold read off a NumPy sort and top-p and min-p off (-inf).
+    from logitloop.decoding.sampler import kept_distribution
+    from logitloop.ops.sampling.noise import row_keys
+    from logitloop.ops.sampling.xla import Thresholds, candidates, draw
+
+    batch = [Row(top_k=k, temperature=t, top_p=1.0, min_p=0.0, seed=s)
+             for k, t, s in zip(top_k, temperature, seeds, strict=True)]
+    out, probs = run(x, batch)
+    params, positions, _ = batch_inputs(batch, V)
+    # Powers of two: the product with 1 / T is exact, so these are the sampler's scaled bits.
+    scaled = x * (np.float32(1) / np.asarray(temperature, np.float32))[:, None]
+    desc = -np.sort(-scaled, axis=1)
+    t_k = np.asarray([desc[r, k - 1] if 0 < k < V else -np.inf for r, k in enumerate(top_k)],
+                     np.float32)
+    off = jnp.full((B,), -jnp.inf, jnp.float32)
+    thr = Thresholds(row_max=jnp.asarray(desc[:, 0]), top_k=jnp.asarray(t_k), top_p=off,
+                     min_p=off)
+    greedy = jnp.zeros((B,), bool)
+    want_probs = kept_distribution(jnp.asarray(scaled), thr, greedy)
+    np.testing.assert_array_equal(probs, np.asarray(want_probs))
+    cand_x, cand_i = candidates(jnp.asarray(scaled), V)
+    want = draw(jnp.asarray(scaled), thr, cand_x, cand_i, greedy,
+                row_keys(params.seed, positions))
+    np.testing.assert_array_equal(out.tokens, np.asarray(want.tokens))
+    np.testing.assert_array_equal(out.logprobs, np.asarray(want.logprobs))
+    # Every finite top-k survivor is kept, the far tail included.
+    survivors = np.isfinite(scaled) & (scaled >= t_k[:, None])
+    np.testing.assert_array_equal(probs > 0, survivors)

@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import logitloop as ll
-from logitloop.decoding import stop_strings
 
 from .scripted import make_model
 
@@ -173,10 +172,15 @@ def test_device_detection_matches_host_reference(case):
     res = ll.generate(model, [[0]], params)
     want = reference_stop_index(pieces, seq, stops)
     assert res.num_tokens[0] == (len(seq) if want is None else want + 1)
-    full = stop_strings.detokenize(model.tokenizer, res.token_ids[0])
-    if want is not None:
-        cut = min(full.find(s) for s in stops if s in full)
-        assert res.text[0] == full[:cut]
+    # The expected text from the pieces alone: plain bytes.decode, a plain str.find cut.
+    full = b"".join(pieces[t] for t in seq[: res.num_tokens[0]]).decode("utf-8", "replace")
+    if want is None:
+        assert res.text[0] == full
+        assert res.stop_reason[0] is None and res.finish_reason[0] == "length"
+    else:
+        start, _, stop = min((full.find(s), -len(s), s) for s in stops if s in full)
+        assert res.text[0] == full[:start]
+        assert res.stop_reason[0] == stop and res.finish_reason[0] == "stop"
 
 
 def _stream_rows(model, prompts, params, chunk):
