@@ -73,8 +73,8 @@ class DecoderModel(nnx.Module):
 
         Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
         Only the last column goes through the final norm and LM head: prompts are
-        left-padded, so that column is every row's last real token. Padding (-1) is
-        embedded like position 0; its output is never used.
+        left-padded, so that column is every row's last real token. Padding columns
+        (-1) compute finite values that are never used.
 
         Each real token's key/value goes to cache slot == its position (padding is never
         written); each query at position q attends the slots s <= q of its own row (within
