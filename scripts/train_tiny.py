@@ -87,12 +87,11 @@ def forward_all(model: LlamaModel, tokens: jax.Array) -> jax.Array:
     c = model.config
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length)[None, :], (batch, length))
-    inv_freq = layers.rope_inverse_frequencies(c.rope, c.head_dim)
     mask = layers.attention_mask(positions, length, None)
     cache = model.init_cache(batch, length)
     x = jnp.take(model.embedding[...], tokens, axis=0)
     for block, layer_cache in zip(model.layers, cache, strict=True):
-        x, _ = block(x, positions, layer_cache, mask, inv_freq)
+        x, _ = block(x, positions, layer_cache, mask)
     x = layers.rms_norm(x, model.final_norm[...], c.rms_norm_eps)
     return jnp.einsum("bte,ve->btv", x, model.embedding[...])
 

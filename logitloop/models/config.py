@@ -1,8 +1,10 @@
 """Model configurations built from a Hugging Face `config.json`.
 
-Each architecture has one frozen, keyword-only dataclass. Instances are hashable (every
-field is a scalar, a tuple or another frozen dataclass) because the config lives on the
-model as a static attribute, and so inside the `GraphDef` that `nnx.split` hands to `jax.jit`.
+Each architecture has one frozen, keyword-only dataclass and a parser from `config.json`
+(`*_config_from_hf`); `logitloop.models.registry` says which parser reads which
+`model_type`. Instances are hashable (every field is a scalar, a tuple or another frozen
+dataclass) because the config lives on the model as a static attribute, and so inside the
+`GraphDef` that `nnx.split` hands to `jax.jit`.
 
 `config_from_hf` reads both the current `transformers` layout (`rope_parameters`) and the
 older one (`rope_theta` + `rope_scaling`), so checkpoints written by either load.
@@ -11,11 +13,12 @@ older one (`rope_theta` + `rope_scaling`), so checkpoints written by either load
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+from logitloop.models import registry
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
@@ -114,6 +117,14 @@ class GPT2Config:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads  # no grouped-query attention
+
+    @property
+    def sliding_windows(self) -> tuple[None, ...]:
+        return (None,) * self.num_layers  # every layer attends all earlier positions
+
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
             raise ValueError(
@@ -121,7 +132,14 @@ class GPT2Config:
             )
 
 
-ModelConfig = LlamaConfig | GPT2Config
+class ModelConfig(Protocol):
+    """What the library reads from any family's config (each family adds its own sizes)."""
+
+    model_type: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_id: tuple[int, ...]
+    bos_token_id: int | None
 
 
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:
@@ -130,15 +148,64 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
-    """Rebuild a config written by `config_to_dict`."""
-    data = dict(data)
-    if data.get("model_type") == "gpt2":
-        data["eos_token_id"] = tuple(data.get("eos_token_id", ()))
-        return GPT2Config(**data)
-    data["rope"] = RopeConfig(**data.get("rope", {}))
-    data["sliding_windows"] = tuple(data.get("sliding_windows", ()))
-    data["eos_token_id"] = tuple(data.get("eos_token_id", ()))
-    return LlamaConfig(**data)
+    """Rebuild a config written by `config_to_dict` (its family chosen by `model_type`)."""
+    # Files written before GPT-2 was supported had only Llama-family configs.
+    family = registry.family_for(data.get("model_type", "llama"))
+    return _dataclass_from_dict(family.config_class, data)
+
+
+def _dataclass_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+    """`cls(**data)`, with JSON lists turned back into tuples and nested dataclasses rebuilt
+    from their dicts (as the field types say)."""
+    kwargs = dict(data)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if field.name not in kwargs:
+            continue
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[field.name] = _dataclass_from_dict(hint, kwargs[field.name])
+        elif typing.get_origin(hint) is tuple:
+            kwargs[field.name] = tuple(kwargs[field.name])
+    return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConfig:
+    """A parsed `config.json`, as each family's `parse_config` receives it.
+
+    Attributes:
+      fields: the parsed JSON object.
+      source: the file name used in error messages.
+      eos_token_id: every end-of-sequence id (`generation_config.json` first); possibly empty.
+      bos_token_id: the beginning-of-sequence id, or None.
+    """
+
+    fields: Mapping[str, Any]
+    source: str = "config.json"
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def model_type(self) -> str:
+        return self.fields["model_type"]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def need(self, key: str) -> Any:
+        """The field `key`; a ValueError naming the file and the field when it is absent."""
+        if key not in self.fields or self.fields[key] is None:
+            raise ValueError(
+                f"{self.source}: model_type {self.model_type!r} requires field {key!r}"
+            )
+        return self.fields[key]
+
+    def activation(self, key: str, default: str) -> str:
+        """The activation named by field `key`, checked against `SUPPORTED_ACTIVATIONS`."""
+        act = self.fields.get(key, default)
+        _check_activation(act, self.source)
+        return act
 
 
 def config_from_hf(
@@ -149,6 +216,8 @@ def config_from_hf(
     generation_source: str = "generation_config.json",
 ) -> ModelConfig:
     """Build a config from the parsed `config.json` of a Hugging Face checkpoint.
+
+    The family registered for its `model_type` (`logitloop.models.registry`) parses it.
 
     Args:
       hf: the parsed `config.json`.
@@ -161,18 +230,11 @@ def config_from_hf(
         type or activation, a missing required field, a size that is not a positive
         integer, or an EOS/BOS token id that is not an id inside the vocabulary.
     """
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{source}: unsupported model_type {model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    try:
+        family = registry.family_for(hf.get("model_type"))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     _check_hf_fields(hf, generation_config, source, generation_source)
-
-    def need(key: str) -> Any:
-        if key not in hf or hf[key] is None:
-            raise ValueError(f"{source}: model_type {model_type!r} requires field {key!r}")
-        return hf[key]
 
     ids = dict(hf)
     for key in ("eos_token_id", "bos_token_id"):
@@ -184,70 +246,115 @@ def config_from_hf(
     )
     bos = ids.get("bos_token_id")
     bos_id = None if bos is None else int(bos)
+    return family.parse_config(
+        HFConfig(hf, source=source, eos_token_id=eos_ids, bos_token_id=bos_id)
+    )
 
-    if model_type == "gpt2":
-        hidden = int(need("n_embd"))
-        act = hf.get("activation_function", "gelu_new")
-        _check_activation(act, source)
-        return GPT2Config(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(hf.get("n_inner") or 4 * hidden),
-            num_layers=int(need("n_layer")),
-            num_heads=int(need("n_head")),
-            max_position_embeddings=int(need("n_positions")),
-            layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            hidden_act=act,
-            scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
-            scale_attn_by_inverse_layer_idx=bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
-            eos_token_id=eos_ids,
-            bos_token_id=bos_id,
-        )
 
-    hidden = int(need("hidden_size"))
-    num_heads = int(need("num_attention_heads"))
-    num_layers = int(need("num_hidden_layers"))
-    act = hf.get("hidden_act", "silu")
-    _check_activation(act, source)
-    return LlamaConfig(
-        model_type=model_type,
-        vocab_size=int(need("vocab_size")),
+def gpt2_config_from_hf(hf: HFConfig) -> GPT2Config:
+    """A `GPT2Config` from GPT-2's own field names (`n_embd`, `n_layer`, ...)."""
+    hidden = int(hf.need("n_embd"))
+    act = hf.activation("activation_function", "gelu_new")
+    return GPT2Config(
+        vocab_size=int(hf.need("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=int(hf.get("n_inner") or 4 * hidden),
+        num_layers=int(hf.need("n_layer")),
+        num_heads=int(hf.need("n_head")),
+        max_position_embeddings=int(hf.need("n_positions")),
+        layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        hidden_act=act,
+        scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+        scale_attn_by_inverse_layer_idx=bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
+        eos_token_id=hf.eos_token_id,
+        bos_token_id=hf.bos_token_id,
+    )
+
+
+def no_sliding_windows(hf: HFConfig, num_layers: int) -> tuple[int | None, ...]:
+    """Llama: full causal attention on every layer, whatever the file says."""
+    return (None,) * num_layers
+
+
+def mistral_sliding_windows(hf: HFConfig, num_layers: int) -> tuple[int | None, ...]:
+    """Mistral applies its window to every layer whenever the config sets one."""
+    window = hf.get("sliding_window")
+    return (None if window is None else int(window),) * num_layers
+
+
+def qwen_sliding_windows(hf: HFConfig, num_layers: int) -> tuple[int | None, ...]:
+    """Qwen2/3: only with `use_sliding_window`, and only on layers marked as sliding
+    (`layer_types`, or for older files every layer from `max_window_layers` on)."""
+    window = hf.get("sliding_window")
+    if window is None or not hf.get("use_sliding_window", False):
+        return (None,) * num_layers
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention"
+        if i >= int(hf.get("max_window_layers", num_layers))
+        else "full_attention"
+        for i in range(num_layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def llama_config_from_hf(
+    hf: HFConfig,
+    *,
+    sliding_windows: Callable[[HFConfig, int], tuple[int | None, ...]] = no_sliding_windows,
+    qkv_bias_only: bool = False,
+    qk_norm: bool = False,
+) -> LlamaConfig:
+    """A `LlamaConfig` from the Llama-style field names that Mistral and Qwen share.
+
+    Args:
+      hf: the parsed `config.json`.
+      sliding_windows: (hf, num_layers) -> the per-layer windows, as the type reads them.
+      qkv_bias_only: Qwen2: biases on q/k/v always, none on the output projection
+        (Llama-style configs put `attention_bias` on all four).
+      qk_norm: Qwen3's per-head RMSNorm on queries and keys.
+    """
+    hidden = int(hf.need("hidden_size"))
+    num_heads = int(hf.need("num_attention_heads"))
+    num_layers = int(hf.need("num_hidden_layers"))
+    act = hf.activation("hidden_act", "silu")
+    attention_bias = bool(hf.get("attention_bias", False))
+    return LlamaConfig(
+        model_type=hf.model_type,
+        vocab_size=int(hf.need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(hf.need("intermediate_size")),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or hidden // num_heads),
-        max_position_embeddings=int(need("max_position_embeddings")),
+        max_position_embeddings=int(hf.need("max_position_embeddings")),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(hf, source),
-        sliding_windows=_sliding_windows_from_hf(hf, model_type, num_layers),
-        # Qwen2 always has q/k/v biases and no output bias; Llama-style configs put
-        # `attention_bias` on all four projections.
-        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-        o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+        rope=_rope_from_hf(hf.fields, hf.source),
+        sliding_windows=sliding_windows(hf, num_layers),
+        qkv_bias=qkv_bias_only or attention_bias,
+        o_bias=not qkv_bias_only and attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=qk_norm,
         hidden_act=act,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        eos_token_id=eos_ids,
-        bos_token_id=bos_id,
+        eos_token_id=hf.eos_token_id,
+        bos_token_id=hf.bos_token_id,
     )
 
 
-_SIZE_FIELDS = {
-    "gpt2": ("vocab_size", "n_embd", "n_inner", "n_layer", "n_head", "n_positions"),
-    "llama": (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-    ),
-}
+# Fields that hold a size, under the names of every registered family's config.json: each
+# one present must be a positive integer.
+_SIZE_FIELDS = (
+    "vocab_size",
+    "n_embd", "n_inner", "n_layer", "n_head", "n_positions",  # GPT-2's names
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 def _is_int(value: Any) -> bool:
@@ -262,8 +369,7 @@ def _check_hf_fields(
 ) -> None:
     """Sizes are positive integers and EOS/BOS ids are token ids inside the vocabulary, each
     error naming the file and the field (before any of them is used)."""
-    sizes = _SIZE_FIELDS["gpt2" if hf.get("model_type") == "gpt2" else "llama"]
-    for key in sizes:
+    for key in _SIZE_FIELDS:
         value = hf.get(key)
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(f"{source}: {key} = {value!r} must be a positive integer")
@@ -325,25 +431,3 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original),
     )
-
-
-def _sliding_windows_from_hf(
-    hf: Mapping[str, Any], model_type: str, num_layers: int
-) -> tuple[int | None, ...]:
-    window = hf.get("sliding_window")
-    if window is None or model_type == "llama":
-        return (None,) * num_layers
-    if model_type == "mistral":
-        # Mistral applies its window to every layer whenever the config sets one.
-        return (int(window),) * num_layers
-    # Qwen2/3: only with `use_sliding_window`, and only on layers marked as sliding
-    # (`layer_types`, or for older files every layer from `max_window_layers` on).
-    if not hf.get("use_sliding_window", False):
-        return (None,) * num_layers
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention"
-        if i >= int(hf.get("max_window_layers", num_layers))
-        else "full_attention"
-        for i in range(num_layers)
-    ]
-    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import layers
-from logitloop.models.config import GPT2Config
-from logitloop.models.layers import CheckpointTensor, KVCache
+from logitloop.models import layers, registry
+from logitloop.models.config import GPT2Config, gpt2_config_from_hf
+from logitloop.models.decoder import DecoderModel
+from logitloop.models.layers import CheckpointTensor
 
 
 class GPT2Block(nnx.Module):
@@ -60,11 +61,7 @@ class GPT2Block(nnx.Module):
         h = layers.layer_norm(x, self.ln_1_scale[...], self.ln_1_bias[...], c.layer_norm_eps)
         qkv = layers.split_heads(h, self.w_qkv[...]) + self.b_qkv[...]  # [B, T, 3, H, D]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        cache = {
-            "k": layers.write_cache(cache["k"], k, positions),
-            "v": layers.write_cache(cache["v"], v, positions),
-        }
-        attn = layers.attend(q, cache["k"], cache["v"], mask, scale=self.scale)
+        attn, cache = layers.cached_attention(q, k, v, positions, cache, mask, self.scale)
         x = x + layers.merge_heads(attn, self.wo[...]) + self.bo[...]
 
         h = layers.layer_norm(x, self.ln_2_scale[...], self.ln_2_bias[...], c.layer_norm_eps)
@@ -72,8 +69,8 @@ class GPT2Block(nnx.Module):
         return x + h @ self.w_proj[...] + self.b_proj[...], cache
 
 
-class GPT2Model(nnx.Module):
-    """GPT-2 causal LM following the decode-loop model protocol.
+class GPT2Model(DecoderModel):
+    """GPT-2 causal LM: learned positions, LayerNorm, an LM head tied to the embedding.
 
     Attributes:
       config: the `GPT2Config`.
@@ -82,10 +79,8 @@ class GPT2Model(nnx.Module):
     """
 
     def __init__(self, config: GPT2Config, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        super().__init__(config, dtype=dtype)
         c = config
-        self.config = config
-        self.dtype = jnp.dtype(dtype)
-        self.tokenizer = None
         self.wte = layers.param(rngs, (c.vocab_size, c.hidden_size), dtype, ("vocab", "embed"))
         self.wpe = layers.param(
             rngs, (c.max_position_embeddings, c.hidden_size), dtype, (None, "embed"), stddev=0.01
@@ -96,48 +91,16 @@ class GPT2Model(nnx.Module):
         self.ln_f_scale = layers.param(rngs, (c.hidden_size,), dtype, ("embed",), init="ones")
         self.ln_f_bias = layers.param(rngs, (c.hidden_size,), dtype, ("embed",), init="zeros")
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """Zeros: per layer `dict(k=[B, H, S, D], v=[B, H, S, D])`, S = max_length."""
-        c = self.config
-        return layers.init_kv_cache(
-            batch_size,
-            max_length,
-            c.num_layers,
-            c.num_heads,
-            c.head_dim,
-            self.dtype if dtype is None else dtype,
-        )
-
-    def __call__(
-        self,
-        tokens: jax.Array,  # [B, T] int32
-        positions: jax.Array,  # [B, T] int32, -1 for (left) padding
-        cache: KVCache,
-    ) -> tuple[jax.Array, KVCache]:
-        """Run T columns, writing their keys/values into `cache`.
-
-        Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
-        Padding (-1) looks up position 0; its output is never used.
-
-        Each real token's key/value goes to cache slot == its position (padding is never
-        written); each query at position q attends the slots s <= q of its own row,
-        including those written by this call. Positions must
-        be below the cache length S; `logitloop.models.layers` walks through an example.
-        Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
-        """
-        c = self.config
-        mask = layers.attention_mask(positions, layers.cache_slots(cache), None)
+    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         x = jnp.take(self.wte[...], tokens, axis=0, mode="clip")  # [B, T, E]
-        x = x + jnp.take(self.wpe[...], jnp.maximum(positions, 0), axis=0, mode="clip")
-        new_cache = []
-        for block, layer_cache in zip(self.layers, cache, strict=True):
-            x, layer_cache = block(x, positions, layer_cache, mask)
-            new_cache.append(layer_cache)
-        last = layers.layer_norm(
-            x[:, -1], self.ln_f_scale[...], self.ln_f_bias[...], c.layer_norm_eps
-        )  # [B, E]
-        logits = jnp.einsum("be,ve->bv", last, self.wte[...], preferred_element_type=jnp.float32)
-        return logits, new_cache
+        return x + jnp.take(self.wpe[...], jnp.maximum(positions, 0), axis=0, mode="clip")
+
+    def output_norm(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        return layers.layer_norm(x, self.ln_f_scale[...], self.ln_f_bias[...], c.layer_norm_eps)
+
+    def head_weight(self) -> jax.Array:
+        return self.wte[...]
 
 
 def checkpoint_tensors(config: GPT2Config) -> dict[str, CheckpointTensor]:
@@ -192,3 +155,16 @@ def is_ignored_tensor(name: str, config: GPT2Config) -> bool:
     """Tensors some GPT-2 checkpoints carry that the model does not use."""
     # Older checkpoints saved the causal-mask buffers; the head is always tied.
     return name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight"
+
+
+registry.register(
+    registry.ModelFamily(
+        model_type="gpt2",
+        config_class=GPT2Config,
+        parse_config=gpt2_config_from_hf,
+        model_class=GPT2Model,
+        checkpoint_tensors=checkpoint_tensors,
+        checkpoint_name=checkpoint_name,
+        is_ignored_tensor=is_ignored_tensor,
+    )
+)

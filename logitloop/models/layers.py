@@ -1,7 +1,7 @@
 """Building blocks shared by the model implementations.
 
-The KV cache, its masks and attention live here once, so both architectures follow the
-same protocol (see `logitloop.models.llama.LlamaModel.__call__`):
+The KV cache, its masks and attention live here once, so every architecture follows the
+same protocol (see `logitloop.models.decoder.DecoderModel.__call__`):
 
 - The cache of one layer is `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`; slot `s` holds the
   key/value of the token at absolute position `s` in that row. Heads come before slots so
@@ -258,6 +258,26 @@ def attend(
         return lambda q, k, v, mask: _attend(q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale)
 
     return jax.lax.switch(branch, [prefix(e) for e in extents], q, k, v, mask)
+
+
+def cached_attention(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, T, Hkv, D]
+    v: jax.Array,  # [B, T, Hkv, D]
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
+    mask: jax.Array,  # [B, T, S] bool
+    scale: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Write this call's keys/values into one layer's cache, then `attend` over the cache.
+
+    Returns the attention output `[B, T, H, D]` and the updated cache.
+    """
+    cache = {
+        "k": write_cache(cache["k"], k, positions),
+        "v": write_cache(cache["v"], v, positions),
+    }
+    return attend(q, cache["k"], cache["v"], mask, scale=scale), cache
 
 
 def _attend(q, k, v, mask, scale):

@@ -11,13 +11,21 @@ Logical axis names on the parameters:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import layers
-from logitloop.models.config import LlamaConfig
-from logitloop.models.layers import CheckpointTensor, KVCache
+from logitloop.models import layers, registry
+from logitloop.models.config import (
+    LlamaConfig,
+    llama_config_from_hf,
+    mistral_sliding_windows,
+    qwen_sliding_windows,
+)
+from logitloop.models.decoder import DecoderModel
+from logitloop.models.layers import CheckpointTensor
 
 
 class LlamaBlock(nnx.Module):
@@ -66,9 +74,9 @@ class LlamaBlock(nnx.Module):
         positions: jax.Array,  # [B, T] int, -1 for padding
         cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
         mask: jax.Array,  # [B, T, S] bool
-        inv_freq,  # [D // 2] numpy
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
+        inv_freq = layers.rope_inverse_frequencies(c.rope, c.head_dim)  # numpy: a constant
         h = layers.rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
         q = layers.split_heads(h, self.wq[...])  # [B, T, H, D]
         k = layers.split_heads(h, self.wk[...])  # [B, T, Hkv, D]
@@ -80,11 +88,7 @@ class LlamaBlock(nnx.Module):
             k = layers.rms_norm(k, self.k_norm[...], c.rms_norm_eps)
         q = layers.apply_rope(q, positions, inv_freq)
         k = layers.apply_rope(k, positions, inv_freq)
-        cache = {
-            "k": layers.write_cache(cache["k"], k, positions),
-            "v": layers.write_cache(cache["v"], v, positions),
-        }
-        attn = layers.attend(q, cache["k"], cache["v"], mask, scale=c.head_dim**-0.5)
+        attn, cache = layers.cached_attention(q, k, v, positions, cache, mask, c.head_dim**-0.5)
         attn = layers.merge_heads(attn, self.wo[...])  # [B, T, E]
         if c.o_bias:
             attn = attn + self.bo[...]
@@ -101,8 +105,8 @@ class LlamaBlock(nnx.Module):
         return x + out, cache
 
 
-class LlamaModel(nnx.Module):
-    """A Llama-family causal LM that follows the decode-loop model protocol.
+class LlamaModel(DecoderModel):
+    """A Llama-family causal LM: RoPE inside the blocks, RMSNorm, a tied or separate head.
 
     Attributes:
       config: the `LlamaConfig`.
@@ -111,10 +115,8 @@ class LlamaModel(nnx.Module):
     """
 
     def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        super().__init__(config, dtype=dtype)
         c = config
-        self.config = config
-        self.dtype = jnp.dtype(dtype)
-        self.tokenizer = None
         self.embedding = layers.param(
             rngs, (c.vocab_size, c.hidden_size), dtype, ("vocab", "embed")
         )
@@ -125,50 +127,15 @@ class LlamaModel(nnx.Module):
                 rngs, (c.vocab_size, c.hidden_size), dtype, ("vocab", "embed")
             )
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length."""
-        c = self.config
-        return layers.init_kv_cache(
-            batch_size,
-            max_length,
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            self.dtype if dtype is None else dtype,
-        )
-
-    def __call__(
-        self,
-        tokens: jax.Array,  # [B, T] int32
-        positions: jax.Array,  # [B, T] int32, -1 for (left) padding
-        cache: KVCache,
-    ) -> tuple[jax.Array, KVCache]:
-        """Run T columns through the model, writing their keys/values into `cache`.
-
-        Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
-        Only the last column goes through the final norm and LM head: prompts are
-        left-padded, so that column is every row's last real token.
-
-        Each real token's key/value goes to cache slot == its position (padding is never
-        written); each query at position q attends the slots s <= q of its own row (within
-        the sliding window, if any), including those written by this call. Positions must
-        be below the cache length S; `logitloop.models.layers` walks through an example.
-        Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
-        """
-        c = self.config
-        inv_freq = layers.rope_inverse_frequencies(c.rope, c.head_dim)
-        num_slots = layers.cache_slots(cache)
-        masks = {w: layers.attention_mask(positions, num_slots, w) for w in set(c.sliding_windows)}
+    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         # Clip so a pad id outside the vocabulary cannot produce NaN (take fills by default).
-        x = jnp.take(self.embedding[...], tokens, axis=0, mode="clip")  # [B, T, E]
-        new_cache = []
-        for block, layer_cache, window in zip(self.layers, cache, c.sliding_windows, strict=True):
-            x, layer_cache = block(x, positions, layer_cache, masks[window], inv_freq)
-            new_cache.append(layer_cache)
-        last = layers.rms_norm(x[:, -1], self.final_norm[...], c.rms_norm_eps)  # [B, E]
-        head = self.embedding[...] if c.tie_word_embeddings else self.lm_head[...]  # [V, E]
-        logits = jnp.einsum("be,ve->bv", last, head, preferred_element_type=jnp.float32)
-        return logits, new_cache
+        return jnp.take(self.embedding[...], tokens, axis=0, mode="clip")  # [B, T, E]
+
+    def output_norm(self, x: jax.Array) -> jax.Array:
+        return layers.rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+
+    def head_weight(self) -> jax.Array:
+        return self.embedding[...] if self.config.tie_word_embeddings else self.lm_head[...]
 
 
 def checkpoint_tensors(config: LlamaConfig) -> dict[str, CheckpointTensor]:
@@ -229,3 +196,32 @@ def is_ignored_tensor(name: str, config: LlamaConfig) -> bool:
         return True
     # A tied checkpoint may still store the head; the model uses the embedding instead.
     return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _register(model_type: str, parse_config) -> None:
+    registry.register(
+        registry.ModelFamily(
+            model_type=model_type,
+            config_class=LlamaConfig,
+            parse_config=parse_config,
+            model_class=LlamaModel,
+            checkpoint_tensors=checkpoint_tensors,
+            is_ignored_tensor=is_ignored_tensor,
+        )
+    )
+
+
+_register("llama", llama_config_from_hf)
+_register(
+    "mistral", functools.partial(llama_config_from_hf, sliding_windows=mistral_sliding_windows)
+)
+_register(
+    "qwen2",
+    functools.partial(
+        llama_config_from_hf, sliding_windows=qwen_sliding_windows, qkv_bias_only=True
+    ),
+)
+_register(
+    "qwen3",
+    functools.partial(llama_config_from_hf, sliding_windows=qwen_sliding_windows, qk_norm=True),
+)

@@ -24,11 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
-from logitloop.models import gpt2, layers, llama
-from logitloop.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
-from logitloop.models.gpt2 import GPT2Model
+from logitloop.models import layers, registry
+from logitloop.models.config import ModelConfig, config_from_hf
+from logitloop.models.decoder import DecoderModel
 from logitloop.models.layers import CheckpointTensor
-from logitloop.models.llama import LlamaModel
 from logitloop.models.tokenizer import Tokenizer
 
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parent / "tiny"
@@ -37,15 +36,14 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # safetensors dtype codes of the floating types weights may be stored in.
 _FLOAT_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
-Model = LlamaModel | GPT2Model
+Model = DecoderModel
 
 
 def build_model(config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None) -> Model:
     """A randomly initialised model for `config` (use under `nnx.eval_shape` for shapes)."""
     rngs = nnx.Rngs(0) if rngs is None else rngs
-    if isinstance(config, GPT2Config):
-        return GPT2Model(config, dtype=dtype, rngs=rngs)
-    return LlamaModel(config, dtype=dtype, rngs=rngs)
+    model_class = registry.family_for(config.model_type).model_class
+    return model_class(config, dtype=dtype, rngs=rngs)
 
 
 def abstract_model(config: ModelConfig, dtype) -> Model:
@@ -63,7 +61,8 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Mod
         the checkpoint's own floating dtype (that of its token embedding).
 
     Returns:
-      A `LlamaModel` or `GPT2Model`, with `model.tokenizer` set when the folder has a
+      The model its `model_type` is registered with (`logitloop.models.registry`), e.g. a
+      `LlamaModel` or `GPT2Model`, with `model.tokenizer` set when the folder has a
       `tokenizer.json`.
 
     Raises:
@@ -197,17 +196,11 @@ def _describe_damage(file: Path, error: Exception) -> str:
 
 def _checkpoint_layout(config: ModelConfig):
     """(expected tensors, is-ignored predicate, name normaliser) for the architecture."""
-    if isinstance(config, GPT2Config):
-        return (
-            gpt2.checkpoint_tensors(config),
-            lambda name: gpt2.is_ignored_tensor(name, config),
-            gpt2.checkpoint_name,
-        )
-    assert isinstance(config, LlamaConfig)
+    family = registry.family_for(config.model_type)
     return (
-        llama.checkpoint_tensors(config),
-        lambda name: llama.is_ignored_tensor(name, config),
-        lambda name: name,
+        family.checkpoint_tensors(config),
+        lambda name: family.is_ignored_tensor(name, config),
+        family.checkpoint_name,
     )
 
 
@@ -222,8 +215,8 @@ def _check_dtype(dtype) -> jnp.dtype:
 
 
 def _checkpoint_dtype(locations, rename, expected) -> jnp.dtype:
-    # The checkpoint's own precision: the dtype its token embedding is stored in (both
-    # architectures list the embedding first in their checkpoint_tensors).
+    # The checkpoint's own precision: the dtype its token embedding is stored in (every
+    # family lists the embedding first in its checkpoint_tensors).
     embedding_target = next(iter(expected.values())).target
     for name, file in locations.items():
         spec = expected.get(rename(name))

@@ -1,0 +1,97 @@
+"""The decoder body every model family shares: embedding -> blocks -> final norm -> LM head.
+
+A family (`gpt2.py`, `llama.py`) subclasses `DecoderModel`: its `__init__` builds the
+parameters under the names its checkpoint map targets and puts its blocks in
+`self.layers`, and it fills in what differs between architectures:
+
+  embed(tokens, positions) -> [B, T, E]   token embedding (plus learned positions, GPT-2)
+  output_norm(x) -> x                      the final LayerNorm / RMSNorm
+  head_weight() -> [V, E]                  the LM head (the embedding when tied)
+
+Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`; what
+happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
+config supplies `num_layers`, `num_kv_heads`, `head_dim` and `sliding_windows` (one
+window or None per layer).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from logitloop.models import layers
+from logitloop.models.layers import KVCache
+
+
+class DecoderModel(nnx.Module):
+    """A causal LM that follows the decode-loop model protocol.
+
+    Attributes:
+      config: the family's config (a frozen dataclass, static under `jit`).
+      tokenizer: a `logitloop.models.Tokenizer`, or None.
+      dtype: the parameter dtype; activations are computed in it, logits come back float32.
+      layers: the blocks, an `nnx.List`.
+    """
+
+    def __init__(self, config, *, dtype: jnp.dtype):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.tokenizer = None
+
+    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """`[B, T]` tokens and positions (-1 for padding) -> `[B, T, E]` activations."""
+        raise NotImplementedError
+
+    def output_norm(self, x: jax.Array) -> jax.Array:
+        """The final norm, applied to the last column only: `[B, E] -> [B, E]`."""
+        raise NotImplementedError
+
+    def head_weight(self) -> jax.Array:
+        """The LM head, `[V, E]`."""
+        raise NotImplementedError
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length."""
+        c = self.config
+        return layers.init_kv_cache(
+            batch_size,
+            max_length,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype if dtype is None else dtype,
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int32
+        positions: jax.Array,  # [B, T] int32, -1 for (left) padding
+        cache: KVCache,
+    ) -> tuple[jax.Array, KVCache]:
+        """Run T columns through the model, writing their keys/values into `cache`.
+
+        Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
+        Only the last column goes through the final norm and LM head: prompts are
+        left-padded, so that column is every row's last real token. Padding columns
+        (-1) compute finite values that are never used.
+
+        Each real token's key/value goes to cache slot == its position (padding is never
+        written); each query at position q attends the slots s <= q of its own row (within
+        the sliding window, if any), including those written by this call. Positions must
+        be below the cache length S; `logitloop.models.layers` walks through an example.
+        Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
+        """
+        windows = self.config.sliding_windows
+        num_slots = layers.cache_slots(cache)
+        masks = {w: layers.attention_mask(positions, num_slots, w) for w in set(windows)}
+        x = self.embed(tokens, positions)  # [B, T, E]
+        new_cache = []
+        for block, layer_cache, window in zip(self.layers, cache, windows, strict=True):
+            x, layer_cache = block(x, positions, layer_cache, masks[window])
+            new_cache.append(layer_cache)
+        last = self.output_norm(x[:, -1])  # [B, E]
+        logits = jnp.einsum(
+            "be,ve->bv", last, self.head_weight(), preferred_element_type=jnp.float32
+        )
+        return logits, new_cache
