@@ -24,6 +24,11 @@ from .test_sampling_kernel import KINDS, SETTINGS, _inputs
 
 _reference = jax.jit(reference.filter_and_sample_reference)
 
+# The settings that reach every path (mixed rows, the interval searches, ties and masked
+# tails) stand for the grid where a backend is slow to run or only a variant of another.
+FEW_SETTINGS = ("mixed", "combined", "top_k_large", "top_p_wide")
+FEW_KINDS = ("ties", "masked")
+
 
 class BackendSuite:
     SHAPES = ((2, 3001), (5, 3001), (8, 1000))
@@ -64,6 +69,11 @@ class TestXla(BackendSuite):
 class TestXlaUnscaledWithTemperature(BackendSuite):
     """Unscaled logits with `temperature`: the operator scales only what it reads."""
 
+    @pytest.mark.parametrize("kind", FEW_KINDS)
+    @pytest.mark.parametrize("setting", FEW_SETTINGS)
+    def test_matches_the_sort_reference(self, setting, kind):
+        super().test_matches_the_sort_reference(setting, kind)
+
     def run(self, x, top_k, top_p, min_p, greedy, key):
         t = jnp.asarray(np.random.default_rng(x.shape[0]).uniform(0.3, 2.0, x.shape[0]))
         t = jnp.where(greedy, 0.0, t).astype(jnp.float32)
@@ -82,14 +92,29 @@ class TestXlaUnscaledWithTemperature(BackendSuite):
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-4)
 
 
+# The interpreted kernel and the one-device mesh run with `-m slow`: in the default suite
+# `TestSamplingKernelInterpret` and `tests/sharding` hold them to the XLA path, which this
+# suite holds to the reference.
+@pytest.mark.slow
 class TestPallasInterpret(BackendSuite):
     SHAPES = ((2, 3001), (8, 1000))
 
     def run(self, *args):
         return dispatch.filter_and_sample(*args, backend="pallas", interpret=True)
 
+    @pytest.mark.parametrize("kind", FEW_KINDS)
+    @pytest.mark.parametrize("setting", FEW_SETTINGS)
+    def test_matches_the_sort_reference(self, setting, kind):
+        super().test_matches_the_sort_reference(setting, kind)
 
+
+@pytest.mark.slow
 class TestShardedOneDevice(BackendSuite):
+    @pytest.mark.parametrize("kind", FEW_KINDS)
+    @pytest.mark.parametrize("setting", FEW_SETTINGS)
+    def test_matches_the_sort_reference(self, setting, kind):
+        super().test_matches_the_sort_reference(setting, kind)
+
     def run(self, *args):
         mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
         return _sharded(mesh)(*args)
