@@ -113,6 +113,7 @@ def _compiles(counter, model, prompts=([1, 2], [3]), **knobs) -> bool:
     return c.count > 0
 
 
+@pytest.mark.slow  # several new programs compiled on purpose: about 35 s
 def test_logprobs_and_stop_string_tables_compile_once(compile_counter):
     """The value changes README.md names as compiling: each compiles once, then never again."""
     model = _model(_apply_b)
