@@ -7,8 +7,9 @@ PYTHONPATH set to its tree), so both see the same machine load in turn. A proces
 `ll.sample` (batch 8 and 64 at V 32000 and 128256; greedy, top-p 0.9, every knob per row,
 and a wide top-p 0.99) and `ll.generate` on the llama-40m configuration (prompt 64, 128 new
 tokens; batch 1 and 8; greedy and top-p 0.9): each the median of `--repeats` calls after a
-warm-up call. The table gives, per measurement, the median over rounds for each tree and
-new / base (below 1: the new tree is faster). Used to check that a refactor costs nothing.
+warm-up call (`--part` picks one half). The table gives, per measurement, the median over
+rounds for each tree and new / base (below 1: the new tree is faster). Used to check that
+a refactor costs nothing.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from timing import median_time
 import logitloop as ll
 from logitloop.models import LlamaModel
 
-repeats = int(sys.argv[1])
+repeats, part = int(sys.argv[1]), sys.argv[2]
 out = {}
 rng = np.random.default_rng(0)
-for vocab in (32000, 128256):
+for vocab in (32000, 128256) if part in ("all", "sample") else ():
     for batch in (8, 64):
         logits = jnp.asarray(rng.normal(size=(batch, vocab)).astype(np.float32) * 4)
         hist = ll.History.create(rng.integers(0, vocab, (batch, 64)).tolist(), vocab, 256)
@@ -46,20 +47,20 @@ for vocab in (32000, 128256):
             fn = lambda p=p: ll.sample(logits, p, pos, hist).tokens
             out[f"sample {batch}x{vocab} {name}"] = median_time(fn, repeats, warmup=1)
 model = LlamaModel(config("llama-40m"), rngs=nnx.Rngs(0))
-for batch in (1, 8):
+for batch in (1, 8) if part in ("all", "generate") else ():
     prompts = rng.integers(0, 32000, (batch, 64)).tolist()
     for name, extra in (("greedy", dict(temperature=0.0)), ("top_p", dict(top_p=0.9))):
         p = ll.SamplingParams.create(batch_size=batch, max_tokens=128, seed=0, **extra)
         fn = lambda p=p, prompts=prompts: ll.generate(model, prompts, p, ignore_eos=True).token_ids
-        out[f"generate b{batch} {name}"] = median_time(fn, max(1, repeats // 2), warmup=1)
+        out[f"generate b{batch} {name}"] = median_time(fn, repeats, warmup=1)
 print("RESULT:" + json.dumps(out))
 """
 
 
-def measure(tree: Path, repeats: int) -> dict[str, float]:
+def measure(tree: Path, repeats: int, part: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(repeats)],
+        [sys.executable, "-c", MEASURE, str(repeats), part],
         cwd=tree, env=env, capture_output=True, text=True, check=False,
     )
     for line in proc.stdout.splitlines():
@@ -74,12 +75,13 @@ def main() -> None:
     ap.add_argument("--new", type=Path, default=Path("."))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--part", choices=("all", "sample", "generate"), default="all")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     runs: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
     for i in range(args.rounds):
         for side in ("base", "new"):
-            runs[side].append(measure(getattr(args, side).resolve(), args.repeats))
+            runs[side].append(measure(getattr(args, side).resolve(), args.repeats, args.part))
             print(f"round {i + 1} {side} done", file=sys.stderr, flush=True)
     rows = []
     print(f"{'measurement':<34} {'base ms':>9} {'new ms':>9} {'new/base':>9}")
