@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
 
 import logitloop as ll
-from logitloop.models import LlamaConfig, LlamaModel
+
+from .random_llama import small_llama
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    # Larger init than the default so that logits are far from ties (greedy is then stable).
-    m = LlamaModel(config, rngs=nnx.Rngs(3))
-    for _, p in nnx.iter_graph(m):
-        if isinstance(p, nnx.Param) and p[...].ndim > 1:
-            p[...] = p[...] * 25.0
-    return m
+    return small_llama(97, 256, 3)
 
 
 PROMPTS = [[5, 17, 3], [40], [8, 9, 10, 11, 12, 13, 14], [60, 2]]

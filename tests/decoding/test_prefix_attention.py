@@ -17,7 +17,9 @@ import pytest
 from flax import nnx
 
 import logitloop as ll
-from logitloop.models import LlamaConfig, LlamaModel, layers
+from logitloop.models import layers
+
+from .random_llama import small_llama
 
 # Prompts of 60 and 41 tokens bucket to P = 64 and 460 new tokens to a buffer of 512: a
 # cache of S = 576 slots, prefixes 72, 144, 288 and 576. Row 0's positions run from 60 to
@@ -30,23 +32,7 @@ VOCAB = 97
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    m = LlamaModel(config, rngs=nnx.Rngs(5))
-    # Larger init than the default, so that logits are far from ties.
-    for _, p in nnx.iter_graph(m):
-        if isinstance(p, nnx.Param) and p[...].ndim > 1:
-            p[...] = p[...] * 25.0
-    return m
+    return small_llama(VOCAB, 1024, 5)
 
 
 def full_cache_log_softmax(model, prompts, generated, monkeypatch) -> np.ndarray:
