@@ -37,14 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding import transforms
-from logitloop.decoding.generate import (
-    MIN_BUFFER_BUCKET,
-    MIN_PROMPT_BUCKET,
-    bucket,
-    pad_prompts,
-    prepare,
-)
 from logitloop.decoding.history import History
+from logitloop.decoding.host import MIN_BUFFER_BUCKET, prepare, prompt_batch
+from logitloop.decoding.loop import forward_prompt
 from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.sampler import (
@@ -162,10 +157,8 @@ class Explanation:
 
 @functools.partial(jax.jit, static_argnames=("runner", "cache_len"))
 def _prefill_logits(runner: ModelRunner, weights, prompt, positions, *, cache_len: int):
-    """The next-token logits [B, V] of left-padded prompts, as `generate.prefill` gets them."""
-    cache = runner.init_cache(weights, prompt.shape[0], cache_len)
-    logits, _ = runner.forward(weights, prompt, positions, cache)
-    return logits
+    """The next-token logits [B, V] of left-padded prompts, as `loop.prefill` gets them."""
+    return forward_prompt(runner, weights, prompt, positions, cache_len)[0]
 
 
 def _no_cut(thr: Thresholds, z: jax.Array) -> Thresholds:
@@ -274,18 +267,11 @@ def explain_next_token(
     ids0 = ids[0]
     params = params.device_only()
 
-    # The prefill layout of generate.initial_state for a one-token buffer.
-    plen = bucket(len(ids0), MIN_PROMPT_BUCKET)
-    buffer_len = bucket(1, MIN_BUFFER_BUCKET)
-    prompt_cols, positions, hist, lens = pad_prompts([ids0], plen, plen + buffer_len)
-    lens = jnp.asarray(lens)
-    history = History(jnp.asarray(hist), lens, lens)
+    # The prefill layout of host.initial_state for a one-token buffer.
+    batch = prompt_batch([ids0], MIN_BUFFER_BUCKET)
+    history = jax.tree.map(jnp.asarray, batch.history)
     logits = _prefill_logits(
-        info.runner,
-        info.weights,
-        jnp.asarray(prompt_cols),
-        jnp.asarray(positions),
-        cache_len=plen + buffer_len,
+        info.runner, info.weights, batch.prompt, batch.positions, cache_len=batch.cache_len
     )
     logits = logits.astype(jnp.float32)
     step = jnp.zeros((1,), jnp.int32)  # generated index 0

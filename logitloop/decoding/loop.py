@@ -13,8 +13,9 @@ needs `P + N` slots. A row stops after the token that matches one of its stop co
 from then on the loop leaves its slots, cache and counters untouched.
 
 Everything here is traced once per shape and runs on device; the host side (prompts,
-padding, the initial state, results) is `logitloop.decoding.generate`, and the layout on a
-mesh `logitloop.decoding.sharding`.
+padding, results) is `logitloop.decoding.host`. Where the arrays live is a static `layout`
+argument (`logitloop.decoding.layout`: one device by default, `sharding.MeshLayout` on a
+mesh).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from logitloop.decoding import sharding, stop_strings
+from logitloop.decoding import stop_strings
 from logitloop.decoding.history import History
+from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.sampler import STATUS_OK, SampleOutput
@@ -65,6 +68,72 @@ class DecodeState:
     window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
     text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
 
+    @classmethod
+    def empty(
+        cls,
+        *,
+        cache: Any,
+        history: History,
+        prompt_len: jax.Array,
+        buffer_len: int,
+        num_top: int,
+        window: int,
+        text: int,
+        done: bool = False,
+    ) -> DecodeState:
+        """Rows with nothing generated yet (`done=True`: empty slots the loop never runs)."""
+        batch = prompt_len.shape[0]
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            done=jnp.full((batch,), done),
+            finish=jnp.zeros((batch,), jnp.int32),
+            matched=jnp.full((batch,), -1, jnp.int32),
+            tokens=jnp.full((batch, buffer_len), -1, jnp.int32),
+            num_tokens=jnp.zeros((batch,), jnp.int32),
+            logprobs=jnp.zeros((batch, buffer_len), jnp.float32),
+            raw_logprobs=jnp.zeros((batch, buffer_len), jnp.float32),
+            top_ids=jnp.full((batch, buffer_len, num_top), -1, jnp.int32),
+            top_values=jnp.full((batch, buffer_len, num_top), -jnp.inf, jnp.float32),
+            prompt_len=prompt_len,
+            cache=cache,
+            history=history,
+            window=jnp.full((batch, window), -1, jnp.int32),
+            text_window=jnp.full((batch, text), stop_strings.SENTINEL, jnp.int32),
+        )
+
+    def outputs(self) -> Outputs:
+        """What the host reads back from the state."""
+        return Outputs(
+            tokens=self.tokens,
+            num_tokens=self.num_tokens,
+            finish=self.finish,
+            matched=self.matched,
+            logprobs=self.logprobs,
+            raw_logprobs=self.raw_logprobs,
+            top_ids=self.top_ids,
+            top_values=self.top_values,
+        )
+
+
+@struct.dataclass
+class Outputs:
+    """The per-row results of a `DecodeState` (on device, or numpy after `jax.device_get`)."""
+
+    tokens: Any  # [B, N] i32
+    num_tokens: Any  # [B] i32
+    finish: Any  # [B] i32
+    matched: Any  # [B] i32
+    logprobs: Any  # [B, N] f32
+    raw_logprobs: Any  # [B, N] f32
+    top_ids: Any  # [B, N, K] i32
+    top_values: Any  # [B, N, K] f32
+
+    def take(self, rows: Any) -> Outputs:
+        return jax.tree.map(lambda x: x[rows], self)
+
+    @staticmethod
+    def concat(parts: list[Outputs]) -> Outputs:
+        return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
 
 
 def record(
@@ -146,7 +215,21 @@ def record(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "buffer_len", "num_top", "mesh"))
+def forward_prompt(
+    runner: ModelRunner,
+    weights: Any,
+    prompt: jax.Array,  # [B, P] i32, left-padded
+    positions: jax.Array,  # [B, P] i32, -1 on padding
+    cache_len: int,
+    layout: Layout = ONE_DEVICE,
+) -> tuple[jax.Array, Any]:
+    """The model over whole prompts in one pass: next-token logits [B, V] and the cache."""
+    batch = prompt.shape[0]
+    cache = layout.cache(runner.init_cache(weights, batch, cache_len), batch)
+    return runner.forward(weights, prompt, positions, cache)
+
+
+@functools.partial(jax.jit, static_argnames=("runner", "buffer_len", "num_top", "layout"))
 def prefill(
     runner: ModelRunner,
     weights: Any,
@@ -159,43 +242,28 @@ def prefill(
     *,
     buffer_len: int,
     num_top: int,
-    mesh: jax.sharding.Mesh | None = None,
+    layout: Layout = ONE_DEVICE,
 ) -> DecodeState:
     """Run the whole prompt in one forward pass and draw each row's first token."""
     batch, plen = prompt.shape
-    prompt, positions, prompt_len, history, params = sharding.constrain_rows(
-        (prompt, positions, prompt_len, history, params), mesh, batch
+    prompt, positions, prompt_len, history, params = layout.rows(
+        (prompt, positions, prompt_len, history, params), batch
     )
-    cache = runner.init_cache(weights, batch, plen + buffer_len)
-    cache = sharding.constrain_cache(cache, batch, mesh)
-    logits, cache = runner.forward(weights, prompt, positions, cache)
-    window_len = params.stop_sequences.shape[2]
-    state = DecodeState(
-        step=jnp.zeros((), jnp.int32),
-        done=jnp.zeros((batch,), bool),
-        finish=jnp.zeros((batch,), jnp.int32),
-        matched=jnp.full((batch,), -1, jnp.int32),
-        tokens=jnp.full((batch, buffer_len), -1, jnp.int32),
-        num_tokens=jnp.zeros((batch,), jnp.int32),
-        logprobs=jnp.zeros((batch, buffer_len), jnp.float32),
-        raw_logprobs=jnp.zeros((batch, buffer_len), jnp.float32),
-        top_ids=jnp.full((batch, buffer_len, num_top), -1, jnp.int32),
-        top_values=jnp.full((batch, buffer_len, num_top), -jnp.inf, jnp.float32),
-        prompt_len=prompt_len,
+    logits, cache = forward_prompt(runner, weights, prompt, positions, plen + buffer_len, layout)
+    state = DecodeState.empty(
         cache=cache,
         history=history,
-        window=jnp.full((batch, window_len), -1, jnp.int32),
-        text_window=(
-            jnp.zeros((batch, 0), jnp.int32)
-            if stops is None
-            else stop_strings.empty_window(batch, stops)
-        ),
+        prompt_len=prompt_len,
+        buffer_len=buffer_len,
+        num_top=num_top,
+        window=params.stop_sequences.shape[2],
+        text=0 if stops is None else stops.window,
     )
-    out = sharding.sample(logits, params, state.num_tokens, history, mesh)
-    return sharding.constrain_state(record(state, out, params, stops), mesh)
+    out = layout.sample(logits, params, state.num_tokens, history)
+    return layout.state(record(state, out, params, stops))
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "mesh"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("runner", "layout"), donate_argnames=("state",))
 def decode(
     runner: ModelRunner,
     weights: Any,
@@ -203,7 +271,7 @@ def decode(
     params: SamplingParams,
     stops: StopStrings | None,
     max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
-    mesh: jax.sharding.Mesh | None = None,
+    layout: Layout = ONE_DEVICE,
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
 
@@ -218,14 +286,12 @@ def decode(
         return (s.step < max_steps) & jnp.any(~s.done & (s.num_tokens < buf))
 
     def body(s: DecodeState):
-        batch = s.tokens.shape[0]
         last = jnp.take_along_axis(s.tokens, jnp.maximum(s.num_tokens - 1, 0)[:, None], axis=1)
         # Finished rows feed a padding position, so their cache is never written again.
         pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
         logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
-        out = sharding.sample(logits, params, s.num_tokens, s.history, mesh)
+        out = layout.sample(logits, params, s.num_tokens, s.history)
         s = record(s.replace(cache=cache), out, params, stops)
-        del batch
-        return sharding.constrain_state(s.replace(step=s.step + 1), mesh)
+        return layout.state(s.replace(step=s.step + 1))
 
     return jax.lax.while_loop(cond, body, state)

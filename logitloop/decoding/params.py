@@ -17,6 +17,7 @@ Stop strings (`stop`) are host-side metadata: they are not a pytree leaf. `gener
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -97,9 +98,7 @@ def _check_range(
         try:
             f = float(v)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"{label} = {v!r} is not a number; allowed range {allowed}"
-            ) from None
+            raise ValueError(f"{label} = {v!r} is not a number; allowed range {allowed}") from None
         if integer and (not math.isfinite(f) or f != int(f)):
             raise ValueError(f"{label} = {v!r} is not an integer; allowed range {allowed}")
         ok = not math.isnan(f)
@@ -170,9 +169,7 @@ def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
                     raise _not_an_id(f"{name}[{row}]", x)
             rows.append([int(x) for x in ids])
         else:
-            raise ValueError(
-                f"{name}[{row}] must be a list of token ids (or None), got {ids!r}"
-            )
+            raise ValueError(f"{name}[{row}] must be a list of token ids (or None), got {ids!r}")
     return rows
 
 
@@ -252,9 +249,7 @@ def _stop_strings(value: Any, batch_size: int) -> tuple[tuple[str, ...], ...]:
         rows = []
         for row, r in enumerate(value):
             if r is not None and not isinstance(r, str) and not _is_list(r):
-                raise ValueError(
-                    f"stop[{row}] holds {r!r}; stop strings must be non-empty str"
-                )
+                raise ValueError(f"stop[{row}] holds {r!r}; stop strings must be non-empty str")
             rows.append([] if r is None else ([r] if isinstance(r, str) else list(r)))
     out = []
     for row, strings in enumerate(rows):
@@ -318,6 +313,41 @@ def _stop_sequences(value: Any, batch_size: int, vocab_size: int | None) -> np.n
         for j, s in enumerate(seqs):
             out[i, j, seq_len - len(s) :] = s
     return out
+
+
+def child_seed(seed: int, child: int) -> int:
+    """Seed of sample `child` of a prompt: child 0 keeps the seed, others mix it (splitmix)."""
+    if child == 0:
+        return seed
+    z = (seed * 0x9E3779B97F4A7C15 + child * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Widths:
+    """The shapes of a batch's per-row lists, each a power of two as `create` buckets them.
+
+    Params of several requests stack into one batch once widened to the same widths
+    (`SamplingParams.widen`, `concat`); a long-lived batch (`generate_many`) keeps the union
+    of what it has seen, so a request whose lists fit compiles nothing.
+    """
+
+    bias: int = MIN_LIST_WIDTH  # logit_bias entries per row
+    banned: int = MIN_LIST_WIDTH
+    allowed: int = MIN_LIST_WIDTH
+    stop_ids: int = MIN_LIST_WIDTH
+    sequences: int = 1  # stop sequences per row
+    sequence_len: int = 1  # longest stop sequence
+    stop_strings: int = 0  # stop strings per row; 0 = no stop-string tables at all
+    stop_len: int = 16  # longest stop string, in bytes
+    top_logprobs: int = 0  # 0 or MAX_TOP_LOGPROBS
+
+    def union(self, other: Widths) -> Widths:
+        return Widths(
+            *(max(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
+        )
 
 
 @struct.dataclass
@@ -508,9 +538,7 @@ class SamplingParams:
         include = _per_row("include_stop_str_in_output", include_stop_str_in_output, b)
         for row, v in enumerate(include):
             if not isinstance(v, (bool, np.bool_)):
-                raise ValueError(
-                    f"include_stop_str_in_output[{row}] = {v!r} must be True or False"
-                )
+                raise ValueError(f"include_stop_str_in_output[{row}] = {v!r} must be True or False")
 
         nb = bucket_width(max(len(r) for r in bias_ids))
         bias_val_arr = np.zeros((b, nb), np.float32)
@@ -555,14 +583,118 @@ class SamplingParams:
 
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
+        return dataclasses.replace(self, stop=(), include_stop_str_in_output=(), vocab_size=None)
+
+    # ------------------------------------------------------------------ rows and widths
+
+    def widths(self) -> Widths:
+        """The list widths these params need: each list's longest row, bucketed as `create`
+        buckets it (a host-side read of the arrays)."""
+        host = jax.device_get(self.device_only())
+
+        def width(ids: np.ndarray, minimum: int = MIN_LIST_WIDTH) -> int:
+            return bucket_width(int(np.max((ids >= 0).sum(axis=-1), initial=0)), minimum)
+
+        used = host.stop_sequences >= 0  # [B, Q, L]
+        encoded = [s.encode("utf-8") for row in self.stop for s in row]
+        return Widths(
+            bias=width(host.bias_ids),
+            banned=width(host.banned_ids),
+            allowed=width(host.allowed_ids),
+            stop_ids=width(host.stop_token_ids),
+            sequences=width(used.any(axis=2), 1),
+            sequence_len=bucket_width(int(used.sum(axis=2).max(initial=0)), 1),
+            stop_strings=(bucket_width(max(len(r) for r in self.stop), 4) if encoded else 0),
+            stop_len=bucket_width(max((len(b) for b in encoded), default=1), 16),
+            top_logprobs=MAX_TOP_LOGPROBS if int(np.max(host.logprobs)) > 0 else 0,
+        )
+
+    def widen(self, widths: Widths) -> SamplingParams:
+        """The same rows with every per-row list at `widths` (entries kept, -1 padding added
+        or removed), so that params of different requests stack into one batch."""
+        host = jax.device_get(self.device_only())
+        b = self.batch_size
+        bias_keep = host.bias_ids >= 0  # ids and values move together
+
+        def fit(arr: np.ndarray, keep: np.ndarray, width: int, fill: Any) -> np.ndarray:
+            out = np.full((b, width), fill, arr.dtype)
+            for r in range(b):
+                vals = arr[r][keep[r]]
+                if len(vals) > width:
+                    raise ValueError(f"row {r} has {len(vals)} list entries, over width {width}")
+                out[r, : len(vals)] = vals
+            return out
+
+        seqs = np.full((b, widths.sequences, widths.sequence_len), -1, np.int32)
+        for r in range(b):
+            rows = [s[s >= 0] for s in host.stop_sequences[r] if np.any(s >= 0)]
+            for j, s in enumerate(rows):
+                seqs[r, j, widths.sequence_len - len(s) :] = s
+        arrays = host.replace(
+            bias_ids=fit(host.bias_ids, bias_keep, widths.bias, -1),
+            bias_values=fit(host.bias_values, bias_keep, widths.bias, 0),
+            banned_ids=fit(host.banned_ids, host.banned_ids >= 0, widths.banned, -1),
+            allowed_ids=fit(host.allowed_ids, host.allowed_ids >= 0, widths.allowed, -1),
+            stop_token_ids=fit(host.stop_token_ids, host.stop_token_ids >= 0, widths.stop_ids, -1),
+            stop_sequences=seqs,
+        )
+        return self._with_arrays(jax.tree.map(jnp.asarray, arrays))
+
+    @classmethod
+    def concat(
+        cls, parts: Sequence[SamplingParams], widths: Widths | None = None
+    ) -> SamplingParams:
+        """Stack the rows of several params, each widened to the widest lists of all (and
+        at least `widths`)."""
+        if widths is None:
+            widths = functools.reduce(Widths.union, (p.widths() for p in parts))
+        wide = jax.device_get([p.widen(widths).device_only() for p in parts])
+        arrays = jax.tree.map(lambda *xs: jnp.asarray(np.concatenate(xs, axis=0)), *wide)
+        has_stop = any(p.stop for p in parts)
+        vocab = {p.vocab_size for p in parts}
         return dataclasses.replace(
-            self, stop=(), include_stop_str_in_output=(), vocab_size=None
+            arrays,
+            stop=sum((p.stop or ((),) * p.batch_size for p in parts), ()) if has_stop else (),
+            include_stop_str_in_output=(
+                sum((p.include_stop_str_in_output or (False,) * p.batch_size for p in parts), ())
+                if any(p.include_stop_str_in_output for p in parts)
+                else ()
+            ),
+            vocab_size=vocab.pop() if len(vocab) == 1 else None,
+        )
+
+    def samples(self, n: int) -> SamplingParams:
+        """Each row repeated `n` times (prompt-major), sample i > 0 with a seed derived from
+        the row's own (`child_seed`), as `generate(..., n=n)` draws them."""
+        if n == 1:
+            return self
+        seeds = np.asarray(self.seed)
+        rows = [r for r in range(self.batch_size) for _ in range(n)]
+        child = [child_seed(int(seeds[r]), i % n) for i, r in enumerate(rows)]
+        return self.take(rows).replace(seed=jnp.asarray(np.asarray(child, np.uint32)))
+
+    def with_stop_token_ids(self, extra: Sequence[int]) -> SamplingParams:
+        """Every row's stop token ids plus `extra` (the model's EOS ids), kept bucketed."""
+        old = np.asarray(self.stop_token_ids)
+        rows = [[int(t) for t in r if t >= 0] for r in old]
+        rows = [r + [int(e) for e in extra if e not in r] for r in rows]
+        width = bucket_width(max(old.shape[1], max(len(r) for r in rows)))
+        return self.replace(stop_token_ids=jnp.asarray(_pad_ids(rows, width)))
+
+    def _with_arrays(self, arrays: SamplingParams) -> SamplingParams:
+        """`arrays`' leaves with this params' host-side metadata."""
+        return dataclasses.replace(
+            arrays,
+            stop=self.stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            vocab_size=self.vocab_size,
         )
 
     def take(self, rows: Any) -> SamplingParams:
-        """Select (or repeat) rows: `params.take([0, 0, 1])`."""
+        """Select (or repeat) rows: `params.take([0, 0, 1])` (on the host: compiles nothing)."""
         idx = np.asarray(rows, np.int64)
-        arrays = jax.tree.map(lambda x: x[idx], self.device_only())
+        host = jax.device_get(self.device_only())
+        arrays = jax.tree.map(lambda x: jnp.asarray(x[idx]), host)
         return dataclasses.replace(
             arrays,
             stop=tuple(self.stop[i] for i in idx) if self.stop else (),

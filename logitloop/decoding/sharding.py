@@ -1,7 +1,8 @@
 """Generation over a device mesh: rows over a "data" axis, weights over a "model" axis.
 
-`generate(model, prompts, params, mesh=mesh)` (and `stream`) run the same prefill and decode
-loop as on one device, laid out over a `jax.sharding.Mesh` with axes "data" and "model":
+`generate(model, prompts, params, mesh=mesh)` (and `stream`, `generate_many`) run the same
+prefill and decode loop as on one device, handed a `MeshLayout` (`layout_for(mesh)`) instead
+of `layout.ONE_DEVICE`, over a `jax.sharding.Mesh` with axes "data" and "model":
 
 - Rows go over "data". The batch is padded to a multiple of the data-axis size with dummy
   rows (copies of row 0 that stop after one token) which never reach the result.
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from logitloop.decoding import sampler
 from logitloop.decoding.history import History
+from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.params import SamplingParams
 from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mesh API in one place
     MODEL_AXIS,
@@ -60,15 +62,13 @@ DATA_AXIS = "data"
 # ----------------------------------------------------------------------------- the mesh
 
 
-def as_auto(mesh: Mesh | None) -> Mesh | None:
+def as_auto(mesh: Mesh) -> Mesh:
     """Check `mesh` and return it with every axis in `AxisType.Auto` (GSPMD) mode.
 
     `jax.make_mesh` makes Explicit axes by default; the decode loop lays arrays out with
     sharding constraints and lets GSPMD propagate them, which needs Auto axes. The devices
     and axis names are kept, so shardings built on either mesh place data identically.
     """
-    if mesh is None:
-        return None
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh)!r}")
     missing = [a for a in (DATA_AXIS, MODEL_AXIS) if a not in mesh.shape]
@@ -80,11 +80,9 @@ def as_auto(mesh: Mesh | None) -> Mesh | None:
     return auto_axes(mesh)
 
 
-def _named(mesh: Mesh, spec: P) -> NamedSharding:
-    return NamedSharding(as_auto(mesh), spec)
-
-
-# ----------------------------------------------------------------------------- rows, cache
+def layout_for(mesh: Mesh | None) -> Layout:
+    """The loop's layout for `generate(..., mesh=mesh)`: `ONE_DEVICE` for None."""
+    return ONE_DEVICE if mesh is None else MeshLayout(as_auto(mesh))
 
 
 def _row_spec(x: Any, batch: int) -> P:
@@ -102,86 +100,90 @@ def _cache_spec(x: Any, batch: int, model_size: int) -> P:
     return P(*spec)
 
 
-def row_shardings(tree: Any, batch: int, mesh: Mesh) -> Any:
-    """Leaves with a leading axis of length `batch` over "data", the rest replicated."""
-    return jax.tree.map(lambda x: _named(mesh, _row_spec(x, batch)), tree)
+@dataclasses.dataclass(frozen=True)
+class MeshLayout(Layout):
+    """The loop over a mesh with axes "data" (rows) and "model" (weights, KV heads, vocab)."""
 
+    mesh: Mesh  # every axis Auto (`as_auto`)
 
-def cache_shardings(cache: Any, batch: int, mesh: Mesh) -> Any:
-    size = as_auto(mesh).shape[MODEL_AXIS]
-    return jax.tree.map(lambda x: _named(mesh, _cache_spec(x, batch, size)), cache)
+    def _named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
 
+    def row_shardings(self, tree: Any, batch: int) -> Any:
+        """Leaves with a leading axis of length `batch` over "data", the rest replicated."""
+        return jax.tree.map(lambda x: self._named(_row_spec(x, batch)), tree)
 
-def constrain_rows(tree: Any, mesh: Mesh | None, batch: int | None = None) -> Any:
-    """Inside jit: pin a pytree of per-row arrays to rows over "data" (no-op without mesh)."""
-    if mesh is None:
-        return tree
-    if batch is None:
-        batch = np.shape(jax.tree.leaves(tree)[0])[0]
-    return jax.lax.with_sharding_constraint(tree, row_shardings(tree, batch, mesh))
+    def cache_shardings(self, cache: Any, batch: int) -> Any:
+        size = self.mesh.shape[MODEL_AXIS]
+        return jax.tree.map(lambda x: self._named(_cache_spec(x, batch, size)), cache)
 
+    def rows(self, tree: Any, batch: int | None = None) -> Any:
+        if batch is None:
+            batch = np.shape(jax.tree.leaves(tree)[0])[0]
+        return jax.lax.with_sharding_constraint(tree, self.row_shardings(tree, batch))
 
-def constrain_cache(cache: Any, batch: int, mesh: Mesh | None) -> Any:
-    """Inside jit: pin a KV cache to its mesh layout (no-op without mesh)."""
-    if mesh is None:
-        return cache
-    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, batch, mesh))
+    def cache(self, cache: Any, batch: int) -> Any:
+        return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache, batch))
 
+    def state(self, state: Any) -> Any:
+        batch = state.tokens.shape[0]
+        rest = self.rows(state.replace(cache=None), batch)
+        return rest.replace(cache=self.cache(state.cache, batch))
 
-def constrain_state(state: Any, mesh: Mesh | None) -> Any:
-    """Inside jit: pin a `DecodeState` (rows over data, cache by `cache_shardings`)."""
-    if mesh is None:
-        return state
-    batch = state.tokens.shape[0]
-    rest = constrain_rows(state.replace(cache=None), mesh, batch)
-    return rest.replace(cache=constrain_cache(state.cache, batch, mesh))
+    def sample(
+        self,
+        logits: jax.Array,
+        params: SamplingParams,
+        positions: jax.Array,
+        history: History | None,
+    ) -> sampler.SampleOutput:
+        """`sampler.sample_step` under `shard_map`: the vocabulary over "model" when its size
+        divides V, the rows over "data" when its size divides B."""
+        batch, vocab = logits.shape
+        size = self.mesh.shape[MODEL_AXIS]
+        vocab_axis = MODEL_AXIS if size > 1 and vocab % size == 0 else None
+        rows = DATA_AXIS if batch % self.mesh.shape[DATA_AXIS] == 0 else None
+        return sample_sharded(
+            logits, params, positions, history, mesh=self.mesh, axis=vocab_axis, batch_axis=rows
+        )
 
+    def pad_rows(self, params: SamplingParams) -> SamplingParams:
+        """Append dummy rows up to a multiple of the data-axis size.
 
-def pad_rows(params: SamplingParams, mesh: Mesh | None) -> SamplingParams:
-    """Append dummy rows up to a multiple of the data-axis size.
+        A dummy row copies row 0 with `max_tokens = 1`, `min_tokens = 0` and no stop
+        strings, so it finishes on its first token and never holds the loop open.
+        """
+        batch = params.batch_size
+        pad = -batch % self.row_multiple
+        if pad == 0:
+            return params
+        padded = params.take(list(range(batch)) + [0] * pad)
+        dummy = np.arange(batch + pad) >= batch
+        return dataclasses.replace(
+            padded,
+            max_tokens=jnp.where(dummy, 1, padded.max_tokens),
+            min_tokens=jnp.where(dummy, 0, padded.min_tokens),
+            stop=padded.stop[:batch] + ((),) * pad if padded.stop else (),
+        )
 
-    A dummy row copies row 0 with `max_tokens = 1`, `min_tokens = 0` and no stop strings,
-    so it finishes on its first token and never holds the loop open.
-    """
-    if mesh is None:
-        return params
-    batch = params.batch_size
-    pad = -batch % as_auto(mesh).shape[DATA_AXIS]
-    if pad == 0:
-        return params
-    padded = params.take(list(range(batch)) + [0] * pad)
-    dummy = np.arange(batch + pad) >= batch
-    return dataclasses.replace(
-        padded,
-        max_tokens=jnp.where(dummy, 1, padded.max_tokens),
-        min_tokens=jnp.where(dummy, 0, padded.min_tokens),
-        stop=padded.stop[:batch] + ((),) * pad if padded.stop else (),
-    )
+    def place(self, info: Any) -> Any:
+        """Weights onto the mesh by the models' partition rules."""
+        return dataclasses.replace(info, weights=place_weights(info.weights, self.mesh))
 
+    @property
+    def row_multiple(self) -> int:
+        return self.mesh.shape[DATA_AXIS]
 
-def shard_inputs(info: Any, params: SamplingParams, mesh: Mesh | None):
-    """Host side of `prepare`: weights onto the mesh, params padded to the data axis."""
-    if mesh is None:
-        return info, params
-    info = dataclasses.replace(info, weights=place_weights(info.weights, mesh))
-    return info, pad_rows(params, mesh)
-
-
-def host_view(tree: Any, mesh: Mesh | None) -> Any:
-    """Arrays the host can read in every process (`jax.device_get`), from a sharded tree.
-
-    On one host every array already is; across hosts, arrays spanning other processes'
-    devices are replicated first (every process must call this alike). A `DecodeState`'s
-    cache is dropped: the host never reads it.
-    """
-    if mesh is None:
-        return tree
-    if hasattr(tree, "cache") and hasattr(tree, "replace"):
-        tree = tree.replace(cache=None)
-    leaves = jax.tree.leaves(tree)
-    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
-        return tree
-    return jax.jit(lambda t: t, out_shardings=_named(mesh, P()))(tree)
+    def host_view(self, tree: Any) -> Any:
+        """On one host every array is readable; across hosts, arrays spanning other
+        processes' devices are replicated first (every process must call this alike). A
+        `DecodeState`'s cache is dropped: the host never reads it."""
+        if hasattr(tree, "cache") and hasattr(tree, "replace"):
+            tree = tree.replace(cache=None)
+        leaves = jax.tree.leaves(tree)
+        if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+            return tree
+        return jax.jit(lambda t: t, out_shardings=self._named(P()))(tree)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -224,24 +226,3 @@ def sample_sharded(
         check_vma=False,
     )
     return fn(logits, params.device_only(), jnp.asarray(positions, jnp.int32), history)
-
-
-def sample(
-    logits: jax.Array,
-    params: SamplingParams,
-    positions: jax.Array,
-    history: History | None,
-    mesh: Mesh | None,
-) -> sampler.SampleOutput:
-    """The decode loop's sampling step: `sampler.sample_step` on one device, or under
-    `shard_map` on a mesh, the vocabulary split over "model" when its size divides V and
-    the rows over "data" when its size divides B."""
-    if mesh is None:
-        return sampler.sample_step(logits, params, positions, history)
-    batch, vocab = logits.shape
-    size = mesh.shape[MODEL_AXIS]
-    vocab_axis = MODEL_AXIS if size > 1 and vocab % size == 0 else None
-    rows = DATA_AXIS if batch % mesh.shape[DATA_AXIS] == 0 else None
-    return sample_sharded(
-        logits, params, positions, history, mesh=mesh, axis=vocab_axis, batch_axis=rows
-    )

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from logitloop.decoding.params import bucket_width
+from logitloop.decoding.params import Widths, bucket_width
 
 SENTINEL = 256  # not a byte: never equal to a stop-string byte
 
@@ -74,11 +74,15 @@ def token_bytes(tokenizer, vocab_size: int) -> TokenBytes:
     return out
 
 
-def build(stop: Sequence[Sequence[str]], tokens: TokenBytes) -> StopStrings:
-    """Tables for per-row stop strings (`SamplingParams.stop`)."""
+def build(
+    stop: Sequence[Sequence[str]], tokens: TokenBytes, widths: Widths | None = None
+) -> StopStrings:
+    """Tables for per-row stop strings (`SamplingParams.stop`), at least `widths` wide."""
     encoded = [[s.encode("utf-8") for s in row] for row in stop]
     q = bucket_width(max(len(r) for r in encoded), 4)
     ls = bucket_width(max((len(s) for r in encoded for s in r), default=1), 16)
+    if widths is not None:
+        q, ls = max(q, widths.stop_strings), max(ls, widths.stop_len)
     strings = np.full((len(stop), q, ls), SENTINEL, np.int32)
     lengths = np.zeros((len(stop), q), np.int32)
     for i, row in enumerate(encoded):

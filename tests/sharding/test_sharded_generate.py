@@ -1,7 +1,8 @@
 """`generate(..., mesh=...)` gives the single-device tokens on (8,1), (2,4) and (1,8) meshes.
 
 One subprocess with 8 CPU devices runs the single-device reference and the three meshes
-(to compile once per layout), plus `stream` and an Orbax restore on the (2,4) mesh.
+(to compile once per layout), plus `stream`, `generate_many` and an Orbax restore on the
+(2,4) mesh.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def test_reference_is_nontrivial(meshes):
 def test_stream_on_mesh_matches(meshes):
     assert meshes["stream_2x4"]["token_ids"] == meshes["single"]["token_ids"]
     assert meshes["stream_2x4"]["finish_reason"] == meshes["single"]["finish_reason"]
+
+
+def test_generate_many_on_mesh_matches(meshes):
+    got = meshes["many_2x4"]
+    want = meshes["single"]
+    # A request without logprobs has no top logprobs in its own one-prompt result.
+    logprobs = [0, 3, 0, 0, 5]  # workers.mixed_params
+    top = [want["top_ids"][r] if k else None for r, k in enumerate(logprobs)]
+    assert got["top_ids"] == top
+    _assert_same_run({**got, "top_ids": want["top_ids"]}, want)
 
 
 def test_orbax_restore_onto_mesh(meshes):

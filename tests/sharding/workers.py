@@ -147,6 +147,11 @@ def worker_meshes() -> None:
         if ev.finish_reason is not None:
             finish[ev.row] = ev.finish_reason
     out["stream_2x4"] = {"token_ids": streamed, "finish_reason": finish}
+    # generate_many on the mesh: 4 slots over the 2-way data axis, each request under its
+    # own row of the batch's params; each result holds one row.
+    requests = [(p, params.take([r])) for r, p in enumerate(PROMPTS)]
+    many = [summarize(res) for res in ll.generate_many(model, requests, slots=4, mesh=mesh)]
+    out["many_2x4"] = {k: [m[k] and m[k][0] for m in many] for k in many[0]}
     # Orbax: restore a converted checkpoint straight onto the (2, 4) mesh's shardings.
     with tempfile.TemporaryDirectory() as tmp:
         save_converted(model, os.path.join(tmp, "conv"))

@@ -1,0 +1,402 @@
+"""The host side of generation: prompts in, results out, around the device loop.
+
+Every entry point (`generate`, `stream`, `generate_many`, `explain`, the CLI) goes through
+these helpers, so prompts are checked once, with one set of messages:
+
+- `tokenize_prompt` / `tokenize_prompts`: strings or token-id lists to checked ids;
+- `request_rows`: a batch's params checked against the model (vocabulary, context), with
+  `n` samples per prompt and the model's EOS ids among the stop ids;
+- `prompt_batch`: the prefill layout of a batch of prompts (left padding, bucketed width,
+  the history), and `initial_state` which runs the prefill on it;
+- `stop_tables`: the device tables of the rows' stop strings;
+- `collect`: a finished batch's `Outputs` (host arrays) to a `GenerationResult`.
+
+The device loop itself (state, prefill, decode, index bookkeeping) is
+`logitloop.decoding.loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logitloop.decoding import stop_strings
+from logitloop.decoding.history import History
+from logitloop.decoding.layout import ONE_DEVICE, Layout
+from logitloop.decoding.loop import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP_SEQUENCE,
+    FINISH_STOP_STRING,
+    FINISH_STOP_TOKEN,
+    DecodeState,
+    Outputs,
+    prefill,
+)
+from logitloop.decoding.model import ModelInfo, model_info
+from logitloop.decoding.params import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    Widths,
+    bucket_width,
+    check_text,
+    is_token_id,
+)
+from logitloop.decoding.stop_strings import StopStrings
+
+MIN_PROMPT_BUCKET = 16
+MIN_BUFFER_BUCKET = 16
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Round up to a power of two (at least `minimum`) so that new lengths rarely compile."""
+    return bucket_width(n, minimum)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Host-side results, one entry per row (prompt-major when n > 1)."""
+
+    token_ids: list[list[int]]
+    finish_reason: list[str]  # "stop", "length" or "error"
+    stop_reason: list[Any]  # the stop token id, stop sequence (list of ids) or stop string
+    num_tokens: list[int]
+    prompt_token_ids: list[list[int]]
+    logprobs: list[list[float]] | None = None  # per token, under the final distribution
+    raw_logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[dict[int, float]]] | None = None
+    text: list[str] | None = None
+    error: list[str | None] | None = None
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def tokenize_prompt(name: str, prompt: Any, info: ModelInfo) -> list[int]:
+    """One prompt (a string, with a tokenizer, or a list of token ids) as checked ids.
+
+    `name` names the prompt in error messages ("prompts[3]", "the prompt").
+    """
+    if isinstance(prompt, str):
+        check_text(name, prompt)
+        if info.tokenizer is None:
+            raise ValueError(f"{name} is a string but the model has no tokenizer")
+        ids = list(info.tokenizer.encode(prompt))
+    elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, np.ndarray) and prompt.ndim == 1):
+        for t in prompt:
+            if not is_token_id(t):
+                raise ValueError(f"{name} holds {t!r}, which is not a token id (an int)")
+        ids = [int(t) for t in prompt]
+    else:
+        hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""
+        raise ValueError(
+            f"{name} must be a string or a list of token ids, got {type(prompt).__name__}{hint}"
+        )
+    if not ids:
+        raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    for t in ids:
+        if not 0 <= t < info.vocab_size:
+            raise ValueError(
+                f"{name} holds token id {t}, outside the vocabulary range "
+                f"[0, {info.vocab_size - 1}]"
+            )
+    return ids
+
+
+def tokenize_prompts(prompts: Sequence[Any], info: ModelInfo) -> list[list[int]]:
+    """A batch of prompts (`generate`'s `prompts`) as checked ids, one list per prompt."""
+    if isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, Sequence):
+        raise ValueError(
+            "prompts must be a list of strings or a list of token-id lists, "
+            f"got {type(prompts).__name__}"
+        )
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    if all(is_token_id(p) for p in prompts):
+        raise ValueError(
+            "prompts is a flat list of token ids: pass a list of prompts, e.g. [[1, 2, 3]] "
+            "for one prompt"
+        )
+    return [tokenize_prompt(f"prompts[{row}]", p, info) for row, p in enumerate(prompts)]
+
+
+def check_count(name: str, value: Any, lo: int, hi: float = float("inf")) -> int:
+    """An int argument (`n`, `slots`, `chunk_steps`, ...) in [lo, hi], or a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        top = "inf)" if hi == float("inf") else f"{int(hi)}]"
+        raise ValueError(f"{name} = {value!r} is outside the allowed range [{lo}, {top}")
+    return int(value)
+
+
+def request_rows(
+    info: ModelInfo,
+    ids: list[list[int]],
+    params: Any,
+    *,
+    n: int = 1,
+    ignore_eos: bool = False,
+    names: Sequence[str] | None = None,
+) -> tuple[list[list[int]], SamplingParams]:
+    """Check `params` against the prompts and the model; expand to `n` samples per prompt.
+
+    Returns the prompts and params row by row (prompt-major when n > 1; sample i > 0 gets a
+    seed derived from the row's), the model's EOS ids among every row's stop ids unless
+    `ignore_eos`. `names` name the prompts in error messages (default "prompts[i]").
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
+    if params.batch_size != len(ids):
+        raise ValueError(
+            f"params has batch_size {params.batch_size} but there are {len(ids)} prompts"
+        )
+    check_count("n", n, 1)
+    params.check_vocab(info.vocab_size)
+    max_tokens = np.asarray(params.max_tokens)
+    for row, p in enumerate(ids):
+        name = names[row] if names is not None else f"prompts[{row}]"
+        if len(p) + int(max_tokens[row]) > info.max_length:
+            raise ValueError(
+                f"{name} has {len(p)} tokens and max_tokens[{row}] = {max_tokens[row]}: "
+                f"together {len(p) + int(max_tokens[row])}, over the model's context of "
+                f"{info.max_length} tokens"
+            )
+    params = params.samples(n)
+    ids = [p for p in ids for _ in range(n)]
+    if info.eos_token_ids and not ignore_eos:
+        params = params.with_stop_token_ids(info.eos_token_ids)
+    return ids, params
+
+
+def prepare(
+    model: Any,
+    prompts: Sequence[Any],
+    params: SamplingParams,
+    *,
+    n: int = 1,
+    ignore_eos: bool = False,
+    layout: Layout = ONE_DEVICE,
+) -> tuple[ModelInfo, list[list[int]], SamplingParams]:
+    """`generate`'s inputs checked and expanded: the model, tokenized prompts, per-row params.
+
+    On a mesh the weights are laid over it and params gain dummy rows up to a multiple of
+    the data-axis size (`layout.place`, `layout.pad_rows`); `ids` keeps the real rows.
+    """
+    info = model_info(model)
+    ids, params = request_rows(
+        info, tokenize_prompts(prompts, info), params, n=n, ignore_eos=ignore_eos
+    )
+    return layout.place(info), ids, layout.pad_rows(params)
+
+
+def stop_tables(
+    info: ModelInfo, stop: Sequence[Sequence[str]], widths: Widths | None = None
+) -> StopStrings | None:
+    """Device tables for the rows' stop strings (`SamplingParams.stop`), at least `widths`
+    wide; None when no row has one and `widths` asks for none."""
+    if not any(stop) and (widths is None or not widths.stop_strings):
+        return None
+    if info.tokenizer is None:
+        raise ValueError("stop strings need a model that carries a tokenizer")
+    return stop_strings.build(
+        stop, stop_strings.token_bytes(info.tokenizer, info.vocab_size), widths
+    )
+
+
+def pad_prompts(
+    ids: Sequence[Sequence[int]], prompt_len: int, capacity: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The prefill layout of a batch of prompts (see `loop.py`'s docstring), on the host.
+
+    Returns prompt [B, P] (left-padded with 0), positions [B, P] (-1 on padding), the
+    history's tokens [B, capacity] (each prompt from column 0, -1 after) and lengths [B].
+    """
+    batch = len(ids)
+    prompt = np.zeros((batch, prompt_len), np.int32)
+    positions = np.full((batch, prompt_len), -1, np.int32)
+    hist = np.full((batch, capacity), -1, np.int32)
+    for r, p in enumerate(ids):
+        prompt[r, prompt_len - len(p) :] = p
+        positions[r, prompt_len - len(p) :] = np.arange(len(p))
+        hist[r, : len(p)] = p
+    return prompt, positions, hist, np.asarray([len(p) for p in ids], np.int32)
+
+
+@dataclasses.dataclass
+class PromptBatch:
+    """Prompts laid out for `loop.prefill` (numpy; jit moves them to the device)."""
+
+    prompt: np.ndarray  # [B, P] i32, left-padded
+    positions: np.ndarray  # [B, P] i32, -1 on padding
+    lengths: np.ndarray  # [B] i32
+    history: History  # [B, P + N]: each prompt from column 0, -1 after
+
+    @property
+    def cache_len(self) -> int:
+        return self.history.tokens.shape[1]
+
+
+def prompt_batch(
+    ids: Sequence[Sequence[int]], buffer_len: int, prompt_len: int | None = None
+) -> PromptBatch:
+    """The prefill layout of `ids` with room for `buffer_len` generated tokens; the prompt
+    width is `prompt_len`, by default the longest prompt's length bucketed."""
+    if prompt_len is None:
+        prompt_len = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET)
+    prompt, positions, hist, lens = pad_prompts(ids, prompt_len, prompt_len + buffer_len)
+    return PromptBatch(prompt, positions, lens, History(hist, lens, lens))
+
+
+def buffer_for(params: SamplingParams) -> int:
+    """The generation buffer of a batch: its largest max_tokens, bucketed."""
+    return bucket(int(np.max(np.asarray(params.max_tokens))), MIN_BUFFER_BUCKET)
+
+
+def initial_state(
+    info: ModelInfo,
+    ids: list[list[int]],
+    params: SamplingParams,
+    stops: StopStrings | None,
+    *,
+    buffer_len: int | None = None,
+    layout: Layout = ONE_DEVICE,
+) -> DecodeState:
+    """Pad the prompts, run prefill and return the state before the loop.
+
+    Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
+    """
+    ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
+    buffer_len = buffer_for(params) if buffer_len is None else buffer_len
+    batch = prompt_batch(ids, buffer_len)
+    num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
+    return prefill(
+        info.runner,
+        info.weights,
+        batch.prompt,
+        batch.positions,
+        batch.lengths,
+        jax.tree.map(jnp.asarray, batch.history),
+        params.device_only(),
+        stops,
+        buffer_len=buffer_len,
+        num_top=num_top,
+        layout=layout,
+    )
+
+
+FINISH_REASON = {
+    FINISH_STOP_TOKEN: "stop",
+    FINISH_STOP_SEQUENCE: "stop",
+    FINISH_STOP_STRING: "stop",
+    FINISH_LENGTH: "length",
+    FINISH_ERROR: "error",
+}
+
+
+def _text_ids(ids: list[int], finish: int) -> list[int]:
+    """Generated ids that make up the text: a matched stop token is not part of it."""
+    return ids[:-1] if finish == FINISH_STOP_TOKEN else ids
+
+
+def row_text(
+    tokenizer,
+    ids: list[int],
+    finish: int,
+    stops: Sequence[str],
+    include_stop: bool,
+    min_tokens: int = 0,
+) -> tuple[str, str | None]:
+    """Final text of a row and the stop string it was cut at (None if none).
+
+    Only a row that a stop string ended is cut, at the occurrence that ended it: the loop
+    counts an occurrence once the row has `min_tokens` tokens, so it must end in the bytes
+    of token `min_tokens - 1` or later. With stop=[" "], min_tokens=4 and the tokens
+    " allows", " feature", " to", " format", the spaces inside the first three tokens do
+    not count: the text is " allows feature to", cut before the space of " format".
+    """
+    text = stop_strings.detokenize(tokenizer, _text_ids(ids, finish))
+    if finish != FINISH_STOP_STRING or not stops:
+        return text, None
+    head = stop_strings.Detokenizer(tokenizer)
+    head.feed(ids[: max(min_tokens - 1, 0)])  # complete characters only: no finish()
+    return stop_strings.trim(text, stops, include_stop, after=len(head.text))
+
+
+def row_stops(params: SamplingParams, row: int) -> tuple[tuple[str, ...], bool, int]:
+    """The row's stop strings, include_stop_str_in_output and min_tokens."""
+    stops = params.stop[row] if params.stop else ()
+    include = params.include_stop_str_in_output[row] if params.include_stop_str_in_output else False
+    return stops, include, int(np.asarray(params.min_tokens)[row])
+
+
+def stop_reason(code: int, matched: int, seqs: np.ndarray) -> Any:
+    """The stop token id or stop sequence (ids) a row finished on; None for other finishes.
+
+    seqs: the row's [Q, L] stop sequences, right-aligned and -1 padded.
+    """
+    if code == FINISH_STOP_TOKEN:
+        return matched
+    if code == FINISH_STOP_SEQUENCE:
+        return [int(t) for t in seqs[matched] if t >= 0]
+    return None
+
+
+def collect(
+    outputs: Outputs, ids: list[list[int]], params: SamplingParams, info: ModelInfo
+) -> GenerationResult:
+    """A finished batch's outputs (`DecodeState.outputs()`, on device or host) as a
+    `GenerationResult`: rows `0 .. len(ids) - 1`, under `params`' rows."""
+    out = jax.device_get(outputs)
+    tokens, num, finish, matched = out.tokens, out.num_tokens, out.finish, out.matched
+    lp, raw_lp, top_ids, top_vals = out.logprobs, out.raw_logprobs, out.top_ids, out.top_values
+    seqs = np.asarray(params.stop_sequences)
+    want_top = np.asarray(params.logprobs)
+    result = GenerationResult(
+        token_ids=[],
+        finish_reason=[],
+        stop_reason=[],
+        num_tokens=[],
+        prompt_token_ids=ids,
+        logprobs=[],
+        raw_logprobs=[],
+        top_logprobs=[] if top_ids.shape[2] else None,
+        text=[] if info.tokenizer is not None else None,
+        error=[],
+    )
+    for r in range(len(ids)):
+        k = int(num[r])
+        code = int(finish[r])
+        row_ids = tokens[r, :k].tolist()
+        result.token_ids.append(row_ids)
+        result.num_tokens.append(k)
+        reason = FINISH_REASON.get(code, "length")
+        stop = stop_reason(code, int(matched[r]), seqs[r])
+        if result.text is not None:
+            stops, include, min_tokens = row_stops(params, r)
+            text, hit = row_text(info.tokenizer, row_ids, code, stops, include, min_tokens)
+            if hit is not None:
+                reason, stop = "stop", hit
+            result.text.append(text)
+        result.finish_reason.append(reason)
+        result.stop_reason.append(stop)
+        result.error.append(
+            "the logits held NaN/inf or every token was masked" if code == FINISH_ERROR else None
+        )
+        result.logprobs.append(lp[r, :k].tolist())
+        result.raw_logprobs.append(raw_lp[r, :k].tolist())
+        if result.top_logprobs is not None:
+            n_top = int(want_top[r])
+            result.top_logprobs.append(
+                [
+                    {
+                        int(i): float(v)
+                        for i, v in zip(top_ids[r, j, :n_top], top_vals[r, j, :n_top], strict=True)
+                    }
+                    for j in range(k)
+                ]
+            )
+    return result
