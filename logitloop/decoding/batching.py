@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding import processors as procs
 from logitloop.decoding import sharding, stop_strings
 from logitloop.decoding.history import History
 from logitloop.decoding.host import (
@@ -80,11 +81,14 @@ class Request:
     params: `SamplingParams.create` keyword arguments for this prompt (they replace the
       job's `params` defaults key by key), or a `SamplingParams` of batch size 1, or None.
     id: anything; only used to name the request in error messages.
+    processors: this request's processors (leaves with a row axis of 1), instead of the
+      job's; every request of a job has processors of the same tree structure.
     """
 
     prompt: Any
     params: Mapping[str, Any] | SamplingParams | None = None
     id: Any = None
+    processors: Sequence[Any] | None = None
 
 
 # --------------------------------------------------------------------------- device side
@@ -93,13 +97,23 @@ class Request:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "runner", "batch", "prompt_len", "buffer_len", "num_top", "window", "text", "layout"
+        "runner",
+        "batch",
+        "prompt_len",
+        "buffer_len",
+        "num_top",
+        "window",
+        "text",
+        "layout",
+        "vocab",
     ),
 )
 def _empty_state(
     runner: ModelRunner,
     weights: Any,
+    params: SamplingParams,
     *,
+    vocab: int,
     batch: int,
     prompt_len: int,
     buffer_len: int,
@@ -119,6 +133,7 @@ def _empty_state(
         num_top=num_top,
         window=window,
         text=text,
+        processor_states=procs.init_states(params.processors, batch, vocab),
         done=True,
     )
     return layout.state(state)
@@ -205,17 +220,17 @@ def _describe(index: int, request_id: Any) -> str:
     return f"requests[{index}]" + ("" if request_id is None else f" (id {request_id!r})")
 
 
-def _split_request(item: Any) -> tuple[Any, Any, Any]:
-    """Request | (prompt, params) | prompt -> (prompt, params, id)."""
+def _split_request(item: Any) -> Request:
+    """Request | (prompt, params) | prompt -> Request."""
     if isinstance(item, Request):
-        return item.prompt, item.params, item.id
+        return item
     if (
         isinstance(item, tuple)
         and len(item) == 2
         and (item[1] is None or isinstance(item[1], (Mapping, SamplingParams)))
     ):
-        return item[0], item[1], None
-    return item, None, None
+        return Request(item[0], item[1])
+    return Request(item)
 
 
 class _Batcher:
@@ -234,6 +249,7 @@ class _Batcher:
         n: int,
         ignore_eos: bool,
         layout: Layout,
+        processors: Sequence[Any] | None,
     ):
         self.info = info
         self.slots = slots
@@ -247,6 +263,8 @@ class _Batcher:
         self.n = n
         self.ignore_eos = ignore_eos
         self.layout = layout
+        self.processors = processors  # the job's default, rows of 1
+        self.structure = None  # the processors' tree structure, fixed by the first request
         # Room for a few stop sequences from the start, so most jobs never widen them.
         self.widths = Widths(sequences=MIN_LIST_WIDTH, sequence_len=MIN_LIST_WIDTH)
         self.state: DecodeState | None = None
@@ -263,7 +281,9 @@ class _Batcher:
         host-side arrays then depend only on the request's own settings, so a second job
         with settings of the same kinds compiles nothing at all.
         """
-        prompt, knobs, request_id = _split_request(item)
+        request = _split_request(item)
+        prompt, knobs = request.prompt, request.params
+        chosen = self.processors if request.processors is None else request.processors
         try:
             if isinstance(knobs, SamplingParams):
                 params = knobs
@@ -282,8 +302,23 @@ class _Batcher:
                     f"{name} has {len(ids[0])} tokens, over max_prompt_len = {self.max_prompt_len}"
                 )
             ids, params = request_rows(
-                self.info, ids, params, n=self.n, ignore_eos=self.ignore_eos, names=[name]
+                self.info,
+                ids,
+                params,
+                n=self.n,
+                ignore_eos=self.ignore_eos,
+                names=[name],
+                processors=chosen,
             )
+            structure = jax.tree.structure(params.processors)
+            if self.structure is None:
+                self.structure = structure
+            elif structure != self.structure:
+                raise ValueError(
+                    f"its processors have the tree structure {structure}, but the job's "
+                    f"first request's have {self.structure}: every request of a job needs "
+                    "processors of the same structure"
+                )
             most = int(np.asarray(params.max_tokens)[0])
             if most > self.max_tokens:
                 raise ValueError(
@@ -292,7 +327,7 @@ class _Batcher:
             if any(params.stop) and self.info.tokenizer is None:
                 raise ValueError("stop strings need a model that carries a tokenizer")
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{_describe(index, request_id)}: {e}") from None
+            raise ValueError(f"{_describe(index, request.id)}: {e}") from None
         widths = params.widths()
         rows = [_Row(index, c, ids[c], params.take([c]), widths) for c in range(self.n)]
         pending = _Pending(
@@ -309,15 +344,22 @@ class _Batcher:
         """Stop-string tables for rows `stop` at the job's widths (None while none has one)."""
         return stop_tables(self.info, stop, self.widths)
 
-    def _resize(self, widths: Widths) -> None:
-        """Start the slot state, or widen its per-row lists (a new shape: compiles once)."""
+    def _resize(self, widths: Widths, template: SamplingParams) -> None:
+        """Start the slot state, or widen its per-row lists (a new shape: compiles once).
+
+        `template`: one row whose params (and processors) fill the empty slots, greedy."""
         old, self.widths = self.widths, widths
         self.stops = self._tables(self.slot_stops)
         text = 0 if self.stops is None else self.stops.window
         if self.state is None:
+            # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
+            empty = template.widen(widths).take([0] * self.slots).device_only()
+            self.params = empty.replace(temperature=jnp.zeros((self.slots,), jnp.float32))
             self.state = _empty_state(
                 self.info.runner,
                 self.info.weights,
+                self.params,
+                vocab=self.info.vocab_size,
                 batch=self.slots,
                 prompt_len=self.prompt_len,
                 buffer_len=self.buffer_len,
@@ -326,9 +368,6 @@ class _Batcher:
                 text=text,
                 layout=self.layout,
             )
-            # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
-            greedy = SamplingParams.create(1, temperature=0.0).widen(widths)
-            self.params = greedy.take([0] * self.slots).device_only()
             return
         self.params = self.params.widen(widths)
         s = self.state
@@ -357,7 +396,7 @@ class _Batcher:
         for row in rows:
             need = need.union(row.widths)
         if self.state is None or need != self.widths:
-            self._resize(need)
+            self._resize(need, rows[0].params)
         used = []
         for start in range(0, len(rows), self.group):
             group = list(rows[start : start + self.group])
@@ -492,7 +531,8 @@ def _bounds_from(
     """Longest prompt and largest max_tokens of a list of requests (0 when unknown)."""
     longest, most = 1, 1
     for item in items:
-        prompt, knobs, _ = _split_request(item)
+        request = _split_request(item)
+        prompt, knobs = request.prompt, request.params
         if isinstance(prompt, str):
             if info.tokenizer is None:
                 continue  # reported with the request's index later
@@ -527,6 +567,7 @@ def iter_generate_many(
     n: int = 1,
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    processors: Sequence[Any] | None = None,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
 
@@ -574,6 +615,7 @@ def iter_generate_many(
         n=n,
         ignore_eos=ignore_eos,
         layout=layout,
+        processors=processors,
     )
     return batcher.run(requests)
 
@@ -591,6 +633,7 @@ def generate_many(
     n: int = 1,
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    processors: Sequence[Any] | None = None,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
 
@@ -607,6 +650,8 @@ def generate_many(
       a generator). A request over a bound raises ValueError.
     n, ignore_eos, mesh: as in `generate`. On a mesh, `slots` and `prefill_batch` must be
       multiples of the data-axis size (the default `prefill_batch` is rounded up to one).
+    processors: the job's processors (leaves with a row axis of 1), for requests that
+      bring none of their own (`Request.processors`).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)`.
@@ -624,6 +669,7 @@ def generate_many(
         n=n,
         ignore_eos=ignore_eos,
         mesh=mesh,
+        processors=processors,
     ):
         out[index] = result
     return [out[i] for i in range(len(out))]

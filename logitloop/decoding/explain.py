@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding import processors as procs
 from logitloop.decoding import transforms
 from logitloop.decoding.history import History
 from logitloop.decoding.host import MIN_BUFFER_BUCKET, prepare, prompt_batch
@@ -61,6 +62,7 @@ CUT_TOP_K = 3
 CUT_TOP_P = 4
 CUT_MIN_P = 5
 CUT_INVALID = 6  # the logits hold NaN or +inf (STATUS_BAD_LOGITS)
+CUT_PROCESSOR = 7  # a user processor set it to -inf
 STEP_NAMES = {
     KEPT: "kept",
     CUT_MASK: "masks",
@@ -69,8 +71,10 @@ STEP_NAMES = {
     CUT_TOP_P: "top-p",
     CUT_MIN_P: "min-p",
     CUT_INVALID: "bad logits",
+    CUT_PROCESSOR: "processors",
 }
-# The per-step distributions, in pipeline order: (attribute, column title).
+# The per-step distributions, in pipeline order: (attribute, column title). With user
+# processors, ("processed", "processors") follows "adjusted" (`Explanation.stages`).
 STAGES = (
     ("raw", "raw"),
     ("adjusted", "masks/bias/pen"),
@@ -110,6 +114,9 @@ class Explanation:
     params: SamplingParams  # batch of 1, as the sampler saw it (EOS in the stop ids)
     history: History  # batch of 1: the prompt
     tokenizer: Any = None
+    # After steps 1-3 and the user's processors (None without processors); processors that
+    # run after temperature show in `tempered`.
+    processed: np.ndarray | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -125,7 +132,10 @@ class Explanation:
 
     def stages(self) -> list[tuple[str, np.ndarray]]:
         """(column title, probabilities [V]) per step, in pipeline order."""
-        return [(title, getattr(self, attr)) for attr, title in STAGES]
+        stages = [(title, getattr(self, attr)) for attr, title in STAGES]
+        if self.processed is not None:
+            stages.insert(2, ("processors", self.processed))
+        return stages
 
     def candidates(self, n: int) -> np.ndarray:
         """The `n` most likely ids after masks, bias and penalties, followed by any of the
@@ -169,7 +179,8 @@ def _no_cut(thr: Thresholds, z: jax.Array) -> Thresholds:
 
 def _pipeline(logits, params: SamplingParams, positions, history: History) -> dict[str, Any]:
     """Every step's distribution and the cutting step, from the sampler's own functions."""
-    proc = adjust_logits(logits, params, positions, history)
+    states = procs.init_states(params.processors, *logits.shape)
+    proc = adjust_logits(logits, params, positions, history, states=states)
     x = proc.scaled
     vocab = x.shape[1]
     cand_x, _ = jax.lax.top_k(x, min(NUM_CANDIDATES, vocab))
@@ -183,6 +194,8 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
     # Greedy rows: temperature 0 keeps only the argmax at the temperature step; top_k == 1
     # rows are unscaled in `scaled`, so show them divided by T (as any other row).
     tempered_x = transforms.apply_temperature(proc.adjusted, params.temperature)
+    if any(procs.after_temperature(p) for p in params.processors):
+        tempered_x = proc.adjusted  # scaled already, the late processors applied
     tempered_x = jnp.where(jnp.isnan(tempered_x), -jnp.inf, tempered_x)
     tempered_x = jnp.where(proc.greedy[:, None], tempered_x, x)
     tempered = kept_distribution(tempered_x, _no_cut(thr, tempered_x), t_zero)
@@ -193,9 +206,11 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
     final = kept_distribution(x, thr, proc.greedy)
 
     raw_x = jnp.where(jnp.isnan(proc.raw), -jnp.inf, proc.raw)
+    pen_x = jnp.where(jnp.isnan(proc.penalized), -jnp.inf, proc.penalized)
     adj_x = jnp.where(jnp.isnan(proc.adjusted), -jnp.inf, proc.adjusted)
     raw = jnp.nan_to_num(kept_distribution(raw_x, _no_cut(thr, raw_x), no_greedy))
-    adjusted = kept_distribution(adj_x, _no_cut(thr, adj_x), no_greedy)
+    adjusted = kept_distribution(pen_x, _no_cut(thr, pen_x), no_greedy)
+    processed = kept_distribution(adj_x, _no_cut(thr, adj_x), no_greedy)
 
     t_k = thr.top_k[:, None]
     t_kp = jnp.maximum(thr.top_k, thr.top_p)[:, None]
@@ -208,7 +223,8 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
     cut = jnp.where(
         proc.greedy[:, None] & not_argmax, jnp.where(t_zero[:, None], CUT_GREEDY, CUT_TOP_K), cut
     )
-    cut = jnp.where(adj_x == -jnp.inf, CUT_MASK, cut)
+    cut = jnp.where(adj_x == -jnp.inf, CUT_PROCESSOR, cut)
+    cut = jnp.where(pen_x == -jnp.inf, CUT_MASK, cut)
     cut = jnp.where((status == STATUS_BAD_LOGITS)[:, None], CUT_INVALID, cut)
     cut = cut.astype(jnp.int8)
     ok = (status == STATUS_OK)[:, None]
@@ -219,6 +235,7 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
     return dict(
         raw=raw,
         adjusted=only_ok(adjusted),
+        processed=only_ok(processed),
         tempered=only_ok(tempered),
         after_top_k=only_ok(after_k),
         after_top_p=only_ok(after_p),
@@ -254,16 +271,19 @@ def explain_next_token(
     params: SamplingParams,
     *,
     ignore_eos: bool = False,
+    processors: Sequence[Any] | None = None,
 ) -> Explanation:
     """Run the prompt's prefill and the sampler's steps for the next token (see the module
     docstring). `params` must hold one row; its `max_tokens` is not used (the prompt needs
-    room for one more token only)."""
+    room for one more token only). `processors` (one row each) add a "processors" stage."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
     if params.batch_size != 1:
         raise ValueError(f"params has batch_size {params.batch_size}; explain takes one row")
     params = params.replace(max_tokens=jnp.ones_like(params.max_tokens))
-    info, ids, params = prepare(model, [prompt], params, ignore_eos=ignore_eos)
+    info, ids, params = prepare(
+        model, [prompt], params, ignore_eos=ignore_eos, processors=processors
+    )
     ids0 = ids[0]
     params = params.device_only()
 
@@ -308,6 +328,7 @@ def explain_next_token(
         params=params,
         history=history,
         tokenizer=info.tokenizer,
+        processed=out["processed"][0] if params.processors else None,
     )
 
 

@@ -44,6 +44,7 @@ def generate(
     n: int = 1,
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    processors: Sequence[Any] | None = None,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -66,9 +67,15 @@ def generate(
     `mesh`: a `jax.sharding.Mesh` with axes "data" (rows) and "model" (weights, KV heads,
     vocabulary) to run sharded, on one host or several (`logitloop.decoding.sharding`);
     the tokens are those of the single-device run.
+
+    `processors`: user transforms with per-row settings and state, composed into every
+    row's sampling step (`logitloop.decoding.processors`); their leaves have one row per
+    prompt (repeated for `n > 1`).
     """
     layout = sharding.layout_for(mesh)
-    info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout)
+    info, ids, params = prepare(
+        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
+    )
     stops = stop_tables(info, params.stop)
     state = initial_state(info, ids, params, stops, layout=layout)
     state = decode(
@@ -103,6 +110,7 @@ def stream(
     ignore_eos: bool = False,
     chunk_steps: int = 8,
     mesh: jax.sharding.Mesh | None = None,
+    processors: Sequence[Any] | None = None,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -114,7 +122,9 @@ def stream(
     """
     check_count("chunk_steps", chunk_steps, 1)
     layout = sharding.layout_for(mesh)
-    info, ids, params = prepare(model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout)
+    info, ids, params = prepare(
+        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
+    )
     stops = stop_tables(info, params.stop)
     state = initial_state(info, ids, params, stops, layout=layout)
     device_params = params.device_only()

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding import processors as procs
 from logitloop.decoding import stop_strings
 from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
@@ -141,12 +142,14 @@ def request_rows(
     n: int = 1,
     ignore_eos: bool = False,
     names: Sequence[str] | None = None,
+    processors: Sequence[Any] | None = None,
 ) -> tuple[list[list[int]], SamplingParams]:
     """Check `params` against the prompts and the model; expand to `n` samples per prompt.
 
     Returns the prompts and params row by row (prompt-major when n > 1; sample i > 0 gets a
     seed derived from the row's), the model's EOS ids among every row's stop ids unless
     `ignore_eos`. `names` name the prompts in error messages (default "prompts[i]").
+    `processors` (when given) replace `params.processors`; their rows go with the params'.
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
@@ -155,6 +158,8 @@ def request_rows(
             f"params has batch_size {params.batch_size} but there are {len(ids)} prompts"
         )
     check_count("n", n, 1)
+    if processors is not None:
+        params = params.replace(processors=procs.as_tuple(processors, params.batch_size))
     params.check_vocab(info.vocab_size)
     max_tokens = np.asarray(params.max_tokens)
     for row, p in enumerate(ids):
@@ -180,6 +185,7 @@ def prepare(
     n: int = 1,
     ignore_eos: bool = False,
     layout: Layout = ONE_DEVICE,
+    processors: Sequence[Any] | None = None,
 ) -> tuple[ModelInfo, list[list[int]], SamplingParams]:
     """`generate`'s inputs checked and expanded: the model, tokenized prompts, per-row params.
 
@@ -187,9 +193,8 @@ def prepare(
     the data-axis size (`layout.place`, `layout.pad_rows`); `ids` keeps the real rows.
     """
     info = model_info(model)
-    ids, params = request_rows(
-        info, tokenize_prompts(prompts, info), params, n=n, ignore_eos=ignore_eos
-    )
+    ids = tokenize_prompts(prompts, info)
+    ids, params = request_rows(info, ids, params, n=n, ignore_eos=ignore_eos, processors=processors)
     return layout.place(info), ids, layout.pad_rows(params)
 
 

@@ -43,9 +43,11 @@ class Layout:
         params: SamplingParams,
         positions: jax.Array,
         history: History | None,
+        states: tuple = (),
+        done: jax.Array | None = None,
     ) -> sampler.SampleOutput:
-        """The loop's sampling step."""
-        return sampler.sample_step(logits, params, positions, history)
+        """The loop's sampling step (`states`, `done`: for the processors)."""
+        return sampler.sample_step(logits, params, positions, history, states=states, done=done)
 
     def place(self, info: Any) -> Any:
         """Host side: the model (`ModelInfo`) with its weights where the loop reads them."""

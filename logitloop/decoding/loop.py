@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from logitloop.decoding import processors as procs
 from logitloop.decoding import stop_strings
 from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
@@ -67,6 +68,7 @@ class DecodeState:
     history: History  # prompt + generated tokens, for the penalties
     window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
     text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
+    processor_states: tuple = ()  # one state per `params.processors`, every leaf [B, ...]
 
     @classmethod
     def empty(
@@ -79,6 +81,7 @@ class DecodeState:
         num_top: int,
         window: int,
         text: int,
+        processor_states: tuple = (),
         done: bool = False,
     ) -> DecodeState:
         """Rows with nothing generated yet (`done=True`: empty slots the loop never runs)."""
@@ -99,6 +102,7 @@ class DecodeState:
             history=history,
             window=jnp.full((batch, window), -1, jnp.int32),
             text_window=jnp.full((batch, text), stop_strings.SENTINEL, jnp.int32),
+            processor_states=tuple(processor_states),
         )
 
     def outputs(self) -> Outputs:
@@ -212,6 +216,8 @@ def record(
         history=state.history.append(tok, where=write),
         window=window,
         text_window=text_window,
+        # A row's processor state moves on with the tokens it keeps.
+        processor_states=procs.keep_rows(write, out.states, state.processor_states),
     )
 
 
@@ -258,8 +264,11 @@ def prefill(
         num_top=num_top,
         window=params.stop_sequences.shape[2],
         text=0 if stops is None else stops.window,
+        processor_states=procs.init_states(params.processors, batch, logits.shape[1]),
     )
-    out = layout.sample(logits, params, state.num_tokens, history)
+    out = layout.sample(
+        logits, params, state.num_tokens, history, state.processor_states, state.done
+    )
     return layout.state(record(state, out, params, stops))
 
 
@@ -290,7 +299,7 @@ def decode(
         # Finished rows feed a padding position, so their cache is never written again.
         pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
         logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
-        out = layout.sample(logits, params, s.num_tokens, s.history)
+        out = layout.sample(logits, params, s.num_tokens, s.history, s.processor_states, s.done)
         s = record(s.replace(cache=cache), out, params, stops)
         return layout.state(s.replace(step=s.step + 1))
 

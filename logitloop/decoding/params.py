@@ -376,6 +376,9 @@ class SamplingParams:
     stop_token_ids: jax.Array  # [B, Ns] i32, -1 = unused slot
     stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
     logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
+    # User processors (`logitloop.decoding.processors`): pytrees whose leaves have a leading
+    # row axis, so rows are taken, repeated and placed with the other fields.
+    processors: tuple = ()
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
     # The vocabulary size every token id was checked against (create's `vocab_size`), or

@@ -10,10 +10,12 @@ Per row, in this order (each step is one pure function in `transforms.py` or
 3. Penalties (need `history`): repetition penalty over prompt and generated tokens (positive
    logits divided, negative multiplied, once per distinct token); presence and frequency
    over generated tokens: `logit -= frequency * count + presence * (count > 0)`.
+   Then the user's processors (`params.processors`, `logitloop.decoding.processors`), in
+   list order, except those that run after temperature.
 4. Temperature: divide by T, as a product with the float32 reciprocal 1 / T (the same bits
    wherever a logit is scaled; `ops.sampling.xla.scale_logits`). `temperature == 0` is
    greedy: the argmax after steps 1-3, ties to the lowest token id. `top_k == 1` is greedy
-   too, bit for bit the same.
+   too, bit for bit the same. Then the processors with `after_temperature = True`.
 5. top-k: keep every token whose logit is at least the k-th largest (ties kept);
    `top_k <= 0` or `>= V` disables it.
 6. top-p over the top-k survivors renormalised: the smallest set of most likely tokens whose
@@ -24,9 +26,10 @@ Per row, in this order (each step is one pure function in `transforms.py` or
    rows share the batch or where it sits.
 
 Rows that cannot be sampled get a defined outcome, never NaN or an out-of-vocabulary id:
-logits holding NaN or +inf give `status == STATUS_BAD_LOGITS`, rows where steps 1-2 mask
-every token give `status == STATUS_ALL_MASKED`; both return token 0 with log-probabilities
--inf, and `generate` ends such a row with finish_reason "error".
+logits holding NaN or +inf (or a processor writing them) give `status == STATUS_BAD_LOGITS`,
+rows where steps 1-2 or a processor mask every token give `status == STATUS_ALL_MASKED`;
+both return token 0 with log-probabilities -inf, and `generate` ends such a row with
+finish_reason "error".
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from logitloop.decoding import processors as procs
 from logitloop.decoding import transforms
 from logitloop.decoding.history import History, distinct_tokens
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
@@ -74,6 +78,7 @@ class SampleOutput:
     raw_logprobs: jax.Array  # [B] f32, log_softmax(logits)[token]
     top_logprobs: TopLogprobs
     status: jax.Array  # [B] i32, STATUS_OK / STATUS_ALL_MASKED / STATUS_BAD_LOGITS
+    states: tuple = ()  # the processors' states after this token (every row)
 
 
 @struct.dataclass
@@ -83,7 +88,8 @@ class Processed:
     raw: jax.Array  # [B, V] f32, the model's logits
     raw_max: jax.Array  # [B] f32, row max of the raw logits (0 on bad rows)
     raw_norm: jax.Array  # [B] f32, log(sum(exp(raw - raw_max)))
-    adjusted: jax.Array  # [B, V] f32, after masks, bias, min_tokens and penalties (steps 1-3)
+    penalized: jax.Array  # [B, V] f32, after masks, bias, min_tokens and penalties (steps 1-3)
+    adjusted: jax.Array  # [B, V] f32, `penalized` after the processors that precede step 4
     temperature: jax.Array  # [B] f32, the temperature applied: 0 on greedy rows
     greedy: jax.Array  # [B] bool
     bad: jax.Array  # [B] bool, logits hold NaN or +inf
@@ -113,12 +119,15 @@ def adjust_logits(
     positions: jax.Array,
     history: History | None,
     axes: Axes = SINGLE,
+    states: tuple = (),
+    done: jax.Array | None = None,
 ) -> Processed:
-    """Steps 1-4: masks and bias, min_tokens, penalties, temperature.
+    """Steps 1-4: masks and bias, min_tokens, penalties, processors, temperature.
 
     `axes`: inside `shard_map`, where `logits` is this device's slice of the vocabulary
     (`ops.sampling.xla.Axes`): token ids are mapped to its columns, row statistics reduced
-    over the vocabulary axis.
+    over the vocabulary axis. `states`: the processors' states (`params.processors`);
+    `done`: [B] rows that stopped, for the processors' `Step` (default none).
     """
     raw = logits.astype(jnp.float32)
     width = raw.shape[1]
@@ -153,13 +162,28 @@ def adjust_logits(
             z, seen, params.presence_penalty, params.frequency_penalty
         )
     greedy = (params.temperature == 0) | (params.top_k == 1)
+    penalized = z
+    temperature = jnp.where(greedy, 0.0, params.temperature)
+    if params.processors:
+        if axes.vocab is not None:
+            raise ValueError("processors need whole rows of the vocabulary on each device")
+        done = jnp.zeros(positions.shape, bool) if done is None else done
+        step = procs.Step(positions=positions, history=history, done=done)
+        z, early_bad = procs.apply_all(params.processors, states, z, step, late=False)
+        if any(procs.after_temperature(p) for p in params.processors):
+            z = scale_logits(z, temperature)
+            z, late_bad = procs.apply_all(params.processors, states, z, step, late=True)
+            early_bad = early_bad | late_bad
+            temperature = jnp.where(greedy, 0.0, 1.0)  # `adjusted` is scaled already
+        bad = bad | early_bad
     return Processed(
         raw=raw,
         raw_max=raw_max,
         raw_norm=raw_norm,
+        penalized=penalized,
         adjusted=z,
         # Greedy rows stay unscaled so that temperature 0 and top_k 1 pick the same argmax.
-        temperature=jnp.where(greedy, 0.0, params.temperature),
+        temperature=temperature,
         greedy=greedy,
         bad=bad,
     )
@@ -194,6 +218,8 @@ def sample(
     positions: jax.Array,
     history: History | None = None,
     *,
+    processors: tuple | list | None = None,
+    states: tuple | None = None,
     backend: str = "auto",
 ) -> SampleOutput:
     """Draw one token per row under the row's own settings (see the module docstring).
@@ -204,14 +230,34 @@ def sample(
     drives `min_tokens`); history: the prompt and generated tokens, needed for the
     penalties (without it the penalties are not applied). On a mesh the decode loop runs
     this same step under `shard_map` (`sample_step` with `axes`).
+
+    processors: user transforms (`logitloop.decoding.processors`), each a pytree with [B]
+    leaves; states: their states (default: each one's `init`). The output's `states` are
+    the states after the drawn tokens.
     """
+    params, states = with_processors("ll.sample", logits, params, processors, states)
     check_shapes("ll.sample", logits, params, positions, history)
-    return sample_step(logits, params, positions, history, backend=backend)
+    return sample_step(logits, params, positions, history, states=states, backend=backend)
 
 
-def check_shapes(
-    name: str, logits: jax.Array, params: SamplingParams, positions, history
-) -> None:
+def with_processors(
+    name: str, logits: jax.Array, params: SamplingParams, processors, states
+) -> tuple[SamplingParams, tuple]:
+    """`params` carrying `processors` (when given) and their states (default: `init`)."""
+    batch, vocab = jnp.shape(logits)
+    if processors is not None:
+        params = params.replace(processors=procs.as_tuple(processors, batch))
+    if states is None:
+        return params, procs.init_states(params.processors, batch, vocab)
+    states = tuple(states)
+    if len(states) != len(params.processors):
+        raise ValueError(
+            f"{name}: {len(states)} processor states for {len(params.processors)} processors"
+        )
+    return params, states
+
+
+def check_shapes(name: str, logits: jax.Array, params: SamplingParams, positions, history) -> None:
     """One-line ValueErrors for inputs whose shapes do not fit together, at trace time (the
     shapes and `params.vocab_size` are static: nothing is read back from the device)."""
     shape = tuple(jnp.shape(logits))
@@ -239,6 +285,8 @@ def check_shapes(
         raise ValueError(
             f"{name}: history has {history.tokens.shape[0]} rows but logits have {batch}"
         )
+    for i, p in enumerate(params.processors):
+        procs.check_rows(f"{name}: processors[{i}] ({type(p).__name__})", p, batch)
 
 
 def sample_step(
@@ -247,15 +295,18 @@ def sample_step(
     positions: jax.Array,
     history: History | None,
     *,
+    states: tuple = (),
+    done: jax.Array | None = None,
     backend: str = "auto",
     axes: Axes = SINGLE,
 ) -> SampleOutput:
     """The sampling step, traceable anywhere: `sample` is this under `jit` on one device;
     inside `shard_map`, `axes` says how the rows and the vocabulary lie on the mesh (the
-    logits are then this device's [B_s, V_s] slice, the results those of its rows)."""
+    logits are then this device's [B_s, V_s] slice, the results those of its rows).
+    `states`, `done`: the processors' states and the rows that stopped (`adjust_logits`)."""
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
-    proc = adjust_logits(logits, params, positions, history, axes)
+    proc = adjust_logits(logits, params, positions, history, axes, states, done)
     key = row_keys(params.seed, positions)
     if axes.vocab is None and resolve_backend(backend) == "pallas":
         drawn, thr = filter_and_sample(
@@ -290,12 +341,18 @@ def sample_step(
         ),
         lambda: _no_top_logprobs(batch),
     )
+    tokens = tokens.astype(jnp.int32)
+    if params.processors:
+        done = jnp.zeros(positions.shape, bool) if done is None else done
+        step = procs.Step(positions=positions, history=history, done=done)
+        states = procs.update_all(params.processors, states, tokens, step)
     return SampleOutput(
-        tokens=tokens.astype(jnp.int32),
+        tokens=tokens,
         logprobs=jnp.where(ok, drawn.logprobs, NEG_INF),
         raw_logprobs=jnp.where(ok, raw_tok, NEG_INF),
         top_logprobs=top,
         status=proc_status,
+        states=tuple(states),
     )
 
 
@@ -314,15 +371,21 @@ def sampling_distribution(
     params: SamplingParams,
     positions: jax.Array,
     history: History | None = None,
+    *,
+    processors: tuple | list | None = None,
+    states: tuple | None = None,
 ) -> jax.Array:
     """[B, V] f32: the exact distribution `sample` draws from (zero outside the kept set).
 
     Greedy rows are one-hot at their argmax; rows with a non-OK status are all zero.
+    `processors`, `states`: as in `sample`.
     """
-    check_shapes("ll.sampling_distribution", logits, params, positions, history)
+    name = "ll.sampling_distribution"
+    params, states = with_processors(name, logits, params, processors, states)
+    check_shapes(name, logits, params, positions, history)
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
-    proc = adjust_logits(logits, params, positions, history)
+    proc = adjust_logits(logits, params, positions, history, states=states)
     cand_x, _ = candidates(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
     thr = thresholds(proc.scaled, params.top_k, params.top_p, params.min_p, cand_x)
     probs = kept_distribution(proc.scaled, thr, proc.greedy)

@@ -33,7 +33,6 @@ Converted (Orbax) checkpoints restore straight onto the mesh: `restore_sharded(d
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -136,15 +135,26 @@ class MeshLayout(Layout):
         params: SamplingParams,
         positions: jax.Array,
         history: History | None,
+        states: tuple = (),
+        done: jax.Array | None = None,
     ) -> sampler.SampleOutput:
         """`sampler.sample_step` under `shard_map`: the vocabulary over "model" when its size
-        divides V, the rows over "data" when its size divides B."""
+        divides V and no processor needs whole rows, the rows over "data" when its size
+        divides B."""
         batch, vocab = logits.shape
         size = self.mesh.shape[MODEL_AXIS]
-        vocab_axis = MODEL_AXIS if size > 1 and vocab % size == 0 else None
+        split = size > 1 and vocab % size == 0 and not params.processors
         rows = DATA_AXIS if batch % self.mesh.shape[DATA_AXIS] == 0 else None
         return sample_sharded(
-            logits, params, positions, history, mesh=self.mesh, axis=vocab_axis, batch_axis=rows
+            logits,
+            params,
+            positions,
+            history,
+            states=states,
+            done=done,
+            mesh=self.mesh,
+            axis=MODEL_AXIS if split else None,
+            batch_axis=rows,
         )
 
     def pad_rows(self, params: SamplingParams) -> SamplingParams:
@@ -195,6 +205,8 @@ def sample_sharded(
     positions: jax.Array,
     history: History | None = None,
     *,
+    states: tuple = (),
+    done: jax.Array | None = None,
     mesh: Mesh,
     axis: str | None = MODEL_AXIS,
     batch_axis: str | None = DATA_AXIS,
@@ -218,11 +230,19 @@ def sample_sharded(
         raise ValueError(f"batch {batch} is not a multiple of mesh axis {batch_axis!r}")
     axes = Axes(vocab=axis, rows=() if batch_axis is None else (batch_axis,), in_mesh=True)
     row = P(batch_axis)
+
+    def step(logits, params, positions, history, states, done):
+        return sampler.sample_step(
+            logits, params, positions, history, states=states, done=done, axes=axes
+        )
+
     fn = jax.shard_map(
-        functools.partial(sampler.sample_step, axes=axes),
+        step,
         mesh=mesh,
-        in_specs=(P(batch_axis, axis), row, row, row),
+        in_specs=(P(batch_axis, axis), row, row, row, row, row),
         out_specs=row,
         check_vma=False,
     )
-    return fn(logits, params.device_only(), jnp.asarray(positions, jnp.int32), history)
+    done = jnp.zeros((batch,), bool) if done is None else done
+    positions = jnp.asarray(positions, jnp.int32)
+    return fn(logits, params.device_only(), positions, history, tuple(states), done)

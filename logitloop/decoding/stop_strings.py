@@ -143,9 +143,7 @@ def first_stop(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, st
     return best
 
 
-def trim(
-    text: str, stops: Sequence[str], include: bool, after: int = 0
-) -> tuple[str, str | None]:
+def trim(text: str, stops: Sequence[str], include: bool, after: int = 0) -> tuple[str, str | None]:
     """Cut `text` at its earliest stop string ending after character `after`.
 
     Returns (text, the stop string or None).

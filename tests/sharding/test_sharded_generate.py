@@ -48,6 +48,13 @@ def test_stream_on_mesh_matches(meshes):
     assert meshes["stream_2x4"]["finish_reason"] == meshes["single"]["finish_reason"]
 
 
+def test_processors_on_mesh_match(meshes):
+    _assert_same_run(meshes["procs_2x4"], meshes["procs_single"])
+    # The processors changed the rows: row 3's ban of its previous token, row 4's forcing.
+    assert meshes["procs_single"]["token_ids"] != meshes["single"]["token_ids"]
+    assert meshes["procs_single"]["token_ids"][4][2] == 200
+
+
 def test_generate_many_on_mesh_matches(meshes):
     got = meshes["many_2x4"]
     want = meshes["single"]

@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+from flax import nnx, struct  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -77,6 +77,41 @@ def mixed_params() -> ll.SamplingParams:
         min_tokens=[0, 2, 0, 0, 3],
         logprobs=[0, 3, 0, 0, 5],
     )
+
+
+@struct.dataclass
+class ForceAt:
+    """At generated index `at`, only `token` may be drawn (the processors issue's example)."""
+
+    at: jax.Array
+    token: jax.Array
+
+    def init(self, batch_size, vocab_size):
+        return jnp.zeros((batch_size, 0))
+
+    def apply(self, state, logits, step):
+        forced = jnp.where(jnp.arange(logits.shape[1]) == self.token[:, None], 0.0, -jnp.inf)
+        return jnp.where((step.positions == self.at)[:, None], forced, logits)
+
+    def update(self, state, tokens, step):
+        return state
+
+
+@struct.dataclass
+class BanPrevious:
+    """Stateful: lowers the row's previous token by `strength` (the state remembers it)."""
+
+    strength: jax.Array
+
+    def init(self, batch_size, vocab_size):
+        return jnp.full((batch_size,), -1, jnp.int32)
+
+    def apply(self, state, logits, step):
+        hit = jnp.arange(logits.shape[1])[None, :] == state[:, None]
+        return logits - jnp.where(hit, self.strength[:, None], 0.0)
+
+    def update(self, state, tokens, step):
+        return tokens
 
 
 def summarize(result: ll.GenerationResult) -> dict:
@@ -147,6 +182,13 @@ def worker_meshes() -> None:
         if ev.finish_reason is not None:
             finish[ev.row] = ev.finish_reason
     out["stream_2x4"] = {"token_ids": streamed, "finish_reason": finish}
+    # Processors on the mesh: the sampling step keeps whole vocabulary rows per device.
+    procs = [
+        BanPrevious(strength=jnp.asarray([50.0, 0.0, 2.0, 50.0, 1.0])),
+        ForceAt(at=jnp.asarray([1, 0, 3, 99, 2]), token=jnp.asarray([7, 9, 11, 0, 200])),
+    ]
+    out["procs_single"] = summarize(ll.generate(model, PROMPTS, params, processors=procs))
+    out["procs_2x4"] = summarize(ll.generate(model, PROMPTS, params, mesh=mesh, processors=procs))
     # generate_many on the mesh: 4 slots over the 2-way data axis, each request under its
     # own row of the batch's params; each result holds one row.
     requests = [(p, params.take([r])) for r, p in enumerate(PROMPTS)]
