@@ -411,6 +411,33 @@ def prompt_ids(
     return _tokenizer(model).encode(text, add_special_tokens=False)
 
 
+def chat_request(
+    model: Any,
+    messages: Sequence[Mapping[str, Any]],
+    knobs: Mapping[str, Any] | None = None,
+    *,
+    where: str = "messages",
+) -> tuple[list[int], dict[str, Any]]:
+    """One conversation as a `generate_many` request: the ids of its rendered prompt, and
+    `knobs` (one row's `SamplingParams.create` arguments) with `end_of_turn_ids(model)`
+    added to `stop_token_ids`."""
+    template = model_template(model)
+    ids = prompt_ids(model, messages, chat_template=template, where=where)
+    knobs = dict(knobs or {})
+    stops = knobs.get("stop_token_ids")
+    if stops is None:
+        stops = []
+    elif isinstance(stops, (int, np.integer)):
+        stops = [stops]
+    elif isinstance(stops, Sequence) and len(stops) == 1 and isinstance(stops[0], Sequence):
+        stops = stops[0]  # one list for the one row
+    if not isinstance(stops, Sequence):
+        raise ValueError(f"{where}: stop_token_ids must be a list of token ids, got {stops!r}")
+    ends = end_of_turn_ids(model, template)
+    knobs["stop_token_ids"] = [*stops, *(i for i in ends if i not in stops)]
+    return ids, knobs
+
+
 def generation_defaults(model: Any) -> dict[str, Any]:
     """The sampling settings the checkpoint's `generation_config.json` recommends, as
     `SamplingParams.create` arguments: temperature, top_k, top_p, min_p, repetition_penalty
@@ -586,13 +613,10 @@ def repl(
 def _reply(model, messages, knobs, seed, template, output: TextIO) -> str | None:
     """Stream one reply to `output`; its text (as far as shown), or None on an error."""
     shown: list[str] = []
+    events = None
     try:
         params = SamplingParams.from_model(model, 1, **{**knobs, "seed": seed})
         events = stream_chat(model, [messages], params, chat_template=template)
-    except ValueError as e:
-        output.write(f"error: {e}\n")
-        return None
-    try:
         for event in events:
             output.write(event.text)
             output.flush()
@@ -600,9 +624,10 @@ def _reply(model, messages, knobs, seed, template, output: TextIO) -> str | None
     except KeyboardInterrupt:
         output.write(" [interrupted]")
     except ValueError as e:
-        output.write(f"error: {e}\n")
+        output.write(f"error: {e} (/reset starts a new conversation)\n")
         return None
     finally:
-        events.close()
+        if events is not None:
+            events.close()
     output.write("\n")
     return "".join(shown)

@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 
 import logitloop as ll
-from logitloop.chat import end_of_turn_ids, generation_defaults
+from logitloop.chat import chat_request, end_of_turn_ids, generation_defaults
 
 from .conftest import EOT, GENERATION_CONFIG, IM_END
 
@@ -53,6 +53,17 @@ def test_stream_chat_ends_at_end_of_turn(scripted_chat):
 def test_end_of_turn_ids_from_the_folder(chat_model):
     # generation_config.json's eos_token_id list, and the template's <|eot_id|>
     assert set(end_of_turn_ids(chat_model)) == {*GENERATION_CONFIG["eos_token_id"], EOT}
+
+
+def test_chat_request_for_a_jsonl_line(chat_model, chat_folder):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(chat_folder)
+    want = hf.apply_chat_template(CONVERSATION, add_generation_prompt=True, return_dict=False)
+    ends = [*GENERATION_CONFIG["eos_token_id"], EOT]
+    for stops, want_stops in [(None, ends), (7, [7, *ends]), ([[7, 0]], [7, 0, 3, EOT])]:
+        ids, knobs = chat_request(chat_model, CONVERSATION, {"stop_token_ids": stops, "seed": 1})
+        assert ids == want
+        assert knobs == {"stop_token_ids": want_stops, "seed": 1}
 
 
 def test_chat_needs_a_template(chat_folder, tmp_path, scripted_chat):
