@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 
+import pytest
 import tokenizers
 
 from logitloop.chat import PROMPT, ChatTemplate, repl
@@ -68,7 +69,10 @@ def test_repl_keeps_the_conversation(scripted_chat):
     stdout = InterruptingOutput(nth=4)  # prompts: question, /reset, Ctrl-C, "Again"
     template = RecordingTemplate(s.template.source, s.template.special_tokens)
     knobs = {"temperature": 0, "max_tokens": 40}
-    repl(s.model, knobs, input=stdin, output=stdout, system=system, chat_template=template)
+    try:
+        repl(s.model, knobs, input=stdin, output=stdout, system=system, chat_template=template)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended the loop")
 
     reply = tokenizers.Tokenizer.from_file(s.tokenizer_json).decode(s.reply_ids)
     shown = stdout.getvalue().split(PROMPT)
