@@ -39,6 +39,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.params import SamplingParams, bucket_width
+from logitloop.models.loading import _read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one .jinja file each
@@ -153,15 +154,7 @@ def _token_text(value: Any) -> str | None:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return _read_json(path) if path.is_file() else {}
 
 
 def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
@@ -466,7 +459,15 @@ def generation_defaults(model: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------ conversations
 
 
-def _prompts(model, conversations, add_generation_prompt, chat_template, variables):
+def _chat_inputs(
+    model,
+    conversations,
+    params,
+    add_generation_prompt: bool = True,
+    chat_template: ChatTemplate | None = None,
+    template_variables: Mapping[str, Any] | None = None,
+) -> tuple[list[list[int]], SamplingParams]:
+    """The conversations' prompt ids, and params that stop at the end of a turn."""
     if (
         isinstance(conversations, (str, Mapping))
         or not isinstance(conversations, Sequence)
@@ -486,19 +487,15 @@ def _prompts(model, conversations, add_generation_prompt, chat_template, variabl
             add_generation_prompt=add_generation_prompt,
             chat_template=template,
             where=f"conversations[{i}]",
-            **variables,
+            **(template_variables or {}),
         )
         for i, messages in enumerate(conversations)
     ]
-    return prompts, template
-
-
-def _chat_params(model, params, batch_size, template):
     if params is None:
-        params = SamplingParams.from_model(model, batch_size)
+        params = SamplingParams.from_model(model, len(prompts))
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams or None, got {type(params)!r}")
-    return with_stop_token_ids(params, end_of_turn_ids(model, template))
+    return prompts, with_stop_token_ids(params, end_of_turn_ids(model, template))
 
 
 def chat(
@@ -522,10 +519,9 @@ def chat(
     `template_variables` reach the template (e.g. `{"enable_thinking": False}`);
     `generate_kwargs` reach `ll.generate`.
     """
-    prompts, template = _prompts(
-        model, conversations, add_generation_prompt, chat_template, template_variables or {}
+    prompts, params = _chat_inputs(
+        model, conversations, params, add_generation_prompt, chat_template, template_variables
     )
-    params = _chat_params(model, params, len(prompts), template)
     return generate(model, prompts, params, n=n, **generate_kwargs)
 
 
@@ -533,19 +529,18 @@ def stream_chat(
     model: Any,
     conversations: Sequence[Sequence[Mapping[str, Any]]],
     params: SamplingParams | None = None,
-    *,
-    n: int = 1,
-    add_generation_prompt: bool = True,
-    chat_template: ChatTemplate | None = None,
-    template_variables: Mapping[str, Any] | None = None,
-    **stream_kwargs: Any,
+    **kwargs: Any,
 ) -> Iterator[StreamEvent]:
-    """`chat` through `ll.stream`: per-row text deltas of the replies as they are generated."""
-    prompts, template = _prompts(
-        model, conversations, add_generation_prompt, chat_template, template_variables or {}
-    )
-    params = _chat_params(model, params, len(prompts), template)
-    return stream(model, prompts, params, n=n, **stream_kwargs)
+    """`chat` through `ll.stream`: per-row text deltas of the replies as they are generated.
+
+    Takes `chat`'s keyword arguments (`n`, `add_generation_prompt`, `chat_template`,
+    `template_variables`) and `stream`'s (`chunk_steps`, ...). The conversations are
+    rendered and checked when it is called, before the first event.
+    """
+    names = ("add_generation_prompt", "chat_template", "template_variables")
+    options = {name: kwargs.pop(name) for name in names if name in kwargs}
+    prompts, params = _chat_inputs(model, conversations, params, **options)
+    return stream(model, prompts, params, **kwargs)
 
 
 # ------------------------------------------------------------------- interactive loop
