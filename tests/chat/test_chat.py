@@ -83,7 +83,7 @@ def test_bad_conversations_are_named(scripted_chat):
     s = scripted_chat
     with pytest.raises(ValueError, match=r"one conversation .*pass a list of conversations"):
         ll.chat(s.model, CONVERSATION, chat_template=s.template)
-    with pytest.raises(ValueError, match=r"conversations\[1\]\[0\] = .*'role' string"):
+    with pytest.raises(ValueError, match=r"conversations\[1\], messages\[0\] = .*'role' string"):
         ll.chat(s.model, [CONVERSATION, [{"content": "hi"}]], chat_template=s.template)
 
 
