@@ -299,8 +299,8 @@ def _plain_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ValueError(
-                f"{where}[{index}] = {message!r} is not a message: a dict with a 'role' string "
-                "and its 'content'"
+                f"{where}, messages[{index}] = {message!r} is not a message: a dict with a "
+                "'role' string and its 'content'"
             )
         plain = {key: value for key, value in message.items() if value is not None}
         reasoning = next((plain[k] for k in _REASONING_FIELDS if k in plain), None)
