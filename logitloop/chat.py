@@ -410,11 +410,13 @@ def chat_request(
     knobs: Mapping[str, Any] | None = None,
     *,
     where: str = "messages",
+    chat_template: ChatTemplate | None = None,
 ) -> tuple[list[int], dict[str, Any]]:
     """One conversation as a `generate_many` request: the ids of its rendered prompt, and
     `knobs` (one row's `SamplingParams.create` arguments) with `end_of_turn_ids(model)`
-    added to `stop_token_ids`."""
-    template = model_template(model)
+    added to `stop_token_ids`. For many lines, load `model_template(model)` once and pass
+    it as `chat_template`."""
+    template = model_template(model) if chat_template is None else chat_template
     ids = prompt_ids(model, messages, chat_template=template, where=where)
     knobs = dict(knobs or {})
     stops = knobs.get("stop_token_ids")
