@@ -706,3 +706,11 @@ class SamplingParams:
             else (),
             vocab_size=self.vocab_size,
         )
+
+    @classmethod
+    def from_model(cls, model: Any, batch_size: int, **overrides: Any) -> SamplingParams:
+        """`create` with the checkpoint's recommended settings (`generation_config.json`, see
+        `logitloop.chat.generation_defaults`) wherever `overrides` set none."""
+        from logitloop.chat import generation_defaults  # chat builds on this module
+
+        return cls.create(batch_size, **{**generation_defaults(model), **overrides})

@@ -63,7 +63,8 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Mod
     Returns:
       The model its `model_type` is registered with (`logitloop.models.registry`), e.g. a
       `LlamaModel` or `GPT2Model`, with `model.tokenizer` set when the folder has a
-      `tokenizer.json`.
+      `tokenizer.json`, and `model.checkpoint_dir` the folder it was read from (where
+      `logitloop.chat` finds the chat template and the generation defaults).
 
     Raises:
       FileNotFoundError: the folder, its config.json or its weights are missing.
@@ -99,6 +100,7 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Mod
             bos_token_id=config.bos_token_id,
             eos_token_ids=config.eos_token_id or None,
         )
+    model.checkpoint_dir = folder
     return model
 
 

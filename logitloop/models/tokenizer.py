@@ -124,6 +124,10 @@ class Tokenizer:
         """The first EOS id, or None."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    def added_tokens(self) -> dict[int, str]:
+        """Id -> text of every token added on top of the base vocabulary (special or not)."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the post-processor's special tokens (e.g. BOS)."""
         if not isinstance(text, str):

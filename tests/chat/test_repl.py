@@ -1,0 +1,91 @@
+"""The interactive loop, driven by scripted input: replies streamed, the conversation kept,
+/reset, /exit, and Ctrl-C ending a reply (or a line at the prompt) but not the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import tokenizers
+
+from logitloop.chat import PROMPT, ChatTemplate, repl
+
+from .test_chat import CONVERSATION
+
+
+class ScriptedInput:
+    """readline() gives the lines in order; a KeyboardInterrupt entry is raised instead."""
+
+    def __init__(self, lines):
+        self.lines = list(lines)
+
+    def readline(self) -> str:
+        line = self.lines.pop(0) if self.lines else ""
+        if line is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return line
+
+
+class InterruptingOutput(io.StringIO):
+    """Raises KeyboardInterrupt once, at the second write after the `nth` prompt: Ctrl-C
+    pressed while the reply to that prompt is streaming, after its first delta."""
+
+    def __init__(self, nth: int):
+        super().__init__()
+        self.prompts, self.nth, self.after = 0, nth, None
+
+    def write(self, text: str) -> int:
+        if text == PROMPT:
+            self.prompts += 1
+            self.after = 0 if self.prompts == self.nth else None
+        elif self.after is not None:
+            self.after += 1
+            if self.after == 2:
+                self.after = None
+                raise KeyboardInterrupt
+        return super().write(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingTemplate(ChatTemplate):
+    """Records every conversation rendered for a reply."""
+
+    calls: list = dataclasses.field(default_factory=list)
+
+    def render(self, messages, *, add_generation_prompt=True, **kwargs):
+        if add_generation_prompt:
+            self.calls.append([dict(m) for m in messages])
+        return super().render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def test_repl_keeps_the_conversation(scripted_chat):
+    s = scripted_chat
+    # Every prompt here renders to 33..64 tokens: one prompt bucket, compiled once.
+    system, question = CONVERSATION[0]["content"], CONVERSATION[1]["content"]
+    again = f"Again: {question}"
+    lines = [f"{question}\n", "/reset\n", KeyboardInterrupt, f"{again}\n", "Third\n", "/exit\n"]
+    stdin = ScriptedInput([*lines, "never read\n"])
+    stdout = InterruptingOutput(nth=4)  # prompts: question, /reset, Ctrl-C, "Again"
+    template = RecordingTemplate(s.template.source, s.template.special_tokens)
+    knobs = {"temperature": 0, "max_tokens": 40}
+    try:
+        repl(s.model, knobs, input=stdin, output=stdout, system=system, chat_template=template)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended the loop")
+
+    reply = tokenizers.Tokenizer.from_file(s.tokenizer_json).decode(s.reply_ids)
+    shown = stdout.getvalue().split(PROMPT)
+    assert len(shown) == 7 and stdin.lines == ["never read\n"]  # /exit ended it
+    assert shown[1] == reply + "\n"
+    assert shown[2] == "(new conversation)\n" and shown[3] == "\n"
+    partial, interrupted = shown[4].split(" [interrupted]")
+    assert partial and reply.startswith(partial) and partial != reply and interrupted == "\n"
+    assert shown[5] == reply + "\n"
+    first = {"role": "system", "content": system}
+    user = [{"role": "user", "content": text} for text in (question, again, "Third")]
+    assert template.calls == [
+        [first, user[0]],
+        [first, user[1]],  # after /reset: the system message stays
+        [first, user[1], {"role": "assistant", "content": partial}, user[2]],
+    ]
