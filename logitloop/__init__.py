@@ -5,7 +5,7 @@ params = ll.SamplingParams.create(batch_size=2, temperature=[0.0, 0.8], top_p=0.
 out = ll.sample(logits, params, positions)
 """
 
-from logitloop.chat import chat, stream_chat
+from logitloop.conversation import chat, stream_chat
 from logitloop.decoding.batching import Request, generate_many, iter_generate_many
 from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.history import History

@@ -710,7 +710,7 @@ class SamplingParams:
     @classmethod
     def from_model(cls, model: Any, batch_size: int, **overrides: Any) -> SamplingParams:
         """`create` with the checkpoint's recommended settings (`generation_config.json`, see
-        `logitloop.chat.generation_defaults`) wherever `overrides` set none."""
-        from logitloop.chat import generation_defaults  # chat builds on this module
+        `logitloop.conversation.generation_defaults`) wherever `overrides` set none."""
+        from logitloop.conversation import generation_defaults  # chat builds on this module
 
         return cls.create(batch_size, **{**generation_defaults(model), **overrides})

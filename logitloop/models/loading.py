@@ -64,7 +64,7 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Mod
       The model its `model_type` is registered with (`logitloop.models.registry`), e.g. a
       `LlamaModel` or `GPT2Model`, with `model.tokenizer` set when the folder has a
       `tokenizer.json`, and `model.checkpoint_dir` the folder it was read from (where
-      `logitloop.chat` finds the chat template and the generation defaults).
+      `logitloop.conversation` finds the chat template and the generation defaults).
 
     Raises:
       FileNotFoundError: the folder, its config.json or its weights are missing.

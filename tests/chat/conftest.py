@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import logitloop as ll
-from logitloop.chat import ChatTemplate
+from logitloop.conversation import ChatTemplate
 from logitloop.models import LlamaConfig, Tokenizer
 from logitloop.models.export import hf_config
 from logitloop.models.llama import checkpoint_tensors

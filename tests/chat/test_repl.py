@@ -9,7 +9,7 @@ import io
 import pytest
 import tokenizers
 
-from logitloop.chat import PROMPT, ChatTemplate, repl
+from logitloop.conversation import PROMPT, ChatTemplate, repl
 
 from .test_chat import CONVERSATION
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from logitloop.chat import ChatTemplate
+from logitloop.conversation import ChatTemplate
 from logitloop.models import Tokenizer
 
 from .folders import CHATML, GEMMA, LLAMA3, TOOLS, write_folder
