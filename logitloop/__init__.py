@@ -12,6 +12,7 @@ from logitloop.decoding.history import History
 from logitloop.decoding.loop import DecodeState
 from logitloop.decoding.model import FunctionModel
 from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.processors import Processor, Step
 from logitloop.decoding.sampler import (
     STATUS_ALL_MASKED,
     STATUS_BAD_LOGITS,
@@ -31,9 +32,11 @@ __all__ = [
     "FunctionModel",
     "GenerationResult",
     "History",
+    "Processor",
     "Request",
     "SampleOutput",
     "SamplingParams",
+    "Step",
     "StreamEvent",
     "TopLogprobs",
     "chat",
