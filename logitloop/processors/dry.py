@@ -122,10 +122,11 @@ class DRY:
         limit = jnp.full_like(self.allowed_length, MAX_MATCH)
         m = suffix_match_lengths(history, limit, start, stop=is_breaker)  # [B, C]
         # s[i] (i < length) continues a repeat of length m[i]; penalise the longest per token.
+        # m = 0 (no repeat) scatters 0, which the last line leaves alone, so m >= 1 always.
         on = self.multiplier > 0  # [B]
         hit = (
             (col < history.length[:, None])
-            & (m >= jnp.maximum(self.allowed_length, 1)[:, None])
+            & (m >= self.allowed_length[:, None])
             & ~is_breaker
             & on[:, None]
         )

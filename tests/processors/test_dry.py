@@ -64,16 +64,20 @@ def test_matches_reference_per_row(seed):
 
 def test_worked_example():
     # [7, 1, 2, 9, 1, 2]: 9 would extend the repeat [1, 2] (m = 2); with allowed_length 1
-    # its penalty is multiplier * base ** (2 - 1). A breaker at 1 cuts the match to m = 1.
-    hist = make_history([[7, 1, 2, 9, 1, 2]] * 2, [3, 3], 8)
-    logits = jnp.zeros((2, 10), jnp.float32)
+    # its penalty is multiplier * base ** (2 - 1). A breaker at 1 cuts the match to m = 1;
+    # a breaker at 9 is never penalised as the continuation. With allowed_length 0, 2
+    # (which follows the last token 2 nowhere) is not penalised: a repeat has m >= 1.
+    hist = make_history([[7, 1, 2, 9, 1, 2]] * 4, [3, 3, 3, 3], 8)
+    logits = jnp.zeros((4, 10), jnp.float32)
     proc = DRY.create(
-        2, multiplier=0.5, base=3.0, allowed_length=1, sequence_breakers=[None, [1]]
+        4, multiplier=0.5, base=3.0, allowed_length=[1, 1, 1, 0],
+        sequence_breakers=[None, [1], [9], None],
     )
     out = np.asarray(apply_jit(proc, logits, hist))
-    expected = np.zeros((2, 10), np.float32)
+    expected = np.zeros((4, 10), np.float32)
     expected[0, 9] = -0.5 * 3.0
     expected[1, 9] = -0.5
+    expected[3, 9] = -0.5 * 3.0**2
     np.testing.assert_array_equal(out, expected)
 
 

@@ -78,6 +78,15 @@ def test_closed_forms():
     assert np.isneginf(out).tolist() == [[True, False, False], [False, False, False]]
 
 
+def test_mass_reached_exactly():
+    # p = [0.5, 0.25, 0.125, 0.125] (powers of two, exact in float32): H = 1.213 nats, the
+    # 0.25 token is the most typical and alone reaches mass 0.25 exactly, so it alone stays,
+    # as in transformers (cumulative < mass counts the tokens before the boundary).
+    logits = jnp.asarray(np.log([[0.5, 0.25, 0.125, 0.125]]), jnp.float32)
+    out = np.asarray(apply_jit(TypicalP.create(1, 0.25), logits, make_history([[]], [0], 1)))
+    assert np.isfinite(out).tolist() == [[False, True, False, False]]
+
+
 def test_after_temperature_is_not_a_leaf(compile_counter):
     proc = TypicalP.create(len(MASS), MASS)
     assert TypicalP.after_temperature is True
