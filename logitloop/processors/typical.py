@@ -10,7 +10,9 @@ is far less surprising than average).
 As `transformers.TypicalLogitsWarper(mass, min_tokens_to_keep=1)`: the kept set is every
 token whose score is at most the score of the first token (in score order) at which the
 cumulative probability reaches `mass` (so ties at the boundary are kept), and at least
-the token with the smallest score. It runs after temperature on the scaled logits
+the token with the smallest score. The probability sums are float32 sums in another order
+than transformers' cumulative sum, so the two can differ when the mass at the boundary
+equals `mass` to within rounding. It runs after temperature on the scaled logits
 (`after_temperature = True`), before top-k, top-p and min-p, as `transformers` orders its
 warpers. A row whose logits are all -inf is returned unchanged.
 """
@@ -26,6 +28,8 @@ from flax import struct
 from logitloop.decoding.params import _check_range, _per_row
 from logitloop.decoding.processors import Step
 from logitloop.processors._matching import check_batch_size
+
+_INF_KEY = 0x7F800000  # float32 +inf as int32 bits
 
 
 @struct.dataclass
@@ -50,17 +54,31 @@ class TypicalP:
         return jnp.zeros((batch_size, 0), jnp.int32)  # stateless
 
     def apply(self, state: jax.Array, logits: jax.Array, step: Step) -> jax.Array:
-        vocab = logits.shape[1]
         logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V]; an all -inf row is NaN
-        p = jnp.exp(logp)
+        p = jnp.where(logp > -jnp.inf, jnp.exp(logp), 0.0)  # NaN rows: 0
         entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)  # [B, 1]
-        score = jnp.abs(-logp - entropy)  # [B, V]; inf for -inf logits
-        sorted_score, sorted_p = jax.lax.sort((score, p), dimension=1, num_keys=1)
-        below = jnp.cumsum(sorted_p, axis=-1) < self.mass[:, None]  # [B, V]
-        last = jnp.minimum(jnp.sum(below, axis=-1), vocab - 1)  # [B]
-        threshold = jnp.take_along_axis(sorted_score, last[:, None], axis=1)  # [B, 1]
-        # score > threshold is False for the smallest score (and for NaN rows).
-        drop = (score > threshold) & (self.mass < 1)[:, None]
+        score = jnp.abs(-logp - entropy)  # [B, V] >= 0; inf for -inf logits, NaN rows NaN
+        # The kept set is {score <= tau} for the smallest tau among the scores whose set
+        # holds probability >= mass. Found without sorting: a bisection over the bits of a
+        # non-negative float32 (their int32 order is their value order), 31 masked sums per
+        # row. Tied scores enter together, as transformers' sorted cumulative sum keeps
+        # every score equal to the one at which it reaches `mass`.
+        key = jax.lax.bitcast_convert_type(score, jnp.int32)  # [B, V]
+
+        def halve(_, bounds):  # invariant: mass(lo) < mass <= mass(hi), or hi = +inf
+            lo, hi = bounds
+            mid = lo + (hi - lo) // 2
+            reach = jnp.sum(jnp.where(key <= mid[:, None], p, 0.0), axis=-1) >= self.mass
+            return jnp.where(reach, lo, mid), jnp.where(reach, mid, hi)
+
+        batch = logits.shape[0]
+        lo = jnp.full((batch,), -1, jnp.int32)
+        hi = jnp.full((batch,), _INF_KEY, jnp.int32)  # never reached (rounding): keep all
+        _, hi = jax.lax.fori_loop(0, 31, halve, (lo, hi))
+        tau = jax.lax.bitcast_convert_type(hi, jnp.float32)  # [B]
+        # score > tau is False for the smallest score (kept: min_tokens_to_keep = 1) and
+        # for NaN rows, which pass through.
+        drop = (score > tau[:, None]) & (self.mass < 1)[:, None]
         return jnp.where(drop, -jnp.inf, logits)
 
     def update(self, state: jax.Array, tokens: jax.Array, step: Step) -> jax.Array:
