@@ -55,7 +55,7 @@ class TypicalP:
 
     def apply(self, state: jax.Array, logits: jax.Array, step: Step) -> jax.Array:
         logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V]; an all -inf row is NaN
-        p = jnp.where(logp > -jnp.inf, jnp.exp(logp), 0.0)  # NaN rows: 0
+        p = jnp.exp(logp)
         entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)  # [B, 1]
         score = jnp.abs(-logp - entropy)  # [B, V] >= 0; inf for -inf logits, NaN rows NaN
         # The kept set is {score <= tau} for the smallest tau among the scores whose set
@@ -77,7 +77,7 @@ class TypicalP:
         _, hi = jax.lax.fori_loop(0, 31, halve, (lo, hi))
         tau = jax.lax.bitcast_convert_type(hi, jnp.float32)  # [B]
         # score > tau is False for the smallest score (kept: min_tokens_to_keep = 1) and
-        # for NaN rows, which pass through.
+        # for NaN rows (their masked sums are NaN, so tau stays +inf): they pass through.
         drop = (score > tau[:, None]) & (self.mass < 1)[:, None]
         return jnp.where(drop, -jnp.inf, logits)
 

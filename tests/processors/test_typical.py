@@ -87,6 +87,24 @@ def test_mass_reached_exactly():
     assert np.isfinite(out).tolist() == [[False, True, False, False]]
 
 
+def test_scores_one_ulp_apart_split_at_the_boundary():
+    # Tokens 0 and 1 differ by one float32 ulp of their logit, so their scores differ by
+    # about two ulps; `mass` is put where token 0 reaches it and token 1 would exceed it.
+    logits = np.asarray([2.0, np.nextafter(np.float32(2), np.float32(3)), 0, 0.5, -1, 1,
+                         -0.5, 0.25], np.float32)
+    logp = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    score = np.abs(-logp - -(np.exp(logp) * logp).sum())
+    before = np.exp(logp)[score < min(score[0], score[1])].sum()
+    mass = before + np.exp(logp[0]) / 2
+    assert score[1] > score[0]
+    expected, margin = typical_row(logits, float(np.float32(mass)))
+    assert margin > 0 and np.isfinite(expected[0]) and np.isneginf(expected[1])
+    out = np.asarray(
+        apply_jit(TypicalP.create(1, mass), jnp.asarray(logits[None]), make_history([[]], [0], 1))
+    )
+    _check_row(out[0], logits, expected, "one-ulp split")
+
+
 def test_after_temperature_is_not_a_leaf(compile_counter):
     proc = TypicalP.create(len(MASS), MASS)
     assert TypicalP.after_temperature is True
