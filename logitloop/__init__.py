@@ -23,15 +23,18 @@ from logitloop.decoding.sampler import (
     sampling_distribution,
 )
 from logitloop.models.loading import load_pretrained
+from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
 __all__ = [
     "STATUS_ALL_MASKED",
     "STATUS_BAD_LOGITS",
     "STATUS_OK",
+    "DRY",
     "DecodeState",
     "FunctionModel",
     "GenerationResult",
     "History",
+    "NoRepeatNGram",
     "Processor",
     "Request",
     "SampleOutput",
@@ -39,6 +42,7 @@ __all__ = [
     "Step",
     "StreamEvent",
     "TopLogprobs",
+    "TypicalP",
     "chat",
     "generate",
     "generate_many",
