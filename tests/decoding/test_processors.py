@@ -274,3 +274,28 @@ def test_explain_shows_the_processors_stage(model):
     cut = forced.cut
     assert cut[5] == ex.KEPT and all(cut[t] == ex.CUT_PROCESSOR for t in range(V) if t != 5)
     assert ex.explain_next_token(model, [1, 2, 3], params).processed is None
+
+
+def test_shipped_processors_in_the_loop(model, table):
+    """NoRepeatNGram(2) and TypicalP inside generate: the greedy row never repeats a bigram
+    of its prompt and output (a NumPy loop gives the expected tokens); mass 1 is off."""
+    prompts = [[1, 2, 3, 1], [4, 5]]
+    params = ll.SamplingParams.create(2, temperature=0.0, max_tokens=24)
+    got = ll.generate(
+        model,
+        prompts,
+        params,
+        processors=[ll.NoRepeatNGram.create(2, size=[2, 0]), ll.TypicalP.create(2, mass=1.0)],
+    )
+    seq = list(prompts[0])
+    for _ in range(24):
+        logits = np.zeros(V)
+        logits[table[seq[-1], len(seq) - 1]] = 10.0
+        for i in range(len(seq) - 1):
+            if seq[i] == seq[-1]:
+                logits[seq[i + 1]] = -np.inf
+        seq.append(int(np.argmax(logits)))
+    assert got.token_ids[0] == seq[len(prompts[0]) :]
+    pairs = list(zip(seq[:-1], seq[1:], strict=True))
+    assert len(pairs) == len(set(pairs))
+    assert got.token_ids[1] == ll.generate(model, prompts[1:], params.take([1])).token_ids[0]
