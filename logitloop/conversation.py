@@ -30,7 +30,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-import jax.numpy as jnp
 import jinja2
 import jinja2.ext
 import jinja2.nodes
@@ -38,7 +37,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
-from logitloop.decoding.params import SamplingParams, bucket_width
+from logitloop.decoding.params import SamplingParams
 from logitloop.models.loading import _read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -367,15 +366,6 @@ def end_of_turn_ids(model: Any, chat_template: ChatTemplate | None = None) -> tu
     return tuple(i for i in dict.fromkeys(int(i) for i in ids) if 0 <= i < vocab)
 
 
-def with_stop_token_ids(params: SamplingParams, ids: Sequence[int]) -> SamplingParams:
-    """`params` with `ids` added to every row's stop token ids."""
-    stops = np.asarray(params.stop_token_ids)  # [B, Ns], -1 = unused slot
-    rows = [list(dict.fromkeys([*(int(t) for t in row if t >= 0), *ids])) for row in stops]
-    width = max(stops.shape[1], bucket_width(max(map(len, rows))))
-    padded = np.array([row + [-1] * (width - len(row)) for row in rows], np.int32)
-    return params.replace(stop_token_ids=jnp.asarray(padded))
-
-
 def render_messages(
     model: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -468,8 +458,10 @@ def _chat_inputs(
     add_generation_prompt: bool = True,
     chat_template: ChatTemplate | None = None,
     template_variables: Mapping[str, Any] | None = None,
+    ignore_eos: bool = False,
 ) -> tuple[list[list[int]], SamplingParams]:
-    """The conversations' prompt ids, and params that stop at the end of a turn."""
+    """The conversations' prompt ids, and params that stop at the end of a turn (unless
+    `ignore_eos`: then neither EOS nor the end-of-turn token stops a row)."""
     if (
         isinstance(conversations, (str, Mapping))
         or not isinstance(conversations, Sequence)
@@ -497,7 +489,9 @@ def _chat_inputs(
         params = SamplingParams.from_model(model, len(prompts))
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams or None, got {type(params)!r}")
-    return prompts, with_stop_token_ids(params, end_of_turn_ids(model, template))
+    if ignore_eos:
+        return prompts, params
+    return prompts, params.with_stop_token_ids(end_of_turn_ids(model, template))
 
 
 def chat(
@@ -509,6 +503,7 @@ def chat(
     add_generation_prompt: bool = True,
     chat_template: ChatTemplate | None = None,
     template_variables: Mapping[str, Any] | None = None,
+    ignore_eos: bool = False,
     **generate_kwargs: Any,
 ) -> GenerationResult:
     """Reply to each conversation (a list of `{"role", "content"}` messages).
@@ -519,12 +514,19 @@ def chat(
     Every row also stops at `end_of_turn_ids(model)`; `result.text[i]` is the reply without
     the end-of-turn token, `result.prompt_token_ids[i]` the rendered conversation.
     `template_variables` reach the template (e.g. `{"enable_thinking": False}`);
-    `generate_kwargs` reach `ll.generate`.
+    `ignore_eos=True`: neither EOS nor the end-of-turn token stops a row (`max_tokens` and
+    the params' own stops do); `generate_kwargs` reach `ll.generate`.
     """
     prompts, params = _chat_inputs(
-        model, conversations, params, add_generation_prompt, chat_template, template_variables
+        model,
+        conversations,
+        params,
+        add_generation_prompt,
+        chat_template,
+        template_variables,
+        ignore_eos,
     )
-    return generate(model, prompts, params, n=n, **generate_kwargs)
+    return generate(model, prompts, params, n=n, ignore_eos=ignore_eos, **generate_kwargs)
 
 
 def stream_chat(
@@ -541,6 +543,7 @@ def stream_chat(
     """
     names = ("add_generation_prompt", "chat_template", "template_variables")
     options = {name: kwargs.pop(name) for name in names if name in kwargs}
+    options["ignore_eos"] = kwargs.get("ignore_eos", False)
     prompts, params = _chat_inputs(model, conversations, params, **options)
     return stream(model, prompts, params, **kwargs)
 

@@ -50,6 +50,15 @@ def test_stream_chat_ends_at_end_of_turn(scripted_chat):
     assert (events[-1].finish_reason, events[-1].stop_reason) == ("stop", IM_END)
 
 
+def test_ignore_eos_runs_past_the_end_of_turn(scripted_chat):
+    s = scripted_chat
+    params = ll.SamplingParams.create(1, temperature=0, max_tokens=len(s.reply_ids) + 3)
+    result = ll.chat(s.model, [CONVERSATION], params, chat_template=s.template, ignore_eos=True)
+    assert result.token_ids[0][: len(s.reply_ids) + 1] == [*s.reply_ids, IM_END]
+    assert result.finish_reason[0] == "length"
+    assert result.num_tokens[0] == len(s.reply_ids) + 3
+
+
 def test_end_of_turn_ids_from_the_folder(chat_model):
     # generation_config.json's eos_token_id list, and the template's <|eot_id|>
     assert set(end_of_turn_ids(chat_model)) == {*GENERATION_CONFIG["eos_token_id"], EOT}
