@@ -9,7 +9,8 @@ and a wide top-p 0.99) and `ll.generate` on the llama-40m configuration (prompt 
 tokens; batch 1 and 8; greedy and top-p 0.9): each the median of `--repeats` calls after a
 warm-up call (`--part` picks one half). The table gives, per measurement, the median over
 rounds for each tree and new / base (below 1: the new tree is faster). Used to check that
-a refactor costs nothing.
+a refactor costs nothing. A tree with user processors also times one trivial processor
+(one elementwise pass) against the same call without it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,39 @@ for batch in (1, 8) if part in ("all", "generate") else ():
         p = ll.SamplingParams.create(batch_size=batch, max_tokens=128, seed=0, **extra)
         fn = lambda p=p, prompts=prompts: ll.generate(model, prompts, p, ignore_eos=True).token_ids
         out[f"generate b{batch} {name}"] = median_time(fn, repeats, warmup=1)
+if hasattr(ll, "Step"):  # trees with user processors: one trivial processor's cost
+    from flax import struct
+
+    @struct.dataclass
+    class AddBias:  # one elementwise pass: logits + a per-row value
+        bias: jax.Array
+
+        def init(self, batch_size, vocab_size):
+            return jnp.zeros((batch_size, 0))
+
+        def apply(self, state, logits, step):
+            return logits + self.bias[:, None]
+
+        def update(self, state, tokens, step):
+            return state
+
+    for batch in (8, 64) if part in ("all", "sample") else ():
+        logits = jnp.asarray(rng.normal(size=(batch, 128256)).astype(np.float32) * 4)
+        pos = jnp.zeros(batch, jnp.int32)
+        p = ll.SamplingParams.create(batch_size=batch, seed=list(range(batch)), top_p=0.9)
+        proc = [AddBias(bias=jnp.full((batch,), 0.5))]
+        fn = lambda p=p, proc=proc: ll.sample(logits, p, pos, processors=proc).tokens
+        out[f"processor sample {batch}x128256 top_p"] = median_time(fn, repeats, warmup=1)
+        fn = lambda p=p: ll.sample(logits, p, pos).tokens
+        out[f"plain sample {batch}x128256 top_p"] = median_time(fn, repeats, warmup=1)
+    for batch in (8,) if part in ("all", "generate") else ():
+        prompts = rng.integers(0, 32000, (batch, 64)).tolist()
+        p = ll.SamplingParams.create(batch_size=batch, max_tokens=128, seed=0, top_p=0.9)
+        proc = [AddBias(bias=jnp.full((batch,), 0.5))]
+        fn = lambda p=p, prompts=prompts, proc=proc: ll.generate(
+            model, prompts, p, ignore_eos=True, processors=proc
+        ).token_ids
+        out[f"processor generate b{batch} top_p"] = median_time(fn, repeats, warmup=1)
 print("RESULT:" + json.dumps(out))
 """
 
@@ -92,6 +126,15 @@ def main() -> None:
         print(f"{key:<34} {1e3 * b:>9.2f} {1e3 * n:>9.2f} {n / b:>9.3f}")
     ratios = [r["ratio"] for r in rows]
     print(f"median new/base {statistics.median(ratios):.3f}, worst {max(ratios):.3f}")
+    # The new tree alone: one trivial processor against the same call without it.
+    for key in runs["new"][0]:
+        if not key.startswith("processor "):
+            continue
+        plain = key.replace("processor sample", "plain sample").replace("processor ", "")
+        w = statistics.median(r[key] for r in runs["new"])
+        wo = statistics.median(r[plain] for r in runs["new"])
+        rows.append(dict(measurement=key, without=wo, with_processor=w, ratio=w / wo))
+        print(f"{key:<34} {1e3 * wo:>9.2f} {1e3 * w:>9.2f} {w / wo:>9.3f}  (without, with)")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(runs=runs, rows=rows), indent=2))
 

@@ -21,8 +21,8 @@ travel in the loop's state; a row that stopped keeps its state. On a mesh, the s
 step then holds whole rows of the vocabulary on each device (processors see all of `V`).
 
 A processor that sets every token of a row to -inf gives the row the defined all-masked
-outcome (finish reason "error"), never NaN; one that writes NaN or +inf gives it the
-bad-logits outcome (finish reason "error" too).
+outcome (finish reason "error"), never NaN. NaN written by a processor counts as -inf (a
+masked token); +inf gives the row the bad-logits outcome (finish reason "error" too).
 """
 
 from __future__ import annotations
@@ -105,12 +105,12 @@ def apply_all(
     step: Step,
     *,
     late: bool,
-) -> tuple[jax.Array, jax.Array]:
+) -> jax.Array:
     """Run the processors of one place in the order (`late`: after temperature).
 
-    Returns the logits and [B] bool: rows where a processor wrote NaN or +inf (the sampler
-    gives them the bad-logits outcome, finish reason "error")."""
-    bad = jnp.zeros(logits.shape[:1], bool)
+    Nothing else touches the logits here, so a trivial processor costs its own pass only:
+    NaN is read as -inf (masked) by the steps after, and a row whose maximum is +inf gets
+    the bad-logits outcome (`sampler.Processed.status`)."""
     for i, (p, s) in enumerate(zip(processors, states, strict=True)):
         if after_temperature(p) != late:
             continue
@@ -120,10 +120,8 @@ def apply_all(
                 f"{_name(i, p)}.apply() returned shape {jnp.shape(out)}, not the logits' "
                 f"{logits.shape}"
             )
-        out = out.astype(jnp.float32)
-        bad = bad | jnp.any(jnp.isnan(out) | (out == jnp.inf), axis=1)
-        logits = jnp.where(jnp.isnan(out), -jnp.inf, out)
-    return logits, bad
+        logits = out.astype(jnp.float32)
+    return logits
 
 
 def update_all(

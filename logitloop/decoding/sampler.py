@@ -26,7 +26,7 @@ Per row, in this order (each step is one pure function in `transforms.py` or
    rows share the batch or where it sits.
 
 Rows that cannot be sampled get a defined outcome, never NaN or an out-of-vocabulary id:
-logits holding NaN or +inf (or a processor writing them) give `status == STATUS_BAD_LOGITS`,
+logits holding NaN or +inf (or a processor writing +inf) give `status == STATUS_BAD_LOGITS`,
 rows where steps 1-2 or a processor mask every token give `status == STATUS_ALL_MASKED`;
 both return token 0 with log-probabilities -inf, and `generate` ends such a row with
 finish_reason "error".
@@ -107,8 +107,10 @@ class Processed:
         if row_max is None:
             row_max = jnp.max(self.scaled, axis=1)
         all_masked = row_max == NEG_INF
+        # +inf can only come from a processor: steps 1-4 saturate at the float32 maximum.
+        bad = self.bad | (row_max == jnp.inf)
         status = jnp.where(
-            self.bad, STATUS_BAD_LOGITS, jnp.where(all_masked, STATUS_ALL_MASKED, STATUS_OK)
+            bad, STATUS_BAD_LOGITS, jnp.where(all_masked, STATUS_ALL_MASKED, STATUS_OK)
         )
         return status.astype(jnp.int32)
 
@@ -169,13 +171,11 @@ def adjust_logits(
             raise ValueError("processors need whole rows of the vocabulary on each device")
         done = jnp.zeros(positions.shape, bool) if done is None else done
         step = procs.Step(positions=positions, history=history, done=done)
-        z, early_bad = procs.apply_all(params.processors, states, z, step, late=False)
+        z = procs.apply_all(params.processors, states, z, step, late=False)
         if any(procs.after_temperature(p) for p in params.processors):
             z = scale_logits(z, temperature)
-            z, late_bad = procs.apply_all(params.processors, states, z, step, late=True)
-            early_bad = early_bad | late_bad
+            z = procs.apply_all(params.processors, states, z, step, late=True)
             temperature = jnp.where(greedy, 0.0, 1.0)  # `adjusted` is scaled already
-        bad = bad | early_bad
     return Processed(
         raw=raw,
         raw_max=raw_max,

@@ -80,14 +80,17 @@ class LateBias:
 
 
 @struct.dataclass
-class MaskAll:
+class FillRows:
+    """Overwrites every logit of the chosen rows with `fill` (-inf: all masked; +inf, NaN)."""
+
     rows: jax.Array  # [B] bool
+    fill: jax.Array  # [B] f32
 
     def init(self, batch_size, vocab_size):
         return jnp.zeros((batch_size, 0))
 
     def apply(self, state, logits, step):
-        return jnp.where(self.rows[:, None], -jnp.inf, logits)
+        return jnp.where(self.rows[:, None], self.fill[:, None], logits)
 
     def update(self, state, tokens, step):
         return state
@@ -219,13 +222,25 @@ def test_after_temperature_against_float64():
     assert np.abs(got[0] - early[0]).max() > 1e-4  # 300 x the tolerance above
 
 
-def test_every_token_masked_is_an_error_row(model):
+def test_every_token_masked_or_inf_is_an_error_row(model):
     params = ll.SamplingParams.create(4, temperature=[0.0, 1.0, 0.0, 1.0], max_tokens=5)
-    mask = MaskAll(rows=jnp.asarray([False, True, False, False]))
-    got = ll.generate(model, PROMPTS, params, processors=[mask])
-    assert got.finish_reason == ["length", "error", "length", "length"]
-    assert got.token_ids[1] == [0] or got.token_ids[1] == []
-    assert all(np.isfinite(v) for r in (0, 2, 3) for v in got.logprobs[r])
+    fill = FillRows(
+        rows=jnp.asarray([False, True, True, True]),
+        fill=jnp.asarray([0.0, -jnp.inf, jnp.inf, jnp.nan]),
+    )
+    got = ll.generate(model, PROMPTS, params, processors=[fill])
+    # NaN everywhere reads as every token masked: an error row too.
+    assert got.finish_reason == ["length", "error", "error", "error"]
+    assert got.token_ids[1:] == [[], [], []]
+    assert all(np.isfinite(v) for v in got.logprobs[0])
+    logits = jnp.zeros((4, V))
+    out = ll.sample(logits, ll.SamplingParams.create(4), jnp.zeros(4, jnp.int32), processors=[fill])
+    assert out.status.tolist() == [
+        ll.STATUS_OK,
+        ll.STATUS_ALL_MASKED,
+        ll.STATUS_BAD_LOGITS,
+        ll.STATUS_ALL_MASKED,
+    ]
 
 
 @pytest.mark.parametrize(
