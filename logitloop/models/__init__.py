@@ -11,8 +11,9 @@ and register their `model_type`s in `registry.py`, which `config_from_hf`,
 and the norms; `config.py` the configs and their `config.json` parsers.
 """
 
-from logitloop.models.config import GPT2Config, LlamaConfig, RopeConfig, config_from_hf
+from logitloop.models.config import GemmaConfig, GPT2Config, LlamaConfig, RopeConfig, config_from_hf
 from logitloop.models.decoder import DecoderModel
+from logitloop.models.gemma import GemmaModel  # registers "gemma2", "gemma3_text"
 from logitloop.models.gpt2 import GPT2Model  # registers "gpt2"
 from logitloop.models.llama import LlamaModel  # registers "llama", "mistral", "qwen2", "qwen3"
 from logitloop.models.loading import load_pretrained
@@ -22,6 +23,8 @@ from logitloop.models.tokenizer import Tokenizer
 
 __all__ = [
     "DecoderModel",
+    "GemmaConfig",
+    "GemmaModel",
     "GPT2Config",
     "GPT2Model",
     "LlamaConfig",

@@ -96,6 +96,27 @@ class LlamaConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmaConfig(LlamaConfig):
+    """Gemma 2 and Gemma 3 (text): the Llama fields plus what Gemma changes.
+
+    Attributes:
+      local_rope: the RoPE of the sliding-window layers (Gemma 3's `rope_local_base_freq`);
+        `rope` serves the global ones.
+      query_pre_attn_scalar: queries are scaled by `query_pre_attn_scalar ** -0.5`.
+      attn_logit_softcapping / final_logit_softcapping: `cap * tanh(x / cap)` on the
+        attention scores / the output logits (Gemma 2), or None.
+    """
+
+    model_type: str = "gemma2"
+    local_rope: RopeConfig = RopeConfig()
+    query_pre_attn_scalar: float = 256.0
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GPT2Config:
     """GPT-2: learned positions, pre-LayerNorm blocks, tied LM head."""
 
@@ -339,6 +360,96 @@ def llama_config_from_hf(
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         eos_token_id=hf.eos_token_id,
         bos_token_id=hf.bos_token_id,
+    )
+
+
+def _layer_type_windows(hf: HFConfig, num_layers: int, pattern: int) -> tuple[int | None, ...]:
+    """Gemma: the window on "sliding_attention" layers (`layer_types`, or by default every
+    layer but each `pattern`-th), None on "full_attention" ones."""
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"{hf.source}: layer_types has {len(layer_types)} entries for {num_layers} layers"
+        )
+    for t in layer_types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise ValueError(f"{hf.source}: unsupported layer_types entry {t!r}")
+    if window is None:
+        return (None,) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def _optional_float(hf: HFConfig, key: str) -> float | None:
+    value = hf.get(key)
+    return None if value is None else float(value)
+
+
+def gemma_config_from_hf(hf: HFConfig) -> GemmaConfig:
+    """A `GemmaConfig` from a gemma2 or gemma3_text `config.json` (or the `text_config` of a
+    gemma3 one)."""
+    gemma3 = hf.model_type != "gemma2"
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"{hf.source}: use_bidirectional_attention = true is not supported (causal "
+            "decoding only)"
+        )
+    num_layers = int(hf.need("num_hidden_layers"))
+    if gemma3:
+        windows = _layer_type_windows(hf, num_layers, int(hf.get("sliding_window_pattern", 6)))
+        global_rope, local_rope = _gemma3_ropes(hf)
+    else:
+        windows = _layer_type_windows(hf, num_layers, 2)
+        global_rope = local_rope = _rope_from_hf(hf.fields, hf.source)
+    base = llama_config_from_hf(
+        dataclasses.replace(
+            hf,
+            fields={
+                **hf.fields,
+                "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act")
+                or "gelu_pytorch_tanh",
+                "rope_parameters": None,
+                "rope_scaling": None,
+                "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+            },
+        ),
+        qk_norm=gemma3,
+    )
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)}
+    return GemmaConfig(
+        **{
+            **fields,
+            "model_type": hf.model_type,
+            "rope": global_rope,
+            "sliding_windows": windows,
+        },
+        local_rope=local_rope,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=_optional_float(hf, "attn_logit_softcapping"),
+        final_logit_softcapping=_optional_float(hf, "final_logit_softcapping"),
+    )
+
+
+def _gemma3_ropes(hf: HFConfig) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's (global, local) RoPE: `rope_parameters` keyed by layer type (transformers
+    >= 5), or `rope_theta` + `rope_scaling` for the global layers and
+    `rope_local_base_freq` for the local ones (older files)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        return (
+            _rope_from_hf({"rope_parameters": {"rope_theta": 1e6, **full}}, hf.source),
+            _rope_from_hf({"rope_parameters": {"rope_theta": 1e4, **local}}, hf.source),
+        )
+    full = {"rope_theta": hf.get("rope_theta", 1e6), **(params or hf.get("rope_scaling") or {})}
+    local = {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+    return (
+        _rope_from_hf({"rope_parameters": full}, hf.source),
+        _rope_from_hf({"rope_parameters": local}, hf.source),
     )
 
 

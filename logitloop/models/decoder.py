@@ -7,6 +7,7 @@ parameters under the names its checkpoint map targets and puts its blocks in
   embed(tokens, positions) -> [B, T, E]   token embedding (plus learned positions, GPT-2)
   output_norm(x) -> x                      the final LayerNorm / RMSNorm
   head_weight() -> [V, E]                  the LM head (the embedding when tied)
+  output_logits(logits) -> logits          after the head, float32 (soft-capping, Gemma 2)
 
 Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`; what
 happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
@@ -51,6 +52,11 @@ class DecoderModel(nnx.Module):
         """The LM head, `[V, E]`."""
         raise NotImplementedError
 
+    def output_logits(self, logits: jax.Array) -> jax.Array:
+        """The float32 `[B, V]` logits after the LM head -> what the model returns
+        (identity; Gemma 2 soft-caps them)."""
+        return logits
+
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length."""
         c = self.config
@@ -94,4 +100,4 @@ class DecoderModel(nnx.Module):
         logits = jnp.einsum(
             "be,ve->bv", last, self.head_weight(), preferred_element_type=jnp.float32
         )
-        return logits, new_cache
+        return self.output_logits(logits), new_cache

@@ -107,6 +107,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * x32.astype(x.dtype)
 
 
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: scale by `1 + weight`, all in float32, then cast to `x.dtype`
+    (Llama casts before scaling; Gemma multiplies first, as `transformers` does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping); identity when `cap` is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """LayerNorm over the last axis; statistics in float32, result in `x.dtype`."""
     x32 = x.astype(jnp.float32)
@@ -180,6 +193,18 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
+def rope_qk(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, T, Hkv, D]
+    positions: jax.Array,  # [B, T] int
+    rope: RopeConfig,
+    head_dim: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Queries and keys rotated by `rope` (its frequencies are host constants)."""
+    inv_freq = rope_inverse_frequencies(rope, head_dim)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+
 def init_kv_cache(
     batch_size: int, max_length: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype
 ) -> KVCache:
@@ -233,12 +258,14 @@ def attend(
     v: jax.Array,  # [B, Hkv, S, D]
     mask: jax.Array,  # [B, T, S] bool
     scale: float,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S cache slots; returns `[B, T, H, D]`.
 
     Each of the Hkv key/value heads serves H // Hkv consecutive query heads (HF's
     `repeat_kv` layout). Scores and softmax are float32; the weighted sum runs in the
-    query dtype.
+    query dtype. With `softcap`, the scaled scores become `softcap * tanh(score / softcap)`
+    before masking (Gemma 2).
 
     A decode step (T = 1) over a cache of `MIN_PREFIX_SLOTS` slots or more reads only the
     shortest of S/8, S/4, S/2 or S slots that holds every slot some row may see: with a
@@ -248,14 +275,16 @@ def attend(
     """
     slots = k.shape[2]
     if q.shape[1] != 1 or slots < MIN_PREFIX_SLOTS:
-        return _attend(q, k, v, mask, scale)
+        return _attend(q, k, v, mask, scale, softcap)
     extents = sorted({-(-slots // f) for f in PREFIX_FRACTIONS} | {slots})
     # One past the last slot any row may see (0 when no row sees any).
     needed = jnp.max(jnp.where(mask, jnp.arange(1, slots + 1), 0))
     branch = jnp.sum(jnp.asarray(extents[:-1]) < needed)  # the shortest extent >= needed
 
     def prefix(e):
-        return lambda q, k, v, mask: _attend(q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale)
+        return lambda q, k, v, mask: _attend(
+            q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale, softcap
+        )
 
     return jax.lax.switch(branch, [prefix(e) for e in extents], q, k, v, mask)
 
@@ -268,6 +297,7 @@ def cached_attention(
     cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
     mask: jax.Array,  # [B, T, S] bool
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Write this call's keys/values into one layer's cache, then `attend` over the cache.
 
@@ -277,17 +307,17 @@ def cached_attention(
         "k": write_cache(cache["k"], k, positions),
         "v": write_cache(cache["v"], v, positions),
     }
-    return attend(q, cache["k"], cache["v"], mask, scale=scale), cache
+    return attend(q, cache["k"], cache["v"], mask, scale=scale, softcap=softcap), cache
 
 
-def _attend(q, k, v, mask, scale):
+def _attend(q, k, v, mask, scale, softcap=None):
     b, t, h, d = q.shape
     hkv = k.shape[1]
     q = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
     k = k.astype(q.dtype)
     v = v.astype(q.dtype)
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * scale
+    scores = soft_cap(scores * scale, softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)  # [B, Hkv, G, T, S]
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)  # [B, T, Hkv, G, D]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitloop.models import GPT2Model, LlamaModel, load_pretrained
+from logitloop.models import GemmaModel, GPT2Model, LlamaModel, load_pretrained
 
 from .tiny_checkpoints import (
     CASES,
@@ -48,8 +48,8 @@ def forward(pair):
 
 def test_loaded_model_matches_architecture(pair):
     case, hf, model = pair
-    expected = GPT2Model if case == "gpt2" else LlamaModel
-    assert isinstance(model, expected)
+    expected = {"gpt2": GPT2Model, "gemma2": GemmaModel, "gemma3_text": GemmaModel}
+    assert type(model) is expected.get(case, LlamaModel)
     assert model.config.vocab_size == hf.config.vocab_size
     assert model.dtype == jnp.float32
 

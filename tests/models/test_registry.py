@@ -15,6 +15,8 @@ from safetensors.numpy import save_file
 import logitloop as ll
 from logitloop.models import (
     DecoderModel,
+    GemmaConfig,
+    GemmaModel,
     GPT2Config,
     GPT2Model,
     LlamaConfig,
@@ -38,6 +40,8 @@ def test_every_hf_model_type_maps_to_its_architecture():
         "mistral": (LlamaConfig, LlamaModel),
         "qwen2": (LlamaConfig, LlamaModel),
         "qwen3": (LlamaConfig, LlamaModel),
+        "gemma2": (GemmaConfig, GemmaModel),
+        "gemma3_text": (GemmaConfig, GemmaModel),
     }
     assert set(registry.model_types()) == set(expected)
     for model_type, (config_class, model_class) in expected.items():

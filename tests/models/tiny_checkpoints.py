@@ -31,6 +31,15 @@ _LLAMA_SIZES = dict(
     eos_token_id=2,
 )
 
+_GEMMA_SIZES = dict(
+    _LLAMA_SIZES,
+    num_hidden_layers=4,
+    head_dim=16,
+    sliding_window=5,
+    query_pre_attn_scalar=24,  # not head_dim
+    pad_token_id=0,
+)
+
 CASES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_SIZES, tie_word_embeddings=False)),
     "llama3_rope": (
@@ -80,6 +89,29 @@ CASES = {
             max_window_layers=1,  # layer 0 full attention, layer 1 sliding
         ),
     ),
+    # Gemma: window 5 < the prompts (5, 13, 9); sliding and global layers alternate.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            _GEMMA_SIZES,
+            tie_word_embeddings=False,
+            attn_logit_softcapping=3.0,  # small caps, so that both bite
+            final_logit_softcapping=5.0,
+            rope_parameters=dict(rope_type="default", rope_theta=500.0),
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _GEMMA_SIZES,
+            tie_word_embeddings=True,
+            sliding_window_pattern=2,  # layers 0, 2 local; 1, 3 global
+            rope_theta=5000.0,
+            rope_local_base_freq=100.0,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -105,6 +137,14 @@ def build_hf_model(case: str, seed: int = 0):
     config_cls, model_cls, kwargs = CASES[case]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    if config_cls.startswith("Gemma"):
+        # HF starts Gemma's (1 + weight) norms at weight 0; make them random so a norm
+        # that forgot the 1, or the weight, shows. Larger post-norms keep the blocks from
+        # being drowned by the sqrt(hidden)-scaled embedding (greedy would only repeat).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3).add_(3.0 if ".post_" in name else 0.0)
     return model.eval()
 
 

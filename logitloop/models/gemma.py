@@ -1,0 +1,100 @@
+"""Gemma 2 and Gemma 3 (text) in Flax NNX: the Llama decoder with Gemma's changes.
+
+What differs from `llama.py`, each switched by `GemmaConfig`:
+  - the embedding is multiplied by sqrt(hidden_size), rounded to the parameter dtype;
+  - RMSNorm scales by `1 + weight`, in float32 (`layers.gemma_rms_norm`);
+  - each block normalises attention and MLP outputs too (pre- and post-norms);
+  - queries are scaled by `query_pre_attn_scalar ** -0.5`, not `head_dim ** -0.5`;
+  - attention scores and output logits may be soft-capped (Gemma 2);
+  - sliding-window layers alternate with global ones and, in Gemma 3, have their own
+    RoPE base (`local_rope`); Gemma 3 adds per-head RMSNorm on queries and keys.
+The MLP is Llama's gated one with GELU (tanh) as the config names it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from logitloop.models import layers, llama, registry
+from logitloop.models.config import GemmaConfig, gemma_config_from_hf
+from logitloop.models.layers import CheckpointTensor
+
+
+class GemmaBlock(llama.LlamaBlock):
+    """Attention and MLP, each between a pre-norm and a post-norm, then the residual."""
+
+    norm_init = "zeros"  # Gemma norms scale by (1 + weight)
+
+    def __init__(self, config: GemmaConfig, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        super().__init__(config, layer, dtype=dtype, rngs=rngs)
+        e = config.hidden_size
+        self.post_attn_norm = layers.param(rngs, (e,), dtype, ("embed",), init="zeros")
+        self.post_mlp_norm = layers.param(rngs, (e,), dtype, ("embed",), init="zeros")
+        if config.sliding_windows[layer] is not None:
+            self.rope = config.local_rope
+        self.scale = float(config.query_pre_attn_scalar) ** -0.5
+        self.softcap = config.attn_logit_softcapping
+
+    def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        return layers.gemma_rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, E]
+        positions: jax.Array,  # [B, T] int, -1 for padding
+        cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
+        mask: jax.Array,  # [B, T, S] bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        attn, cache = self.attention(self.norm(x, self.attn_norm[...]), positions, cache, mask)
+        x = x + self.norm(attn, self.post_attn_norm[...])
+        out = self.mlp(self.norm(x, self.mlp_norm[...]))
+        return x + self.norm(out, self.post_mlp_norm[...]), cache
+
+
+class GemmaModel(llama.LlamaModel):
+    """A Gemma 2 / Gemma 3 text causal LM (see the module docstring)."""
+
+    block_class = GemmaBlock
+
+    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        # transformers keeps sqrt(hidden) as a float32 buffer and casts it to the weights'
+        # dtype before multiplying; so do we.
+        scale = jnp.asarray(np.float32(self.config.hidden_size**0.5), self.dtype)
+        return super().embed(tokens, positions) * scale
+
+    def output_norm(self, x: jax.Array) -> jax.Array:
+        return layers.gemma_rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+
+    def output_logits(self, logits: jax.Array) -> jax.Array:
+        return layers.soft_cap(logits, self.config.final_logit_softcapping)
+
+
+def checkpoint_tensors(config: GemmaConfig) -> dict[str, CheckpointTensor]:
+    """Llama's tensors, with Gemma's four norms per block."""
+    e = config.hidden_size
+    out = llama.checkpoint_tensors(config)
+    for i in range(config.num_layers):
+        hf, t = f"model.layers.{i}.", ("layers", i)
+        for name, target in (
+            ("post_attention_layernorm", "post_attn_norm"),
+            ("pre_feedforward_layernorm", "mlp_norm"),
+            ("post_feedforward_layernorm", "post_mlp_norm"),
+        ):
+            out[hf + name + ".weight"] = CheckpointTensor((*t, target), (e,))
+    return out
+
+
+for _model_type in ("gemma2", "gemma3_text"):
+    registry.register(
+        registry.ModelFamily(
+            model_type=_model_type,
+            config_class=GemmaConfig,
+            parse_config=gemma_config_from_hf,
+            model_class=GemmaModel,
+            checkpoint_tensors=checkpoint_tensors,
+            is_ignored_tensor=llama.is_ignored_tensor,
+        )
+    )
