@@ -13,7 +13,7 @@ and the norms; `config.py` the configs and their `config.json` parsers.
 
 from logitloop.models.config import GemmaConfig, GPT2Config, LlamaConfig, RopeConfig, config_from_hf
 from logitloop.models.decoder import DecoderModel
-from logitloop.models.gemma import GemmaModel  # registers "gemma2", "gemma3_text"
+from logitloop.models.gemma import GemmaModel  # registers "gemma2", "gemma3_text", "gemma3"
 from logitloop.models.gpt2 import GPT2Model  # registers "gpt2"
 from logitloop.models.llama import LlamaModel  # registers "llama", "mistral", "qwen2", "qwen3"
 from logitloop.models.loading import load_pretrained

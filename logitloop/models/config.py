@@ -433,6 +433,24 @@ def gemma_config_from_hf(hf: HFConfig) -> GemmaConfig:
     )
 
 
+def gemma3_config_from_hf(hf: HFConfig) -> GemmaConfig:
+    """A `GemmaConfig` for the language model of a multimodal gemma3 checkpoint, from its
+    `text_config` (the vision tower is not loaded)."""
+    text = hf.need("text_config")
+    source = f"{hf.source} (text_config)"
+    _check_hf_fields(text, None, source, source)
+    eos, bos = hf.eos_token_id, hf.bos_token_id
+    if not eos and text.get("eos_token_id") is not None:
+        value = text["eos_token_id"]
+        eos = tuple(int(i) for i in (value if isinstance(value, list) else [value]))
+    if bos is None and text.get("bos_token_id") is not None:
+        bos = int(text["bos_token_id"])
+    fields = {**text, "model_type": hf.model_type}
+    if hf.get("tie_word_embeddings") is not None:
+        fields["tie_word_embeddings"] = hf.get("tie_word_embeddings")
+    return gemma_config_from_hf(HFConfig(fields, source=source, eos_token_id=eos, bos_token_id=bos))
+
+
 def _gemma3_ropes(hf: HFConfig) -> tuple[RopeConfig, RopeConfig]:
     """Gemma 3's (global, local) RoPE: `rope_parameters` keyed by layer type (transformers
     >= 5), or `rope_theta` + `rope_scaling` for the global layers and

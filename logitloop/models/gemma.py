@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from logitloop.models import layers, llama, registry
-from logitloop.models.config import GemmaConfig, gemma_config_from_hf
+from logitloop.models.config import GemmaConfig, gemma3_config_from_hf, gemma_config_from_hf
 from logitloop.models.layers import CheckpointTensor
 
 
@@ -87,14 +87,52 @@ def checkpoint_tensors(config: GemmaConfig) -> dict[str, CheckpointTensor]:
     return out
 
 
-for _model_type in ("gemma2", "gemma3_text"):
+# A multimodal gemma3 checkpoint stores its language model under one of these prefixes
+# (transformers 4 and 5 write the first, in-memory 5.x modules use the second), beside
+# the vision tower and projector, which are not loaded.
+_GEMMA3_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_GEMMA3_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def gemma3_checkpoint_name(name: str) -> str:
+    """A multimodal gemma3 tensor name -> the gemma3_text name of the same tensor."""
+    for prefix, replacement in _GEMMA3_TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+def gemma3_is_ignored_tensor(name: str, config: GemmaConfig) -> bool:
+    return name.startswith(_GEMMA3_VISION_PREFIXES) or llama.is_ignored_tensor(name, config)
+
+
+def _register(model_type: str, parse_config, **kwargs) -> None:
     registry.register(
         registry.ModelFamily(
-            model_type=_model_type,
+            model_type=model_type,
             config_class=GemmaConfig,
-            parse_config=gemma_config_from_hf,
+            parse_config=parse_config,
             model_class=GemmaModel,
             checkpoint_tensors=checkpoint_tensors,
-            is_ignored_tensor=llama.is_ignored_tensor,
+            **{"is_ignored_tensor": llama.is_ignored_tensor, **kwargs},
         )
     )
+
+
+_register("gemma2", gemma_config_from_hf)
+_register("gemma3_text", gemma_config_from_hf)
+_register(
+    "gemma3",
+    gemma3_config_from_hf,
+    checkpoint_name=gemma3_checkpoint_name,
+    is_ignored_tensor=gemma3_is_ignored_tensor,
+)

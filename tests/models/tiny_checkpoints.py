@@ -108,8 +108,10 @@ CASES = {
             _GEMMA_SIZES,
             tie_word_embeddings=True,
             sliding_window_pattern=2,  # layers 0, 2 local; 1, 3 global
-            rope_theta=5000.0,
-            rope_local_base_freq=100.0,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", rope_theta=5000.0, factor=2.0),
+                sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            ),
         ),
     ),
     "gpt2": (
