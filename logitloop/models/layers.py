@@ -15,6 +15,20 @@ same protocol (see `logitloop.models.decoder.DecoderModel.__call__`):
   window). A padded query (`q == -1`) sees nothing: its scores are all the same large
   finite negative, so its softmax is uniform rather than NaN, and its output is unused.
 
+Sliding-window layers (Mistral, Qwen2/3 when configured, Gemma 2/3's local layers) keep
+the same full-length cache and mask the slots that fell out of the window; they do not
+keep a ring buffer of `window` slots. Why: slot == position is the one layout every layer,
+the decode loop and its tests share (a row's refill, the cache's sharding and a padded
+query all rely on it), and a ring is only correct when each call's columns are attended
+together with the ring *before* it is overwritten and no written column is ever taken
+back: a prefill longer than the window, or a multi-column verification whose later
+columns are rejected (speculative decoding), would overwrite keys that earlier queries of
+the same call, or the next accepted position, still need. The price is memory (each local
+layer holds S slots, not `window`) and, in a decode step, reading S slots where `window`
+would do; the results are exact. (An evaluation of the ring layout, with the attention
+over ring + new columns that it needs, is left for when long Gemma 3 contexts make that
+memory matter.)
+
 Example: S = 8, two rows, a prefill of T = 4 with row 0 holding 2 real tokens:
 
     positions = [[-1, -1, 0, 1],
