@@ -11,6 +11,7 @@ and register their `model_type`s in `registry.py`, which `config_from_hf`,
 and the norms; `config.py` the configs and their `config.json` parsers.
 """
 
+from logitloop.models import phi3 as _phi3  # noqa: F401  (registers "phi3")
 from logitloop.models.config import GemmaConfig, GPT2Config, LlamaConfig, RopeConfig, config_from_hf
 from logitloop.models.decoder import DecoderModel
 from logitloop.models.gemma import GemmaModel  # registers "gemma2", "gemma3_text", "gemma3"

@@ -13,13 +13,14 @@ older one (`rope_theta` + `rope_scaling`), so checkpoints written by either load
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from logitloop.models import registry
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 
@@ -27,9 +28,13 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"
 class RopeConfig:
     """Rotary position embedding parameters.
 
-    `rope_type` is "default" (plain RoPE), "linear" (positions divided by `factor`) or
+    `rope_type` is "default" (plain RoPE), "linear" (positions divided by `factor`),
     "llama3" (Llama 3.1 frequency-dependent scaling, which also uses `low_freq_factor`,
-    `high_freq_factor` and `original_max_position_embeddings`).
+    `high_freq_factor` and `original_max_position_embeddings`) or "longrope" (Phi-3's,
+    once called "su": each frequency divided by its `short_factor`, or by its
+    `long_factor` for a row whose call reaches past `original_max_position_embeddings`;
+    cos and sin multiplied by `attention_factor`).
+    `partial_rotary_factor` < 1 rotates only that leading fraction of each head (Phi-3).
     """
 
     rope_type: str = "default"
@@ -38,6 +43,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -536,6 +545,8 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type == "su":  # Phi-3's first name for longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{source}: unsupported RoPE type {rope_type!r}; "
@@ -543,6 +554,8 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
         )
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "longrope":
+        return _longrope_from_hf(hf, params, theta, source)
     if "factor" not in params:
         raise ValueError(f"{source}: RoPE type {rope_type!r} requires 'factor'")
     if rope_type == "linear":
@@ -559,4 +572,39 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original),
+    )
+
+
+def _longrope_from_hf(
+    hf: Mapping[str, Any], params: Mapping[str, Any], theta: float, source: str
+) -> RopeConfig:
+    """Phi-3's "longrope" ("su"), with transformers' defaults for `factor` (the context
+    growth `max_position_embeddings / original_max_position_embeddings`) and
+    `attention_factor` (`sqrt(1 + log(factor) / log(original))`, 1 when factor <= 1)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params.get(key), list):
+            raise ValueError(f"{source}: RoPE type 'longrope' requires a list {key!r}")
+    original = params.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings"
+    )
+    if original is None:
+        raise ValueError(
+            f"{source}: RoPE type 'longrope' requires 'original_max_position_embeddings'"
+        )
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return RopeConfig(
+        rope_type="longrope",
+        theta=theta,
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        long_factor=tuple(float(f) for f in params["long_factor"]),
+        attention_factor=float(attention_factor),
     )

@@ -161,16 +161,21 @@ def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Per-frequency inverse wavelengths, `[head_dim // 2]` float32.
+    """Per-frequency inverse wavelengths, `[rotary_dim // 2]` float32, where rotary_dim is
+    `head_dim * rope.partial_rotary_factor` (all of it unless Phi-3 says otherwise).
 
-    Computed on the host with numpy, so under `jit` they are constants.
+    Computed on the host with numpy, so under `jit` they are constants. For "longrope"
+    these are the short-context frequencies (`longrope_frequencies` gives both).
     """
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    dim = rotary_dim(rope, head_dim)
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     inv_freq = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":
         return (inv_freq / np.float32(rope.factor)).astype(np.float32)
+    if rope.rope_type == "longrope":
+        return longrope_frequencies(rope, head_dim)[0]
     if rope.rope_type == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
         # in between interpolated (transformers' `_compute_llama3_parameters`).
@@ -188,35 +193,79 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     raise ValueError(f"unsupported RoPE type {rope.rope_type!r}")
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading channels of each head RoPE rotates."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+def longrope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Phi-3's (short, long) inverse frequencies: `1 / (factor_i * theta ** (2i / dim))`,
+    as transformers' `_compute_longrope_parameters`."""
+    dim = rotary_dim(rope, head_dim)
+    for name in ("short_factor", "long_factor"):
+        if len(getattr(rope, name)) != dim // 2:
+            raise ValueError(
+                f"RoPE {name} has {len(getattr(rope, name))} entries; the {dim} rotated "
+                f"channels need {dim // 2}"
+            )
+    base = np.float32(rope.theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    return tuple(
+        (1.0 / (np.asarray(f, np.float32) * base)).astype(np.float32)
+        for f in (rope.short_factor, rope.long_factor)
+    )
+
+
 def apply_rope(
     x: jax.Array,  # [B, T, H, D]
     positions: jax.Array,  # [B, T] int
-    inv_freq: np.ndarray,  # [D // 2]
+    inv_freq: np.ndarray | jax.Array,  # [R // 2], or per row [B, R // 2]; R <= D
+    attention_factor: float = 1.0,
 ) -> jax.Array:
     """Rotate `x` by its positions, with HF's rotate-half (not interleaved) layout.
 
-    Angles, cos and sin are computed in float32 and cast to `x.dtype` before they multiply,
-    as `transformers` does. Padded positions (-1) get a rotation too; it is never read.
+    Only the first R = 2 * inv_freq.shape[-1] channels rotate (partial rotary); the rest
+    pass through. Angles, cos and sin are computed in float32 (cos and sin times
+    `attention_factor`) and cast to `x.dtype` before they multiply, as `transformers`
+    does. Padded positions (-1) get a rotation too; it is never read.
     """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos = jnp.cos(angles).astype(x.dtype)
-    sin = jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
+    inv_freq = jnp.asarray(inv_freq)
+    if inv_freq.ndim == 2:
+        inv_freq = inv_freq[:, None, :]  # [B, 1, R/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, R]
+    cos = (jnp.cos(angles) * attention_factor).astype(x.dtype)
+    sin = (jnp.sin(angles) * attention_factor).astype(x.dtype)
+    r = angles.shape[-1]
+    x, rest = x[..., :r], x[..., r:]
+    half = r // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    out = x * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
 
 
 def rope_qk(
     q: jax.Array,  # [B, T, H, D]
     k: jax.Array,  # [B, T, Hkv, D]
-    positions: jax.Array,  # [B, T] int
+    positions: jax.Array,  # [B, T] int, -1 for padding
     rope: RopeConfig,
     head_dim: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Queries and keys rotated by `rope` (its frequencies are host constants)."""
-    inv_freq = rope_inverse_frequencies(rope, head_dim)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    """Queries and keys rotated by `rope` (its frequencies are host constants).
+
+    "longrope" picks, per row, the long frequencies when the row's last position in this
+    call is at or past `original_max_position_embeddings` (transformers picks them for a
+    whole forward when `max(position_ids) + 1` exceeds it; per row, a batch gives each
+    prompt what it gets alone). Keys already in the cache keep the rotation they were
+    written with, as in transformers.
+    """
+    if rope.rope_type == "longrope":
+        short, long = longrope_frequencies(rope, head_dim)
+        use_long = jnp.max(positions, axis=1) + 1 > rope.original_max_position_embeddings
+        inv_freq = jnp.where(use_long[:, None], long, short)  # [B, R/2]
+    else:
+        inv_freq = rope_inverse_frequencies(rope, head_dim)
+    factor = rope.attention_factor
+    return apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
 
 
 def init_kv_cache(
@@ -347,8 +396,18 @@ class CheckpointTensor:
       shape: the tensor's shape in the checkpoint, checked before it is read.
       transform: maps the checkpoint layout onto the parameter layout (transposes and
         reshapes); identity when they agree.
+      more_targets: for a tensor that fills several parameters, the ones after `target`.
     """
 
     target: tuple[str | int, ...]
     shape: tuple[int, ...]
     transform: Callable[[jax.Array], jax.Array] = lambda x: x
+    more_targets: tuple[tuple[str | int, ...], ...] = ()
+
+    def placements(self, value) -> list[tuple[tuple[str | int, ...], jax.Array]]:
+        """(target, array) pairs for the transformed `value`. A fused tensor (Phi-3's qkv)
+        names its further parameters in `more_targets`; its `transform` then returns one
+        array per target, `target` first."""
+        if not self.more_targets:
+            return [(self.target, value)]
+        return list(zip((self.target, *self.more_targets), value, strict=True))

@@ -274,8 +274,8 @@ def _fill_parameters(
                 except Exception as e:
                     raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from e
                 value = spec.transform(value.astype(dtype))
-                variable = reduce(_child, spec.target, model)
-                variable.set_value(value)
+                for target, part in spec.placements(value):
+                    reduce(_child, target, model).set_value(part)
                 filled.add(key)
     missing = [name for name in expected if name not in filled]
     if missing:

@@ -42,6 +42,8 @@ def test_every_hf_model_type_maps_to_its_architecture():
         "qwen3": (LlamaConfig, LlamaModel),
         "gemma2": (GemmaConfig, GemmaModel),
         "gemma3_text": (GemmaConfig, GemmaModel),
+        "gemma3": (GemmaConfig, GemmaModel),
+        "phi3": (LlamaConfig, LlamaModel),
     }
     assert set(registry.model_types()) == set(expected)
     for model_type, (config_class, model_class) in expected.items():

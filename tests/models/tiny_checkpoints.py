@@ -114,6 +114,29 @@ CASES = {
             ),
         ),
     ),
+    # Phi-3: fused qkv / gate_up; longrope with an original context (4) shorter than every
+    # prompt, so that all rows use the long factors and the attention factor (sqrt(3));
+    # half of each head rotated; a window. test_phi3.py covers the short factors.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            tie_word_embeddings=False,
+            head_dim=16,
+            sliding_window=7,
+            pad_token_id=0,
+            max_position_embeddings=64,
+            original_max_position_embeddings=4,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=1000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.5, 2.0, 2.5],
+                long_factor=[2.0, 3.0, 5.0, 9.0],
+            ),
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
