@@ -126,6 +126,42 @@ class GemmaConfig(LlamaConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig(LlamaConfig):
+    """Mixtral and Qwen3-MoE: the Llama fields plus top-k routed experts.
+
+    Attributes:
+      num_experts, num_experts_per_tok: experts per sparse layer, and how many each token
+        is routed to.
+      moe_intermediate_size: each expert's MLP width (`intermediate_size` is the width of
+        the dense MLP of the layers that have one).
+      norm_topk_prob: renormalise the chosen experts' softmax weights to sum to 1
+        (always in Mixtral; as configured in Qwen3-MoE).
+      sparse_layers: one entry per layer, True where the MLP is the mixture.
+    """
+
+    model_type: str = "mixtral"
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[bool, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (True,) * self.num_layers)
+        if len(self.sparse_layers) != self.num_layers:
+            raise ValueError(
+                f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts "
+                f"({self.num_experts})]"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GPT2Config:
     """GPT-2: learned positions, pre-LayerNorm blocks, tied LM head."""
 
@@ -480,6 +516,46 @@ def _gemma3_ropes(hf: HFConfig) -> tuple[RopeConfig, RopeConfig]:
     )
 
 
+def mixtral_config_from_hf(hf: HFConfig) -> MoeConfig:
+    """Mixtral: Mistral attention; every layer a mixture of `num_local_experts` experts of
+    width `intermediate_size`, the top-k weights always renormalised."""
+    base = llama_config_from_hf(hf, sliding_windows=mistral_sliding_windows)
+    return _moe_config(
+        base,
+        num_experts=int(hf.need("num_local_experts")),
+        num_experts_per_tok=int(hf.need("num_experts_per_tok")),
+        moe_intermediate_size=base.intermediate_size,
+        norm_topk_prob=True,
+    )
+
+
+def qwen3_moe_config_from_hf(hf: HFConfig) -> MoeConfig:
+    """Qwen3-MoE: Qwen3 attention; a mixture on each layer not in `mlp_only_layers` whose
+    number + 1 is a multiple of `decoder_sparse_step`, a dense MLP on the others."""
+    base = llama_config_from_hf(hf, sliding_windows=qwen_sliding_windows, qk_norm=True)
+    # Hub files say num_experts; transformers 5 writes its alias num_local_experts.
+    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    num_experts = int(hf.need(key))
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(
+        i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(base.num_layers)
+    )
+    return _moe_config(
+        base,
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.need("num_experts_per_tok")),
+        moe_intermediate_size=int(hf.need("moe_intermediate_size")),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
+
+
+def _moe_config(base: LlamaConfig, **moe: Any) -> MoeConfig:
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)}
+    return MoeConfig(**fields, **moe)
+
+
 # Fields that hold a size, under the names of every registered family's config.json: each
 # one present must be a positive integer.
 _SIZE_FIELDS = (
@@ -492,6 +568,7 @@ _SIZE_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "max_position_embeddings",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
 )
 
 

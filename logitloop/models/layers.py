@@ -397,12 +397,15 @@ class CheckpointTensor:
       transform: maps the checkpoint layout onto the parameter layout (transposes and
         reshapes); identity when they agree.
       more_targets: for a tensor that fills several parameters, the ones after `target`.
+      stack_index: for one of several tensors stacked into one parameter (the experts of
+        a mixture, stored one tensor per expert), its index along the parameter's axis 0.
     """
 
     target: tuple[str | int, ...]
     shape: tuple[int, ...]
     transform: Callable[[jax.Array], jax.Array] = lambda x: x
     more_targets: tuple[tuple[str | int, ...], ...] = ()
+    stack_index: int | None = None
 
     def placements(self, value) -> list[tuple[tuple[str | int, ...], jax.Array]]:
         """(target, array) pairs for the transformed `value`. A fused tensor (Phi-3's qkv)

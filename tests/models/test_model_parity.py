@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitloop.models import GemmaModel, GPT2Model, LlamaModel, load_pretrained
+from logitloop.models import GemmaModel, GPT2Model, LlamaModel, MoeModel, load_pretrained
 
 from .tiny_checkpoints import (
     CASES,
@@ -48,7 +48,13 @@ def forward(pair):
 
 def test_loaded_model_matches_architecture(pair):
     case, hf, model = pair
-    expected = {"gpt2": GPT2Model, "gemma2": GemmaModel, "gemma3_text": GemmaModel}
+    expected = {
+        "gpt2": GPT2Model,
+        "gemma2": GemmaModel,
+        "gemma3_text": GemmaModel,
+        "mixtral": MoeModel,
+        "qwen3_moe": MoeModel,
+    }
     assert type(model) is expected.get(case, LlamaModel)
     assert model.config.vocab_size == hf.config.vocab_size
     assert model.dtype == jnp.float32

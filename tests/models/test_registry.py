@@ -22,6 +22,8 @@ from logitloop.models import (
     LlamaConfig,
     LlamaModel,
     ModelFamily,
+    MoeConfig,
+    MoeModel,
     family_for,
     load_pretrained,
     register,
@@ -44,6 +46,8 @@ def test_every_hf_model_type_maps_to_its_architecture():
         "gemma3_text": (GemmaConfig, GemmaModel),
         "gemma3": (GemmaConfig, GemmaModel),
         "phi3": (LlamaConfig, LlamaModel),
+        "mixtral": (MoeConfig, MoeModel),
+        "qwen3_moe": (MoeConfig, MoeModel),
     }
     assert set(registry.model_types()) == set(expected)
     for model_type, (config_class, model_class) in expected.items():

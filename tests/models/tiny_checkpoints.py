@@ -137,6 +137,34 @@ CASES = {
             ),
         ),
     ),
+    # Mixtures: 8 experts. Mixtral routes 3 rows x top-2 = 6 < 8 tokens per decode step, so
+    # decoding takes the gathered-experts path; Qwen3-MoE's 3 x 3 = 9 takes the dense one.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],  # layers 0 and 2 sparse, layer 1 a dense MLP of width 96
+            tie_word_embeddings=False,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
