@@ -58,12 +58,14 @@ class DecoderModel(nnx.Module):
         return logits
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length."""
+        """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length, or
+        for a sliding-window layer whose window is shorter than that a ring of fewer slots
+        (`layers.init_layer_caches`)."""
         c = self.config
-        return layers.init_kv_cache(
+        return layers.init_layer_caches(
             batch_size,
             max_length,
-            c.num_layers,
+            c.sliding_windows,
             c.num_kv_heads,
             c.head_dim,
             self.dtype if dtype is None else dtype,
@@ -89,12 +91,20 @@ class DecoderModel(nnx.Module):
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
         windows = self.config.sliding_windows
-        num_slots = layers.cache_slots(cache)
-        masks = {w: layers.attention_mask(positions, num_slots, w) for w in set(windows)}
+        masks = {}  # one per (layout, window): every ring of a window holds the same positions
+        for layer_cache, window in zip(cache, windows, strict=True):
+            ring = "pos" in layer_cache
+            if (ring, window) not in masks:
+                masks[ring, window] = (
+                    layers.ring_mask(positions, layer_cache["pos"], window)
+                    if ring
+                    else layers.attention_mask(positions, layer_cache["k"].shape[2], window)
+                )
         x = self.embed(tokens, positions)  # [B, T, E]
         new_cache = []
         for block, layer_cache, window in zip(self.layers, cache, windows, strict=True):
-            x, layer_cache = block(x, positions, layer_cache, masks[window])
+            mask = masks["pos" in layer_cache, window]
+            x, layer_cache = block(x, positions, layer_cache, mask)
             new_cache.append(layer_cache)
         last = self.output_norm(x[:, -1])  # [B, E]
         logits = jnp.einsum(

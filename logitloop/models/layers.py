@@ -15,19 +15,19 @@ same protocol (see `logitloop.models.decoder.DecoderModel.__call__`):
   window). A padded query (`q == -1`) sees nothing: its scores are all the same large
   finite negative, so its softmax is uniform rather than NaN, and its output is unused.
 
-Sliding-window layers (Mistral, Qwen2/3 when configured, Gemma 2/3's local layers) keep
-the same full-length cache and mask the slots that fell out of the window; they do not
-keep a ring buffer of `window` slots. Why: slot == position is the one layout every layer,
-the decode loop and its tests share (a row's refill, the cache's sharding and a padded
-query all rely on it), and a ring is only correct when each call's columns are attended
-together with the ring *before* it is overwritten and no written column is ever taken
-back: a prefill longer than the window, or a multi-column verification whose later
-columns are rejected (speculative decoding), would overwrite keys that earlier queries of
-the same call, or the next accepted position, still need. The price is memory (each local
-layer holds S slots, not `window`) and, in a decode step, reading S slots where `window`
-would do; the results are exact. (An evaluation of the ring layout, with the attention
-over ring + new columns that it needs, is left for when long Gemma 3 contexts make that
-memory matter.)
+Sliding-window layers (Mistral, Qwen2/3 when configured, Phi-3, Mixtral, Gemma 2/3's
+local layers) keep a ring instead when the window is shorter than the cache: `R = window +
+RING_SLACK` slots (`ring_slots`), `dict(k=[B, Hkv, R, D], v=[B, Hkv, R, D], pos=[B, R])`,
+where slot `p % R` holds the token at position `p` and `pos` says which position each
+slot holds (-1: none). A call attends the ring *as it was before the call* together with
+its own columns (`ring_mask`), then writes them (`write_ring`), so a call may be longer
+than the window or the ring (a long prefill). Ring entries at or past a row's first
+position in the call are ignored: they are columns taken back (speculative drafts that
+were rejected), which the caller may rewrite; up to `RING_SLACK` columns may be taken
+back before the ring would have dropped a key still inside the window. A layer's memory
+is then fixed by its window, not by the context (Gemma 3: five layers in six). Of a call
+longer than the ring only each row's last R positions are written, so no slot is written
+twice in one scatter (whose order XLA leaves unspecified off CPU).
 
 Example: S = 8, two rows, a prefill of T = 4 with row 0 holding 2 real tokens:
 
@@ -276,9 +276,86 @@ def init_kv_cache(
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)]
 
 
+# How many written columns a caller may take back and rewrite in a sliding-window ring.
+RING_SLACK = 16
+
+
+def ring_slots(window: int | None, max_length: int) -> int | None:
+    """The ring size of a layer with this window in a cache of `max_length` slots, or None
+    when the layer keeps the full layout (no window, or one the cache never exceeds)."""
+    if window is None or window + RING_SLACK >= max_length:
+        return None
+    return window + RING_SLACK
+
+
+def init_layer_caches(
+    batch_size: int,
+    max_length: int,
+    windows: Sequence[int | None],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+) -> KVCache:
+    """Zeros: per layer the full `dict(k, v)` of `max_length` slots, or, for a window
+    shorter than the cache, a ring `dict(k, v, pos)` of `ring_slots(window, ...)` slots."""
+    out = []
+    for window in windows:
+        ring = ring_slots(window, max_length)
+        slots = max_length if ring is None else ring
+        shape = (batch_size, num_kv_heads, slots, head_dim)
+        layer = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        if ring is not None:
+            layer["pos"] = jnp.full((batch_size, ring), -1, jnp.int32)
+        out.append(layer)
+    return out
+
+
 def cache_slots(cache: KVCache) -> int:
-    """The number of slots S of a cache made by `init_kv_cache`."""
-    return cache[0]["k"].shape[2]
+    """The number of slots S of a full-layout cache (its first full layer's)."""
+    full = [layer for layer in cache if "pos" not in layer] or cache
+    return full[0]["k"].shape[2]
+
+
+def ring_mask(
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    ring_pos: jax.Array,  # [B, R] int: the position each ring slot holds, -1 for none
+    window: int,
+) -> jax.Array:
+    """`[B, T, R + T]` bool: may the query in column t see ring slot r (the first R keys)
+    or column t' of this call (the last T), under causality and the window."""
+    q = positions[:, :, None]  # [B, T, 1]
+    real = jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max)
+    first = jnp.min(real, axis=1)[:, None, None]  # [B, 1, 1]: the row's first position
+    ring = ring_pos[:, None, :]  # [B, 1, R]
+    ring_ok = (ring >= 0) & (ring < first) & (ring > q - window)
+    new = positions[:, None, :]  # [B, 1, T]
+    new_ok = (new >= 0) & (new <= q) & (new > q - window)
+    return jnp.concatenate([ring_ok & (q >= 0), new_ok], axis=-1)
+
+
+def write_ring(
+    cache: dict[str, jax.Array],  # k, v: [B, Hkv, R, D]; pos: [B, R]
+    k: jax.Array,  # [B, T, Hkv, D]
+    v: jax.Array,  # [B, T, Hkv, D]
+    positions: jax.Array,  # [B, T] int, -1 for padding
+) -> dict[str, jax.Array]:
+    """Write each real column to slot `position % R`; of a call longer than the ring only
+    the last R positions of each row are kept (no slot is written twice)."""
+    r = cache["pos"].shape[1]
+    last = jnp.max(positions, axis=1, keepdims=True)  # [B, 1]
+    keep = (positions >= 0) & (positions > last - r)
+    slot = jnp.where(keep, positions % r, r)  # r: dropped
+
+    def put(c, x, s):  # c: [Hkv, R, D], x: [T, Hkv, D]
+        return c.at[:, s].set(x.transpose(1, 0, 2).astype(c.dtype), mode="drop")
+
+    return {
+        "k": jax.vmap(put)(cache["k"], k, slot),
+        "v": jax.vmap(put)(cache["v"], v, slot),
+        "pos": jax.vmap(lambda p, x, s: p.at[s].set(x, mode="drop"))(
+            cache["pos"], positions, slot
+        ),
+    }
 
 
 def write_cache(
@@ -362,10 +439,19 @@ def cached_attention(
     scale: float,
     softcap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Write this call's keys/values into one layer's cache, then `attend` over the cache.
+    """Write this call's keys/values into one layer's cache, then `attend` over the cache
+    (a full-layout cache), or attend the ring and this call's columns, then write (a
+    sliding-window ring, see the module docstring; `mask` from `ring_mask`).
 
     Returns the attention output `[B, T, H, D]` and the updated cache.
     """
+    if "pos" in cache:  # a sliding-window ring: `mask` is `ring_mask`'s, [B, T, R + T]
+        keys = jnp.concatenate([cache["k"], k.transpose(0, 2, 1, 3).astype(cache["k"].dtype)], 2)
+        values = jnp.concatenate(
+            [cache["v"], v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)], 2
+        )
+        out = _attend(q, keys, values, mask, scale, softcap)
+        return out, write_ring(cache, k, v, positions)
     cache = {
         "k": write_cache(cache["k"], k, positions),
         "v": write_cache(cache["v"], v, positions),

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitloop.models import GemmaModel, GPT2Model, LlamaModel, MoeModel, load_pretrained
+from logitloop.models import GemmaModel, GPT2Model, LlamaModel, MoeModel, layers, load_pretrained
 
 from .tiny_checkpoints import (
     CASES,
@@ -130,3 +130,35 @@ def test_every_parameter_names_its_logical_axes(pair):
     specs = jax.tree.leaves(nnx.get_partition_spec(params))
     assert any("heads" in spec for spec in specs)
     assert any("vocab" in spec for spec in specs)
+
+
+def test_sliding_window_ring_longer_calls_and_columns_taken_back(pair, forward):
+    """Gemma 3 (local and global layers mixed): the local layers' cache is a ring of
+    window + RING_SLACK slots; a prompt longer than the ring, then 6 draft columns of which
+    2 are kept and 3 others written from there (as speculative verification would), give
+    the logits `transformers` gives each whole sequence. (The greedy test above already
+    wraps the ring: its positions reach 45.)"""
+    case, hf, model = pair
+    if case != "gemma3_text":
+        pytest.skip("one case with sliding and global layers suffices")
+    cache = model.init_cache(1, 32 + 16)
+    for layer, window in zip(cache, model.config.sliding_windows, strict=True):
+        slots = 48 if window is None else window + layers.RING_SLACK  # 48 or 21
+        assert layer["k"].shape == (1, model.config.num_kv_heads, slots, model.config.head_dim)
+        assert ("pos" in layer) == (window is not None)
+    rng = np.random.default_rng(7)
+    prompt, drafts, redo = (rng.integers(3, 150, n).tolist() for n in (30, 6, 3))
+    calls = [  # (tokens, first position, the sequence whose last logits they give)
+        (prompt, 0, prompt),
+        (drafts, 30, prompt + drafts),
+        (redo, 32, prompt + drafts[:2] + redo),
+    ]
+    for tokens, first, sequence in calls:
+        cols = np.arange(first, first + len(tokens), dtype=np.int32)
+        if first == 0:
+            tokens, cols = left_pad([tokens], 32)
+            tokens, cols = tokens[0], cols[0]
+        logits, cache = forward(jnp.asarray([tokens], jnp.int32), jnp.asarray([cols]), cache)
+        with torch.no_grad():
+            want = hf(torch.tensor([sequence])).logits[0, -1].numpy()
+        np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=0, atol=1e-4)
