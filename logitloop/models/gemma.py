@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from logitloop.models import layers, llama, registry
+from logitloop.models import layers, llama
 from logitloop.models.config import GemmaConfig, gemma3_config_from_hf, gemma_config_from_hf
 from logitloop.models.layers import CheckpointTensor
 
@@ -41,17 +41,11 @@ class GemmaBlock(llama.LlamaBlock):
     def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         return layers.gemma_rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def __call__(
-        self,
-        x: jax.Array,  # [B, T, E]
-        positions: jax.Array,  # [B, T] int, -1 for padding
-        cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
-        mask: jax.Array,  # [B, T, S] bool
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        attn, cache = self.attention(self.norm(x, self.attn_norm[...]), positions, cache, mask)
-        x = x + self.norm(attn, self.post_attn_norm[...])
-        out = self.mlp(self.norm(x, self.mlp_norm[...]))
-        return x + self.norm(out, self.post_mlp_norm[...]), cache
+    def after_attention(self, attn: jax.Array) -> jax.Array:
+        return self.norm(attn, self.post_attn_norm[...])
+
+    def after_mlp(self, out: jax.Array) -> jax.Array:
+        return self.norm(out, self.post_mlp_norm[...])
 
 
 class GemmaModel(llama.LlamaModel):
@@ -115,16 +109,14 @@ def gemma3_is_ignored_tensor(name: str, config: GemmaConfig) -> bool:
     return name.startswith(_GEMMA3_VISION_PREFIXES) or llama.is_ignored_tensor(name, config)
 
 
-def _register(model_type: str, parse_config, **kwargs) -> None:
-    registry.register(
-        registry.ModelFamily(
-            model_type=model_type,
-            config_class=GemmaConfig,
-            parse_config=parse_config,
-            model_class=GemmaModel,
-            checkpoint_tensors=checkpoint_tensors,
-            **{"is_ignored_tensor": llama.is_ignored_tensor, **kwargs},
-        )
+def _register(model_type: str, parse_config, **fields) -> None:
+    llama.register_family(
+        model_type,
+        parse_config,
+        config_class=GemmaConfig,
+        model_class=GemmaModel,
+        checkpoint_tensors=checkpoint_tensors,
+        **fields,
     )
 
 

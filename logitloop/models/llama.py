@@ -31,7 +31,8 @@ from logitloop.models.layers import CheckpointTensor
 class LlamaBlock(nnx.Module):
     """One pre-norm decoder block: attention with RoPE and GQA, then a gated MLP.
 
-    Subclasses (Gemma, the mixtures of experts) override `norm`, `mlp` or `__call__`;
+    Subclasses (Gemma, the mixtures of experts) override `norm`, `mlp`, `after_attention`
+    or `after_mlp`;
     `attention` reads `self.rope`, `self.scale` and `self.softcap`, set here per layer.
     """
 
@@ -124,8 +125,16 @@ class LlamaBlock(nnx.Module):
         mask: jax.Array,  # [B, T, S] bool
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         attn, cache = self.attention(self.norm(x, self.attn_norm[...]), positions, cache, mask)
-        x = x + attn
-        return x + self.mlp(self.norm(x, self.mlp_norm[...])), cache
+        x = x + self.after_attention(attn)
+        return x + self.after_mlp(self.mlp(self.norm(x, self.mlp_norm[...]))), cache
+
+    def after_attention(self, attn: jax.Array) -> jax.Array:
+        """What the attention output goes through before the residual add (Gemma: a norm)."""
+        return attn
+
+    def after_mlp(self, out: jax.Array) -> jax.Array:
+        """What the MLP output goes through before the residual add (Gemma: a norm)."""
+        return out
 
 
 class LlamaModel(DecoderModel):
@@ -227,30 +236,33 @@ def is_ignored_tensor(name: str, config: LlamaConfig) -> bool:
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
-def _register(model_type: str, parse_config) -> None:
+def register_family(model_type: str, parse_config, **fields) -> None:
+    """Register a Llama-derived `model_type`: `fields` override the Llama family's
+    (`config_class`, `model_class`, `checkpoint_tensors`, `is_ignored_tensor`, ...)."""
+    defaults = dict(
+        config_class=LlamaConfig,
+        model_class=LlamaModel,
+        checkpoint_tensors=checkpoint_tensors,
+        is_ignored_tensor=is_ignored_tensor,
+    )
     registry.register(
         registry.ModelFamily(
-            model_type=model_type,
-            config_class=LlamaConfig,
-            parse_config=parse_config,
-            model_class=LlamaModel,
-            checkpoint_tensors=checkpoint_tensors,
-            is_ignored_tensor=is_ignored_tensor,
+            model_type=model_type, parse_config=parse_config, **{**defaults, **fields}
         )
     )
 
 
-_register("llama", llama_config_from_hf)
-_register(
+register_family("llama", llama_config_from_hf)
+register_family(
     "mistral", functools.partial(llama_config_from_hf, sliding_windows=mistral_sliding_windows)
 )
-_register(
+register_family(
     "qwen2",
     functools.partial(
         llama_config_from_hf, sliding_windows=qwen_sliding_windows, qkv_bias_only=True
     ),
 )
-_register(
+register_family(
     "qwen3",
     functools.partial(llama_config_from_hf, sliding_windows=qwen_sliding_windows, qk_norm=True),
 )

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import layers, llama, registry
+from logitloop.models import layers, llama
 from logitloop.models.config import MoeConfig, mixtral_config_from_hf, qwen3_moe_config_from_hf
 from logitloop.models.layers import CheckpointTensor
 
@@ -131,17 +131,17 @@ def qwen3_moe_checkpoint_tensors(config: MoeConfig) -> dict[str, CheckpointTenso
     )
 
 
-for _model_type, _parse, _tensors in (
-    ("mixtral", mixtral_config_from_hf, mixtral_checkpoint_tensors),
-    ("qwen3_moe", qwen3_moe_config_from_hf, qwen3_moe_checkpoint_tensors),
-):
-    registry.register(
-        registry.ModelFamily(
-            model_type=_model_type,
-            config_class=MoeConfig,
-            parse_config=_parse,
-            model_class=MoeModel,
-            checkpoint_tensors=_tensors,
-            is_ignored_tensor=llama.is_ignored_tensor,
-        )
-    )
+llama.register_family(
+    "mixtral",
+    mixtral_config_from_hf,
+    config_class=MoeConfig,
+    model_class=MoeModel,
+    checkpoint_tensors=mixtral_checkpoint_tensors,
+)
+llama.register_family(
+    "qwen3_moe",
+    qwen3_moe_config_from_hf,
+    config_class=MoeConfig,
+    model_class=MoeModel,
+    checkpoint_tensors=qwen3_moe_checkpoint_tensors,
+)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from logitloop.models import llama, registry
+from logitloop.models import llama
 from logitloop.models.config import (
     HFConfig,
     LlamaConfig,
@@ -73,13 +73,4 @@ def checkpoint_tensors(config: LlamaConfig) -> dict[str, CheckpointTensor]:
     return out
 
 
-registry.register(
-    registry.ModelFamily(
-        model_type="phi3",
-        config_class=LlamaConfig,
-        parse_config=phi3_config_from_hf,
-        model_class=llama.LlamaModel,
-        checkpoint_tensors=checkpoint_tensors,
-        is_ignored_tensor=llama.is_ignored_tensor,
-    )
-)
+llama.register_family("phi3", phi3_config_from_hf, checkpoint_tensors=checkpoint_tensors)
