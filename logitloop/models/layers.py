@@ -277,7 +277,7 @@ def init_kv_cache(
 
 
 # How many written columns a caller may take back and rewrite in a sliding-window ring.
-RING_SLACK = 16
+RING_SLACK = 8
 
 
 def ring_slots(window: int | None, max_length: int) -> int | None:

@@ -134,31 +134,35 @@ def test_every_parameter_names_its_logical_axes(pair):
 
 def test_sliding_window_ring_longer_calls_and_columns_taken_back(pair, forward):
     """Gemma 3 (local and global layers mixed): the local layers' cache is a ring of
-    window + RING_SLACK slots; a prompt longer than the ring, then 6 draft columns of which
-    2 are kept and 3 others written from there (as speculative verification would), give
-    the logits `transformers` gives each whole sequence. (The greedy test above already
-    wraps the ring: its positions reach 45.)"""
+    window + RING_SLACK = 13 slots. Prompts longer than the ring, then 4 draft columns of
+    which 2 are taken back and 2 others written (as speculative verification would), give
+    the logits `transformers` gives each whole sequence. (The greedy test above wraps the
+    ring too: its positions reach 45.) Same shapes as the tests above: no new compile."""
     case, hf, model = pair
     if case != "gemma3_text":
         pytest.skip("one case with sliding and global layers suffices")
-    cache = model.init_cache(1, 32 + 16)
+    cache = model.init_cache(3, BUCKET + NEW_TOKENS)
     for layer, window in zip(cache, model.config.sliding_windows, strict=True):
-        slots = 48 if window is None else window + layers.RING_SLACK  # 48 or 21
-        assert layer["k"].shape == (1, model.config.num_kv_heads, slots, model.config.head_dim)
+        slots = BUCKET + NEW_TOKENS if window is None else window + layers.RING_SLACK
+        assert layer["k"].shape == (3, model.config.num_kv_heads, slots, model.config.head_dim)
         assert ("pos" in layer) == (window is not None)
-    rng = np.random.default_rng(7)
-    prompt, drafts, redo = (rng.integers(3, 150, n).tolist() for n in (30, 6, 3))
-    calls = [  # (tokens, first position, the sequence whose last logits they give)
-        (prompt, 0, prompt),
-        (drafts, 30, prompt + drafts),
-        (redo, 32, prompt + drafts[:2] + redo),
-    ]
-    for tokens, first, sequence in calls:
-        cols = np.arange(first, first + len(tokens), dtype=np.int32)
-        if first == 0:
-            tokens, cols = left_pad([tokens], 32)
-            tokens, cols = tokens[0], cols[0]
-        logits, cache = forward(jnp.asarray([tokens], jnp.int32), jnp.asarray([cols]), cache)
-        with torch.no_grad():
-            want = hf(torch.tensor([sequence])).logits[0, -1].numpy()
-        np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=0, atol=1e-4)
+    assert model.config.sliding_windows[0] + layers.RING_SLACK < 14
+    prompts = random_prompts(model.config.vocab_size, [16, 14, 15], seed=7)
+    rng = np.random.default_rng(8)
+    drafts, redo = rng.integers(3, 150, (4, 3)), rng.integers(3, 150, (2, 3))
+
+    def check(logits, sequences):
+        for row, sequence in enumerate(sequences):
+            with torch.no_grad():
+                want = hf(torch.tensor([sequence])).logits[0, -1].numpy()
+            np.testing.assert_allclose(np.asarray(logits[row]), want, rtol=0, atol=1e-4)
+
+    tokens, positions = left_pad(prompts, BUCKET)
+    logits, cache = forward(jnp.asarray(tokens), jnp.asarray(positions), cache)
+    check(logits, prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    for i, column in enumerate(list(drafts) + list(redo)):
+        position = lengths + (i if i < 4 else i - 2)  # the redo columns rewrite drafts 2, 3
+        logits, cache = forward(jnp.asarray(column[:, None]), jnp.asarray(position[:, None]), cache)
+    final = [p + drafts[:2, r].tolist() + redo[:, r].tolist() for r, p in enumerate(prompts)]
+    check(logits, final)

@@ -52,17 +52,19 @@ def test_decoding_across_the_switch_matches_hf_forward_with_a_cache(pair):
     # Past the original context each step uses the long factors while the cached keys keep
     # the rotation they were written with: transformers' forward with a cache does the
     # same. (Its generate() instead recomputes the whole sequence once, at the switch.)
+    # Rows of 13 and 5 tokens cross during the 10 steps, the one of 20 started past it.
     hf, model, forward = pair
-    prompt = random_prompts(model.config.vocab_size, [13], seed=5)[0]
-    ours = greedy_generate(model, [prompt], 10, 16, forward)[0].tolist()
-    want, cache, ids = [], transformers.DynamicCache(config=hf.config), torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(10):
-            out = hf(ids, cache=cache, use_cache=True)
-            cache = out.cache
-            ids = out.logits[:, -1].argmax(-1, keepdim=True)
-            want.append(int(ids[0, 0]))
-    assert ours == want
+    prompts = random_prompts(model.config.vocab_size, [13, 5, 20], seed=5)
+    ours = greedy_generate(model, prompts, 8, 24, forward)
+    for row, prompt in enumerate(prompts):
+        want, cache, ids = [], transformers.DynamicCache(config=hf.config), torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(8):
+                out = hf(ids, cache=cache, use_cache=True)
+                cache = out.cache
+                ids = out.logits[:, -1].argmax(-1, keepdim=True)
+                want.append(int(ids[0, 0]))
+        assert ours[row].tolist() == want, f"row {row}"
 
 
 PHI3 = dict(
