@@ -6,7 +6,8 @@ Every model follows the decode-loop protocol: `config`, `tokenizer`,
 
 Where things live: `decoder.py` is the body every family shares (embedding, blocks,
 final norm, LM head on the last column, the cache); `gpt2.py` and `llama.py` fill it in
-and register their `model_type`s in `registry.py`, which `config_from_hf`,
+(`gemma.py`, `phi3.py` and `moe.py` extend the Llama block) and register their
+`model_type`s in `registry.py`, which `config_from_hf`,
 `load_pretrained` and the Orbax restore consult; `layers.py` holds attention, the KV cache
 and the norms; `config.py` the configs and their `config.json` parsers.
 """

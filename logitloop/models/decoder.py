@@ -1,6 +1,7 @@
 """The decoder body every model family shares: embedding -> blocks -> final norm -> LM head.
 
-A family (`gpt2.py`, `llama.py`) subclasses `DecoderModel`: its `__init__` builds the
+A family (`gpt2.py`, `llama.py`; `gemma.py`, `phi3.py`, `moe.py` build on `llama.py`)
+subclasses `DecoderModel`: its `__init__` builds the
 parameters under the names its checkpoint map targets and puts its blocks in
 `self.layers`, and it fills in what differs between architectures:
 
@@ -85,9 +86,12 @@ class DecoderModel(nnx.Module):
         (-1) compute finite values that are never used.
 
         Each real token's key/value goes to cache slot == its position (padding is never
-        written); each query at position q attends the slots s <= q of its own row (within
-        the sliding window, if any), including those written by this call. Positions must
-        be below the cache length S; `logitloop.models.layers` walks through an example.
+        written), or in a sliding-window ring to slot position % R; each query at position
+        q attends the positions s <= q of its own row (within the sliding window, if any),
+        including those written by this call. A row's real columns in one call are
+        consecutive positions (left padding first). Positions must be below the
+        `max_length` the cache was made for; `logitloop.models.layers` walks through an
+        example and describes the ring.
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
         windows = self.config.sliding_windows
