@@ -456,7 +456,9 @@ def cached_attention(
         "k": write_cache(cache["k"], k, positions),
         "v": write_cache(cache["v"], v, positions),
     }
-    return attend(q, cache["k"], cache["v"], mask, scale=scale, softcap=softcap), cache
+    # Without a cap, the call `attend` has always had (tests/decoding spy on it).
+    capped = {} if softcap is None else {"softcap": softcap}
+    return attend(q, cache["k"], cache["v"], mask, scale=scale, **capped), cache
 
 
 def _attend(q, k, v, mask, scale, softcap=None):
