@@ -14,7 +14,8 @@ Run on a ~40M-parameter Llama (batch 8) and on a tiny one where dispatch dominat
 
 Part 2 (`--peer transformers`): the same ~40M-parameter Llama checkpoint, written by
 `transformers` and loaded by logitloop, generating 128 tokens from 64-token prompts at batch 1
-and 8, greedy and top-p 0.9, in logitloop and in `transformers`' `generate` (PyTorch CPU).
+and 8, greedy and top-p 0.9, in logitloop and in `transformers`' `generate` (PyTorch CPU);
+then a Gemma 3 and a Mixtral of about the same size (`PEER_FAMILIES`, `--peer-models`).
 The two alternate, repeat by repeat (median of each).
 Compile time is reported separately; tokens per second exclude it. `matmul floor` is the
 time of one decode step's matrix products alone (every weight matrix times a [batch, in]
@@ -238,20 +239,86 @@ def transformers_llama(c: dict, *, tie_word_embeddings: bool = True):
     return transformers.LlamaForCausalLM(hf_config).eval()
 
 
-def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> list[dict]:
+# Other families at about llama-40m's size (hidden 512, 8 layers, vocab 32000, tied):
+# (transformers config class, causal-LM class, config fields).
+_SIZES_40M = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+PEER_FAMILIES = {
+    # Gemma 3: 5 local layers (window 64, shorter than prompt + output: a ring of 72
+    # slots) to 1 global, QK-norm, GeGLU; head_dim 64, 4 kv heads; ~42M parameters.
+    "gemma3-40m": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _SIZES_40M,
+            intermediate_size=1376,
+            num_key_value_heads=4,
+            head_dim=64,
+            sliding_window=64,
+            query_pre_attn_scalar=64,
+        ),
+    ),
+    # Mixtral: 8 experts of width 172, top-2, on every layer: the total parameters of
+    # llama-40m (~42M), a quarter of its MLP work per token.
+    "mixtral-40m": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            _SIZES_40M,
+            intermediate_size=172,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+}
+
+
+def transformers_model(name: str):
+    """The randomly initialised `transformers` model (seed 0) named `name`."""
+    import torch
+    import transformers
+
+    if name == "llama-40m":
+        return transformers_llama(MODELS[name])
+    config_cls, model_cls, fields = PEER_FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**fields)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def peer_transformers(
+    batch_sizes, prompt_len, new_tokens, repeats, threads, models=("llama-40m",)
+) -> list[dict]:
+    rows = []
+    for name in models:
+        rows += _peer_one(name, batch_sizes, prompt_len, new_tokens, repeats, threads)
+    return rows
+
+
+def _peer_one(name, batch_sizes, prompt_len, new_tokens, repeats, threads) -> list[dict]:
     import torch
 
     torch.set_num_threads(threads)
-    c = MODELS["llama-40m"]
-    hf = transformers_llama(c)
-    folder = Path(tempfile.mkdtemp()) / "llama-40m"
+    hf = transformers_model(name)
+    vocab = hf.config.vocab_size
+    folder = Path(tempfile.mkdtemp()) / name
     hf.save_pretrained(folder)
     model = ll.load_pretrained(folder, dtype=jnp.float32)
     n_params = sum(p.numel() for p in hf.parameters())
     rows = []
     for batch in batch_sizes:
         rng = np.random.default_rng(batch)
-        prompts = rng.integers(1, c["vocab"], (batch, prompt_len))
+        prompts = rng.integers(1, vocab, (batch, prompt_len))
         for mode in ("greedy", "top-p 0.9"):
             greedy = mode == "greedy"
             params = ll.SamplingParams.create(
@@ -291,10 +358,12 @@ def peer_transformers(batch_sizes, prompt_len, new_tokens, repeats, threads) -> 
             else:
                 same = float("nan")
             tokens = batch * new_tokens
-            if greedy:
+            floor_xla = floor_torch = float("nan")
+            if greedy and name == "llama-40m":  # the chained products assume Llama's layout
                 floor_xla, floor_torch = matmul_floor(model, hf, batch, repeats)
             rows.append(
                 {
+                    "model": name,
                     "batch": batch,
                     "mode": mode,
                     "params": int(n_params),
@@ -342,6 +411,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--buffers", type=int, nargs="*", default=[], help="cache sizes (part 3)")
+    ap.add_argument(
+        "--peer-models",
+        nargs="*",
+        default=["llama-40m", *PEER_FAMILIES],
+        choices=["llama-40m", *PEER_FAMILIES],
+        help="models for --peer (default: all)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     report: dict = {"jax": jax.__version__}
@@ -361,16 +437,19 @@ def main() -> None:
                 flush=True,
             )
     if args.peer == "transformers":
-        rows = peer_transformers([1, 8], args.prompt, args.new_tokens, args.repeats, args.threads)
+        rows = peer_transformers(
+            [1, 8], args.prompt, args.new_tokens, args.repeats, args.threads, args.peer_models
+        )
         report["transformers"] = rows
         print(
-            f"{'batch':>5} {'mode':>10} {'logitloop tok/s':>15} {'transformers tok/s':>18} "
+            f"{'model':>11} {'batch':>5} {'mode':>10} {'logitloop tok/s':>15} "
+            f"{'transformers tok/s':>18} "
             f"{'speedup':>7} {'compile s':>9} {'greedy agree':>12} {'matmul ms xla/torch':>19} "
             f"{'matmul-bound tok/s xla/torch':>28}"
         )
         for r in rows:
             print(
-                f"{r['batch']:>5} {r['mode']:>10} {r['logitloop tok/s']:>15.1f} "
+                f"{r['model']:>11} {r['batch']:>5} {r['mode']:>10} {r['logitloop tok/s']:>15.1f} "
                 f"{r['transformers tok/s']:>18.1f} {r['speedup']:>7.2f} "
                 f"{r['logitloop compile s']:>9.1f} {r['greedy token agreement']:>12.3f} "
                 f"{r['matmul floor ms (xla)']:>9.2f}/{r['matmul floor ms (torch)']:<9.2f} "

@@ -13,13 +13,14 @@ older one (`rope_theta` + `rope_scaling`), so checkpoints written by either load
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from logitloop.models import registry
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 
@@ -27,9 +28,13 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"
 class RopeConfig:
     """Rotary position embedding parameters.
 
-    `rope_type` is "default" (plain RoPE), "linear" (positions divided by `factor`) or
+    `rope_type` is "default" (plain RoPE), "linear" (positions divided by `factor`),
     "llama3" (Llama 3.1 frequency-dependent scaling, which also uses `low_freq_factor`,
-    `high_freq_factor` and `original_max_position_embeddings`).
+    `high_freq_factor` and `original_max_position_embeddings`) or "longrope" (Phi-3's,
+    once called "su": each frequency divided by its `short_factor`, or by its
+    `long_factor` for a row whose call reaches past `original_max_position_embeddings`;
+    cos and sin multiplied by `attention_factor`).
+    `partial_rotary_factor` < 1 rotates only that leading fraction of each head (Phi-3).
     """
 
     rope_type: str = "default"
@@ -38,6 +43,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +102,63 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmaConfig(LlamaConfig):
+    """Gemma 2 and Gemma 3 (text): the Llama fields plus what Gemma changes.
+
+    Attributes:
+      local_rope: the RoPE of the sliding-window layers (Gemma 3's `rope_local_base_freq`);
+        `rope` serves the global ones.
+      query_pre_attn_scalar: queries are scaled by `query_pre_attn_scalar ** -0.5`.
+      attn_logit_softcapping / final_logit_softcapping: `cap * tanh(x / cap)` on the
+        attention scores / the output logits (Gemma 2), or None.
+    """
+
+    model_type: str = "gemma2"
+    local_rope: RopeConfig = RopeConfig()
+    query_pre_attn_scalar: float = 256.0
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig(LlamaConfig):
+    """Mixtral and Qwen3-MoE: the Llama fields plus top-k routed experts.
+
+    Attributes:
+      num_experts, num_experts_per_tok: experts per sparse layer, and how many each token
+        is routed to.
+      moe_intermediate_size: each expert's MLP width (`intermediate_size` is the width of
+        the dense MLP of the layers that have one).
+      norm_topk_prob: renormalise the chosen experts' softmax weights to sum to 1
+        (always in Mixtral; as configured in Qwen3-MoE).
+      sparse_layers: one entry per layer, True where the MLP is the mixture.
+    """
+
+    model_type: str = "mixtral"
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[bool, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (True,) * self.num_layers)
+        if len(self.sparse_layers) != self.num_layers:
+            raise ValueError(
+                f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts "
+                f"({self.num_experts})]"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,6 +408,154 @@ def llama_config_from_hf(
     )
 
 
+def _layer_type_windows(hf: HFConfig, num_layers: int, pattern: int) -> tuple[int | None, ...]:
+    """Gemma: the window on "sliding_attention" layers (`layer_types`, or by default every
+    layer but each `pattern`-th), None on "full_attention" ones."""
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"{hf.source}: layer_types has {len(layer_types)} entries for {num_layers} layers"
+        )
+    for t in layer_types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise ValueError(f"{hf.source}: unsupported layer_types entry {t!r}")
+    if window is None:
+        return (None,) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def _optional_float(hf: HFConfig, key: str) -> float | None:
+    value = hf.get(key)
+    return None if value is None else float(value)
+
+
+def gemma_config_from_hf(hf: HFConfig) -> GemmaConfig:
+    """A `GemmaConfig` from a gemma2 or gemma3_text `config.json` (or the `text_config` of a
+    gemma3 one)."""
+    gemma3 = hf.model_type != "gemma2"
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"{hf.source}: use_bidirectional_attention = true is not supported (causal "
+            "decoding only)"
+        )
+    num_layers = int(hf.need("num_hidden_layers"))
+    if gemma3:
+        windows = _layer_type_windows(hf, num_layers, int(hf.get("sliding_window_pattern", 6)))
+        global_rope, local_rope = _gemma3_ropes(hf)
+    else:
+        windows = _layer_type_windows(hf, num_layers, 2)
+        global_rope = local_rope = _rope_from_hf(hf.fields, hf.source)
+    base = llama_config_from_hf(
+        dataclasses.replace(
+            hf,
+            fields={
+                **hf.fields,
+                "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act")
+                or "gelu_pytorch_tanh",
+                "rope_parameters": None,
+                "rope_scaling": None,
+                "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+            },
+        ),
+        qk_norm=gemma3,
+    )
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)}
+    return GemmaConfig(
+        **{
+            **fields,
+            "model_type": hf.model_type,
+            "rope": global_rope,
+            "sliding_windows": windows,
+        },
+        local_rope=local_rope,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=_optional_float(hf, "attn_logit_softcapping"),
+        final_logit_softcapping=_optional_float(hf, "final_logit_softcapping"),
+    )
+
+
+def gemma3_config_from_hf(hf: HFConfig) -> GemmaConfig:
+    """A `GemmaConfig` for the language model of a multimodal gemma3 checkpoint, from its
+    `text_config` (the vision tower is not loaded)."""
+    text = hf.need("text_config")
+    source = f"{hf.source} (text_config)"
+    _check_hf_fields(text, None, source, source)
+    eos, bos = hf.eos_token_id, hf.bos_token_id
+    if not eos and text.get("eos_token_id") is not None:
+        value = text["eos_token_id"]
+        eos = tuple(int(i) for i in (value if isinstance(value, list) else [value]))
+    if bos is None and text.get("bos_token_id") is not None:
+        bos = int(text["bos_token_id"])
+    fields = {**text, "model_type": hf.model_type}
+    if hf.get("tie_word_embeddings") is not None:
+        fields["tie_word_embeddings"] = hf.get("tie_word_embeddings")
+    return gemma_config_from_hf(HFConfig(fields, source=source, eos_token_id=eos, bos_token_id=bos))
+
+
+def _gemma3_ropes(hf: HFConfig) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's (global, local) RoPE: `rope_parameters` keyed by layer type (transformers
+    >= 5), or `rope_theta` + `rope_scaling` for the global layers and
+    `rope_local_base_freq` for the local ones (older files)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        return (
+            _rope_from_hf({"rope_parameters": {"rope_theta": 1e6, **full}}, hf.source),
+            _rope_from_hf({"rope_parameters": {"rope_theta": 1e4, **local}}, hf.source),
+        )
+    full = {"rope_theta": hf.get("rope_theta", 1e6), **(params or hf.get("rope_scaling") or {})}
+    local = {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+    return (
+        _rope_from_hf({"rope_parameters": full}, hf.source),
+        _rope_from_hf({"rope_parameters": local}, hf.source),
+    )
+
+
+def mixtral_config_from_hf(hf: HFConfig) -> MoeConfig:
+    """Mixtral: Mistral attention; every layer a mixture of `num_local_experts` experts of
+    width `intermediate_size`, the top-k weights always renormalised."""
+    base = llama_config_from_hf(hf, sliding_windows=mistral_sliding_windows)
+    return _moe_config(
+        base,
+        num_experts=int(hf.need("num_local_experts")),
+        num_experts_per_tok=int(hf.need("num_experts_per_tok")),
+        moe_intermediate_size=base.intermediate_size,
+        norm_topk_prob=True,
+    )
+
+
+def qwen3_moe_config_from_hf(hf: HFConfig) -> MoeConfig:
+    """Qwen3-MoE: Qwen3 attention; a mixture on each layer not in `mlp_only_layers` whose
+    number + 1 is a multiple of `decoder_sparse_step`, a dense MLP on the others."""
+    base = llama_config_from_hf(hf, sliding_windows=qwen_sliding_windows, qk_norm=True)
+    # Hub files say num_experts; transformers 5 writes its alias num_local_experts.
+    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    num_experts = int(hf.need(key))
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(
+        i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(base.num_layers)
+    )
+    return _moe_config(
+        base,
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.need("num_experts_per_tok")),
+        moe_intermediate_size=int(hf.need("moe_intermediate_size")),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
+
+
+def _moe_config(base: LlamaConfig, **moe: Any) -> MoeConfig:
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)}
+    return MoeConfig(**fields, **moe)
+
+
 # Fields that hold a size, under the names of every registered family's config.json: each
 # one present must be a positive integer.
 _SIZE_FIELDS = (
@@ -354,6 +568,7 @@ _SIZE_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "max_position_embeddings",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
 )
 
 
@@ -407,6 +622,8 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type == "su":  # Phi-3's first name for longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{source}: unsupported RoPE type {rope_type!r}; "
@@ -414,6 +631,8 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
         )
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "longrope":
+        return _longrope_from_hf(hf, params, theta, source)
     if "factor" not in params:
         raise ValueError(f"{source}: RoPE type {rope_type!r} requires 'factor'")
     if rope_type == "linear":
@@ -430,4 +649,39 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original),
+    )
+
+
+def _longrope_from_hf(
+    hf: Mapping[str, Any], params: Mapping[str, Any], theta: float, source: str
+) -> RopeConfig:
+    """Phi-3's "longrope" ("su"), with transformers' defaults for `factor` (the context
+    growth `max_position_embeddings / original_max_position_embeddings`) and
+    `attention_factor` (`sqrt(1 + log(factor) / log(original))`, 1 when factor <= 1)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params.get(key), list):
+            raise ValueError(f"{source}: RoPE type 'longrope' requires a list {key!r}")
+    original = params.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings"
+    )
+    if original is None:
+        raise ValueError(
+            f"{source}: RoPE type 'longrope' requires 'original_max_position_embeddings'"
+        )
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return RopeConfig(
+        rope_type="longrope",
+        theta=theta,
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        long_factor=tuple(float(f) for f in params["long_factor"]),
+        attention_factor=float(attention_factor),
     )

@@ -1,12 +1,14 @@
 """The decoder body every model family shares: embedding -> blocks -> final norm -> LM head.
 
-A family (`gpt2.py`, `llama.py`) subclasses `DecoderModel`: its `__init__` builds the
+A family (`gpt2.py`, `llama.py`; `gemma.py`, `phi3.py`, `moe.py` build on `llama.py`)
+subclasses `DecoderModel`: its `__init__` builds the
 parameters under the names its checkpoint map targets and puts its blocks in
 `self.layers`, and it fills in what differs between architectures:
 
   embed(tokens, positions) -> [B, T, E]   token embedding (plus learned positions, GPT-2)
   output_norm(x) -> x                      the final LayerNorm / RMSNorm
   head_weight() -> [V, E]                  the LM head (the embedding when tied)
+  output_logits(logits) -> logits          after the head, float32 (soft-capping, Gemma 2)
 
 Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`; what
 happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
@@ -51,13 +53,20 @@ class DecoderModel(nnx.Module):
         """The LM head, `[V, E]`."""
         raise NotImplementedError
 
+    def output_logits(self, logits: jax.Array) -> jax.Array:
+        """The float32 `[B, V]` logits after the LM head -> what the model returns
+        (identity; Gemma 2 soft-caps them)."""
+        return logits
+
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length."""
+        """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length, or
+        for a sliding-window layer whose window is shorter than that a ring of fewer slots
+        (`layers.init_layer_caches`)."""
         c = self.config
-        return layers.init_kv_cache(
+        return layers.init_layer_caches(
             batch_size,
             max_length,
-            c.num_layers,
+            c.sliding_windows,
             c.num_kv_heads,
             c.head_dim,
             self.dtype if dtype is None else dtype,
@@ -77,21 +86,32 @@ class DecoderModel(nnx.Module):
         (-1) compute finite values that are never used.
 
         Each real token's key/value goes to cache slot == its position (padding is never
-        written); each query at position q attends the slots s <= q of its own row (within
-        the sliding window, if any), including those written by this call. Positions must
-        be below the cache length S; `logitloop.models.layers` walks through an example.
+        written), or in a sliding-window ring to slot position % R; each query at position
+        q attends the positions s <= q of its own row (within the sliding window, if any),
+        including those written by this call. A row's real columns in one call are
+        consecutive positions (left padding first). Positions must be below the
+        `max_length` the cache was made for; `logitloop.models.layers` walks through an
+        example and describes the ring.
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
         windows = self.config.sliding_windows
-        num_slots = layers.cache_slots(cache)
-        masks = {w: layers.attention_mask(positions, num_slots, w) for w in set(windows)}
+        masks = {}  # one per (layout, window): every ring of a window holds the same positions
+        for layer_cache, window in zip(cache, windows, strict=True):
+            ring = "pos" in layer_cache
+            if (ring, window) not in masks:
+                masks[ring, window] = (
+                    layers.ring_mask(positions, layer_cache["pos"], window)
+                    if ring
+                    else layers.attention_mask(positions, layer_cache["k"].shape[2], window)
+                )
         x = self.embed(tokens, positions)  # [B, T, E]
         new_cache = []
         for block, layer_cache, window in zip(self.layers, cache, windows, strict=True):
-            x, layer_cache = block(x, positions, layer_cache, masks[window])
+            mask = masks["pos" in layer_cache, window]
+            x, layer_cache = block(x, positions, layer_cache, mask)
             new_cache.append(layer_cache)
         last = self.output_norm(x[:, -1])  # [B, E]
         logits = jnp.einsum(
             "be,ve->bv", last, self.head_weight(), preferred_element_type=jnp.float32
         )
-        return logits, new_cache
+        return self.output_logits(logits), new_cache

@@ -15,6 +15,20 @@ same protocol (see `logitloop.models.decoder.DecoderModel.__call__`):
   window). A padded query (`q == -1`) sees nothing: its scores are all the same large
   finite negative, so its softmax is uniform rather than NaN, and its output is unused.
 
+Sliding-window layers (Mistral, Qwen2/3 when configured, Phi-3, Mixtral, Gemma 2/3's
+local layers) keep a ring instead when the window is shorter than the cache: `R = window +
+RING_SLACK` slots (`ring_slots`), `dict(k=[B, Hkv, R, D], v=[B, Hkv, R, D], pos=[B, R])`,
+where slot `p % R` holds the token at position `p` and `pos` says which position each
+slot holds (-1: none). A call attends the ring *as it was before the call* together with
+its own columns (`ring_mask`), then writes them (`write_ring`), so a call may be longer
+than the window or the ring (a long prefill). Ring entries at or past a row's first
+position in the call are ignored: they are columns taken back (speculative drafts that
+were rejected), which the caller may rewrite; up to `RING_SLACK` columns may be taken
+back before the ring would have dropped a key still inside the window. A layer's memory
+is then fixed by its window, not by the context (Gemma 3: five layers in six). Of a call
+longer than the ring only each row's last R positions are written, so no slot is written
+twice in one scatter (whose order XLA leaves unspecified off CPU).
+
 Example: S = 8, two rows, a prefill of T = 4 with row 0 holding 2 real tokens:
 
     positions = [[-1, -1, 0, 1],
@@ -107,6 +121,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * x32.astype(x.dtype)
 
 
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: scale by `1 + weight`, all in float32, then cast to `x.dtype`
+    (Llama casts before scaling; Gemma multiplies first, as `transformers` does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping); identity when `cap` is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """LayerNorm over the last axis; statistics in float32, result in `x.dtype`."""
     x32 = x.astype(jnp.float32)
@@ -134,16 +161,21 @@ def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Per-frequency inverse wavelengths, `[head_dim // 2]` float32.
+    """Per-frequency inverse wavelengths, `[rotary_dim // 2]` float32, where rotary_dim is
+    `head_dim * rope.partial_rotary_factor` (all of it unless Phi-3 says otherwise).
 
-    Computed on the host with numpy, so under `jit` they are constants.
+    Computed on the host with numpy, so under `jit` they are constants. For "longrope"
+    these are the short-context frequencies (`longrope_frequencies` gives both).
     """
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    dim = rotary_dim(rope, head_dim)
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     inv_freq = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":
         return (inv_freq / np.float32(rope.factor)).astype(np.float32)
+    if rope.rope_type == "longrope":
+        return longrope_frequencies(rope, head_dim)[0]
     if rope.rope_type == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
         # in between interpolated (transformers' `_compute_llama3_parameters`).
@@ -161,23 +193,79 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     raise ValueError(f"unsupported RoPE type {rope.rope_type!r}")
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading channels of each head RoPE rotates."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+def longrope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Phi-3's (short, long) inverse frequencies: `1 / (factor_i * theta ** (2i / dim))`,
+    as transformers' `_compute_longrope_parameters`."""
+    dim = rotary_dim(rope, head_dim)
+    for name in ("short_factor", "long_factor"):
+        if len(getattr(rope, name)) != dim // 2:
+            raise ValueError(
+                f"RoPE {name} has {len(getattr(rope, name))} entries; the {dim} rotated "
+                f"channels need {dim // 2}"
+            )
+    base = np.float32(rope.theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    return tuple(
+        (1.0 / (np.asarray(f, np.float32) * base)).astype(np.float32)
+        for f in (rope.short_factor, rope.long_factor)
+    )
+
+
 def apply_rope(
     x: jax.Array,  # [B, T, H, D]
     positions: jax.Array,  # [B, T] int
-    inv_freq: np.ndarray,  # [D // 2]
+    inv_freq: np.ndarray | jax.Array,  # [R // 2], or per row [B, R // 2]; R <= D
+    attention_factor: float = 1.0,
 ) -> jax.Array:
     """Rotate `x` by its positions, with HF's rotate-half (not interleaved) layout.
 
-    Angles, cos and sin are computed in float32 and cast to `x.dtype` before they multiply,
-    as `transformers` does. Padded positions (-1) get a rotation too; it is never read.
+    Only the first R = 2 * inv_freq.shape[-1] channels rotate (partial rotary); the rest
+    pass through. Angles, cos and sin are computed in float32 (cos and sin times
+    `attention_factor`) and cast to `x.dtype` before they multiply, as `transformers`
+    does. Padded positions (-1) get a rotation too; it is never read.
     """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos = jnp.cos(angles).astype(x.dtype)
-    sin = jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
+    inv_freq = jnp.asarray(inv_freq)
+    if inv_freq.ndim == 2:
+        inv_freq = inv_freq[:, None, :]  # [B, 1, R/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, R]
+    cos = (jnp.cos(angles) * attention_factor).astype(x.dtype)
+    sin = (jnp.sin(angles) * attention_factor).astype(x.dtype)
+    r = angles.shape[-1]
+    x, rest = x[..., :r], x[..., r:]
+    half = r // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    out = x * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
+
+
+def rope_qk(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, T, Hkv, D]
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    rope: RopeConfig,
+    head_dim: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Queries and keys rotated by `rope` (its frequencies are host constants).
+
+    "longrope" picks, per row, the long frequencies when the row's last position in this
+    call is at or past `original_max_position_embeddings` (transformers picks them for a
+    whole forward when `max(position_ids) + 1` exceeds it; per row, a batch gives each
+    prompt what it gets alone). Keys already in the cache keep the rotation they were
+    written with, as in transformers.
+    """
+    if rope.rope_type == "longrope":
+        short, long = longrope_frequencies(rope, head_dim)
+        use_long = jnp.max(positions, axis=1) + 1 > rope.original_max_position_embeddings
+        inv_freq = jnp.where(use_long[:, None], long, short)  # [B, R/2]
+    else:
+        inv_freq = rope_inverse_frequencies(rope, head_dim)
+    factor = rope.attention_factor
+    return apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
 
 
 def init_kv_cache(
@@ -188,9 +276,86 @@ def init_kv_cache(
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)]
 
 
+# How many written columns a caller may take back and rewrite in a sliding-window ring.
+RING_SLACK = 8
+
+
+def ring_slots(window: int | None, max_length: int) -> int | None:
+    """The ring size of a layer with this window in a cache of `max_length` slots, or None
+    when the layer keeps the full layout (no window, or one the cache never exceeds)."""
+    if window is None or window + RING_SLACK >= max_length:
+        return None
+    return window + RING_SLACK
+
+
+def init_layer_caches(
+    batch_size: int,
+    max_length: int,
+    windows: Sequence[int | None],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+) -> KVCache:
+    """Zeros: per layer the full `dict(k, v)` of `max_length` slots, or, for a window
+    shorter than the cache, a ring `dict(k, v, pos)` of `ring_slots(window, ...)` slots."""
+    out = []
+    for window in windows:
+        ring = ring_slots(window, max_length)
+        slots = max_length if ring is None else ring
+        shape = (batch_size, num_kv_heads, slots, head_dim)
+        layer = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        if ring is not None:
+            layer["pos"] = jnp.full((batch_size, ring), -1, jnp.int32)
+        out.append(layer)
+    return out
+
+
 def cache_slots(cache: KVCache) -> int:
-    """The number of slots S of a cache made by `init_kv_cache`."""
-    return cache[0]["k"].shape[2]
+    """The number of slots S of a full-layout cache (its first full layer's)."""
+    full = [layer for layer in cache if "pos" not in layer] or cache
+    return full[0]["k"].shape[2]
+
+
+def ring_mask(
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    ring_pos: jax.Array,  # [B, R] int: the position each ring slot holds, -1 for none
+    window: int,
+) -> jax.Array:
+    """`[B, T, R + T]` bool: may the query in column t see ring slot r (the first R keys)
+    or column t' of this call (the last T), under causality and the window."""
+    q = positions[:, :, None]  # [B, T, 1]
+    real = jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max)
+    first = jnp.min(real, axis=1)[:, None, None]  # [B, 1, 1]: the row's first position
+    ring = ring_pos[:, None, :]  # [B, 1, R]
+    ring_ok = (ring >= 0) & (ring < first) & (ring > q - window)
+    new = positions[:, None, :]  # [B, 1, T]
+    new_ok = (new >= 0) & (new <= q) & (new > q - window)
+    return jnp.concatenate([ring_ok & (q >= 0), new_ok], axis=-1)
+
+
+def write_ring(
+    cache: dict[str, jax.Array],  # k, v: [B, Hkv, R, D]; pos: [B, R]
+    k: jax.Array,  # [B, T, Hkv, D]
+    v: jax.Array,  # [B, T, Hkv, D]
+    positions: jax.Array,  # [B, T] int, -1 for padding
+) -> dict[str, jax.Array]:
+    """Write each real column to slot `position % R`; of a call longer than the ring only
+    the last R positions of each row are kept (no slot is written twice)."""
+    r = cache["pos"].shape[1]
+    last = jnp.max(positions, axis=1, keepdims=True)  # [B, 1]
+    keep = (positions >= 0) & (positions > last - r)
+    slot = jnp.where(keep, positions % r, r)  # r: dropped
+
+    def put(c, x, s):  # c: [Hkv, R, D], x: [T, Hkv, D]
+        return c.at[:, s].set(x.transpose(1, 0, 2).astype(c.dtype), mode="drop")
+
+    return {
+        "k": jax.vmap(put)(cache["k"], k, slot),
+        "v": jax.vmap(put)(cache["v"], v, slot),
+        "pos": jax.vmap(lambda p, x, s: p.at[s].set(x, mode="drop"))(
+            cache["pos"], positions, slot
+        ),
+    }
 
 
 def write_cache(
@@ -233,12 +398,14 @@ def attend(
     v: jax.Array,  # [B, Hkv, S, D]
     mask: jax.Array,  # [B, T, S] bool
     scale: float,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S cache slots; returns `[B, T, H, D]`.
 
     Each of the Hkv key/value heads serves H // Hkv consecutive query heads (HF's
     `repeat_kv` layout). Scores and softmax are float32; the weighted sum runs in the
-    query dtype.
+    query dtype. With `softcap`, the scaled scores become `softcap * tanh(score / softcap)`
+    before masking (Gemma 2).
 
     A decode step (T = 1) over a cache of `MIN_PREFIX_SLOTS` slots or more reads only the
     shortest of S/8, S/4, S/2 or S slots that holds every slot some row may see: with a
@@ -248,14 +415,16 @@ def attend(
     """
     slots = k.shape[2]
     if q.shape[1] != 1 or slots < MIN_PREFIX_SLOTS:
-        return _attend(q, k, v, mask, scale)
+        return _attend(q, k, v, mask, scale, softcap)
     extents = sorted({-(-slots // f) for f in PREFIX_FRACTIONS} | {slots})
     # One past the last slot any row may see (0 when no row sees any).
     needed = jnp.max(jnp.where(mask, jnp.arange(1, slots + 1), 0))
     branch = jnp.sum(jnp.asarray(extents[:-1]) < needed)  # the shortest extent >= needed
 
     def prefix(e):
-        return lambda q, k, v, mask: _attend(q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale)
+        return lambda q, k, v, mask: _attend(
+            q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale, softcap
+        )
 
     return jax.lax.switch(branch, [prefix(e) for e in extents], q, k, v, mask)
 
@@ -268,26 +437,38 @@ def cached_attention(
     cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
     mask: jax.Array,  # [B, T, S] bool
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Write this call's keys/values into one layer's cache, then `attend` over the cache.
+    """Write this call's keys/values into one layer's cache, then `attend` over the cache
+    (a full-layout cache), or attend the ring and this call's columns, then write (a
+    sliding-window ring, see the module docstring; `mask` from `ring_mask`).
 
     Returns the attention output `[B, T, H, D]` and the updated cache.
     """
+    if "pos" in cache:  # a sliding-window ring: `mask` is `ring_mask`'s, [B, T, R + T]
+        keys = jnp.concatenate([cache["k"], k.transpose(0, 2, 1, 3).astype(cache["k"].dtype)], 2)
+        values = jnp.concatenate(
+            [cache["v"], v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)], 2
+        )
+        out = _attend(q, keys, values, mask, scale, softcap)
+        return out, write_ring(cache, k, v, positions)
     cache = {
         "k": write_cache(cache["k"], k, positions),
         "v": write_cache(cache["v"], v, positions),
     }
-    return attend(q, cache["k"], cache["v"], mask, scale=scale), cache
+    # Without a cap, the call `attend` has always had (tests/decoding spy on it).
+    capped = {} if softcap is None else {"softcap": softcap}
+    return attend(q, cache["k"], cache["v"], mask, scale=scale, **capped), cache
 
 
-def _attend(q, k, v, mask, scale):
+def _attend(q, k, v, mask, scale, softcap=None):
     b, t, h, d = q.shape
     hkv = k.shape[1]
     q = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
     k = k.astype(q.dtype)
     v = v.astype(q.dtype)
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * scale
+    scores = soft_cap(scores * scale, softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)  # [B, Hkv, G, T, S]
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)  # [B, T, Hkv, G, D]
@@ -303,8 +484,21 @@ class CheckpointTensor:
       shape: the tensor's shape in the checkpoint, checked before it is read.
       transform: maps the checkpoint layout onto the parameter layout (transposes and
         reshapes); identity when they agree.
+      more_targets: for a tensor that fills several parameters, the ones after `target`.
+      stack_index: for one of several tensors stacked into one parameter (the experts of
+        a mixture, stored one tensor per expert), its index along the parameter's axis 0.
     """
 
     target: tuple[str | int, ...]
     shape: tuple[int, ...]
     transform: Callable[[jax.Array], jax.Array] = lambda x: x
+    more_targets: tuple[tuple[str | int, ...], ...] = ()
+    stack_index: int | None = None
+
+    def placements(self, value) -> list[tuple[tuple[str | int, ...], jax.Array]]:
+        """(target, array) pairs for the transformed `value`. A fused tensor (Phi-3's qkv)
+        names its further parameters in `more_targets`; its `transform` then returns one
+        array per target, `target` first."""
+        if not self.more_targets:
+            return [(self.target, value)]
+        return list(zip((self.target, *self.more_targets), value, strict=True))

@@ -29,22 +29,23 @@ from logitloop.models.layers import CheckpointTensor
 
 
 class LlamaBlock(nnx.Module):
-    """One pre-norm decoder block: attention with RoPE and GQA, then a gated MLP."""
+    """One pre-norm decoder block: attention with RoPE and GQA, then a gated MLP.
 
-    def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    Subclasses (Gemma, the mixtures of experts) override `norm`, `mlp`, `after_attention`
+    or `after_mlp`;
+    `attention` reads `self.rope`, `self.scale` and `self.softcap`, set here per layer.
+    """
+
+    norm_init = "ones"  # the RMSNorm weights' value before a checkpoint fills them
+
+    def __init__(self, config: LlamaConfig, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
-        e, h, hkv, d, f = (
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
-        )
+        e, h, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
 
         def p(shape, names, init="normal"):
             return layers.param(rngs, shape, dtype, names, init=init)
 
-        self.attn_norm = p((e,), ("embed",), "ones")
+        self.attn_norm = p((e,), ("embed",), self.norm_init)
         self.wq = p((e, h, d), ("embed", "heads", "head_dim"))
         self.wk = p((e, hkv, d), ("embed", "kv_heads", "head_dim"))
         self.wv = p((e, hkv, d), ("embed", "kv_heads", "head_dim"))
@@ -56,9 +57,18 @@ class LlamaBlock(nnx.Module):
         if c.o_bias:
             self.bo = p((e,), ("embed",), "zeros")
         if c.qk_norm:
-            self.q_norm = p((d,), ("head_dim",), "ones")
-            self.k_norm = p((d,), ("head_dim",), "ones")
-        self.mlp_norm = p((e,), ("embed",), "ones")
+            self.q_norm = p((d,), ("head_dim",), self.norm_init)
+            self.k_norm = p((d,), ("head_dim",), self.norm_init)
+        self.mlp_norm = p((e,), ("embed",), self.norm_init)
+        self.init_mlp(c, p)
+        self.config = config
+        self.rope = c.rope
+        self.scale = c.head_dim**-0.5
+        self.softcap = None
+
+    def init_mlp(self, c: LlamaConfig, p) -> None:
+        """The gated MLP's parameters (`p(shape, names, init)` makes one)."""
+        e, f = c.hidden_size, c.intermediate_size
         self.w_gate = p((e, f), ("embed", "mlp"))
         self.w_up = p((e, f), ("embed", "mlp"))
         self.w_down = p((f, e), ("mlp", "embed"))
@@ -66,7 +76,46 @@ class LlamaBlock(nnx.Module):
             self.b_gate = p((f,), ("mlp",), "zeros")
             self.b_up = p((f,), ("mlp",), "zeros")
             self.b_down = p((e,), ("embed",), "zeros")
-        self.config = config
+
+    def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        return layers.rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def attention(
+        self,
+        h: jax.Array,  # [B, T, E], normalised
+        positions: jax.Array,  # [B, T] int, -1 for padding
+        cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
+        mask: jax.Array,  # [B, T, S] bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        c = self.config
+        q = layers.split_heads(h, self.wq[...])  # [B, T, H, D]
+        k = layers.split_heads(h, self.wk[...])  # [B, T, Hkv, D]
+        v = layers.split_heads(h, self.wv[...])  # [B, T, Hkv, D]
+        if c.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if c.qk_norm:
+            q = self.norm(q, self.q_norm[...])
+            k = self.norm(k, self.k_norm[...])
+        q, k = layers.rope_qk(q, k, positions, self.rope, c.head_dim)
+        attn, cache = layers.cached_attention(
+            q, k, v, positions, cache, mask, self.scale, self.softcap
+        )
+        attn = layers.merge_heads(attn, self.wo[...])  # [B, T, E]
+        if c.o_bias:
+            attn = attn + self.bo[...]
+        return attn, cache
+
+    def mlp(self, h: jax.Array) -> jax.Array:
+        """`[B, T, E] -> [B, T, E]`: down(act(gate(h)) * up(h))."""
+        c = self.config
+        gate = h @ self.w_gate[...]  # [B, T, F]
+        up = h @ self.w_up[...]
+        if c.mlp_bias:
+            gate, up = gate + self.b_gate[...], up + self.b_up[...]
+        out = (layers.activation(c.hidden_act, gate) * up) @ self.w_down[...]  # [B, T, E]
+        if c.mlp_bias:
+            out = out + self.b_down[...]
+        return out
 
     def __call__(
         self,
@@ -75,34 +124,17 @@ class LlamaBlock(nnx.Module):
         cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
         mask: jax.Array,  # [B, T, S] bool
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        c = self.config
-        inv_freq = layers.rope_inverse_frequencies(c.rope, c.head_dim)  # numpy: a constant
-        h = layers.rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
-        q = layers.split_heads(h, self.wq[...])  # [B, T, H, D]
-        k = layers.split_heads(h, self.wk[...])  # [B, T, Hkv, D]
-        v = layers.split_heads(h, self.wv[...])  # [B, T, Hkv, D]
-        if c.qkv_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        if c.qk_norm:
-            q = layers.rms_norm(q, self.q_norm[...], c.rms_norm_eps)
-            k = layers.rms_norm(k, self.k_norm[...], c.rms_norm_eps)
-        q = layers.apply_rope(q, positions, inv_freq)
-        k = layers.apply_rope(k, positions, inv_freq)
-        attn, cache = layers.cached_attention(q, k, v, positions, cache, mask, c.head_dim**-0.5)
-        attn = layers.merge_heads(attn, self.wo[...])  # [B, T, E]
-        if c.o_bias:
-            attn = attn + self.bo[...]
-        x = x + attn
+        attn, cache = self.attention(self.norm(x, self.attn_norm[...]), positions, cache, mask)
+        x = x + self.after_attention(attn)
+        return x + self.after_mlp(self.mlp(self.norm(x, self.mlp_norm[...]))), cache
 
-        h = layers.rms_norm(x, self.mlp_norm[...], c.rms_norm_eps)
-        gate = h @ self.w_gate[...]  # [B, T, F]
-        up = h @ self.w_up[...]
-        if c.mlp_bias:
-            gate, up = gate + self.b_gate[...], up + self.b_up[...]
-        out = (layers.activation(c.hidden_act, gate) * up) @ self.w_down[...]  # [B, T, E]
-        if c.mlp_bias:
-            out = out + self.b_down[...]
-        return x + out, cache
+    def after_attention(self, attn: jax.Array) -> jax.Array:
+        """What the attention output goes through before the residual add (Gemma: a norm)."""
+        return attn
+
+    def after_mlp(self, out: jax.Array) -> jax.Array:
+        """What the MLP output goes through before the residual add (Gemma: a norm)."""
+        return out
 
 
 class LlamaModel(DecoderModel):
@@ -114,14 +146,20 @@ class LlamaModel(DecoderModel):
       dtype: the parameter dtype; activations are computed in it, logits come back float32.
     """
 
+    block_class = LlamaBlock
+
     def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         super().__init__(config, dtype=dtype)
         c = config
         self.embedding = layers.param(
             rngs, (c.vocab_size, c.hidden_size), dtype, ("vocab", "embed")
         )
-        self.layers = nnx.List([LlamaBlock(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
-        self.final_norm = layers.param(rngs, (c.hidden_size,), dtype, ("embed",), init="ones")
+        self.layers = nnx.List(
+            [self.block_class(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)]
+        )
+        self.final_norm = layers.param(
+            rngs, (c.hidden_size,), dtype, ("embed",), init=self.block_class.norm_init
+        )
         if not c.tie_word_embeddings:
             self.lm_head = layers.param(
                 rngs, (c.vocab_size, c.hidden_size), dtype, ("vocab", "embed")
@@ -198,30 +236,33 @@ def is_ignored_tensor(name: str, config: LlamaConfig) -> bool:
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
-def _register(model_type: str, parse_config) -> None:
+def register_family(model_type: str, parse_config, **fields) -> None:
+    """Register a Llama-derived `model_type`: `fields` override the Llama family's
+    (`config_class`, `model_class`, `checkpoint_tensors`, `is_ignored_tensor`, ...)."""
+    defaults = dict(
+        config_class=LlamaConfig,
+        model_class=LlamaModel,
+        checkpoint_tensors=checkpoint_tensors,
+        is_ignored_tensor=is_ignored_tensor,
+    )
     registry.register(
         registry.ModelFamily(
-            model_type=model_type,
-            config_class=LlamaConfig,
-            parse_config=parse_config,
-            model_class=LlamaModel,
-            checkpoint_tensors=checkpoint_tensors,
-            is_ignored_tensor=is_ignored_tensor,
+            model_type=model_type, parse_config=parse_config, **{**defaults, **fields}
         )
     )
 
 
-_register("llama", llama_config_from_hf)
-_register(
+register_family("llama", llama_config_from_hf)
+register_family(
     "mistral", functools.partial(llama_config_from_hf, sliding_windows=mistral_sliding_windows)
 )
-_register(
+register_family(
     "qwen2",
     functools.partial(
         llama_config_from_hf, sliding_windows=qwen_sliding_windows, qkv_bias_only=True
     ),
 )
-_register(
+register_family(
     "qwen3",
     functools.partial(llama_config_from_hf, sliding_windows=qwen_sliding_windows, qk_norm=True),
 )

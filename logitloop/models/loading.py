@@ -244,6 +244,7 @@ def _fill_parameters(
     for name, file in locations.items():
         by_file.setdefault(file, []).append(name)
     filled: set[str] = set()
+    stacks: dict[tuple, dict[int, jax.Array]] = {}
     for file, names in by_file.items():
         try:
             handle = safe_open(file, framework="flax")
@@ -276,8 +277,11 @@ def _fill_parameters(
                 except Exception as e:
                     raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from e
                 value = spec.transform(value.astype(dtype))
-                variable = reduce(_child, spec.target, model)
-                variable.set_value(value)
+                for target, part in spec.placements(value):
+                    if spec.stack_index is None:
+                        reduce(_child, target, model).set_value(part)
+                    else:  # placed once all of its slices are read
+                        stacks.setdefault(target, {})[spec.stack_index] = part
                 filled.add(key)
     missing = [name for name in expected if name not in filled]
     if missing:
@@ -286,6 +290,8 @@ def _fill_parameters(
             f"{where}: missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
+    for target, parts in stacks.items():
+        reduce(_child, target, model).set_value(jnp.stack([parts[i] for i in sorted(parts)]))
     # Every checkpoint tensor was placed; a parameter still abstract now would mean the
     # architecture's checkpoint_tensors() forgot it, a bug here rather than in the file.
     unfilled = [

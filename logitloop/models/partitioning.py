@@ -1,10 +1,13 @@
 """Model weights over a device mesh: the partition rules and the sharded Orbax restore.
 
 Weights go over the mesh's "model" axis by their logical axis names (`nnx.get_partition_spec`
-reads them from the parameters' metadata, set by `layers.param`): "heads", "kv_heads",
-"mlp" and "vocab" map to "model", everything else ("embed", "head_dim", unnamed axes) is
-replicated. A dimension that the model-axis size does not divide is replicated instead
-(`mesh_spec`), as is every weight of a pytree that carries no names. The decode loop's
+reads them from the parameters' metadata, set by `layers.param`): "experts", "heads",
+"kv_heads", "mlp" and "vocab" map to "model", at most once per parameter (the first such
+dimension that the model-axis size divides: a mixture's stacked experts go over the model
+axis whole, expert parallelism, when their number allows, else their "mlp" axis);
+everything else ("embed", "head_dim", unnamed axes) is replicated. A dimension that the
+model-axis size does not divide is replicated instead (`mesh_spec`), as is every weight
+of a pytree that carries no names. The decode loop's
 layout of rows and caches lives with the loop (`logitloop.decoding.sharding`).
 """
 
@@ -22,7 +25,7 @@ from logitloop.ops.sampling.sharded import auto_axes
 
 MODEL_AXIS = "model"
 # Logical parameter axes laid over the model axis; the rest are replicated.
-MODEL_PARALLEL_AXES = frozenset({"heads", "kv_heads", "mlp", "vocab"})
+MODEL_PARALLEL_AXES = frozenset({"experts", "heads", "kv_heads", "mlp", "vocab"})
 
 
 def _model_mesh(mesh: Mesh) -> Mesh:

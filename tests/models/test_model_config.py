@@ -121,3 +121,33 @@ def test_bad_fields_in_a_model_folder_name_the_file_and_field(change, generation
 def test_generation_config_overrides_a_bad_config_id():
     config = config_from_hf(dict(LLAMA, eos_token_id=[3]), generation_config={"eos_token_id": 5})
     assert config.eos_token_id == (5,)
+
+
+def test_new_family_configs_survive_a_json_round_trip():
+    # save_converted writes config_to_dict as JSON; restore rebuilds it by model_type.
+    import json
+
+    from logitloop.models.config import config_from_dict, config_to_dict
+
+    small = dict(LLAMA, num_hidden_layers=2, sliding_window=4)
+    su = {"type": "su", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}
+    configs = [
+        config_from_hf(dict(small, model_type="gemma2", final_logit_softcapping=30.0)),
+        config_from_hf(dict(small, model_type="gemma3_text", rope_local_base_freq=100.0)),
+        config_from_hf(
+            dict(small, model_type="phi3", rope_scaling=su, original_max_position_embeddings=8)
+        ),
+        config_from_hf(
+            dict(
+                small,
+                model_type="qwen3_moe",
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=8,
+                mlp_only_layers=[0],
+            )
+        ),
+    ]
+    for config in configs:
+        again = config_from_dict(json.loads(json.dumps(config_to_dict(config))))
+        assert again == config and type(again) is type(config)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitloop.models import GPT2Model, LlamaModel, load_pretrained
+from logitloop.models import GemmaModel, GPT2Model, LlamaModel, MoeModel, layers, load_pretrained
 
 from .tiny_checkpoints import (
     CASES,
@@ -48,8 +48,14 @@ def forward(pair):
 
 def test_loaded_model_matches_architecture(pair):
     case, hf, model = pair
-    expected = GPT2Model if case == "gpt2" else LlamaModel
-    assert isinstance(model, expected)
+    expected = {
+        "gpt2": GPT2Model,
+        "gemma2": GemmaModel,
+        "gemma3_text": GemmaModel,
+        "mixtral": MoeModel,
+        "qwen3_moe": MoeModel,
+    }
+    assert type(model) is expected.get(case, LlamaModel)
     assert model.config.vocab_size == hf.config.vocab_size
     assert model.dtype == jnp.float32
 
@@ -124,3 +130,39 @@ def test_every_parameter_names_its_logical_axes(pair):
     specs = jax.tree.leaves(nnx.get_partition_spec(params))
     assert any("heads" in spec for spec in specs)
     assert any("vocab" in spec for spec in specs)
+
+
+def test_sliding_window_ring_longer_calls_and_columns_taken_back(pair, forward):
+    """Gemma 3 (local and global layers mixed): the local layers' cache is a ring of
+    window + RING_SLACK = 13 slots. Prompts longer than the ring, then 4 draft columns of
+    which 2 are taken back and 2 others written (as speculative verification would), give
+    the logits `transformers` gives each whole sequence. (The greedy test above wraps the
+    ring too: its positions reach 45.) Same shapes as the tests above: no new compile."""
+    case, hf, model = pair
+    if case != "gemma3_text":
+        pytest.skip("one case with sliding and global layers suffices")
+    cache = model.init_cache(3, BUCKET + NEW_TOKENS)
+    for layer, window in zip(cache, model.config.sliding_windows, strict=True):
+        slots = BUCKET + NEW_TOKENS if window is None else window + layers.RING_SLACK
+        assert layer["k"].shape == (3, model.config.num_kv_heads, slots, model.config.head_dim)
+        assert ("pos" in layer) == (window is not None)
+    assert model.config.sliding_windows[0] + layers.RING_SLACK < 14
+    prompts = random_prompts(model.config.vocab_size, [16, 14, 15], seed=7)
+    rng = np.random.default_rng(8)
+    drafts, redo = rng.integers(3, 150, (4, 3)), rng.integers(3, 150, (2, 3))
+
+    def check(logits, sequences):
+        for row, sequence in enumerate(sequences):
+            with torch.no_grad():
+                want = hf(torch.tensor([sequence])).logits[0, -1].numpy()
+            np.testing.assert_allclose(np.asarray(logits[row]), want, rtol=0, atol=1e-4)
+
+    tokens, positions = left_pad(prompts, BUCKET)
+    logits, cache = forward(jnp.asarray(tokens), jnp.asarray(positions), cache)
+    check(logits, prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    for i, column in enumerate(list(drafts) + list(redo)):
+        position = lengths + (i if i < 4 else i - 2)  # the redo columns rewrite drafts 2, 3
+        logits, cache = forward(jnp.asarray(column[:, None]), jnp.asarray(position[:, None]), cache)
+    final = [p + drafts[:2, r].tolist() + redo[:, r].tolist() for r, p in enumerate(prompts)]
+    check(logits, final)

@@ -15,11 +15,15 @@ from safetensors.numpy import save_file
 import logitloop as ll
 from logitloop.models import (
     DecoderModel,
+    GemmaConfig,
+    GemmaModel,
     GPT2Config,
     GPT2Model,
     LlamaConfig,
     LlamaModel,
     ModelFamily,
+    MoeConfig,
+    MoeModel,
     family_for,
     load_pretrained,
     register,
@@ -38,6 +42,12 @@ def test_every_hf_model_type_maps_to_its_architecture():
         "mistral": (LlamaConfig, LlamaModel),
         "qwen2": (LlamaConfig, LlamaModel),
         "qwen3": (LlamaConfig, LlamaModel),
+        "gemma2": (GemmaConfig, GemmaModel),
+        "gemma3_text": (GemmaConfig, GemmaModel),
+        "gemma3": (GemmaConfig, GemmaModel),
+        "phi3": (LlamaConfig, LlamaModel),
+        "mixtral": (MoeConfig, MoeModel),
+        "qwen3_moe": (MoeConfig, MoeModel),
     }
     assert set(registry.model_types()) == set(expected)
     for model_type, (config_class, model_class) in expected.items():

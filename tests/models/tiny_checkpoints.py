@@ -31,6 +31,15 @@ _LLAMA_SIZES = dict(
     eos_token_id=2,
 )
 
+_GEMMA_SIZES = dict(
+    _LLAMA_SIZES,
+    num_hidden_layers=4,
+    head_dim=16,
+    sliding_window=5,
+    query_pre_attn_scalar=24,  # not head_dim
+    pad_token_id=0,
+)
+
 CASES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_SIZES, tie_word_embeddings=False)),
     "llama3_rope": (
@@ -80,6 +89,82 @@ CASES = {
             max_window_layers=1,  # layer 0 full attention, layer 1 sliding
         ),
     ),
+    # Gemma: window 5 < the prompts (5, 13, 9); sliding and global layers alternate.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            _GEMMA_SIZES,
+            tie_word_embeddings=False,
+            attn_logit_softcapping=3.0,  # small caps, so that both bite
+            final_logit_softcapping=5.0,
+            rope_parameters=dict(rope_type="default", rope_theta=500.0),
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _GEMMA_SIZES,
+            tie_word_embeddings=True,
+            sliding_window_pattern=2,  # layers 0, 2 local; 1, 3 global
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", rope_theta=5000.0, factor=2.0),
+                sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            ),
+        ),
+    ),
+    # Phi-3: fused qkv / gate_up; longrope with an original context (4) shorter than every
+    # prompt, so that all rows use the long factors and the attention factor (sqrt(3));
+    # half of each head rotated; a window. test_phi3.py covers the short factors.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            tie_word_embeddings=False,
+            head_dim=16,
+            sliding_window=7,
+            pad_token_id=0,
+            max_position_embeddings=64,
+            original_max_position_embeddings=4,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=1000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.5, 2.0, 2.5],
+                long_factor=[2.0, 3.0, 5.0, 9.0],
+            ),
+        ),
+    ),
+    # Mixtures: 8 experts. Mixtral routes 3 rows x top-2 = 6 < 8 tokens per decode step, so
+    # decoding takes the gathered-experts path; Qwen3-MoE's 3 x 3 = 9 takes the dense one.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _LLAMA_SIZES,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],  # layers 0 and 2 sparse, layer 1 a dense MLP of width 96
+            tie_word_embeddings=False,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -105,6 +190,14 @@ def build_hf_model(case: str, seed: int = 0):
     config_cls, model_cls, kwargs = CASES[case]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    if config_cls.startswith("Gemma"):
+        # HF starts Gemma's (1 + weight) norms at weight 0; make them random so a norm
+        # that forgot the 1, or the weight, shows. Larger post-norms keep the blocks from
+        # being drowned by the sqrt(hidden)-scaled embedding (greedy would only repeat).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3).add_(3.0 if ".post_" in name else 0.0)
     return model.eval()
 
 
