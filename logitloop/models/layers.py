@@ -39,7 +39,6 @@ writes row 0 slots 0-1 and row 1 slots 0-3; the next step passes positions [[2],
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -58,23 +57,8 @@ MASK_VALUE = float(np.finfo(np.float32).min)
 KVCache = list[dict[str, jax.Array]]
 
 
-_SHAPES_ONLY = [False]
-
-
-@contextlib.contextmanager
-def shapes_only():
-    """Build models without drawing random weights (for `nnx.eval_shape`: tracing a random
-    normal per parameter costs more than reading a small checkpoint)."""
-    previous = _SHAPES_ONLY[0]
-    _SHAPES_ONLY[0] = True
-    try:
-        yield
-    finally:
-        _SHAPES_ONLY[0] = previous
-
-
 def param(
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None,
     shape: Sequence[int],
     dtype: jnp.dtype,
     names: tuple[str | None, ...],
@@ -86,11 +70,13 @@ def param(
 
     `names` go into the Variable's sharding metadata (`nnx.get_partition_spec` reads them).
     Eager sharding is off: the model is built without a mesh and laid out afterwards by
-    mapping these logical names onto mesh axes.
+    mapping these logical names onto mesh axes. `rngs=None` builds zeros instead of random
+    weights: for shapes only (`nnx.eval_shape`, where tracing a random normal per parameter
+    costs more than reading a small checkpoint) or weights that are set right after.
     """
     if init == "ones":
         value = jnp.ones(shape, dtype)
-    elif init == "zeros" or _SHAPES_ONLY[0]:
+    elif init == "zeros" or rngs is None:
         value = jnp.zeros(shape, dtype)
     else:
         value = (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
-from logitloop.models import layers, registry
+from logitloop.models import registry
 from logitloop.models.config import ModelConfig, config_from_hf
 from logitloop.models.decoder import DecoderModel
 from logitloop.models.layers import CheckpointTensor
@@ -48,8 +48,9 @@ def build_model(config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None
 
 def abstract_model(config: ModelConfig, dtype) -> Model:
     """The model with `jax.ShapeDtypeStruct` in place of every parameter."""
-    with layers.shapes_only():
-        return nnx.eval_shape(lambda: build_model(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    model_class = registry.family_for(config.model_type).model_class
+    # rngs=None: zeros, not random draws (see `layers.param`).
+    return nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=None))
 
 
 def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Model:
