@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from logitloop import cli
+from logitloop.cli.jobs import read_items
 
 # --stop: (the argument as the shell passes it, the stop string it must become)
 STOP_ESCAPES = [
@@ -99,11 +100,11 @@ def test_error_messages_read_right(argv, files, expected, tmp_path, capsys):
 def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_bytes("\ufeffHello\nWorld\n".encode())
-    items = cli._read_items(str(path), {}, [])
+    items = read_items(str(path), {}, [])
     assert [it.prompt for it in items] == ["Hello", "World"]
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_bytes('\ufeff{"prompt": "Hi"}\n'.encode())
-    assert [it.prompt for it in cli._read_items(str(jsonl), {}, [])] == ["Hi"]
+    assert [it.prompt for it in read_items(str(jsonl), {}, [])] == ["Hi"]
 
 
 @pytest.mark.parametrize("command", ["generate", "explain"])
