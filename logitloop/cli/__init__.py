@@ -148,6 +148,3 @@ def _run(argv: list[str]) -> int:
         discard_stdout()
         return 1
 
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
