@@ -115,7 +115,7 @@ def _row_value(name: str, value: Any) -> Any:
 _ROW_INDEX = re.compile(r"\b([A-Za-z_]+)\[0\](?!\[)")
 
 
-def one_row_message(error: Exception) -> str:
+def one_row_message(error: Exception | str) -> str:
     """SamplingParams' message for a batch of one, without the `[0]` row index."""
     return _ROW_INDEX.sub(r"\1", str(error))
 
