@@ -235,8 +235,8 @@ def sample(
     leaves; states: their states (default: each one's `init`). The output's `states` are
     the states after the drawn tokens.
     """
-    params, states = with_processors("ll.sample", logits, params, processors, states)
     check_shapes("ll.sample", logits, params, positions, history)
+    params, states = with_processors("ll.sample", logits, params, processors, states)
     return sample_step(logits, params, positions, history, states=states, backend=backend)
 
 
@@ -381,8 +381,8 @@ def sampling_distribution(
     `processors`, `states`: as in `sample`.
     """
     name = "ll.sampling_distribution"
-    params, states = with_processors(name, logits, params, processors, states)
     check_shapes(name, logits, params, positions, history)
+    params, states = with_processors(name, logits, params, processors, states)
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history, states=states)

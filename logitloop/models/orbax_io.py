@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import tokenizers
 from flax import nnx
 
@@ -44,6 +43,8 @@ def save_converted(model: Model, directory: str | os.PathLike) -> None:
     if (directory / _STATE_DIR).exists() or (directory / _META_FILE).exists():
         raise FileExistsError(f"{directory} already holds a converted model")
     directory.mkdir(parents=True, exist_ok=True)
+    import orbax.checkpoint as ocp  # imported when used: it takes a quarter second
+
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # Uncompressed: float weights barely compress, and zstd doubled the restore time
     # (scripts/bench_loading.py).
@@ -97,6 +98,8 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
       FileNotFoundError: `directory` is not a converted model.
       ValueError: its metadata is unreadable or `sharding` does not match the state.
     """
+    import orbax.checkpoint as ocp  # imported when used: it takes a quarter second
+
     directory = Path(directory).absolute()
     meta, config, dtype = read_metadata(directory)
     model = abstract_model(config, dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from logitloop import cli
+from logitloop.cli.jobs import read_items
 
 # --stop: (the argument as the shell passes it, the stop string it must become)
 STOP_ESCAPES = [
@@ -99,11 +100,11 @@ def test_error_messages_read_right(argv, files, expected, tmp_path, capsys):
 def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_bytes("\ufeffHello\nWorld\n".encode())
-    items = cli._read_items(str(path), {}, [])
+    items = read_items(str(path), {}, [])
     assert [it.prompt for it in items] == ["Hello", "World"]
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_bytes('\ufeff{"prompt": "Hi"}\n'.encode())
-    assert [it.prompt for it in cli._read_items(str(jsonl), {}, [])] == ["Hi"]
+    assert [it.prompt for it in read_items(str(jsonl), {}, [])] == ["Hi"]
 
 
 @pytest.mark.parametrize("command", ["generate", "explain"])
@@ -111,3 +112,26 @@ def test_help_lines_are_wrapped(command):
     parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
     long = [line for line in parser.format_help().splitlines() if len(line) > 100]
     assert long == [], long
+
+
+def test_the_command_line_ends_its_process_with_every_line_delivered():
+    """`python -m logitloop` ends the process itself, skipping the interpreter's teardown:
+    text still buffered for a pipe (argparse's help is not flushed) must arrive, and the
+    exit status must be the command's."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a real buffer
+    env["JAX_PLATFORMS"] = "cpu"
+    run = lambda *argv: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "logitloop", *argv],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    shown = run("generate", "--help")
+    assert shown.returncode == 0, shown.stderr
+    assert "--batch-size" in shown.stdout
+    assert shown.stdout.rstrip().endswith("compiles afresh every run.")
+    bad = run("generate", "x", "--top-p", "2")
+    assert bad.returncode == 2
+    assert bad.stderr == "logitloop: error: top_p = 2.0 is outside the allowed range (0, 1]\n"

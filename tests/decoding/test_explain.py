@@ -12,6 +12,7 @@ import pytest
 from scipy import stats
 
 import logitloop as ll
+from logitloop.cli import explain_view as view
 from logitloop.decoding import explain as ex
 from logitloop.decoding.generate import initial_state, prepare
 
@@ -153,7 +154,7 @@ def test_all_masked_row(model):
     expl = _explain(model, allowed_token_ids=[5], banned_token_ids=[5])
     assert expl.status == ll.STATUS_ALL_MASKED
     assert expl.final.sum() == 0 and np.all(expl.cut == ex.CUT_MASK)
-    assert "every token is masked" in ex.format_table(expl, 5)
+    assert "every token is masked" in view.format_table(expl, 5)
 
 
 def test_logits_are_what_generate_sees(model, knobs):
@@ -201,7 +202,7 @@ def test_draws_follow_the_final_distribution(model, plain):
 
 
 def test_table_lists_candidates_and_cuts(tuned, knobs):
-    table = ex.format_table(tuned, top=6)
+    table = view.format_table(tuned, top=6)
     lines = table.splitlines()
     header = next(line for line in lines if line.lstrip().startswith("#"))
     for title in ("raw", "masks/bias/pen", "temperature", "top-k", "top-p", "min-p=final"):
@@ -222,7 +223,7 @@ def test_figure_has_three_panels(tuned, tmp_path):
     matplotlib_image = pytest.importorskip("matplotlib.image")  # the `plot` extra
 
     draws = ex.draw_next_tokens(tuned, 300, chunk=CHUNK)
-    fig = ex.explanation_figure(tuned, draws, top=6, temperatures=np.linspace(0.1, 2.0, 12))
+    fig = view.explanation_figure(tuned, draws, top=6, temperatures=np.linspace(0.1, 2.0, 12))
     assert len(fig.axes) == 3
     out = tmp_path / "explain.png"
     fig.savefig(out, dpi=50)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
-from logitloop.ops.sampling import pallas, sharded, xla
+from logitloop.ops.sampling import sharded, xla
 
 BACKENDS = ("auto", "xla", "pallas", "sharded")
 
@@ -55,6 +55,10 @@ def filter_and_sample(
         return xla.filter_and_sample(x, top_k, top_p, min_p, greedy, key, temperature=temperature)
     x = xla.scale_logits(x, temperature)
     if backend == "pallas":
+        # Imported here: Pallas and its Triton lowering take a tenth of a second to import,
+        # and only a GPU (or a test in interpret mode) runs the kernel.
+        from logitloop.ops.sampling import pallas
+
         return pallas.filter_and_sample_pallas(
             x, top_k, top_p, min_p, greedy, key, interpret=interpret
         )

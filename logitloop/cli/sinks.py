@@ -1,5 +1,6 @@
-"""The `--output` of `logitloop generate`: where JSONL results go, without ever destroying or
-duplicating them.
+"""Where `logitloop generate` puts its results: without `--output`, text blocks on stdout
+(`TextOutput`); with it, JSONL lines (`JsonlOutput`), never destroying or duplicating them.
+Both take records in input order (`write(records, n)`) and are closed at the end.
 
 - `-` is stdout; a path that is not a regular file (`/dev/stdout` on a pipe or a terminal,
   `/dev/null`, a FIFO) is written as a stream: nothing to resume, nothing to replace.
@@ -36,7 +37,7 @@ def id_key(value: Any) -> tuple[str, Any]:
     return (type(value).__name__, value)
 
 
-def _describe_id(value: Any) -> str:
+def describe_id(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -216,7 +217,7 @@ class JsonlOutput:
             more = ", ..." if len(duplicates) > 1 else ""
             warn(
                 f"{self.name} holds {len(duplicates)} duplicate result line"
-                f"{'s' if len(duplicates) > 1 else ''} (id {_describe_id(item_id)} on lines "
+                f"{'s' if len(duplicates) > 1 else ''} (id {describe_id(item_id)} on lines "
                 f"{a} and {b}{more}), written by two runs at once; each id counts as done once"
             )
         return set(first_line)
@@ -296,3 +297,40 @@ class JsonlOutput:
             except OSError:
                 pass
             self._tmp = None
+
+
+class TextOutput:
+    """Completions as text on stdout: one block per completion, headed `==> ID <==` (`==> ID
+    #k <==` for sample k of n) when `headers`; the token ids when there is no tokenizer."""
+
+    def __init__(self, headers: bool):
+        self.headers = headers
+        self.blocks = 0
+
+    def write(self, records: Sequence[dict[str, Any]], n: int) -> None:
+        try:
+            self._write(records, n)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            discard_stdout()
+            raise OutputError(f"cannot write stdout: {e.strerror or e}") from None
+
+    def _write(self, records: Sequence[dict[str, Any]], n: int) -> None:
+        out = sys.stdout
+        for rec in records:
+            texts = rec["text"] if n > 1 else [rec["text"]]
+            for k, text in enumerate(texts):
+                if text is None:  # no tokenizer: show the ids
+                    ids = rec["token_ids"][k] if n > 1 else rec["token_ids"]
+                    text = " ".join(map(str, ids))
+                if self.headers:
+                    sample = f" #{k}" if n > 1 else ""
+                    sep = "\n" if self.blocks else ""
+                    out.write(f"{sep}==> {rec['id']}{sample} <==\n")
+                out.write(text + "\n")
+                self.blocks += 1
+        out.flush()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,327 @@
+"""The command line's arguments: argparse, the flags of `generate` and `explain`, and the
+sampling settings they give (`base_knobs`), in `SamplingParams.create`'s argument names.
+
+A flag's value is read here only as far as argparse must (a number, TOKEN=BIAS, a stop
+string's escapes); its range is checked by `SamplingParams.create` (see `jobs.row_params`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from logitloop.cli.common import PROG, CLIError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr like every other bad input."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+def _parse_bias(text: str) -> tuple[int, float]:
+    tok, sep, val = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS, got {text!r}")
+    try:
+        return int(tok), float(val)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected TOKEN=BIAS with an integer token id and a number, got {text!r}"
+        ) from None
+
+
+_STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
+_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.?)", re.DOTALL)
+
+
+def _parse_stop(text: str) -> str:
+    """A `--stop` value with the usual escapes read: \\n \\t \\r \\0 \\\\ \\" \\' \\xHH \\uHHHH
+    \\UHHHHHHHH (a shell passes `"\\n\\n"` as backslash-n twice). Other escapes are an error."""
+
+    def one(match: re.Match) -> str:
+        code = match.group(1)
+        if code in _STOP_ESCAPES:
+            return _STOP_ESCAPES[code]
+        if code[:1] in ("x", "u", "U") and len(code) > 1:
+            value = int(code[1:], 16)
+            if value > 0x10FFFF or 0xD800 <= value <= 0xDFFF:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: \\{code} is not a Unicode character"
+                )
+            return chr(value)
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown escape \\{code}; the escapes are \\n \\t \\r \\0 \\\\ \\\" "
+            "\\' \\xHH \\uHHHH \\UHHHHHHHH (write \\\\ for a backslash)"
+        )
+
+    return _ESCAPE.sub(one, text)
+
+
+def _parse_id_sequence(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 13,198, got {text!r}"
+        )
+    return ids
+
+
+def base_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling settings given as flags (the others keep SamplingParams' defaults).
+
+    A subcommand without some of the flags (`explain` has no stop strings) leaves them out.
+    """
+    flag = lambda name: getattr(args, name, None)
+    knobs: dict[str, Any] = {}
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "logprobs",
+    ):
+        value = flag(name)
+        if value is not None:
+            knobs[name] = value
+    if flag("logit_bias"):
+        knobs["logit_bias"] = dict(args.logit_bias)
+    if flag("ban"):
+        knobs["banned_token_ids"] = list(args.ban)
+    if flag("allow"):
+        knobs["allowed_token_ids"] = list(args.allow)
+    if flag("stop_token_id"):
+        knobs["stop_token_ids"] = list(args.stop_token_id)
+    if flag("stop_sequence"):
+        knobs["stop_sequences"] = [list(s) for s in args.stop_sequence]
+    if flag("stop"):
+        knobs["stop"] = list(args.stop)
+    if flag("include_stop_str_in_output"):
+        knobs["include_stop_str_in_output"] = True
+    return knobs
+
+
+_EXPLAIN_HELP = """\
+Columns: raw = softmax of the model's logits; then the distribution after masks, bias and
+penalties, after temperature, after top-k, after top-p, and after min-p (the final one,
+which ll.sample draws from), each renormalised over the tokens that step keeps.
+Bad input exits with status 2 and one "logitloop: error: ..." line on stderr, with the same
+messages as generate.
+"""
+
+
+_JSONL_HELP = """\
+JSONL input: one object per line, e.g.
+  {"id": "q1", "prompt": "Once upon a time", "temperature": 0.8, "seed": 3, "max_tokens": 64}
+  {"prompt_token_ids": [1, 415, 2936], "stop": ["\\n\\n"], "logprobs": 5}
+Per-line keys are SamplingParams.create's arguments and replace the flags for that line.
+
+Output (--output FILE.jsonl): one line per prompt, in input order:
+  {"id", "prompt", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
+  plus "logprobs", "raw_logprobs", "top_logprobs" when logprobs > 0.
+An existing output file is resumed: ids already in it are skipped.
+Bad input exits with status 2 and one "logitloop: error: ..." line on stderr.
+Compiled programs are kept between runs in ~/.cache/logitloop/jax (XDG_CACHE_HOME is
+honoured); LOGITLOOP_COMPILE_CACHE=DIR puts them elsewhere, LOGITLOOP_COMPILE_CACHE=off or
+--no-compile-cache compiles afresh every run.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from logitloop import __version__
+
+    parser = _Parser(
+        prog=PROG,
+        description="logitloop: per-row sampling and a jit-compiled decode loop for JAX models.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate completions, printed to stdout or written as JSONL.",
+        epilog=_JSONL_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (one or more)")
+
+    io = gen.add_argument_group("input and output")
+    io.add_argument(
+        "-i",
+        "--input",
+        metavar="FILE",
+        help="prompts, one per line, or JSONL (.jsonl or first character '{'); '-' = stdin",
+    )
+    io.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="write JSONL results here (resumes when it exists)",
+    )
+    io.add_argument(
+        "--overwrite", action="store_true", help="start --output afresh instead of resuming"
+    )
+    io.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        metavar="N",
+        help="prompts decoded together (continuous batching slots; default: 32)",
+    )
+    io.add_argument("--stream", action="store_true", help="print text as it is generated")
+    io.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar and no final summary"
+    )
+
+    _add_model_flags(gen)
+
+    s = gen.add_argument_group(
+        "sampling (defaults: SamplingParams.create's; JSONL lines may override each)"
+    )
+    _add_sampling_flags(s, generation=True)
+
+    _add_explain_parser(sub)
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        metavar="PATH",
+        help="Hugging Face checkpoint folder (default: the model shipped with logitloop)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="parameter dtype (default: the checkpoint's own)",
+    )
+    model.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_false",
+        help="do not keep compiled programs between runs (see LOGITLOOP_COMPILE_CACHE below)",
+    )
+
+
+def _add_sampling_flags(s, *, generation: bool) -> None:
+    """The sampling knobs, one flag each; `generation=False` (explain) leaves out those that
+    only matter after the next token (max tokens, stop strings and sequences, logprobs, -n)."""
+    s.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 1.0)")
+    s.add_argument("--top-k", type=int, metavar="K", help="<= 0 disables (default: 0)")
+    s.add_argument("--top-p", type=float, metavar="P", help="in (0, 1] (default: 1.0)")
+    s.add_argument("--min-p", type=float, metavar="P", help="in [0, 1] (default: 0.0)")
+    s.add_argument("--repetition-penalty", type=float, metavar="R", help="> 0 (default: 1.0)")
+    s.add_argument("--presence-penalty", type=float, metavar="X", help="in [-2, 2] (default: 0)")
+    s.add_argument("--frequency-penalty", type=float, metavar="X", help="in [-2, 2] (default: 0)")
+    s.add_argument(
+        "--logit-bias",
+        type=_parse_bias,
+        action="append",
+        metavar="TOKEN=BIAS",
+        help="add BIAS (in [-100, 100]) to token id TOKEN's logit (repeatable)",
+    )
+    s.add_argument(
+        "--ban", type=int, action="append", metavar="TOKEN", help="ban token id (repeatable)"
+    )
+    s.add_argument(
+        "--allow",
+        type=int,
+        action="append",
+        metavar="TOKEN",
+        help="allow only these token ids (repeatable)",
+    )
+    s.add_argument("--seed", type=int, metavar="S", help="per-row random seed (default: 0)")
+    if generation:
+        s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
+    s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
+    if generation:
+        s.add_argument(
+            "--stop",
+            type=_parse_stop,
+            action="append",
+            metavar="STR",
+            help="stop string (repeatable); backslash escapes are read: \\n \\t \\r \\\\ "
+            "\\xHH \\uHHHH (so --stop '\\n\\n' stops at a blank line)",
+        )
+    s.add_argument(
+        "--stop-token-id",
+        type=int,
+        action="append",
+        metavar="TOKEN",
+        help="stop after this token id (repeatable; the model's EOS is always one)",
+    )
+    if generation:
+        s.add_argument(
+            "--stop-sequence",
+            type=_parse_id_sequence,
+            action="append",
+            metavar="ID,ID,...",
+            help="stop after this token-id sequence (repeatable)",
+        )
+        s.add_argument(
+            "--include-stop-str-in-output",
+            action="store_true",
+            help="keep a matched stop string in the text",
+        )
+        s.add_argument(
+            "--logprobs",
+            type=int,
+            metavar="N",
+            help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
+        )
+        s.add_argument(
+            "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
+        )
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
+
+
+def _add_explain_parser(sub) -> None:
+    ex = sub.add_parser(
+        "explain",
+        help="show what every sampling knob does to the next token",
+        description=(  # RawDescriptionHelpFormatter prints it as is: lines kept short
+            "For the token after PROMPT, print a table of the top candidates: the model's\n"
+            "raw probability, the probability after each step of the sampler (masks, bias\n"
+            "and penalties; temperature; top-k; top-p; min-p = final) and the step that cut\n"
+            "each token. The numbers come from the sampler's own code."
+        ),
+        epilog=_EXPLAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ex.add_argument("prompt", metavar="PROMPT", help="prompt text")
+    out = ex.add_argument_group("output")
+    out.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        metavar="N",
+        help="candidates to show: the N most likely after masks, bias and penalties, plus any "
+        "of the model's own N most likely they pushed out (default: 10)",
+    )
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also write a figure: temperature sweep, raw vs final, draws (needs matplotlib)",
+    )
+    out.add_argument(
+        "--draws",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="tokens drawn with ll.sample (seeds S, S+1, ...) for --plot (default: 2000)",
+    )
+    _add_model_flags(ex)
+    s = ex.add_argument_group("sampling (defaults: SamplingParams.create's)")
+    _add_sampling_flags(s, generation=False)

@@ -1,0 +1,88 @@
+"""`logitloop explain`: the next token's table (and `--plot`'s figure) for one PROMPT, its
+settings validated exactly as `generate` validates them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from logitloop.cli.common import PROG, CLIError, check_model_folder, check_prompt_text, load_model
+from logitloop.cli.jobs import check_vocab, row_params
+from logitloop.cli.parser import base_knobs
+
+_EXPLAIN_MAX_TOKENS = 2**31 - 1  # explain has no --max-tokens: min_tokens is bounded by itself
+
+
+def _plot_formats() -> dict[str, str]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CLIError(
+            "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+        ) from None
+    return FigureCanvasAgg(Figure()).get_supported_filetypes()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `explain` subcommand; returns the exit status."""
+    if not args.prompt:
+        raise CLIError("prompt is empty")
+    check_prompt_text("PROMPT", args.prompt)
+    if args.top < 1:
+        raise CLIError(f"--top = {args.top} is outside the allowed range [1, inf)")
+    if args.draws < 1:
+        raise CLIError(f"--draws = {args.draws} is outside the allowed range [1, inf)")
+    plot = None
+    if args.plot is not None:
+        plot = Path(args.plot).expanduser()
+        formats = _plot_formats()
+        suffix = plot.suffix.lower().lstrip(".")
+        if suffix not in formats:
+            raise CLIError(
+                f"--plot {args.plot}: the file name must end in one of "
+                f"{', '.join('.' + f for f in sorted(formats))}"
+            )
+        if not plot.parent.is_dir():
+            raise CLIError(f"--plot {args.plot}: folder not found: {plot.parent}")
+    check_model_folder(args.model)
+    params = row_params(dict(base_knobs(args), max_tokens=_EXPLAIN_MAX_TOKENS))
+
+    from logitloop.cli.explain_view import explanation_figure, format_table
+    from logitloop.decoding.explain import draw_next_tokens, explain_next_token
+    from logitloop.decoding.model import model_info
+
+    model = load_model(args.model, args.dtype)
+    info = model_info(model)
+    check_vocab(params, info.vocab_size)  # token ids given as flags, against the vocabulary
+    if info.tokenizer is None:
+        raise CLIError("the model has no tokenizer.json, so explain cannot encode PROMPT")
+    ids = list(info.tokenizer.encode(args.prompt))
+    if not ids:
+        raise CLIError("the prompt encodes to no tokens")
+    if len(ids) + 1 > info.max_length:
+        raise CLIError(
+            f"the prompt has {len(ids)} tokens: with the next one, over the model's context "
+            f"of {info.max_length} tokens"
+        )
+    try:
+        expl = explain_next_token(model, ids, params, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    sys.stdout.write(format_table(expl, args.top) + "\n")
+    sys.stdout.flush()
+
+    if plot is not None:
+        draws = draw_next_tokens(expl, args.draws)
+        fig = explanation_figure(expl, draws, top=args.top)
+        try:
+            fig.savefig(plot, dpi=100)
+        except OSError as e:
+            raise CLIError(f"cannot write {plot}: {e.strerror or e}") from None
+        print(
+            f"{PROG}: wrote {plot} ({len(fig.axes)} panels; {args.draws} draws from ll.sample)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0

@@ -1,0 +1,211 @@
+"""`logitloop generate`: settle the job (prompts, settings, output), load the model, then
+generate with continuous batching (`ll.iter_generate_many`) or stream one prompt
+(`ll.stream`), writing each result as soon as every one before it is written."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from logitloop.cli.common import PROG, CLIError, check_model_folder, load_model
+from logitloop.cli.jobs import (
+    Item,
+    check_vocab,
+    job_bounds,
+    one_row_message,
+    param_defaults,
+    prepare_tokens,
+    prompt_items,
+    read_items,
+    record,
+    row_params,
+    span,
+    validate_params,
+)
+from logitloop.cli.parser import base_knobs
+from logitloop.cli.sinks import JsonlOutput, TextOutput, check_not_input, id_key
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `generate` subcommand; returns the exit status."""
+    started = time.perf_counter()
+
+    def note(message: str) -> None:
+        if not args.quiet:
+            print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+    def warn(message: str) -> None:
+        print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+    if args.input is not None and args.prompts:
+        raise CLIError("give prompts as arguments or with --input FILE, not both")
+    if args.input is None and not args.prompts:
+        raise CLIError("no prompts: give PROMPT arguments or --input FILE")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size = {args.batch_size} is outside the allowed range [1, inf)")
+    if args.n < 1:
+        raise CLIError(f"-n = {args.n} is outside the allowed range [1, inf)")
+    if args.stream:
+        if args.input is not None or len(args.prompts) != 1 or args.output or args.n != 1:
+            raise CLIError("--stream takes exactly one PROMPT, with -n 1 and no --input/--output")
+    if args.overwrite and not args.output:
+        raise CLIError("--overwrite needs --output FILE")
+    check_model_folder(args.model)
+
+    defaults = param_defaults()
+    base = base_knobs(args)
+    base_params = row_params(base)
+    if args.input is not None:
+        items = read_items(args.input, base, defaults)
+    else:
+        items = prompt_items(args.prompts, base)
+
+    sink = None
+    skipped = 0
+    todo = items
+    if args.output:
+        check_not_input(args.output, args.input)
+        sink = JsonlOutput.open(args.output, args.overwrite, warn)
+        if sink.done:
+            stray = len(sink.done - {id_key(it.id) for it in items})
+            if stray:
+                warn(f"{sink.name} holds {stray} ids that are not in the input")
+            todo = [it for it in items if id_key(it.id) not in sink.done]
+            skipped = len(items) - len(todo)
+    try:
+        validate_params(todo, base, base_params)
+        if not todo:
+            note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
+            return 0
+        return _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started)
+    finally:
+        if sink is not None:
+            sink.close()
+
+
+def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started) -> int:
+    """The job after its inputs, settings and output are settled: load, check, generate."""
+    from logitloop.decoding.compiles import CompileWatch
+    from logitloop.decoding.model import model_info
+
+    output = None if sink is None else sink.name
+    t_load = time.perf_counter()
+    model = load_model(args.model, args.dtype)
+    info = model_info(model)
+    load_s = time.perf_counter() - t_load
+    prepare_tokens(todo, info, defaults)
+    check_vocab(base_params, info.vocab_size)  # token ids given as flags: named as such
+    for item in todo:
+        if item.params is not base_params:
+            check_vocab(item.params, info.vocab_size, item.where)
+
+    if sink is None:
+        sink = TextOutput(headers=len(items) * args.n > 1)
+    gen_started = time.perf_counter()
+    with CompileWatch() as timer:
+        if args.stream:
+            tokens = _stream_one(model, todo[0], args.ignore_eos)
+        else:
+            shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
+            tokens = _run_requests(args, model, todo, shapes, sink.write)
+    gen_s = time.perf_counter() - gen_started
+    compile_s = timer.seconds
+
+    where = f" into {output}" if output is not None else ""
+    skip = f" ({skipped} already in {output}, skipped)" if skipped else ""
+    note(
+        f"{_plural(len(todo), 'prompt')}{skip}, {_plural(tokens, 'token')} generated{where} "
+        f"in {gen_s:.1f} s wall "
+        f"({_fmt_rate(tokens, gen_s)} tokens/s overall, "
+        f"{_fmt_rate(tokens, gen_s - compile_s)} tokens/s excluding compile); "
+        f"compile {compile_s:.1f} s (measured: JAX trace + lowering + XLA compile events "
+        f"during generation); model load {load_s:.1f} s; total "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    return 0
+
+
+def _run_requests(
+    args,
+    model,
+    todo: Sequence[Item],
+    shapes: dict[str, int],
+    write: Callable[[list[dict[str, Any]], int], None],
+) -> int:
+    """Generate every prompt with continuous batching; write records in input order.
+    Returns the number of tokens generated."""
+    from tqdm import tqdm
+
+    from logitloop.decoding.batching import Request, iter_generate_many
+
+    bar = tqdm(
+        total=len(todo),
+        unit="prompt",
+        file=sys.stderr,
+        disable=args.quiet or args.input is None,
+        dynamic_ncols=True,
+    )
+    handed = -1  # the request the library read last: the one a request error is about
+
+    def requests():
+        nonlocal handed
+        for index, item in enumerate(todo):
+            handed = index
+            yield Request(item.token_ids, item.params)
+
+    tokens = 0
+    finished: dict[int, dict[str, Any]] = {}
+    written = 0
+    try:
+        for index, result in iter_generate_many(
+            model, requests(), n=args.n, ignore_eos=args.ignore_eos, **shapes
+        ):
+            finished[index] = record(todo[index], result, args.n)
+            tokens += sum(result.num_tokens)
+            ready = []
+            while written in finished:
+                ready.append(finished.pop(written))
+                written += 1
+            if ready:
+                write(ready, args.n)
+            bar.update(1)
+            bar.set_postfix(tokens=tokens, refresh=False)
+    except ValueError as e:
+        label = f"requests[{handed}]: "  # how the library names one request
+        if handed >= 0 and str(e).startswith(label):
+            message = one_row_message(str(e)[len(label) :])
+            raise CLIError(f"{todo[handed].where}: {message}") from None
+        raise CLIError(f"{span(todo)}: {e}") from None
+    finally:
+        bar.close()
+    return tokens
+
+
+def _stream_one(model, item: Item, ignore_eos: bool) -> int:
+    """Print one prompt's text deltas as they come; returns the number of tokens generated."""
+    import logitloop as ll
+
+    out = sys.stdout
+    tokens = 0
+    try:
+        for event in ll.stream(model, [item.token_ids], item.params, ignore_eos=ignore_eos):
+            if event.text:
+                out.write(event.text)
+                out.flush()
+            tokens += len(event.token_ids)
+    except ValueError as e:
+        raise CLIError(f"{item.where}: {e}") from None
+    out.write("\n")
+    out.flush()
+    return tokens
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _fmt_rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f}" if seconds > 0 else "n/a"
