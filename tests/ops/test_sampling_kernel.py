@@ -22,7 +22,6 @@ import pytest
 from flax import nnx
 
 import logitloop as ll
-from logitloop.decoding import generate as gen
 from logitloop.decoding.history import History
 from logitloop.models import LlamaConfig, LlamaModel
 from logitloop.ops.sampling import dispatch, pallas, xla
@@ -343,6 +342,9 @@ def test_sample_lowers(backend, platform):
 
 def test_decode_loop_lowers_for_tpu():
     """Prefill and the decode loop of a tiny Llama, sampling with every filter on."""
+    from logitloop.decoding import loop
+    from logitloop.decoding.model import model_info
+
     config = LlamaConfig(
         vocab_size=96,
         hidden_size=32,
@@ -353,7 +355,7 @@ def test_decode_loop_lowers_for_tpu():
         head_dim=8,
         max_position_embeddings=64,
     )
-    info = gen.model_info(LlamaModel(config, rngs=nnx.Rngs(0)))
+    info = model_info(LlamaModel(config, rngs=nnx.Rngs(0)))
     batch, plen, buf = 2, 16, 16
     params = ll.SamplingParams.create(
         batch_size=batch, temperature=0.8, top_k=[5, 80], top_p=0.9, min_p=0.02
@@ -362,7 +364,7 @@ def test_decode_loop_lowers_for_tpu():
     history = History(i32(batch, plen + buf), i32(batch), i32(batch))
     args = (info.weights, i32(batch, plen), i32(batch, plen), i32(batch), history, params, None)
     static = dict(buffer_len=buf, num_top=0)
-    gen.prefill.trace(info.runner, *args, **static).lower(lowering_platforms=("tpu",))
-    state = jax.eval_shape(lambda *a: gen.prefill(info.runner, *a, **static), *args)
-    decode = gen.decode.trace(info.runner, info.weights, state, params, None, i32())
+    loop.prefill.trace(info.runner, *args, **static).lower(lowering_platforms=("tpu",))
+    state = jax.eval_shape(lambda *a: loop.prefill(info.runner, *a, **static), *args)
+    decode = loop.decode.trace(info.runner, info.weights, state, params, None, i32())
     decode.lower(lowering_platforms=("tpu",))
