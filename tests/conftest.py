@@ -11,3 +11,25 @@ from logitloop.decoding.compiles import CompileWatch
 def compile_counter() -> CompileWatch:
     """`with compile_counter as c: ...; assert c.count == 0`."""
     return CompileWatch()
+
+
+# Parametrized cases that cost the most and repeat what a cheaper case pins, moved to
+# `-m slow` to keep the default suite under 15 minutes on 2 cores: greedy 32-token parity of
+# the families whose logits parity (default) already covers every layer; the processor
+# agreement test across generate/stream/generate_many (the mesh worker covers the loop).
+SLOW_CASES = (
+    "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[gemma2]",
+    "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[phi3]",
+    "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[qwen3_moe]",
+    "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[qwen2]",
+    "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[llama3_rope]",
+    "tests/models/test_phi3.py::test_decoding_across_the_switch_matches_hf_forward_with_a_cache",
+    "tests/decoding/test_processors.py::test_generate_stream_and_generate_many_agree",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.nodeid.startswith(case) for case in SLOW_CASES):
+            item.add_marker(pytest.mark.slow)
