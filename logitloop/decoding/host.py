@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding import processors as procs
@@ -284,7 +283,7 @@ def initial_state(
         batch.prompt,
         batch.positions,
         batch.lengths,
-        jax.tree.map(jnp.asarray, batch.history),
+        batch.history,
         params.device_only(),
         stops,
         buffer_len=buffer_len,

@@ -216,8 +216,8 @@ def record(
         history=state.history.append(tok, where=write),
         window=window,
         text_window=text_window,
-        # A row's processor state moves on with the tokens it keeps.
-        processor_states=procs.keep_rows(write, out.states, state.processor_states),
+        # Rows that wrote no token are done from here on: their states are never read again.
+        processor_states=out.states,
     )
 
 

@@ -17,7 +17,8 @@ Greedy rows (temperature 0 or top_k 1) are not scaled, so there it sees the unsc
 The processors travel inside `SamplingParams` (`params.processors`, a tuple), so everything
 that selects, repeats, pads or places rows (`take`, `n > 1`, `generate_many`'s slots, a
 mesh) maps over their leaves too: a processor author writes none of that. Their states
-travel in the loop's state; a row that stopped keeps its state. On a mesh, the sampling
+travel in the loop's state. A row that writes no token stops for good in that step, so
+what `update` made of its state is never read again. On a mesh, the sampling
 step then holds whole rows of the vocabulary on each device (processors see all of `V`).
 
 A processor that sets every token of a row to -inf gives the row the defined all-masked
@@ -128,12 +129,3 @@ def update_all(
     processors: tuple[Any, ...], states: tuple[Any, ...], tokens: jax.Array, step: Step
 ) -> tuple[Any, ...]:
     return tuple(p.update(s, tokens, step) for p, s in zip(processors, states, strict=True))
-
-
-def keep_rows(where: jax.Array, new: Any, old: Any) -> Any:
-    """`new` on rows where `where` [B] is true, `old` elsewhere, leaf by leaf."""
-
-    def pick(a, b):
-        return jnp.where(where.reshape((-1,) + (1,) * (jnp.ndim(a) - 1)), a, b)
-
-    return jax.tree.map(pick, new, old)
