@@ -61,6 +61,24 @@ class NoImmediateRepeat:
 
 
 @struct.dataclass
+class CountFrom:
+    """Stateful in the loop: the row's state counts its tokens from `start`, and the token
+    drawn is the count (mod V) - so the tokens show whether the loop carries the state."""
+
+    start: jax.Array  # [B] i32
+
+    def init(self, batch_size, vocab_size):
+        return self.start
+
+    def apply(self, state, logits, step):
+        hit = jnp.arange(logits.shape[1])[None, :] == (state % logits.shape[1])[:, None]
+        return jnp.where(hit, 0.0, -jnp.inf)
+
+    def update(self, state, tokens, step):
+        return state + 1
+
+
+@struct.dataclass
 class LateBias:
     """After temperature: adds `bias` to token `token` of the scaled logits."""
 
@@ -146,6 +164,15 @@ def test_per_row_values_against_numpy(model, table):
     # The processors changed something: without them the rows differ.
     plain = ll.generate(model, PROMPTS, params)
     assert plain.token_ids != got.token_ids
+
+
+def test_the_loop_carries_each_rows_state(model):
+    params = ll.SamplingParams.create(4, temperature=[0.0, 1.0, 0.0, 2.0], max_tokens=[6, 3, 9, 5])
+    starts = [3, 30, 0, 17]
+    got = ll.generate(model, PROMPTS, params, processors=[CountFrom(jnp.asarray(starts))])
+    assert got.token_ids == [
+        [(s + i) % V for i in range(n)] for s, n in zip(starts, [6, 3, 9, 5], strict=True)
+    ]
 
 
 def test_new_values_compile_nothing(model, compile_counter):
