@@ -1,5 +1,5 @@
 """What every part of the command line shares: its name, the bad-input error, loading the
-model, and the one check a prompt's text gets before it is tokenized."""
+model."""
 
 from __future__ import annotations
 
@@ -11,16 +11,6 @@ EXIT_BAD_INPUT = 2
 
 class CLIError(Exception):
     """Bad input: reported as one `logitloop: error: ...` line, exit status 2."""
-
-
-def check_prompt_text(where: str, text: str) -> None:
-    """The library's text check (no lone surrogates, no undecodable bytes), named by `where`."""
-    from logitloop.decoding.params import check_text
-
-    try:
-        check_text("the prompt", text)
-    except ValueError as e:
-        raise CLIError(f"{where}: {e}") from None
 
 
 def check_model_folder(path: str | None) -> None:

@@ -3,7 +3,10 @@ each with its sampling settings validated by `SamplingParams.create` once, token
 checked against the model, and turned into one output record when done.
 
 A message about one prompt names it by where it came from ("prompts.jsonl line 4 (id
-"q1")", "prompt 1"), followed by the library's own message for that row.
+"q1")", "prompt 1"), followed by the library's own message for that row, untouched: each
+prompt's settings are a `SamplingParams` of one row, whose messages name no row index
+("top_p = 1.5 ..."), and its prompt is checked by `logitloop.decoding.host`
+(`check_prompt`, `tokenize_prompt`, `check_context`).
 """
 
 from __future__ import annotations
@@ -11,14 +14,13 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from logitloop.cli.common import CLIError, check_prompt_text
+from logitloop.cli.common import CLIError
 from logitloop.cli.sinks import describe_id, id_key
 
 
@@ -110,16 +112,6 @@ def _row_value(name: str, value: Any) -> Any:
     return value
 
 
-# SamplingParams names every value by its row ("top_p[0] = 1.5 ..."); a job's row is named
-# by its input line instead, so the index of the batch of one is left out.
-_ROW_INDEX = re.compile(r"\b([A-Za-z_]+)\[0\](?!\[)")
-
-
-def one_row_message(error: Exception | str) -> str:
-    """SamplingParams' message for a batch of one, without the `[0]` row index."""
-    return _ROW_INDEX.sub(r"\1", str(error))
-
-
 def row_params(knobs: dict[str, Any], where: str | None = None):
     """`SamplingParams.create` of one row (which validates every setting); a bad setting is a
     CLIError naming `where` (nothing: a flag)."""
@@ -145,8 +137,21 @@ def check_vocab(params, vocab_size: int, where: str | None = None) -> None:
 
 
 def _row_error(where: str | None, error: Exception) -> CLIError:
-    message = one_row_message(error)
-    return CLIError(message if where is None else f"{where}: {message}")
+    return CLIError(str(error) if where is None else f"{where}: {error}")
+
+
+def check_prompt(where: str, prompt: str | list[int]) -> None:
+    """The library's check of a prompt before the model is loaded (`host.check_prompt`)."""
+    from logitloop.decoding.host import check_prompt
+
+    try:
+        check_prompt(_prompt_name(prompt), prompt)
+    except ValueError as e:
+        raise _row_error(where, e) from None
+
+
+def _prompt_name(prompt: str | list[int]) -> str:
+    return "the prompt" if isinstance(prompt, str) else "prompt_token_ids"
 
 
 def validate_params(items: Sequence[Item], base: dict[str, Any], base_params) -> None:
@@ -175,9 +180,7 @@ def prompt_items(prompts: Sequence[str], base: dict[str, Any]) -> list[Item]:
     """The PROMPT arguments as items (ids 0, 1, ...)."""
     items = [Item(i, f"prompt {i}", p, dict(base), i) for i, p in enumerate(prompts)]
     for item in items:
-        if not item.prompt:
-            raise CLIError(f"{item.where}: prompt is empty")
-        check_prompt_text(item.where, item.prompt)
+        check_prompt(item.where, item.prompt)
     return items
 
 
@@ -212,7 +215,7 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
             continue
         where = f"{name} line {i + 1}"
         if not jsonl:
-            check_prompt_text(where, line)
+            check_prompt(where, line)
             items.append(Item(i, where, line, dict(base), len(items), i + 1))
             continue
         try:
@@ -229,21 +232,11 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
         has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
         if has_text == has_ids:
             raise CLIError(f"{where}: give exactly one of 'prompt' and 'prompt_token_ids'")
-        if has_text:
-            prompt = obj["prompt"]
-            if not isinstance(prompt, str):
-                raise CLIError(f"{where}: prompt must be a string, got {type(prompt).__name__}")
-            if not prompt:
-                raise CLIError(f"{where}: prompt is empty")
-            check_prompt_text(where, prompt)
-        else:
-            prompt = obj["prompt_token_ids"]
-            if (
-                not isinstance(prompt, list)
-                or not prompt
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-            ):
-                raise CLIError(f"{where}: prompt_token_ids must be a non-empty list of token ids")
+        prompt = obj["prompt"] if has_text else obj["prompt_token_ids"]
+        if not isinstance(prompt, str if has_text else list):
+            key, kind = ("prompt", "a string") if has_text else ("prompt_token_ids", "a list")
+            raise CLIError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
+        check_prompt(where, prompt)
         knobs = dict(base)
         for key, value in obj.items():
             if key in ("id", "prompt", "prompt_token_ids"):
@@ -269,34 +262,26 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
     return items
 
 
-def prepare_tokens(items: Sequence[Item], info, defaults) -> None:
-    """Tokenize every prompt and check it against the vocabulary and the context."""
+def prompt_ids(where: str, prompt: str | list[int], max_tokens: int, info) -> list[int]:
+    """The prompt's token ids, checked against the model's vocabulary and its context with
+    room for `max_tokens` more (`host.tokenize_prompt`, `host.check_context`)."""
+    from logitloop.decoding.host import check_context, tokenize_prompt
+
+    try:
+        ids = tokenize_prompt(_prompt_name(prompt), prompt, info)
+        check_context("the prompt", ids, max_tokens, info)
+    except ValueError as e:
+        raise _row_error(where, e) from None
+    return ids
+
+
+def prepare_tokens(items: Sequence[Item], info) -> None:
+    """Tokenize every prompt and check it under its own max_tokens (`prompt_ids`)."""
+    import numpy as np
+
     for item in items:
-        if isinstance(item.prompt, str):
-            if info.tokenizer is None:
-                raise CLIError(
-                    f"{item.where}: the model has no tokenizer.json, so prompts must be given "
-                    "as prompt_token_ids in a JSONL file"
-                )
-            ids = list(info.tokenizer.encode(item.prompt))
-            if not ids:
-                raise CLIError(f"{item.where}: the prompt encodes to no tokens")
-        else:
-            ids = list(item.prompt)
-            for t in ids:
-                if not 0 <= t < info.vocab_size:
-                    raise CLIError(
-                        f"{item.where}: prompt_token_ids holds token id {t}, outside the "
-                        f"vocabulary range [0, {info.vocab_size - 1}]"
-                    )
-        max_tokens = int(float(item.knobs.get("max_tokens", defaults["max_tokens"])))
-        if len(ids) + max_tokens > info.max_length:
-            raise CLIError(
-                f"{item.where}: the prompt has {len(ids)} tokens and max_tokens = {max_tokens}: "
-                f"together {len(ids) + max_tokens}, over the model's context of "
-                f"{info.max_length} tokens"
-            )
-        item.token_ids = ids
+        max_tokens = int(np.asarray(item.params.max_tokens)[0])
+        item.token_ids = prompt_ids(item.where, item.prompt, max_tokens, info)
 
 
 def job_bounds(items: Sequence[Item], info, defaults) -> dict[str, int]:

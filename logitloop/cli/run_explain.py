@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from logitloop.cli.common import PROG, CLIError, check_model_folder, check_prompt_text, load_model
-from logitloop.cli.jobs import check_vocab, row_params
+from logitloop.cli.common import PROG, CLIError, check_model_folder, load_model
+from logitloop.cli.jobs import check_prompt, check_vocab, prompt_ids, row_params
 from logitloop.cli.parser import base_knobs
 
 _EXPLAIN_MAX_TOKENS = 2**31 - 1  # explain has no --max-tokens: min_tokens is bounded by itself
@@ -27,9 +27,7 @@ def _plot_formats() -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     """The `explain` subcommand; returns the exit status."""
-    if not args.prompt:
-        raise CLIError("prompt is empty")
-    check_prompt_text("PROMPT", args.prompt)
+    check_prompt("PROMPT", args.prompt)
     if args.top < 1:
         raise CLIError(f"--top = {args.top} is outside the allowed range [1, inf)")
     if args.draws < 1:
@@ -56,16 +54,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.dtype)
     info = model_info(model)
     check_vocab(params, info.vocab_size)  # token ids given as flags, against the vocabulary
-    if info.tokenizer is None:
-        raise CLIError("the model has no tokenizer.json, so explain cannot encode PROMPT")
-    ids = list(info.tokenizer.encode(args.prompt))
-    if not ids:
-        raise CLIError("the prompt encodes to no tokens")
-    if len(ids) + 1 > info.max_length:
-        raise CLIError(
-            f"the prompt has {len(ids)} tokens: with the next one, over the model's context "
-            f"of {info.max_length} tokens"
-        )
+    ids = prompt_ids("PROMPT", args.prompt, 1, info)  # room for the next token
     try:
         expl = explain_next_token(model, ids, params, ignore_eos=args.ignore_eos)
     except ValueError as e:

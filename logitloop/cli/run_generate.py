@@ -15,7 +15,6 @@ from logitloop.cli.jobs import (
     Item,
     check_vocab,
     job_bounds,
-    one_row_message,
     param_defaults,
     prepare_tokens,
     prompt_items,
@@ -96,7 +95,7 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
     model = load_model(args.model, args.dtype)
     info = model_info(model)
     load_s = time.perf_counter() - t_load
-    prepare_tokens(todo, info, defaults)
+    prepare_tokens(todo, info)
     check_vocab(base_params, info.vocab_size)  # token ids given as flags: named as such
     for item in todo:
         if item.params is not base_params:
@@ -176,8 +175,7 @@ def _run_requests(
     except ValueError as e:
         label = f"requests[{handed}]: "  # how the library names one request
         if handed >= 0 and str(e).startswith(label):
-            message = one_row_message(str(e)[len(label) :])
-            raise CLIError(f"{todo[handed].where}: {message}") from None
+            raise CLIError(f"{todo[handed].where}: {str(e)[len(label) :]}") from None
         raise CLIError(f"{span(todo)}: {e}") from None
     finally:
         bar.close()

@@ -3,7 +3,9 @@
 Every entry point (`generate`, `stream`, `generate_many`, `explain`, the CLI) goes through
 these helpers, so prompts are checked once, with one set of messages:
 
-- `tokenize_prompt` / `tokenize_prompts`: strings or token-id lists to checked ids;
+- `tokenize_prompt` / `tokenize_prompts`: strings or token-id lists to checked ids
+  (`check_prompt`: the part that needs no model), and
+  `check_context`: a prompt and its max_tokens against the model's context;
 - `request_rows`: a batch's params checked against the model (vocabulary, context), with
   `n` samples per prompt and the model's EOS ids among the stop ids;
 - `prompt_batch`: the prefill layout of a batch of prompts (left padding, bucketed width,
@@ -46,6 +48,7 @@ from logitloop.decoding.params import (
     bucket_width,
     check_text,
     is_token_id,
+    row_name,
 )
 from logitloop.decoding.stop_strings import StopStrings
 
@@ -77,28 +80,38 @@ class GenerationResult:
 # ----------------------------------------------------------------------------- host side
 
 
-def tokenize_prompt(name: str, prompt: Any, info: ModelInfo) -> list[int]:
-    """One prompt (a string, with a tokenizer, or a list of token ids) as checked ids.
-
-    `name` names the prompt in error messages ("prompts[3]", "the prompt").
-    """
+def check_prompt(name: str, prompt: Any) -> None:
+    """What `tokenize_prompt` checks before it needs the model: `prompt` is valid text (a
+    string) or a non-empty list of token ids. `name` names it in error messages."""
     if isinstance(prompt, str):
         check_text(name, prompt)
-        if info.tokenizer is None:
-            raise ValueError(f"{name} is a string but the model has no tokenizer")
-        ids = list(info.tokenizer.encode(prompt))
     elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, np.ndarray) and prompt.ndim == 1):
         for t in prompt:
             if not is_token_id(t):
                 raise ValueError(f"{name} holds {t!r}, which is not a token id (an int)")
-        ids = [int(t) for t in prompt]
+        if len(prompt) == 0:
+            raise ValueError(f"{name} is empty: a prompt needs at least one token")
     else:
         hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""
         raise ValueError(
             f"{name} must be a string or a list of token ids, got {type(prompt).__name__}{hint}"
         )
-    if not ids:
-        raise ValueError(f"{name} is empty: a prompt needs at least one token")
+
+
+def tokenize_prompt(name: str, prompt: Any, info: ModelInfo) -> list[int]:
+    """One prompt (a string, with a tokenizer, or a list of token ids) as checked ids.
+
+    `name` names the prompt in error messages ("prompts[3]", "the prompt").
+    """
+    check_prompt(name, prompt)
+    if isinstance(prompt, str):
+        if info.tokenizer is None:
+            raise ValueError(f"{name} is a string but the model has no tokenizer")
+        ids = list(info.tokenizer.encode(prompt))
+        if not ids:
+            raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    else:
+        ids = [int(t) for t in prompt]
     for t in ids:
         if not 0 <= t < info.vocab_size:
             raise ValueError(
@@ -106,6 +119,18 @@ def tokenize_prompt(name: str, prompt: Any, info: ModelInfo) -> list[int]:
                 f"[0, {info.vocab_size - 1}]"
             )
     return ids
+
+
+def check_context(
+    name: str, ids: Sequence[int], max_tokens: int, info: ModelInfo, knob: str = "max_tokens"
+) -> None:
+    """A ValueError unless the prompt `ids` (named `name`) and `max_tokens` more tokens
+    (`knob` names that value: "max_tokens[2]") fit in the model's context."""
+    if len(ids) + max_tokens > info.max_length:
+        raise ValueError(
+            f"{name} has {len(ids)} tokens and {knob} = {max_tokens}: together "
+            f"{len(ids) + max_tokens}, over the model's context of {info.max_length} tokens"
+        )
 
 
 def tokenize_prompts(prompts: Sequence[Any], info: ModelInfo) -> list[list[int]]:
@@ -163,12 +188,7 @@ def request_rows(
     max_tokens = np.asarray(params.max_tokens)
     for row, p in enumerate(ids):
         name = names[row] if names is not None else f"prompts[{row}]"
-        if len(p) + int(max_tokens[row]) > info.max_length:
-            raise ValueError(
-                f"{name} has {len(p)} tokens and max_tokens[{row}] = {max_tokens[row]}: "
-                f"together {len(p) + int(max_tokens[row])}, over the model's context of "
-                f"{info.max_length} tokens"
-            )
+        check_context(name, p, int(max_tokens[row]), info, row_name("max_tokens", row, len(ids)))
     params = params.samples(n)
     ids = [p for p in ids for _ in range(n)]
     if info.eos_token_ids and not ignore_eos:

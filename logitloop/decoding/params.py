@@ -39,6 +39,13 @@ def bucket_width(n: int, minimum: int = MIN_LIST_WIDTH) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def row_name(name: str, row: int, batch_size: int) -> str:
+    """How messages name row `row` of argument `name`: `top_p[2]`, or `top_p` alone when the
+    batch has one row (its caller names that row its own way: "prompts.jsonl line 4: ...",
+    "requests[3]: ...")."""
+    return name if batch_size == 1 else f"{name}[{row}]"
+
+
 _F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32, 1.17549e-38
 _F32_MAX = float(np.finfo(np.float32).max)  # 3.40282e+38
 _MIN_TEMPERATURE = _F32_TINY  # the smallest T whose 1 / T is finite
@@ -83,7 +90,7 @@ def _check_range(
     value must be a normal float32 (magnitude at least 1.17549e-38): nothing overflows to
     inf or rounds to 0 or a denormal on its way to the device.
     Integer ranges print exactly. `where` names the value in messages instead of
-    `name[row]`.
+    `row_name(name, row, len(values))`.
     """
     if not integer and hi == math.inf:
         hi, hi_open = _F32_MAX, False
@@ -92,7 +99,7 @@ def _check_range(
     allowed = f"{left}{_fmt_bound(lo, integer)}, {_fmt_bound(hi, integer)}{right}"
     out = []
     for row, v in enumerate(values):
-        label = f"{name}[{row}]" if where is None else where
+        label = row_name(name, row, len(values)) if where is None else where
         if isinstance(v, (bool, np.bool_, str, bytes)) or v is None:
             raise ValueError(f"{label} = {v!r} is not a number; allowed range {allowed}")
         try:
@@ -166,10 +173,13 @@ def _id_lists(name: str, value: Any, batch_size: int) -> list[list[int]]:
         elif _is_list(ids):
             for x in ids:
                 if not is_token_id(x):
-                    raise _not_an_id(f"{name}[{row}]", x)
+                    raise _not_an_id(row_name(name, row, batch_size), x)
             rows.append([int(x) for x in ids])
         else:
-            raise ValueError(f"{name}[{row}] must be a list of token ids (or None), got {ids!r}")
+            raise ValueError(
+                f"{row_name(name, row, batch_size)} must be a list of token ids (or None), "
+                f"got {ids!r}"
+            )
     return rows
 
 
@@ -179,7 +189,8 @@ def _check_ids(name: str, rows: Sequence[Sequence[int]], vocab_size: int | None)
         for tok in ids:
             if tok < 0 or tok > hi:
                 raise ValueError(
-                    f"{name}[{row}] holds token id {tok}, outside the vocabulary range [0, {hi}]"
+                    f"{row_name(name, row, len(rows))} holds token id {tok}, outside the "
+                    f"vocabulary range [0, {hi}]"
                 )
 
 
@@ -206,7 +217,10 @@ def _bias_rows(value: Any, batch_size: int) -> list[dict[int, float]]:
         if d is None:
             d = {}
         if not isinstance(d, Mapping):
-            raise ValueError(f"logit_bias[{row}] must be a dict of token id -> bias, got {d!r}")
+            raise ValueError(
+                f"{row_name('logit_bias', row, batch_size)} must be a dict of token id -> bias, "
+                f"got {d!r}"
+            )
         rows.append(dict(d))
     return rows
 
@@ -249,14 +263,20 @@ def _stop_strings(value: Any, batch_size: int) -> tuple[tuple[str, ...], ...]:
         rows = []
         for row, r in enumerate(value):
             if r is not None and not isinstance(r, str) and not _is_list(r):
-                raise ValueError(f"stop[{row}] holds {r!r}; stop strings must be non-empty str")
+                raise ValueError(
+                    f"{row_name('stop', row, batch_size)} holds {r!r}; stop strings must be "
+                    "non-empty str"
+                )
             rows.append([] if r is None else ([r] if isinstance(r, str) else list(r)))
     out = []
     for row, strings in enumerate(rows):
         for s in strings:
             if not isinstance(s, str) or s == "":
-                raise ValueError(f"stop[{row}] holds {s!r}; stop strings must be non-empty str")
-            check_text(f"stop[{row}] {s!r}", s)
+                raise ValueError(
+                    f"{row_name('stop', row, batch_size)} holds {s!r}; stop strings must be "
+                    "non-empty str"
+                )
+            check_text(f"{row_name('stop', row, batch_size)} {s!r}", s)
         out.append(tuple(strings))
     return tuple(out)
 
@@ -285,27 +305,25 @@ def _stop_sequences(value: Any, batch_size: int, vocab_size: int | None) -> np.n
                 )
             rows = []
             for row, r in enumerate(value):
+                at = row_name("stop_sequences", row, batch_size)
                 if r is not None and not _is_list(r):
-                    raise ValueError(
-                        f"stop_sequences[{row}] must be a list of token-id lists, got {r!r}"
-                    )
+                    raise ValueError(f"{at} must be a list of token-id lists, got {r!r}")
                 for seq in r if r is not None else []:
                     if not _is_list(seq):
                         raise ValueError(
-                            f"stop_sequences[{row}] holds {seq!r}; each stop sequence is a "
-                            "list of token ids"
+                            f"{at} holds {seq!r}; each stop sequence is a list of token ids"
                         )
                     for t in seq:
                         if not is_token_id(t):
-                            raise _not_an_id(f"stop_sequences[{row}]", t)
+                            raise _not_an_id(at, t)
                 rows.append([[int(t) for t in seq] for seq in (r if r is not None else [])])
     for row, seqs in enumerate(rows):
-        for s in seqs:
-            if len(s) == 0:
-                raise ValueError(f"stop_sequences[{row}] holds an empty sequence")
-        _check_ids("stop_sequences", [[t for s in seqs for t in s]], vocab_size)
-        if any(t < 0 for s in seqs for t in s):
-            raise ValueError(f"stop_sequences[{row}] holds a negative token id")
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError(
+                f"{row_name('stop_sequences', row, batch_size)} holds an empty sequence"
+            )
+    # Every id in [0, vocab_size) (or [0, 2**31 - 1]): negative ids are not ids either.
+    _check_ids("stop_sequences", [[t for s in seqs for t in s] for seqs in rows], vocab_size)
     n_seq = bucket_width(max((len(r) for r in rows), default=0), minimum=1)
     seq_len = bucket_width(max((len(s) for r in rows for s in r), default=0), minimum=1)
     out = np.full((batch_size, n_seq, seq_len), -1, np.int32)
@@ -449,8 +467,8 @@ class SamplingParams:
         for row, t in enumerate(temp):
             if 0 < t < _MIN_TEMPERATURE:  # 1 / T would overflow float32
                 raise ValueError(
-                    f"temperature[{row}] = {t} is outside the allowed range: 0 (greedy) or "
-                    f"[{_MIN_TEMPERATURE:.6g}, {_F32_MAX:.6g}]"
+                    f"{row_name('temperature', row, b)} = {t} is outside the allowed range: "
+                    f"0 (greedy) or [{_MIN_TEMPERATURE:.6g}, {_F32_MAX:.6g}]"
                 )
         k = _check_range(
             "top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True
@@ -481,8 +499,8 @@ class SamplingParams:
         for row in range(b):
             if min_t[row] > max_t[row]:
                 raise ValueError(
-                    f"min_tokens[{row}] = {min_t[row]} is outside the allowed range "
-                    f"[0, max_tokens[{row}] = {max_t[row]}]"
+                    f"{row_name('min_tokens', row, b)} = {min_t[row]} is outside the allowed "
+                    f"range [0, {row_name('max_tokens', row, b)} = {max_t[row]}]"
                 )
         n_logprobs = _check_range(
             "logprobs", _per_row("logprobs", logprobs, b), 0, MAX_TOP_LOGPROBS, integer=True
@@ -493,9 +511,10 @@ class SamplingParams:
         bias_vals = [[] for _ in range(b)]
         for row, d in enumerate(bias_rows):
             for tok, val in d.items():
+                at = row_name("logit_bias", row, b)
                 if not is_token_id(tok):
-                    raise ValueError(f"logit_bias[{row}] has key {tok!r}; keys must be token ids")
-                where = f"logit_bias[{row}] token {tok}: bias"
+                    raise ValueError(f"{at} has key {tok!r}; keys must be token ids")
+                where = f"{at} token {tok}: bias"
                 fval = _check_range("logit_bias", [val], -100, 100, where=where)[0]
                 bias_ids[row].append(int(tok))
                 bias_vals[row].append(float(fval))
@@ -532,7 +551,8 @@ class SamplingParams:
                 for row, (ids, has) in enumerate(zip(allowed, has_allowed, strict=True)):
                     if has and not ids:
                         raise ValueError(
-                            f"allowed_token_ids[{row}] is empty: pass None to allow every token"
+                            f"{row_name('allowed_token_ids', row, b)} is empty: pass None to "
+                            "allow every token"
                         )
         _check_ids("allowed_token_ids", allowed, vocab_size)
         stops = _id_lists("stop_token_ids", stop_token_ids, b)
@@ -541,7 +561,10 @@ class SamplingParams:
         include = _per_row("include_stop_str_in_output", include_stop_str_in_output, b)
         for row, v in enumerate(include):
             if not isinstance(v, (bool, np.bool_)):
-                raise ValueError(f"include_stop_str_in_output[{row}] = {v!r} must be True or False")
+                raise ValueError(
+                    f"{row_name('include_stop_str_in_output', row, b)} = {v!r} must be True or "
+                    "False"
+                )
 
         nb = bucket_width(max(len(r) for r in bias_ids))
         bias_val_arr = np.zeros((b, nb), np.float32)

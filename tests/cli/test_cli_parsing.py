@@ -54,7 +54,8 @@ def test_stop_flag_help_names_the_escapes():
 
 
 # Messages, in process: (arguments, files to write first, the exact error line). Every case
-# fails before the model is loaded, except the last, which loads a model without a tokenizer.
+# fails before the model is loaded, except the last two, which load a model without a
+# tokenizer.
 MESSAGES = [
     (["--logit-bias", "5=200"], {},
      "logit_bias token 5: bias = 200.0 is outside the allowed range [-100, 100]"),
@@ -66,9 +67,19 @@ MESSAGES = [
      {"b.jsonl": '{"prompt": "a"}\n{"prompt": "b", "logit_bias": {"7": 500}}\n'},
      "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "
      "[-100, 100]"),
+    # Prompts: the library's own check (logitloop.decoding.host), named by the line.
+    (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"prompt_token_ids": [1, 2.5]}\n'},
+     "{tmp}/p.jsonl line 1: prompt_token_ids holds 2.5, which is not a token id (an int)"),
+    (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"prompt": "a"}\n{"prompt_token_ids": []}\n'},
+     "{tmp}/p.jsonl line 2: prompt_token_ids is empty: a prompt needs at least one token"),
+    (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"id": "q", "prompt_token_ids": "12"}\n'},
+     '{tmp}/p.jsonl line 1 (id "q"): prompt_token_ids must be a list, got str'),
     (["--input", "{tmp}/s.jsonl", "--model", "{tmp}/no-tokenizer"],
      {"s.jsonl": '{"prompt_token_ids": [1, 2], "stop": ["x"]}\n'},
      "{tmp}/s.jsonl line 1: stop strings need a model that carries a tokenizer"),
+    (["--input", "{tmp}/s.jsonl", "--model", "{tmp}/no-tokenizer"],
+     {"s.jsonl": '{"prompt_token_ids": [1, 2]}\n{"prompt": "hi"}\n'},
+     "{tmp}/s.jsonl line 2: the prompt is a string but the model has no tokenizer"),
 ]
 
 

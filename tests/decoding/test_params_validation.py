@@ -216,6 +216,47 @@ def test_invalid_value_names_argument_row_and_range(arg, value, expected):
         assert text in str(err.value), f"{text!r} missing from: {err.value}"
 
 
+# A batch of one row names each value by its argument alone (its caller names the row: the
+# CLI's "prompts.jsonl line 4: ...", generate_many's "requests[3]: ..."); the rest of the
+# message is the batch's own.
+ONE_ROW = [
+    (dict(top_p=1.5), "top_p = 1.5 is outside the allowed range (0, 1]"),
+    (dict(temperature=[1e-45]), "temperature = 1e-45 is outside the allowed range: 0 (greedy)"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens = 5 is outside the allowed range "
+                                       "[0, max_tokens = 4]"),
+    (dict(logit_bias={3: 500}), "logit_bias token 3: bias = 500 is outside"),
+    (dict(logit_bias=[{True: 1.0}]), "logit_bias has key True"),
+    (dict(banned_token_ids=[[V]]), f"banned_token_ids holds token id {V}, outside"),
+    (dict(allowed_token_ids=[[]]), "allowed_token_ids is empty"),
+    (dict(stop=[["a", 5]]), "stop holds 5; stop strings"),
+    (dict(stop=["\ud800"]), r"stop '\ud800' is not valid text"),
+    (dict(stop_sequences=[[[1], []]]), "stop_sequences holds an empty sequence"),
+    (dict(stop_sequences=[[[V]]]), f"stop_sequences holds token id {V}, outside"),
+    (dict(include_stop_str_in_output="no"), "include_stop_str_in_output = 'no' must be True"),
+]
+
+
+@pytest.mark.parametrize("knobs, message", ONE_ROW,
+                         ids=[f"one-row-{i}" for i in range(len(ONE_ROW))])
+def test_a_batch_of_one_row_names_no_row_index(knobs, message):
+    with pytest.raises(ValueError) as err:
+        ll.SamplingParams.create(batch_size=1, vocab_size=V, **knobs)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "[0]" not in str(err.value), str(err.value)
+
+
+def test_check_vocab_of_one_row_names_no_row_index():
+    with pytest.raises(ValueError, match=r"^stop_token_ids holds token id 9, outside"):
+        ll.SamplingParams.create(batch_size=1, stop_token_ids=[9]).check_vocab(5)
+    with pytest.raises(ValueError, match=r"^stop_token_ids\[2\] holds token id 9, outside"):
+        ll.SamplingParams.create(batch_size=3, stop_token_ids=[[], [], [9]]).check_vocab(5)
+
+
+def test_stop_sequences_out_of_range_names_its_own_row():
+    with pytest.raises(ValueError, match=r"^stop_sequences\[2\] holds token id 50, outside"):
+        ll.SamplingParams.create(batch_size=3, vocab_size=V, stop_sequences=[None, [[1]], [[50]]])
+
+
 @pytest.mark.parametrize("arg, value", WRONG_LENGTH, ids=[a for a, _ in WRONG_LENGTH])
 def test_wrong_number_of_rows_names_argument_and_lengths(arg, value):
     with pytest.raises(ValueError) as err:

@@ -25,7 +25,7 @@ BAD = [
      "sequence_breakers[1] holds token id 5, outside the vocabulary range [0, 3]"),
     (lambda: DRY.create(2, sequence_breakers=[1, "x"]), "sequence_breakers holds 'x'"),
     (lambda: TypicalP.create(2, [0.5, 0.0]), "mass[1] = 0.0 is outside the allowed range (0, 1]"),
-    (lambda: TypicalP.create(1, 1.5), "mass[0] = 1.5 is outside the allowed range (0, 1]"),
+    (lambda: TypicalP.create(1, 1.5), "mass = 1.5 is outside the allowed range (0, 1]"),
     (lambda: TypicalP.create(0), "batch_size = 0 is outside the allowed range [1, inf)"),
     (lambda: DRY.create(True), "batch_size must be a positive int"),
 ]
