@@ -1,5 +1,7 @@
-"""The CLI's persistent compilation cache: compiled programs kept between runs, so that a
-second `logitloop generate "..."` loads its programs instead of compiling them again."""
+"""The CLI's persistent compilation cache: compiled programs kept between runs (JAX's own
+cache), and the traced programs beside them (`logitloop.decoding.programs`, in the folder's
+`programs/`), so that a second `logitloop generate "..."` neither traces, lowers nor
+compiles its programs again."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 from pathlib import Path
 
 COMPILE_CACHE_ENV = "LOGITLOOP_COMPILE_CACHE"
+PROGRAMS = "programs"  # the subfolder of traced programs (`logitloop.decoding.programs`)
 
 
 def compile_cache_dir() -> Path | None:
@@ -30,13 +33,19 @@ def use_compile_cache(enabled: bool) -> None:
     `JAX_ENABLE_COMPILATION_CACHE=false`) is left as it is."""
     import jax
 
+    from logitloop.decoding.programs import use_program_store
+
     folder = compile_cache_dir() if enabled else None
     if folder is None:
         jax.config.update("jax_enable_compilation_cache", False)
+        use_program_store(None)
         return
     if jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache:
+        use_program_store(None)
         return
     jax.config.update("jax_compilation_cache_dir", str(folder))
+    # The traced programs too (`jax.export`), so a second run skips tracing and lowering.
+    use_program_store(folder / PROGRAMS)
     # Every program, however quick to compile: the CLI's small ones add up to seconds.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

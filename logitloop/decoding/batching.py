@@ -40,7 +40,6 @@ from `generate_many`, in completion order from `iter_generate_many`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -68,6 +67,7 @@ from logitloop.decoding.layout import Layout
 from logitloop.decoding.loop import DecodeState, Outputs, decode, prefill
 from logitloop.decoding.model import ModelInfo, ModelRunner, model_info
 from logitloop.decoding.params import MIN_LIST_WIDTH, SamplingParams, Widths
+from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.stop_strings import StopStrings
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
@@ -94,8 +94,7 @@ class Request:
 # --------------------------------------------------------------------------- device side
 
 
-@functools.partial(
-    jax.jit,
+@stored_jit(
     static_argnames=(
         "runner",
         "batch",
@@ -139,8 +138,7 @@ def _empty_state(
     return layout.state(state)
 
 
-@functools.partial(
-    jax.jit,
+@stored_jit(
     static_argnames=("runner", "buffer_len", "num_top", "layout"),
     donate_argnames=("state",),
 )

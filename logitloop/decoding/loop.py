@@ -34,6 +34,7 @@ from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.sampler import STATUS_OK, SampleOutput
 from logitloop.decoding.stop_strings import StopStrings
 
@@ -272,7 +273,7 @@ def prefill(
     return layout.state(record(state, out, params, stops))
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "layout"), donate_argnames=("state",))
+@stored_jit(static_argnames=("runner", "layout"), donate_argnames=("state",))
 def decode(
     runner: ModelRunner,
     weights: Any,

@@ -1,4 +1,5 @@
-"""The CLI keeps compiled programs between runs (JAX's persistent compilation cache)."""
+"""The CLI keeps compiled programs between runs (JAX's persistent compilation cache) and the
+traced programs beside them (`logitloop.decoding.programs`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from logitloop import cli
+from logitloop.cli.cache import PROGRAMS
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -31,13 +33,18 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
         assert cli.compile_cache_dir() is None
 
 
-def test_a_run_fills_the_cache(tmp_path, model_args):
+def test_a_run_fills_the_cache_and_a_second_reads_it(tmp_path, model_args):
     folder = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "logitloop", "generate", "The for", "--max-tokens", "2",
-           "--temperature", "0", *model_args]
-    subprocess.run(cmd, env=_env(LOGITLOOP_COMPILE_CACHE=str(folder)), check=True,
-                   capture_output=True, timeout=600)
+    cmd = [sys.executable, "-m", "logitloop", "generate", "The for", "--max-tokens", "3",
+           "--temperature", "0.9", "--seed", "7", "-q", *model_args]
+    env = _env(LOGITLOOP_COMPILE_CACHE=str(folder))
+    first = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     assert folder.is_dir() and any(folder.iterdir()), "no compiled program was kept"
+    stored = sorted((folder / PROGRAMS).glob("*.program"))
+    assert len(stored) == 3, stored  # traced programs too (logitloop.decoding.programs)
+    second = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
+    assert second.stdout == first.stdout and first.stdout.strip()
+    assert sorted((folder / PROGRAMS).glob("*.program")) == stored
 
 
 def test_the_flag_turns_the_cache_off():
