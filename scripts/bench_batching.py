@@ -34,28 +34,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_generate import config  # scripts/ is on the path when run as a script
 from flax import nnx
 
 import logitloop as ll
 from logitloop.decoding.batching import Request, generate_many
 from logitloop.decoding.compiles import CompileWatch
 from logitloop.decoding.generate import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
-from logitloop.models import LlamaConfig, LlamaModel, load_pretrained
+from logitloop.models import LlamaModel, load_pretrained
 
 
-def random_model(vocab: int = 512, seed: int = 0) -> LlamaModel:
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    return LlamaModel(config, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+def random_model(seed: int = 0) -> LlamaModel:
+    """bench_generate's "tiny" Llama (vocabulary 512, 2 layers of 64), random, float32."""
+    return LlamaModel(config("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(seed))
 
 
 def workload(args, vocab: int) -> list[tuple[list[int], dict]]:

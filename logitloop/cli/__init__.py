@@ -60,7 +60,8 @@ Where things live: `parser.py` (argparse: the flags and the settings they give),
 against the model; result records), `sinks.py` (stdout text or the JSONL `--output`:
 resume, lock, fresh file put in place), `run_generate.py` and `run_explain.py` (the two
 subcommands), `explain_view.py` (explain's table and figure), `cache.py` (the persistent
-compilation cache), `common.py` (the error type, loading the model). Only what a
+compilation cache, and `logitloop.decoding.programs`' traced programs beside it),
+`common.py` (the error type, loading the model). Only what a
 subcommand needs is imported, when it runs.
 """
 
