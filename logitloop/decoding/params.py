@@ -664,7 +664,7 @@ class SamplingParams:
             stop_token_ids=fit(host.stop_token_ids, host.stop_token_ids >= 0, widths.stop_ids, -1),
             stop_sequences=seqs,
         )
-        return self._with_arrays(jax.tree.map(jnp.asarray, arrays))
+        return self._with_arrays(jax.tree.map(jax.device_put, arrays))
 
     @classmethod
     def concat(
@@ -675,7 +675,7 @@ class SamplingParams:
         if widths is None:
             widths = functools.reduce(Widths.union, (p.widths() for p in parts))
         wide = jax.device_get([p.widen(widths).device_only() for p in parts])
-        arrays = jax.tree.map(lambda *xs: jnp.asarray(np.concatenate(xs, axis=0)), *wide)
+        arrays = jax.tree.map(lambda *xs: jax.device_put(np.concatenate(xs, axis=0)), *wide)
         has_stop = any(p.stop for p in parts)
         vocab = {p.vocab_size for p in parts}
         return dataclasses.replace(
@@ -697,7 +697,7 @@ class SamplingParams:
         seeds = np.asarray(self.seed)
         rows = [r for r in range(self.batch_size) for _ in range(n)]
         child = [child_seed(int(seeds[r]), i % n) for i, r in enumerate(rows)]
-        return self.take(rows).replace(seed=jnp.asarray(np.asarray(child, np.uint32)))
+        return self.take(rows).replace(seed=jax.device_put(np.asarray(child, np.uint32)))
 
     def with_stop_token_ids(self, extra: Sequence[int]) -> SamplingParams:
         """Every row's stop token ids plus `extra` (the model's EOS ids), kept bucketed."""
@@ -705,7 +705,7 @@ class SamplingParams:
         rows = [[int(t) for t in r if t >= 0] for r in old]
         rows = [r + [int(e) for e in extra if e not in r] for r in rows]
         width = bucket_width(max(old.shape[1], max(len(r) for r in rows)))
-        return self.replace(stop_token_ids=jnp.asarray(_pad_ids(rows, width)))
+        return self.replace(stop_token_ids=jax.device_put(_pad_ids(rows, width)))
 
     def _with_arrays(self, arrays: SamplingParams) -> SamplingParams:
         """`arrays`' leaves with this params' host-side metadata."""
@@ -720,7 +720,8 @@ class SamplingParams:
         """Select (or repeat) rows: `params.take([0, 0, 1])` (on the host: compiles nothing)."""
         idx = np.asarray(rows, np.int64)
         host = jax.device_get(self.device_only())
-        arrays = jax.tree.map(lambda x: jnp.asarray(x[idx]), host)
+        # device_put, not jnp.asarray: a transfer, where jnp.asarray compiles a copy program
+        arrays = jax.tree.map(lambda x: jax.device_put(x[idx]), host)
         return dataclasses.replace(
             arrays,
             stop=tuple(self.stop[i] for i in idx) if self.stop else (),

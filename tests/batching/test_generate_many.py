@@ -296,7 +296,7 @@ def test_second_job_compiles_nothing(model, compile_counter):
 @pytest.mark.parametrize(
     "reqs, kwargs, match",
     [
-        ([[1], ([2], {"top_p": 2.0})], {}, r"requests\[1\]: top_p\[0\] = 2.0 is outside"),
+        ([[1], ([2], {"top_p": 2.0})], {}, r"requests\[1\]: top_p = 2.0 is outside"),
         ([[1], Request([V], id="q")], {}, r"requests\[1\] \(id 'q'\): the prompt holds token id"),
         ([[1], [2] * 16], {}, r"requests\[1\]: the prompt has 16 tokens, over max_prompt_len"),
         ([([1], {"max_tokens": 40})], {}, r"requests\[0\]: max_tokens = 40 is over"),
