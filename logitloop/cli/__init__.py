@@ -133,6 +133,8 @@ def _run(argv: list[str]) -> int:
         use_compile_cache(args.compile_cache)
         if args.command == "explain":
             from logitloop.cli import run_explain as command
+        elif args.command == "chat":
+            from logitloop.cli import run_chat as command
         else:
             from logitloop.cli import run_generate as command
         return command.run(args)
