@@ -591,9 +591,9 @@ def repl(
     turn = 0
     output.write(f"({HELP})\n")
     while True:
-        output.write(PROMPT)
-        output.flush()
         try:
+            output.write(PROMPT)
+            output.flush()
             line = input.readline()
         except KeyboardInterrupt:
             line = ""
@@ -615,7 +615,11 @@ def repl(
             continue
         asked = [*messages, {"role": "user", "content": text}]
         params = {**knobs, "seed": seed + turn}
-        reply = _reply(model, asked, params, checkpoint_defaults, ignore_eos, template, output)
+        try:
+            reply = _reply(model, asked, params, checkpoint_defaults, ignore_eos, template, output)
+        except KeyboardInterrupt:  # pressed just as the reply ended: it is not kept
+            output.write("\n")
+            reply = None
         if reply is not None:
             messages = [*asked, {"role": "assistant", "content": reply}]
             turn += 1

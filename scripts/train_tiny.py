@@ -26,6 +26,7 @@ generation_config.json whose eos_token_id lists <|endoftext|> and <|im_end|>).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -152,6 +153,34 @@ def encode(tok: Tokenizer, texts: list[str]) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+def extend_tokenizer(source: Path, path: Path) -> None:
+    """`source` with the chat tokens it lacks added as special tokens (at the end of the
+    vocabulary), saved to `path` unless a resumed run already did."""
+    if path.is_file():
+        return
+    tok = Tokenizer.from_file(str(source))
+    missing = [t for t in (EOS, TURN_START, TURN_END) if tok.token_to_id(t) is None]
+    tok.add_special_tokens(missing)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+
+
+def initial_model(folder: Path, tok: Tokenizer, seed: int) -> tuple[LlamaModel, dict | None]:
+    """The model exported in `folder`, in float32, with a row of the embedding for each token
+    `extend_tokenizer` added (the mean of the others), and its training report."""
+    from logitloop.models.loading import load_pretrained
+
+    base = load_pretrained(folder, dtype="float32")
+    config = dataclasses.replace(base.config, vocab_size=tok.get_vocab_size())
+    model = LlamaModel(config, rngs=nnx.Rngs(seed))
+    old = base.embedding[...]  # [V_old, E]
+    added = jnp.broadcast_to(old.mean(0), (config.vocab_size - old.shape[0], old.shape[1]))
+    nnx.update(model, nnx.state(base, nnx.Param))  # every tensor but the embedding fits
+    model.embedding.value = jnp.concatenate([old, added])
+    report = folder / "training_report.json"
+    return model, json.loads(report.read_text()) if report.is_file() else None
+
+
 def encode_chats(tok: Tokenizer, chats: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """The conversations back to back (a window that runs past one reads on into the next,
     like a conversation of several turns), and where each one starts."""
@@ -222,10 +251,18 @@ def main() -> None:
         "--chat-fraction", type=float, default=1 / 3, help="rows of a batch that are chats"
     )
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (resumable)")
+    ap.add_argument(
+        "--init-from",
+        metavar="FOLDER",
+        help="start from this script's export (its weights and tokenizer; the chat tokens "
+        "it lacks are added); the model-size flags are then the folder's",
+    )
     args = ap.parse_args()
 
     workdir = Path(args.workdir).absolute()
     train_texts, val_texts = corpus(args.seed, args.val_fraction)
+    if args.init_from is not None:
+        extend_tokenizer(Path(args.init_from) / "tokenizer.json", workdir / "tokenizer.json")
     tok = train_tokenizer(train_texts + val_texts, args.vocab, workdir / "tokenizer.json")
     train, val = encode(tok, train_texts), encode(tok, val_texts)
     print(f"train {len(train)} tokens, validation {len(val)} tokens, vocab {tok.get_vocab_size()}")
@@ -254,7 +291,12 @@ def main() -> None:
         eos_token_id=(eos,),
         bos_token_id=None,
     )
-    model = LlamaModel(config, rngs=nnx.Rngs(args.seed))
+    init_report = None
+    if args.init_from is not None:
+        model, init_report = initial_model(Path(args.init_from), tok, args.seed)
+        config = model.config
+    else:
+        model = LlamaModel(config, rngs=nnx.Rngs(args.seed))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"model: {n_params / 1e6:.2f}M parameters")
 
@@ -346,10 +388,13 @@ def main() -> None:
             "bos_token": None,
             "eos_token": EOS,
             "pad_token": EOS,
-            "model_max_length": args.context,
+            "model_max_length": config.max_position_embeddings,
             "chat_template": CHAT_TEMPLATE,
         },
-        generation_config={"eos_token_id": [eos, end_of_turn], "max_length": args.context},
+        generation_config={
+            "eos_token_id": [eos, end_of_turn],
+            "max_length": config.max_position_embeddings,
+        },
     )
     report = {
         "steps": args.steps,
@@ -361,6 +406,9 @@ def main() -> None:
         "chat_validation_loss": chat_val_loss,
         "chat_conversations": int(len(chats[1])),
         "chat_tokens": int(len(chats[0])),
+        "initialised_from": None if init_report is None else {
+            "folder": str(args.init_from), "training_report": init_report
+        },
         "log": log,
         "args": vars(args),
     }
