@@ -188,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_config_flag(gen)
 
     s = gen.add_argument_group(
-        "sampling (defaults: the checkpoint's generation_config.json, then "
-        "SamplingParams.create's; JSONL lines may override each)"
+        "sampling (defaults: generation_config.json's, then SamplingParams.create's; "
+        "JSONL lines override)"
     )
     _add_sampling_flags(s, generation=True)
 
@@ -368,7 +368,7 @@ def _add_chat_parser(sub) -> None:
     _add_model_flags(chat)
     _add_generation_config_flag(chat)
     s = chat.add_argument_group(
-        "sampling (defaults: the checkpoint's generation_config.json, then "
-        "SamplingParams.create's, but 256 max tokens)"
+        "sampling (defaults: generation_config.json's, then SamplingParams.create's, "
+        "max tokens 256)"
     )
     _add_sampling_flags(s, generation=True, chat=True)
