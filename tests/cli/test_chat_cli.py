@@ -79,6 +79,30 @@ def test_messages_reply_ends_at_the_end_of_turn(chat_job, model_args):
     assert "<|im_end|>" not in got["text"]
 
 
+def test_messages_stop_at_the_template_s_end_of_turn(chat_job, model_args, tmp_path):
+    """A checkpoint whose EOS ids leave out the end-of-turn token: a conversation still
+    stops there (the template's), a plain prompt does not."""
+    if model_args:
+        pytest.skip("the shipped model's reply to its own question")
+    _, _, _, records = chat_job
+    folder = tmp_path / "model"
+    shutil.copytree(SHIPPED_MODEL_DIR, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    end_of_turn = config["eos_token_id"].pop()  # <|im_end|>
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    path = tmp_path / "chats.jsonl"
+    lines = [{"messages": [_user(QUESTION)]}, {"prompt_token_ids": records["hf0"]["prompt"]}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    proc = run_cli("generate", "-i", str(path), "-o", str(out), *GREEDY, "--model", str(folder))
+    assert proc.returncode == 0, proc.stderr
+    chat, plain = read_jsonl(out)
+    assert (chat["finish_reason"], chat["stop_reason"]) == ("stop", end_of_turn)
+    assert chat["token_ids"] == records["q1"]["token_ids"]
+    n = chat["num_tokens"]  # the same rendered ids as a plain prompt run on past the turn
+    assert plain["token_ids"][:n] == chat["token_ids"] and plain["num_tokens"] > n
+
+
 def test_messages_job_resumes(chat_job):
     path, clean, args, records = chat_job
     out = path.parent / "resumed.jsonl"
