@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
@@ -427,11 +428,12 @@ def generation_defaults(model: Any) -> dict[str, Any]:
     """The sampling settings the checkpoint's `generation_config.json` recommends, as
     `SamplingParams.create` arguments: temperature, top_k, top_p, min_p, repetition_penalty
     and max_new_tokens (as max_tokens), each only where the file sets it; `do_sample: false`
-    means greedy (temperature 0), as in transformers. Empty for a model without a folder.
+    means greedy (temperature 0), as in transformers. `model` is a loaded model or its
+    checkpoint folder (a path). Empty for a model without a folder.
 
     Raises ValueError naming the file for a value `SamplingParams.create` refuses.
     """
-    folder = checkpoint_dir(model)
+    folder = Path(model) if isinstance(model, (str, os.PathLike)) else checkpoint_dir(model)
     path = None if folder is None else folder / "generation_config.json"
     config = {} if path is None else _read_config(path)
     out = {
@@ -551,7 +553,11 @@ def stream_chat(
 # ------------------------------------------------------------------- interactive loop
 
 PROMPT = "> "
-HELP = "/reset starts a new conversation, /exit (or end of input) leaves; Ctrl-C ends a reply"
+HELP = (
+    "/reset starts a new conversation; /exit, Ctrl-D or Ctrl-C at the prompt leave; "
+    "Ctrl-C during a reply ends it"
+)
+INTERRUPTED = " [interrupted]"
 
 
 def repl(
@@ -562,15 +568,20 @@ def repl(
     output: TextIO = sys.stdout,
     system: str | None = None,
     chat_template: ChatTemplate | None = None,
+    checkpoint_defaults: bool = True,
+    ignore_eos: bool = False,
 ) -> None:
     """An interactive conversation: read a line, stream the reply, keep the conversation.
 
-    `params_kwargs` are `SamplingParams.from_model` overrides (one row); turn t uses seed
-    `seed + t` so that replies differ but a session replays exactly. `/reset` forgets the
-    conversation (keeping the `system` message), `/exit` or end of input leaves. Ctrl-C
-    (KeyboardInterrupt) during a reply ends that reply, which stays in the conversation as
-    far as it was shown; at the prompt it discards the line. A turn the model cannot take
-    (e.g. past its context) prints the error and leaves the conversation as it was.
+    `params_kwargs` are `SamplingParams.create` arguments for one row, over the checkpoint's
+    `generation_config.json` defaults (`SamplingParams.from_model`) unless
+    `checkpoint_defaults=False`; turn t uses seed `seed + t` so that replies differ but a
+    session replays exactly. `/reset` forgets the conversation (keeping the `system`
+    message); `/exit`, end of input (Ctrl-D) or Ctrl-C (KeyboardInterrupt) at the prompt
+    leave. Ctrl-C during a reply ends that reply, which stays in the conversation as far as
+    it was shown (what the user saw is what the model is told it said), marked
+    `INTERRUPTED` on the screen only. A turn the model cannot take (e.g. past its context)
+    prints the error and leaves the conversation as it was. `ignore_eos`: as in `chat`.
     """
     template = model_template(model) if chat_template is None else chat_template
     knobs = dict(params_kwargs or {})
@@ -580,13 +591,12 @@ def repl(
     turn = 0
     output.write(f"({HELP})\n")
     while True:
-        output.write(PROMPT)
-        output.flush()
         try:
+            output.write(PROMPT)
+            output.flush()
             line = input.readline()
         except KeyboardInterrupt:
-            output.write("\n")
-            continue
+            line = ""
         if not line:
             output.write("\n")
             return
@@ -604,25 +614,35 @@ def repl(
             output.write(f"unknown command {command}: {HELP}\n")
             continue
         asked = [*messages, {"role": "user", "content": text}]
-        reply = _reply(model, asked, knobs, seed + turn, template, output)
+        params = {**knobs, "seed": seed + turn}
+        try:
+            reply = _reply(model, asked, params, checkpoint_defaults, ignore_eos, template, output)
+        except KeyboardInterrupt:  # pressed just as the reply ended: it is not kept
+            output.write("\n")
+            reply = None
         if reply is not None:
             messages = [*asked, {"role": "assistant", "content": reply}]
             turn += 1
 
 
-def _reply(model, messages, knobs, seed, template, output: TextIO) -> str | None:
+def _reply(
+    model, messages, knobs, checkpoint_defaults, ignore_eos, template, output: TextIO
+) -> str | None:
     """Stream one reply to `output`; its text (as far as shown), or None on an error."""
     shown: list[str] = []
     events = None
     try:
-        params = SamplingParams.from_model(model, 1, **{**knobs, "seed": seed})
-        events = stream_chat(model, [messages], params, chat_template=template)
+        make = SamplingParams.from_model if checkpoint_defaults else _create
+        params = make(model, 1, **knobs)
+        events = stream_chat(
+            model, [messages], params, chat_template=template, ignore_eos=ignore_eos
+        )
         for event in events:
             output.write(event.text)
             output.flush()
             shown.append(event.text)
     except KeyboardInterrupt:
-        output.write(" [interrupted]")
+        output.write(INTERRUPTED)
     except ValueError as e:
         output.write(f"error: {e} (/reset starts a new conversation)\n")
         return None
@@ -631,3 +651,7 @@ def _reply(model, messages, knobs, seed, template, output: TextIO) -> str | None
             events.close()
     output.write("\n")
     return "".join(shown)
+
+
+def _create(model: Any, batch_size: int, **kwargs: Any) -> SamplingParams:
+    return SamplingParams.create(batch_size, **kwargs)

@@ -4,13 +4,16 @@
     logitloop generate --input prompts.jsonl --output out.jsonl --batch-size 32 --top-p 0.9
     python -m logitloop generate --stream "Hello"
     logitloop explain "Once upon a time" --temperature 0.8 --top-p 0.9 --plot knobs.png
+    logitloop chat --system "Answer briefly." --temperature 0.7
 
 `generate` takes prompts as arguments or from `--input FILE`:
 
 - plain text: one prompt per line; blank lines are skipped; a prompt's id is its 0-based
   line number.
 - JSONL (the file name ends in `.jsonl`, or its first non-blank character is `{`): one
-  object per line with `"prompt"` (a string) or `"prompt_token_ids"` (a list of ids), an
+  object per line with `"prompt"` (a string), `"prompt_token_ids"` (a list of ids) or
+  `"messages"` (a conversation, rendered with the model's chat template and stopped at the
+  end of the turn, as `ll.chat` does; its output line holds `"messages"`, not `"prompt"`), an
   optional `"id"` (a string or an integer; default: the 0-based line number) and optional
   per-line sampling settings under `SamplingParams.create`'s argument names (`temperature`,
   `top_p`, `max_tokens`, `seed`, `stop`, `logit_bias`, ...). A line's setting replaces the
@@ -44,6 +47,14 @@ first one's process id. `--output -` writes the JSONL lines to stdout, as does a
 not a regular file (`/dev/stdout`); an output that is the input file is refused. See
 `logitloop.cli.sinks`.
 
+Sampling settings that neither a flag nor a line sets come from the checkpoint's
+`generation_config.json` (`SamplingParams.from_model`, as vLLM does), named in one line on
+stderr when it sets any; `--generation-config none` ignores the file.
+
+`chat` runs `logitloop.conversation.repl` on the terminal (`run_chat.py`): replies streamed,
+the conversation kept, `/reset`, `/exit`; Ctrl-C ends a reply (the part shown is kept), and
+at the prompt, like Ctrl-D, leaves.
+
 `explain` prints, for the token after one PROMPT, the top candidates with their probability
 after each step of the sampler and the step that cut each one (computed by
 `logitloop.decoding.explain`, shown by `logitloop.cli.explain_view`); `--plot FILE.png`
@@ -57,12 +68,13 @@ stderr and exits with status 2.
 
 Where things live: `parser.py` (argparse: the flags and the settings they give),
 `jobs.py` (prompts from arguments or an input file, each with its SamplingParams, checked
-against the model; result records), `sinks.py` (stdout text or the JSONL `--output`:
-resume, lock, fresh file put in place), `run_generate.py` and `run_explain.py` (the two
-subcommands), `explain_view.py` (explain's table and figure), `cache.py` (the persistent
-compilation cache, and `logitloop.decoding.programs`' traced programs beside it),
-`common.py` (the error type, loading the model). Only what a
-subcommand needs is imported, when it runs.
+against the model; conversations rendered; result records), `sinks.py` (stdout text or the
+JSONL `--output`: resume, lock, fresh file put in place), `run_generate.py`,
+`run_explain.py` and `run_chat.py` (the three subcommands), `explain_view.py` (explain's
+table and figure), `cache.py` (the persistent compilation cache, and
+`logitloop.decoding.programs`' traced programs beside it), `common.py` (the error type,
+loading the model, the checkpoint's sampling defaults). Only what a subcommand needs is
+imported, when it runs.
 """
 
 from __future__ import annotations
@@ -134,6 +146,8 @@ def _run(argv: list[str]) -> int:
         use_compile_cache(args.compile_cache)
         if args.command == "explain":
             from logitloop.cli import run_explain as command
+        elif args.command == "chat":
+            from logitloop.cli import run_chat as command
         else:
             from logitloop.cli import run_generate as command
         return command.run(args)

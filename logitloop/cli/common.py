@@ -1,9 +1,11 @@
 """What every part of the command line shares: its name, the bad-input error, loading the
-model."""
+model, the checkpoint's sampling defaults."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 PROG = "logitloop"
 EXIT_BAD_INPUT = 2
@@ -29,3 +31,29 @@ def load_model(path: str | None, dtype: str | None):
         raise CLIError(f"cannot load the model: {e}") from None
     except OSError as e:
         raise CLIError(f"cannot load the model from {path}: {e.strerror or e}") from None
+
+
+def checkpoint_defaults(args, *, show: bool = True) -> dict[str, Any]:
+    """The sampling settings the --model folder's generation_config.json recommends
+    (`logitloop.conversation.generation_defaults`), unless `--generation-config none`.
+    When it sets any and `show`, one line on stderr names them and the file, as vLLM does at
+    start: a flag (or a JSONL key) replaces a default of the same name."""
+    if args.generation_config == "none":
+        return {}
+    from logitloop.conversation import generation_defaults
+    from logitloop.models.loading import SHIPPED_MODEL_DIR
+
+    folder = SHIPPED_MODEL_DIR if args.model is None else Path(args.model).expanduser()
+    try:
+        defaults = generation_defaults(folder)
+    except ValueError as e:
+        raise CLIError(f"{e} (--generation-config none ignores the file)") from None
+    if defaults and show:
+        settings = ", ".join(f"{name}={value}" for name, value in defaults.items())
+        print(
+            f"{PROG}: sampling defaults from {folder / 'generation_config.json'}: {settings} "
+            "(flags override them; --generation-config none ignores them)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return defaults

@@ -30,12 +30,13 @@ class Item:
 
     id: Any
     where: str  # names the prompt in messages: "prompts.jsonl line 4" or "prompt 1"
-    prompt: str | list[int]
+    prompt: str | list[int] | None  # None for a conversation until `render_conversations`
     knobs: dict[str, Any]  # SamplingParams.create's arguments for this prompt
     position: int  # index in the input
     line: int = 0  # 1-based line in the input file (0 for a PROMPT argument)
     token_ids: list[int] | None = None  # set by `prepare_tokens`
     params: Any = None  # SamplingParams of batch 1, set by `validate_params`
+    messages: list[dict[str, Any]] | None = None  # a JSONL line's conversation
 
 
 # --------------------------------------------------------------------------- sampling settings
@@ -202,6 +203,31 @@ def _read_text(path: str) -> str:
         raise CLIError(f"{path} line {line}: not valid UTF-8 text") from None
 
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")  # a JSONL line has one of them
+
+
+def _conversation(value: Any, where: str) -> list[dict[str, Any]]:
+    """A line's `messages`: a non-empty list of objects, each with a string 'role' (the
+    template checks the rest when it renders them)."""
+    if not isinstance(value, list) or not value:
+        raise CLIError(f"{where}: messages must be a non-empty list of {{'role', 'content'}}")
+    for index, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise CLIError(
+                f"{where}: messages[{index}] = {json.dumps(message)} is not a message: an "
+                "object with a 'role' string and its 'content'"
+            )
+        content = message.get("content")
+        if isinstance(content, str):  # the library's text check (no lone surrogates)
+            from logitloop.decoding.params import check_text
+
+            try:
+                check_text("content", content)
+            except ValueError as e:
+                raise _row_error(f"{where}, messages[{index}]", e) from None
+    return value
+
+
 def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> list[Item]:
     text = _read_text(path)
     name = "stdin" if path == "-" else path
@@ -229,25 +255,34 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
             raise CLIError(f"{where}: id must be a string or an integer, got {item_id!r}")
         if "id" in obj:
             where = f"{where} (id {describe_id(item_id)})"
-        has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
-        if has_text == has_ids:
-            raise CLIError(f"{where}: give exactly one of 'prompt' and 'prompt_token_ids'")
-        prompt = obj["prompt"] if has_text else obj["prompt_token_ids"]
-        if not isinstance(prompt, str if has_text else list):
-            key, kind = ("prompt", "a string") if has_text else ("prompt_token_ids", "a list")
-            raise CLIError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
-        check_prompt(where, prompt)
+        given = [key for key in PROMPT_KEYS if key in obj]
+        if len(given) != 1:
+            both = f" (it has {' and '.join(given)})" if given else ""
+            raise CLIError(
+                f"{where}: give exactly one of 'prompt', 'prompt_token_ids' and 'messages'{both}"
+            )
+        messages = None
+        if given == ["messages"]:
+            prompt, messages = None, _conversation(obj["messages"], where)
+        else:
+            has_text = given == ["prompt"]
+            prompt = obj[given[0]]
+            if not isinstance(prompt, str if has_text else list):
+                key, kind = ("prompt", "a string") if has_text else ("prompt_token_ids", "a list")
+                raise CLIError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
+            check_prompt(where, prompt)
         knobs = dict(base)
         for key, value in obj.items():
-            if key in ("id", "prompt", "prompt_token_ids"):
+            if key == "id" or key in PROMPT_KEYS:
                 continue
             if key not in allowed:
                 raise CLIError(
-                    f"{where}: unknown key {key!r}; a line holds id, prompt or "
-                    f"prompt_token_ids, and sampling settings ({', '.join(sorted(allowed))})"
+                    f"{where}: unknown key {key!r}; a line holds id, prompt, "
+                    f"prompt_token_ids or messages, and sampling settings "
+                    f"({', '.join(sorted(allowed))})"
                 )
             knobs[key] = _normalise_override(key, value, where)
-        items.append(Item(item_id, where, prompt, knobs, len(items), i + 1))
+        items.append(Item(item_id, where, prompt, knobs, len(items), i + 1, messages=messages))
     if not items:
         raise CLIError(f"{name} holds no prompts")
     seen: dict[tuple[str, Any], Item] = {}
@@ -273,6 +308,39 @@ def prompt_ids(where: str, prompt: str | list[int], max_tokens: int, info) -> li
     except ValueError as e:
         raise _row_error(where, e) from None
     return ids
+
+
+def render_conversations(items: Sequence[Item], model, ignore_eos: bool) -> list[Item]:
+    """Every conversation's prompt: its messages rendered with the model's chat template and
+    tokenized (`conversation.chat_request`), and, unless `ignore_eos`, the end-of-turn ids
+    added to its stop_token_ids (its params are built again from them). Done lines are
+    rendered too: `job_bounds` reads every line's length. Returns the items it changed."""
+    from logitloop.conversation import chat_request, model_template
+    from logitloop.conversation import prompt_ids as conversation_ids
+
+    chats = [item for item in items if item.messages is not None]
+    if not chats:
+        return []
+    try:
+        template = model_template(model)
+    except ValueError as e:
+        raise CLIError(f"{chats[0].where}: messages need a chat template: {e}") from None
+    for item in chats:
+        try:  # the library's messages name the conversation by `where`
+            if ignore_eos:  # neither EOS nor the end of a turn stops the reply
+                ids = conversation_ids(
+                    model, item.messages, chat_template=template, where=item.where
+                )
+            else:
+                ids, item.knobs = chat_request(
+                    model, item.messages, item.knobs, where=item.where, chat_template=template
+                )
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        item.prompt = ids
+        if not ignore_eos and item.params is not None:
+            item.params = row_params(item.knobs, item.where)
+    return chats
 
 
 def prepare_tokens(items: Sequence[Item], info) -> None:
@@ -333,7 +401,10 @@ def record(item: Item, result, n: int) -> dict[str, Any]:
     """The output line of a done prompt: its `n` completions (a list per field when n > 1)."""
     want = int(float(item.knobs.get("logprobs") or 0)) > 0
     outs = [_completion(result, k, want) for k in range(n)]
-    rec: dict[str, Any] = {"id": item.id, "prompt": item.prompt}
+    if item.messages is not None:
+        rec: dict[str, Any] = {"id": item.id, "messages": item.messages}
+    else:
+        rec = {"id": item.id, "prompt": item.prompt}
     if n == 1:
         rec.update(outs[0])
     else:

@@ -185,14 +185,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_model_flags(gen)
+    _add_generation_config_flag(gen)
 
     s = gen.add_argument_group(
-        "sampling (defaults: SamplingParams.create's; JSONL lines may override each)"
+        "sampling (defaults: generation_config.json's, then SamplingParams.create's; "
+        "JSONL lines override)"
     )
     _add_sampling_flags(s, generation=True)
 
     _add_explain_parser(sub)
+    _add_chat_parser(sub)
     return parser
+
+
+def _add_generation_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: sampling settings the flags leave unset come from the checkpoint's "
+        "generation_config.json, as in vLLM (shown on stderr when it sets any); none: "
+        "SamplingParams.create's defaults (default: auto)",
+    )
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -215,9 +229,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sampling_flags(s, *, generation: bool) -> None:
+def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
     """The sampling knobs, one flag each; `generation=False` (explain) leaves out those that
-    only matter after the next token (max tokens, stop strings and sequences, logprobs, -n)."""
+    only matter after the next token (max tokens, stop strings and sequences, logprobs, -n),
+    `chat=True` those a conversation on a terminal has no use for (logprobs, -n)."""
     s.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 1.0)")
     s.add_argument("--top-k", type=int, metavar="K", help="<= 0 disables (default: 0)")
     s.add_argument("--top-p", type=float, metavar="P", help="in (0, 1] (default: 1.0)")
@@ -275,6 +290,7 @@ def _add_sampling_flags(s, *, generation: bool) -> None:
             action="store_true",
             help="keep a matched stop string in the text",
         )
+    if generation and not chat:
         s.add_argument(
             "--logprobs",
             type=int,
@@ -325,3 +341,34 @@ def _add_explain_parser(sub) -> None:
     _add_model_flags(ex)
     s = ex.add_argument_group("sampling (defaults: SamplingParams.create's)")
     _add_sampling_flags(s, generation=False)
+
+
+_CHAT_HELP = """\
+Type a message and press Enter; the reply streams as it is generated, and the conversation
+is kept for the next message. /reset starts a new conversation, /exit or Ctrl-D leaves.
+Ctrl-C during a reply ends that reply (the part shown stays in the conversation); Ctrl-C at
+the prompt leaves. Each turn uses seed S + turn, so a session replays exactly.
+The prompt is the conversation rendered with the checkpoint's chat template
+(tokenizer_config.json or chat_template.jinja); a reply ends at the model's EOS ids
+(generation_config.json) or the template's end-of-turn token.
+"""
+
+
+def _add_chat_parser(sub) -> None:
+    chat = sub.add_parser(
+        "chat",
+        help="talk with the model on a terminal, with its own chat template",
+        description="An interactive conversation with a chat model, replies streamed.",
+        epilog=_CHAT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chat.add_argument(
+        "--system", metavar="TEXT", help="a system message that starts every conversation"
+    )
+    _add_model_flags(chat)
+    _add_generation_config_flag(chat)
+    s = chat.add_argument_group(
+        "sampling (defaults: generation_config.json's, then SamplingParams.create's, "
+        "max tokens 256)"
+    )
+    _add_sampling_flags(s, generation=True, chat=True)

@@ -10,7 +10,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from logitloop.cli.common import PROG, CLIError, check_model_folder, load_model
+from logitloop.cli.common import (
+    PROG,
+    CLIError,
+    check_model_folder,
+    checkpoint_defaults,
+    load_model,
+)
 from logitloop.cli.jobs import (
     Item,
     check_vocab,
@@ -20,6 +26,7 @@ from logitloop.cli.jobs import (
     prompt_items,
     read_items,
     record,
+    render_conversations,
     row_params,
     span,
     validate_params,
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_folder(args.model)
 
     defaults = param_defaults()
-    base = base_knobs(args)
+    base = {**checkpoint_defaults(args, show=not args.quiet), **base_knobs(args)}
     base_params = row_params(base)
     if args.input is not None:
         items = read_items(args.input, base, defaults)
@@ -86,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started) -> int:
-    """The job after its inputs, settings and output are settled: load, check, generate."""
+    """The job after its inputs, settings and output are settled: load, render the
+    conversations, check, generate."""
     from logitloop.decoding.compiles import CompileWatch
     from logitloop.decoding.model import model_info
 
@@ -95,6 +103,7 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
     model = load_model(args.model, args.dtype)
     info = model_info(model)
     load_s = time.perf_counter() - t_load
+    render_conversations(items, model, args.ignore_eos)
     prepare_tokens(todo, info)
     check_vocab(base_params, info.vocab_size)  # token ids given as flags: named as such
     for item in todo:

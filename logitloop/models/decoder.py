@@ -94,6 +94,22 @@ class DecoderModel(nnx.Module):
         example and describes the ring.
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
+        x, new_cache = self.hidden_states(tokens, positions, cache)  # [B, T, E]
+        last = self.output_norm(x[:, -1])  # [B, E]
+        logits = jnp.einsum(
+            "be,ve->bv", last, self.head_weight(), preferred_element_type=jnp.float32
+        )
+        return self.output_logits(logits), new_cache
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,  # [B, T] int32
+        positions: jax.Array,  # [B, T] int32, -1 for (left) padding
+        cache: KVCache,
+    ) -> tuple[jax.Array, KVCache]:
+        """The blocks' output at every column, `[B, T, E]` (before the final norm), and the
+        updated cache: `__call__` without the head, for training (which needs every
+        column's logits: `output_norm` and `head_weight` apply to `[B, T, E]` as well)."""
         windows = self.config.sliding_windows
         masks = {}  # one per (layout, window): every ring of a window holds the same positions
         for layer_cache, window in zip(cache, windows, strict=True):
@@ -110,8 +126,4 @@ class DecoderModel(nnx.Module):
             mask = masks["pos" in layer_cache, window]
             x, layer_cache = block(x, positions, layer_cache, mask)
             new_cache.append(layer_cache)
-        last = self.output_norm(x[:, -1])  # [B, E]
-        logits = jnp.einsum(
-            "be,ve->bv", last, self.head_weight(), preferred_element_type=jnp.float32
-        )
-        return self.output_logits(logits), new_cache
+        return x, new_cache

@@ -1,7 +1,8 @@
 """Write a Llama-family model as an ordinary Hugging Face checkpoint folder.
 
 The inverse of `load_pretrained` for `LlamaModel`: `config.json`, `model.safetensors` and,
-when given, `tokenizer.json` and `generation_config.json`, in the layout that
+when given, `tokenizer.json`, `tokenizer_config.json` (e.g. with a `chat_template`) and
+`generation_config.json`, in the layout that
 `transformers.AutoModelForCausalLM.from_pretrained` reads.
 """
 
@@ -72,6 +73,7 @@ def save_pretrained(
     *,
     dtype: Any = np.float32,
     tokenizer_json: str | os.PathLike | None = None,
+    tokenizer_config: dict[str, Any] | None = None,
     generation_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write `model` as a Hugging Face checkpoint folder and return its path."""
@@ -99,4 +101,8 @@ def save_pretrained(
         )
     if tokenizer_json is not None:
         (folder / "tokenizer.json").write_text(Path(tokenizer_json).read_text())
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps(tokenizer_config, indent=2) + "\n"
+        )
     return folder

@@ -9,7 +9,7 @@ import io
 import pytest
 import tokenizers
 
-from logitloop.conversation import PROMPT, ChatTemplate, repl
+from logitloop.conversation import INTERRUPTED, PROMPT, ChatTemplate, repl
 
 from .test_chat import CONVERSATION
 
@@ -64,24 +64,25 @@ def test_repl_keeps_the_conversation(scripted_chat):
     # Every prompt here renders to 33..64 tokens: one prompt bucket, compiled once.
     system, question = CONVERSATION[0]["content"], CONVERSATION[1]["content"]
     again = f"Again: {question}"
-    lines = [f"{question}\n", "/reset\n", KeyboardInterrupt, f"{again}\n", "Third\n", "/exit\n"]
+    lines = [f"{question}\n", "/reset\n", f"{again}\n", "Third\n", KeyboardInterrupt]
     stdin = ScriptedInput([*lines, "never read\n"])
-    stdout = InterruptingOutput(nth=4)  # prompts: question, /reset, Ctrl-C, "Again"
+    stdout = InterruptingOutput(nth=3)  # prompts: question, /reset, "Again"
     template = RecordingTemplate(s.template.source, s.template.special_tokens)
     knobs = {"temperature": 0, "max_tokens": 40}
     try:
         repl(s.model, knobs, input=stdin, output=stdout, system=system, chat_template=template)
     except KeyboardInterrupt:
-        pytest.fail("Ctrl-C ended the loop")
+        pytest.fail("Ctrl-C escaped the loop")
 
     reply = tokenizers.Tokenizer.from_file(s.tokenizer_json).decode(s.reply_ids)
     shown = stdout.getvalue().split(PROMPT)
-    assert len(shown) == 7 and stdin.lines == ["never read\n"]  # /exit ended it
+    assert len(shown) == 6 and stdin.lines == ["never read\n"]  # Ctrl-C at the prompt left
     assert shown[1] == reply + "\n"
-    assert shown[2] == "(new conversation)\n" and shown[3] == "\n"
-    partial, interrupted = shown[4].split(" [interrupted]")
+    assert shown[2] == "(new conversation)\n"
+    partial, interrupted = shown[3].split(INTERRUPTED)
     assert partial and reply.startswith(partial) and partial != reply and interrupted == "\n"
-    assert shown[5] == reply + "\n"
+    assert shown[4] == reply + "\n"
+    assert shown[5] == "\n"
     first = {"role": "system", "content": system}
     user = [{"role": "user", "content": text} for text in (question, again, "Third")]
     assert template.calls == [
@@ -89,3 +90,12 @@ def test_repl_keeps_the_conversation(scripted_chat):
         [first, user[1]],  # after /reset: the system message stays
         [first, user[1], {"role": "assistant", "content": partial}, user[2]],
     ]
+
+
+def test_repl_ends_at_exit_and_end_of_input(scripted_chat):
+    s = scripted_chat
+    for lines, rest in [(["/exit\n", "never read\n"], ["never read\n"]), ([], [])]:
+        stdin, stdout = ScriptedInput(lines), io.StringIO()
+        repl(s.model, {"temperature": 0}, input=stdin, output=stdout, chat_template=s.template)
+        assert stdin.lines == rest
+        assert stdout.getvalue().count(PROMPT) == 1

@@ -248,7 +248,7 @@ def test_stream_prints_the_same_text(plain_run, clean_run, model_args):
 # `--stream --stop` prints what the plain run prints. The first setting is the issue's: the
 # spaces inside the first three tokens do not count under --min-tokens 4.
 STREAM_STOP_CASES = {
-    "min-tokens": (["--stop", " ", "--min-tokens", "4"], " allows feature to"),
+    "min-tokens": (["--stop", " ", "--min-tokens", "4"], ".  Without"),
     "sampled": (
         ["--stop", "e", "--stop", ", ", "--min-tokens", "2", "--include-stop-str-in-output",
          "--temperature", "1.3", "--seed", "5"],

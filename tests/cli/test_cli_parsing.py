@@ -118,7 +118,7 @@ def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):
     assert [it.prompt for it in read_items(str(jsonl), {}, [])] == ["Hi"]
 
 
-@pytest.mark.parametrize("command", ["generate", "explain"])
+@pytest.mark.parametrize("command", ["generate", "explain", "chat"])
 def test_help_lines_are_wrapped(command):
     parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
     long = [line for line in parser.format_help().splitlines() if len(line) > 100]

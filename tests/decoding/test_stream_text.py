@@ -138,15 +138,19 @@ def test_stream_concatenates_to_generate_text(shipped, hf_tokenizer, rows, promp
         check_row(hf_tokenizer, res, rows_out, expanded, r)
 
 
-# The issue's example: " allows feature to format" with stop=[" "] and min_tokens=4. The
-# spaces at the start of the first three tokens do not count; the one of " format" does.
+# The issue's example, with the shipped model's sampled (seed 0) ".  Without argument" and
+# stop=[" "], min_tokens=4: the spaces of the first three tokens (".", " ", " Without") do
+# not count; the one that starts the fourth, " argument", does. (The model the issue quoted,
+# " allows feature to format", was retrained since.)
 MIN_TOKENS_CASES = [
     # (knobs, prompt, expected text)
-    (dict(max_tokens=24, stop=[" "], min_tokens=4), "The for statement", " allows feature to"),
+    (dict(max_tokens=24, stop=[" "], min_tokens=4), "The for statement", ".  Without"),
     (dict(max_tokens=24, stop=[" "], min_tokens=4, include_stop_str_in_output=True),
-     "The for statement", " allows feature to "),
-    (dict(max_tokens=24, stop=[" "], min_tokens=0), "The for statement", ""),
-    (dict(max_tokens=24, stop=[" f", "to"], min_tokens=3), "The for statement", " allows feature "),
+     "The for statement", ".  Without "),
+    (dict(max_tokens=24, stop=[" "], min_tokens=0), "The for statement", "."),
+    (dict(max_tokens=24, stop=[" f", "to"], min_tokens=3), "The for statement",
+     ".  Without argument, do zero, the result is bound in the module\nprmary and the "
+     "optional argument"),
 ]
 
 
