@@ -296,21 +296,13 @@ def _add_sampling_flags(s, *, generation: bool) -> None:
             metavar="N",
             help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
         )
-        s.add_argument(
-            "--json-schema",
-            type=_read_schema,
-            metavar="FILE",
-            help="constrain the output to JSON that matches the schema in FILE",
-        )
-        s.add_argument(
-            "--regex", metavar="RE", help="constrain the output to text that fully matches RE"
-        )
-        s.add_argument(
-            "--choice",
-            action="append",
-            metavar="STR",
-            help="constrain the output to one of these strings (repeatable)",
-        )
+        constraint = s.add_argument_group("structured output (at most one per prompt)")
+        for flag, how, what in (
+            ("--json-schema", {"type": _read_schema, "metavar": "FILE"}, "JSON matching FILE"),
+            ("--regex", {"metavar": "RE"}, "text that fully matches RE"),
+            ("--choice", {"action": "append", "metavar": "STR"}, "one of these (repeatable)"),
+        ):
+            constraint.add_argument(flag, **how, help=f"constrain the output to {what}")
         s.add_argument(
             "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
         )

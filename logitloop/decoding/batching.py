@@ -417,9 +417,11 @@ class _Batcher:
             return
         self.automata_seen += new
         old = self.automata
-        grow = {} if old is None else {
-            "min_states": old.bits.shape[0], "min_edges": old.targets.shape[0]
-        }
+        grow = (
+            {}
+            if old is None
+            else {"min_states": old.bits.shape[0], "min_edges": old.targets.shape[0]}
+        )
         self.automata, initial = constraints.pack(self.automata_seen, **grow)
         self.initial = {id(a): s for a, s in zip(self.automata_seen, initial, strict=True)}
 

@@ -214,8 +214,11 @@ def parse(json_schema: Any, regex: Any, choice: Any, batch: int) -> tuple[Constr
     for row in range(batch):
         given = [
             (name, v)
-            for name, v in (("json_schema", schemas[row]), ("regex", regexes[row]),
-                            ("choice", choices[row]))
+            for name, v in (
+                ("json_schema", schemas[row]),
+                ("regex", regexes[row]),
+                ("choice", choices[row]),
+            )
             if v is not None
         ]
         if len(given) > 1:
@@ -228,8 +231,11 @@ def parse(json_schema: Any, regex: Any, choice: Any, batch: int) -> tuple[Constr
             continue
         name, v = given[0]
         where = f"{name}[{row}]"
-        make = {"json_schema": _schema_constraint, "regex": _regex_constraint,
-                "choice": _choice_constraint}[name]
+        make = {
+            "json_schema": _schema_constraint,
+            "regex": _regex_constraint,
+            "choice": _choice_constraint,
+        }[name]
         c = make(v, where)
         try:
             _byte_index(c.regex)

@@ -50,7 +50,12 @@ class Layout:
         """The loop's sampling step (`states`, `done`: for the processors; `allowed_bits`:
         the constraints' masks)."""
         return sampler.sample_step(
-            logits, params, positions, history, states=states, done=done,
+            logits,
+            params,
+            positions,
+            history,
+            states=states,
+            done=done,
             allowed_bits=allowed_bits,
         )
 

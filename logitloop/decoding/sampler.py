@@ -247,7 +247,12 @@ def sample(
     check_shapes("ll.sample", logits, params, positions, history)
     params, states = with_processors("ll.sample", logits, params, processors, states)
     return sample_step(
-        logits, params, positions, history, states=states, allowed_bits=allowed_bits,
+        logits,
+        params,
+        positions,
+        history,
+        states=states,
+        allowed_bits=allowed_bits,
         backend=backend,
     )
 

@@ -237,8 +237,14 @@ def sample_sharded(
 
     def step(logits, params, positions, history, states, done, allowed_bits):
         return sampler.sample_step(
-            logits, params, positions, history, states=states, done=done,
-            allowed_bits=allowed_bits, axes=axes,
+            logits,
+            params,
+            positions,
+            history,
+            states=states,
+            done=done,
+            allowed_bits=allowed_bits,
+            axes=axes,
         )
 
     fn = jax.shard_map(
@@ -250,6 +256,4 @@ def sample_sharded(
     )
     done = jnp.zeros((batch,), bool) if done is None else done
     positions = jnp.asarray(positions, jnp.int32)
-    return fn(
-        logits, params.device_only(), positions, history, tuple(states), done, allowed_bits
-    )
+    return fn(logits, params.device_only(), positions, history, tuple(states), done, allowed_bits)
