@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import outlines_core
 import pytest
+from flax import struct
 from scipy import stats
 
 import logitloop as ll
@@ -410,3 +412,38 @@ def test_a_new_constraint_of_the_same_bucket_compiles_nothing(compile_counter):
     assert re.fullmatch("[0-9]{2,3}y", result.text[2])
     assert result.text[3] in ("alpha", "beta delta")
     jsonschema.validate(json.loads(result.text[1]), schema)
+
+
+@struct.dataclass
+class BanTokens:
+    """A processor: each row's banned tokens ([B, V] bool) to -inf, after the constraint."""
+
+    banned: jax.Array  # [B, V] bool
+
+    def init(self, batch_size, vocab_size):
+        return jnp.zeros((batch_size,), jnp.int32)
+
+    def apply(self, state, logits, step):
+        return jnp.where(self.banned, -jnp.inf, logits)
+
+    def update(self, state, tokens, step):
+        return state
+
+
+@pytest.mark.slow
+def test_processors_compose_with_constraints():
+    """The constraint masks in step 1, a processor then bans every token starting with "y":
+    a choice of "yes" and "no" can only give "no" in the rows it bans them in."""
+    model = noise_model()
+    pieces = shipped_tokenizer().all_token_bytes()
+    y = np.zeros(model.vocab_size, bool)
+    y[[i for i, b in enumerate(pieces) if b.startswith(b"y")]] = True
+    banned = np.zeros((8, model.vocab_size), bool)
+    banned[:4] = y
+    params = ll.SamplingParams.create(
+        8, temperature=1.0, seed=np.arange(8), max_tokens=8, choice=["yes", "no"]
+    )
+    result = ll.generate(model, [[5]] * 8, params, processors=[BanTokens(jnp.asarray(banned))])
+    assert result.text[:4] == ["no"] * 4
+    assert set(result.text[4:]) <= {"yes", "no"} and "yes" in result.text[4:]
+    assert result.finish_reason == ["stop"] * 8
