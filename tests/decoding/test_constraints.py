@@ -249,7 +249,7 @@ def test_distribution_is_the_processed_one_restricted_to_the_allowed_tokens():
     want = np.exp(z - z.max())
     want /= want.sum()
 
-    rows = 4000
+    rows = 2000
     params = ll.SamplingParams.create(
         rows,
         temperature=temperature,
@@ -328,8 +328,8 @@ def _mixed(batch_seed: int = 0, max_tokens=40):
         max_tokens=max_tokens,
         json_schema=[None, SCHEMAS["enum_array"], None, None],
         regex=[None, None, r"[0-9]{2,3}x", None],
-        choice=[None, None, None, ["alpha", "beta gamma"]],
-    )
+        choice=[None, None, None, ["qzx", "xqz"]],  # 62 states in all: every subset
+    )  # of these rows packs into the smallest bucket, so the tests below share programs
 
 
 def _valid(row: int, text: str) -> bool:
@@ -338,7 +338,7 @@ def _valid(row: int, text: str) -> bool:
         return True
     if row == 2:
         return re.fullmatch(r"[0-9]{2,3}x", text) is not None
-    return text in ("alpha", "beta gamma")
+    return text in ("qzx", "xqz")
 
 
 def test_generate_masks_ids_past_the_tokenizer_and_ends_complete_documents():
@@ -400,7 +400,7 @@ def test_a_new_constraint_of_the_same_bucket_compiles_nothing(compile_counter):
         max_tokens=40,
         json_schema=[None, schema, None, None],
         regex=[None, None, r"[0-9]{2,3}y", None],
-        choice=[None, None, None, ["alpha", "beta delta"]],
+        choice=[None, None, None, ["zzz"]],
     )
     vocab = _vocab(EXTRA)
     old, _ = constraints.tables(_mixed(20).constraints, vocab)
@@ -410,7 +410,7 @@ def test_a_new_constraint_of_the_same_bucket_compiles_nothing(compile_counter):
         result = ll.generate(model, [[5]] * 4, other)
     assert c.count == 0
     assert re.fullmatch("[0-9]{2,3}y", result.text[2])
-    assert result.text[3] in ("alpha", "beta delta")
+    assert result.text[3] == "zzz"
     jsonschema.validate(json.loads(result.text[1]), schema)
 
 
