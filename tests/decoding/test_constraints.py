@@ -320,7 +320,7 @@ def test_sampled_documents_are_valid_and_mostly_complete(sampled, name):
 # ----------------------------------------------------------------------------- the loop
 
 
-def _mixed(batch_seed: int = 0, max_tokens=40):
+def _mixed(batch_seed: int = 0, max_tokens=40, choice=("qzx", "xqz")):
     return ll.SamplingParams.create(
         4,
         temperature=1.0,
@@ -328,7 +328,7 @@ def _mixed(batch_seed: int = 0, max_tokens=40):
         max_tokens=max_tokens,
         json_schema=[None, SCHEMAS["enum_array"], None, None],
         regex=[None, None, r"[0-9]{2,3}x", None],
-        choice=[None, None, None, ["qzx", "xqz"]],  # 62 states in all: every subset
+        choice=[None, None, None, list(choice)],  # 62 states in all: every subset
     )  # of these rows packs into the smallest bucket, so the tests below share programs
 
 
@@ -351,9 +351,12 @@ def test_generate_masks_ids_past_the_tokenizer_and_ends_complete_documents():
         assert max(result.token_ids[row]) < vocab_size
         assert result.finish_reason[row] == "stop"
         assert _valid(row, result.text[row])
-    # A document cut by max_tokens first is "length" (the same shapes: nothing compiles).
-    short = ll.generate(model, [[5, 6]] * 4, _mixed(max_tokens=[40, 1, 1, 2]))
-    assert short.finish_reason[1:] == ["length"] * 3
+    # A document cut by max_tokens first is "length"; one complete at max_tokens is "stop".
+    # Three control bytes: one token each (no merges hold them), so exactly three tokens.
+    for most, reason in ((2, "length"), (3, "stop")):
+        short = ll.generate(model, [[5, 6]] * 4, _mixed(0, [40, 1, 1, most], ["\x01\x02\x03"]))
+        assert short.finish_reason[1:] == ["length", "length", reason]
+        assert short.num_tokens[3] == most
 
 
 PROMPTS = [[5, 6], [7], [8, 9, 10], [11]]
