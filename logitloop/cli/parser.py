@@ -296,13 +296,12 @@ def _add_sampling_flags(s, *, generation: bool) -> None:
             metavar="N",
             help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
         )
-        constraint = s.add_argument_group("structured output (at most one per prompt)")
-        for flag, how, what in (
-            ("--json-schema", {"type": _read_schema, "metavar": "FILE"}, "JSON matching FILE"),
+        for flag, how, what in (  # structured output: at most one per prompt
+            ("--json-schema", {"type": _read_schema, "metavar": "FILE"}, "JSON matching the schema in FILE"),
             ("--regex", {"metavar": "RE"}, "text that fully matches RE"),
-            ("--choice", {"action": "append", "metavar": "STR"}, "one of these (repeatable)"),
+            ("--choice", {"action": "append", "metavar": "STR"}, "one of these strings (repeatable)"),
         ):
-            constraint.add_argument(flag, **how, help=f"constrain the output to {what}")
+            s.add_argument(flag, **how, help=f"constrain the output to {what}")
         s.add_argument(
             "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
         )

@@ -49,15 +49,8 @@ class Layout:
     ) -> sampler.SampleOutput:
         """The loop's sampling step (`states`, `done`: for the processors; `allowed_bits`:
         the constraints' masks)."""
-        return sampler.sample_step(
-            logits,
-            params,
-            positions,
-            history,
-            states=states,
-            done=done,
-            allowed_bits=allowed_bits,
-        )
+        rows = dict(states=states, done=done, allowed_bits=allowed_bits)
+        return sampler.sample_step(logits, params, positions, history, **rows)
 
     def place(self, info: Any) -> Any:
         """Host side: the model (`ModelInfo`) with its weights where the loop reads them."""

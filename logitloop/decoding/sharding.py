@@ -236,16 +236,8 @@ def sample_sharded(
     row = P(batch_axis)
 
     def step(logits, params, positions, history, states, done, allowed_bits):
-        return sampler.sample_step(
-            logits,
-            params,
-            positions,
-            history,
-            states=states,
-            done=done,
-            allowed_bits=allowed_bits,
-            axes=axes,
-        )
+        rows = dict(states=states, done=done, allowed_bits=allowed_bits)
+        return sampler.sample_step(logits, params, positions, history, axes=axes, **rows)
 
     fn = jax.shard_map(
         step,
