@@ -297,9 +297,9 @@ def _add_sampling_flags(s, *, generation: bool) -> None:
             help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
         )
         for flag, how, what in (  # structured output: at most one per prompt
-            ("--json-schema", {"type": _read_schema, "metavar": "FILE"}, "JSON matching the schema in FILE"),
+            ("--json-schema", {"type": _read_schema, "metavar": "FILE"}, "JSON of FILE's schema"),
             ("--regex", {"metavar": "RE"}, "text that fully matches RE"),
-            ("--choice", {"action": "append", "metavar": "STR"}, "one of these strings (repeatable)"),
+            ("--choice", {"action": "append", "metavar": "STR"}, "one of these (repeatable)"),
         ):
             s.add_argument(flag, **how, help=f"constrain the output to {what}")
         s.add_argument(
