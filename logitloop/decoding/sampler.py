@@ -245,6 +245,7 @@ def sample(
     bitmasks (a constraint's, `logitloop.decoding.constraints.row_bits`), or None.
     """
     check_shapes("ll.sample", logits, params, positions, history)
+    check_constraint_masks("ll.sample", params, allowed_bits)
     params, states = with_processors("ll.sample", logits, params, processors, states)
     return sample_step(
         logits,
@@ -304,6 +305,17 @@ def check_shapes(name: str, logits: jax.Array, params: SamplingParams, positions
         )
     for i, p in enumerate(params.processors):
         procs.check_rows(f"{name}: processors[{i}] ({type(p).__name__})", p, batch)
+
+
+def check_constraint_masks(name: str, params: SamplingParams, allowed_bits) -> None:
+    """Constraints (`json_schema`, `regex`, `choice`) act through their masks: params that
+    carry some without `allowed_bits` would sample unconstrained, so they are refused."""
+    if params.constraints and allowed_bits is None:
+        raise ValueError(
+            f"{name}: params carry json_schema/regex/choice constraints, which act through "
+            "allowed_bits (the rows' masks, logitloop.decoding.constraints.row_bits); "
+            "generate, stream and generate_many build them"
+        )
 
 
 def sample_step(
@@ -402,6 +414,7 @@ def sampling_distribution(
     """
     name = "ll.sampling_distribution"
     check_shapes(name, logits, params, positions, history)
+    check_constraint_masks(name, params, allowed_bits)
     params, states = with_processors(name, logits, params, processors, states)
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)

@@ -213,6 +213,13 @@ def test_a_constraint_the_vocabulary_cannot_spell_fails_before_decoding():
         constraints.tables(rows, vocab)
 
 
+def test_sample_refuses_constrained_params_without_their_masks():
+    params = ll.SamplingParams.create(1, regex="a")
+    for fn in (ll.sample, ll.sampling_distribution):
+        with pytest.raises(ValueError, match="constraints, which act through allowed_bits"):
+            fn(jnp.zeros((1, 64)), params, jnp.zeros(1, jnp.int32))
+
+
 def test_constraints_need_a_tokenizer():
     model = noise_model()
     bare = ll.FunctionModel(
