@@ -55,6 +55,7 @@ def param_defaults() -> dict[str, Any]:
 
 
 _ID_LIST_KNOBS = ("banned_token_ids", "allowed_token_ids", "stop_token_ids")
+_CONSTRAINT_KNOBS = ("json_schema", "regex", "choice")  # at most one per prompt
 
 
 def _normalise_override(name: str, value: Any, where: str) -> Any:
@@ -272,6 +273,8 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
                 raise CLIError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
             check_prompt(where, prompt)
         knobs = dict(base)
+        if any(key in obj for key in _CONSTRAINT_KNOBS):  # the line's replaces the flags'
+            knobs = {k: v for k, v in knobs.items() if k not in _CONSTRAINT_KNOBS}
         for key, value in obj.items():
             if key == "id" or key in PROMPT_KEYS:
                 continue

@@ -37,6 +37,15 @@ _STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"
 _ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.?)", re.DOTALL)
 
 
+def _read_schema(path: str) -> str:
+    """`--json-schema FILE`: the file's text (SamplingParams.create parses and checks it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read JSON schema file {path!r}: {e}") from None
+
+
 def _parse_stop(text: str) -> str:
     """A `--stop` value with the usual escapes read: \\n \\t \\r \\0 \\\\ \\" \\' \\xHH \\uHHHH
     \\UHHHHHHHH (a shell passes `"\\n\\n"` as backslash-n twice). Other escapes are an error."""
@@ -109,6 +118,11 @@ def base_knobs(args: argparse.Namespace) -> dict[str, Any]:
         knobs["stop"] = list(args.stop)
     if flag("include_stop_str_in_output"):
         knobs["include_stop_str_in_output"] = True
+    for name in ("json_schema", "regex"):
+        if flag(name) is not None:
+            knobs[name] = flag(name)
+    if flag("choice"):
+        knobs["choice"] = list(args.choice)
     return knobs
 
 
@@ -125,6 +139,7 @@ _JSONL_HELP = """\
 JSONL input: one object per line, e.g.
   {"id": "q1", "prompt": "Once upon a time", "temperature": 0.8, "seed": 3, "max_tokens": 64}
   {"prompt_token_ids": [1, 415, 2936], "stop": ["\\n\\n"], "logprobs": 5}
+  {"prompt": "Label:", "choice": ["yes", "no"]}   (also "json_schema": {...}, "regex": "...")
 Per-line keys are SamplingParams.create's arguments and replace the flags for that line.
 
 Output (--output FILE.jsonl): one line per prompt, in input order:
@@ -297,6 +312,12 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
             metavar="N",
             help="record logprobs and the top-N raw alternatives, N in [0, 20] (default: 0)",
         )
+        for flag, how, what in (  # structured output: at most one per prompt
+            ("--json-schema", {"type": _read_schema, "metavar": "FILE"}, "JSON of FILE's schema"),
+            ("--regex", {"metavar": "RE"}, "text that fully matches RE"),
+            ("--choice", {"action": "append", "metavar": "STR"}, "one of these (repeatable)"),
+        ):
+            s.add_argument(flag, **how, help=f"constrain the output to {what}")
         s.add_argument(
             "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
         )

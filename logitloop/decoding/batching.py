@@ -48,8 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding import constraints, sharding, stop_strings
 from logitloop.decoding import processors as procs
-from logitloop.decoding import sharding, stop_strings
+from logitloop.decoding.constraints import Automata, HostAutomaton
 from logitloop.decoding.history import History
 from logitloop.decoding.host import (
     MIN_BUFFER_BUCKET,
@@ -58,6 +59,7 @@ from logitloop.decoding.host import (
     bucket,
     check_count,
     collect,
+    constraint_vocabulary,
     prompt_batch,
     request_rows,
     stop_tables,
@@ -155,12 +157,15 @@ def _admit(
     history: History,  # [G, P + N]
     new_params: SamplingParams,  # [G]
     new_stops: StopStrings | None,  # [G]
+    automata: Automata | None,  # the job's tables
+    fsm: jax.Array,  # [G] i32, the new rows' initial automaton states
     *,
     buffer_len: int,
     num_top: int,
     layout: Layout,
 ) -> tuple[DecodeState, SamplingParams, StopStrings | None]:
-    """Prefill G prompts and write their fresh rows (state, params, stop strings) into slots."""
+    """Prefill G prompts and write their fresh rows (state, params, stop strings, automaton
+    states) into slots."""
     fresh = prefill(
         runner,
         weights,
@@ -173,6 +178,8 @@ def _admit(
         buffer_len=buffer_len,
         num_top=num_top,
         layout=layout,
+        automata=automata,
+        fsm=fsm,
     )
 
     def put(big, small):
@@ -202,6 +209,7 @@ class _Row:
     ids: list[int]
     params: SamplingParams  # batch size 1
     widths: Widths
+    automaton: HostAutomaton | None = None  # its constraint's, compiled
 
 
 @dataclasses.dataclass
@@ -269,6 +277,11 @@ class _Batcher:
         self.params: SamplingParams | None = None  # [S], at self.widths
         self.slot_stops: list[tuple[str, ...]] = [()] * slots  # each slot's stop strings
         self.stops: StopStrings | None = None
+        # The constraints' automata seen so far, packed in this order (appended only, so a
+        # running row's state stays valid when the tables grow), and their tables.
+        self.automata_seen: list[HostAutomaton] = []
+        self.automata: Automata | None = None
+        self.initial: dict[int, int] = {}  # id(automaton) -> its initial state in the tables
 
     # ------------------------------------------------------------------ requests
 
@@ -324,10 +337,16 @@ class _Batcher:
                 )
             if any(params.stop) and self.info.tokenizer is None:
                 raise ValueError("stop strings need a model that carries a tokenizer")
+            compiled = [None] * self.n
+            if params.constraints:
+                vocab = constraint_vocabulary(self.info)
+                compiled = constraints.compile_rows(params.constraints, vocab)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{_describe(index, request.id)}: {e}") from None
         widths = params.widths()
-        rows = [_Row(index, c, ids[c], params.take([c]), widths) for c in range(self.n)]
+        rows = [
+            _Row(index, c, ids[c], params.take([c]), widths, compiled[c]) for c in range(self.n)
+        ]
         pending = _Pending(
             index=index,
             ids=ids,
@@ -388,6 +407,22 @@ class _Batcher:
             top_values=top_values,
         )
 
+    def _add_automata(self, rows: Sequence[_Row]) -> None:
+        """Append the rows' new automata to the job's tables (never shrinking a bucket)."""
+        new = [r.automaton for r in rows if r.automaton is not None]
+        new = [a for a in dict.fromkeys(new) if id(a) not in self.initial]
+        if not new:
+            return
+        self.automata_seen += new
+        old = self.automata
+        grow = (
+            {}
+            if old is None
+            else {"min_states": old.bits.shape[0], "min_edges": old.targets.shape[0]}
+        )
+        self.automata, initial = constraints.pack(self.automata_seen, **grow)
+        self.initial = {id(a): s for a, s in zip(self.automata_seen, initial, strict=True)}
+
     def admit(self, rows: Sequence[_Row], free: list[int]) -> list[int]:
         """Prefill `rows` into slots taken from `free`; returns the slots used."""
         need = self.widths
@@ -395,6 +430,7 @@ class _Batcher:
             need = need.union(row.widths)
         if self.state is None or need != self.widths:
             self._resize(need, rows[0].params)
+        self._add_automata(rows)
         used = []
         for start in range(0, len(rows), self.group):
             group = list(rows[start : start + self.group])
@@ -409,6 +445,10 @@ class _Batcher:
             new_stops = None
             if self.stops is not None:
                 new_stops = self._tables(new_params.stop or [()] * len(group))
+            fsm = np.asarray(
+                [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
+                np.int32,
+            )
             self.state, self.params, self.stops = _admit(
                 self.info.runner,
                 self.info.weights,
@@ -422,6 +462,8 @@ class _Batcher:
                 batch.history,
                 new_params.device_only(),
                 new_stops,
+                self.automata,
+                fsm,
                 buffer_len=self.buffer_len,
                 num_top=self.widths.top_logprobs,
                 layout=self.layout,
@@ -438,6 +480,7 @@ class _Batcher:
             self.stops,
             np.int32(self.chunk_steps),
             layout=self.layout,
+            automata=self.automata,
         )
 
     def done(self) -> np.ndarray:

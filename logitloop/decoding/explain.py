@@ -276,6 +276,8 @@ def explain_next_token(
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
     if params.batch_size != 1:
         raise ValueError(f"params has batch_size {params.batch_size}; explain takes one row")
+    if params.constraints:  # its stages have no constraint mask: refused, not ignored
+        raise ValueError("explain does not support json_schema, regex or choice constraints")
     params = params.replace(max_tokens=jnp.ones_like(params.max_tokens))
     info, ids, params = prepare(
         model, [prompt], params, ignore_eos=ignore_eos, processors=processors

@@ -24,6 +24,7 @@ from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public ho
     bucket,
     check_count,
     collect,
+    constraint_tables,
     initial_state,
     pad_prompts,
     prepare,
@@ -54,7 +55,8 @@ def generate(
     The model's EOS ids join every row's stop ids unless `ignore_eos`.
 
     A row ends with finish_reason "stop" (a stop token id, stop sequence or stop string
-    matched; `stop_reason` says which), "length" (max_tokens) or "error" (its logits held
+    matched, `stop_reason` says which; or its constraint's document is complete and can
+    only end, `stop_reason` None), "length" (max_tokens) or "error" (its logits held
     NaN/inf or every token was masked). `token_ids` holds every generated token including a
     matched stop token; `text` (when the model has a tokenizer) is the UTF-8 text of those
     tokens without a matched stop token id; a row that a stop string ended is cut before
@@ -77,7 +79,8 @@ def generate(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
     )
     stops = stop_tables(info, params.stop)
-    state = initial_state(info, ids, params, stops, layout=layout)
+    automata, fsm = constraint_tables(info, params)
+    state = initial_state(info, ids, params, stops, layout=layout, automata=automata, fsm=fsm)
     state = decode(
         info.runner,
         info.weights,
@@ -86,6 +89,7 @@ def generate(
         stops,
         jnp.asarray(2**30, jnp.int32),
         layout=layout,
+        automata=automata,
     )
     return collect(layout.host_view(state).outputs(), ids, params, info)
 
@@ -126,7 +130,8 @@ def stream(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
     )
     stops = stop_tables(info, params.stop)
-    state = initial_state(info, ids, params, stops, layout=layout)
+    automata, fsm = constraint_tables(info, params)
+    state = initial_state(info, ids, params, stops, layout=layout, automata=automata, fsm=fsm)
     device_params = params.device_only()
     batch = len(ids)
     tok = info.tokenizer
@@ -179,4 +184,5 @@ def stream(
             stops,
             jnp.asarray(int(step) + chunk_steps, jnp.int32),
             layout=layout,
+            automata=automata,
         )

@@ -11,6 +11,7 @@ these helpers, so prompts are checked once, with one set of messages:
 - `prompt_batch`: the prefill layout of a batch of prompts (left padding, bucketed width,
   the history), and `initial_state` which runs the prefill on it;
 - `stop_tables`: the device tables of the rows' stop strings;
+- `constraint_tables`: the device automata of the rows' constraints and their start states;
 - `collect`: a finished batch's `Outputs` (host arrays) to a `GenerationResult`.
 
 The device loop itself (state, prefill, decode, index bookkeeping) is
@@ -26,11 +27,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from logitloop.decoding import constraints, stop_strings
 from logitloop.decoding import processors as procs
-from logitloop.decoding import stop_strings
+from logitloop.decoding.constraints import Automata
 from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.loop import (
+    FINISH_CONSTRAINT,
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP_SEQUENCE,
@@ -231,6 +234,24 @@ def stop_tables(
     )
 
 
+def constraint_vocabulary(info: ModelInfo) -> constraints.TokenVocabulary:
+    """The model's vocabulary for the constraints' automata (cached per tokenizer)."""
+    if info.tokenizer is None:
+        raise ValueError("json_schema, regex and choice need a model that carries a tokenizer")
+    return constraints.vocabulary(info.tokenizer, info.vocab_size, info.eos_token_ids)
+
+
+def constraint_tables(
+    info: ModelInfo, params: SamplingParams
+) -> tuple[Automata | None, np.ndarray | None]:
+    """The rows' automata packed into device tables and each row's initial state ([B] i32,
+    -1 unconstrained); (None, None) when no row has a constraint. Raises ValueError naming
+    the row when the vocabulary cannot spell any document its constraint accepts."""
+    if not params.constraints:
+        return None, None
+    return constraints.tables(params.constraints, constraint_vocabulary(info))
+
+
 def pad_prompts(
     ids: Sequence[Sequence[int]], prompt_len: int, capacity: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -288,8 +309,13 @@ def initial_state(
     *,
     buffer_len: int | None = None,
     layout: Layout = ONE_DEVICE,
+    automata: Automata | None = None,
+    fsm: np.ndarray | None = None,
 ) -> DecodeState:
     """Pad the prompts, run prefill and return the state before the loop.
+
+    `automata`, `fsm`: the constraints' tables and the rows' initial states
+    (`constraint_tables`).
 
     Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
     """
@@ -309,6 +335,8 @@ def initial_state(
         buffer_len=buffer_len,
         num_top=num_top,
         layout=layout,
+        automata=automata,
+        fsm=fsm,
     )
 
 
@@ -316,6 +344,7 @@ FINISH_REASON = {
     FINISH_STOP_TOKEN: "stop",
     FINISH_STOP_SEQUENCE: "stop",
     FINISH_STOP_STRING: "stop",
+    FINISH_CONSTRAINT: "stop",
     FINISH_LENGTH: "length",
     FINISH_ERROR: "error",
 }

@@ -45,9 +45,12 @@ class Layout:
         history: History | None,
         states: tuple = (),
         done: jax.Array | None = None,
+        allowed_bits: jax.Array | None = None,
     ) -> sampler.SampleOutput:
-        """The loop's sampling step (`states`, `done`: for the processors)."""
-        return sampler.sample_step(logits, params, positions, history, states=states, done=done)
+        """The loop's sampling step (`states`, `done`: for the processors; `allowed_bits`:
+        the constraints' masks)."""
+        rows = dict(states=states, done=done, allowed_bits=allowed_bits)
+        return sampler.sample_step(logits, params, positions, history, **rows)
 
     def place(self, info: Any) -> Any:
         """Host side: the model (`ModelInfo`) with its weights where the loop reads them."""

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from logitloop.decoding import constraints, stop_strings
 from logitloop.decoding import processors as procs
-from logitloop.decoding import stop_strings
+from logitloop.decoding.constraints import Automata
 from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.model import ModelRunner
@@ -45,6 +46,7 @@ FINISH_STOP_SEQUENCE = 2
 FINISH_LENGTH = 3
 FINISH_ERROR = 4
 FINISH_STOP_STRING = 5
+FINISH_CONSTRAINT = 6  # the row's automaton allows nothing but EOS: its document is complete
 
 
 @struct.dataclass
@@ -70,6 +72,7 @@ class DecodeState:
     window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
     text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
     processor_states: tuple = ()  # one state per `params.processors`, every leaf [B, ...]
+    fsm: jax.Array | None = None  # [B] i32, each row's automaton state (-1 = unconstrained)
 
     @classmethod
     def empty(
@@ -83,9 +86,12 @@ class DecodeState:
         window: int,
         text: int,
         processor_states: tuple = (),
+        fsm: jax.Array | None = None,
         done: bool = False,
     ) -> DecodeState:
-        """Rows with nothing generated yet (`done=True`: empty slots the loop never runs)."""
+        """Rows with nothing generated yet (`done=True`: empty slots the loop never runs).
+
+        `fsm`: [B] the rows' initial automaton states (default: every row unconstrained)."""
         batch = prompt_len.shape[0]
         return cls(
             step=jnp.zeros((), jnp.int32),
@@ -104,6 +110,7 @@ class DecodeState:
             window=jnp.full((batch, window), -1, jnp.int32),
             text_window=jnp.full((batch, text), stop_strings.SENTINEL, jnp.int32),
             processor_states=tuple(processor_states),
+            fsm=jnp.full((batch,), -1, jnp.int32) if fsm is None else jnp.asarray(fsm, jnp.int32),
         )
 
     def outputs(self) -> Outputs:
@@ -141,10 +148,43 @@ class Outputs:
         return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
 
 
-def record(
-    state: DecodeState, out: SampleOutput, params: SamplingParams, stops: StopStrings | None
+def sample_state(
+    layout: Layout,
+    logits: jax.Array,
+    state: DecodeState,
+    params: SamplingParams,
+    stops: StopStrings | None,
+    automata: Automata | None,
 ) -> DecodeState:
-    """Append each running row's new token and check its stop conditions."""
+    """Draw each row's next token from `logits` [B, V] and `record` it: the one sampling
+    step of prefill and decode (the constraints' masks from the rows' automaton states)."""
+    bits = None if automata is None else constraints.row_bits(automata, state.fsm)
+    out = layout.sample(
+        logits,
+        params,
+        state.num_tokens,
+        state.history,
+        state.processor_states,
+        state.done,
+        allowed_bits=bits,
+    )
+    return record(state, out, params, stops, automata, bits)
+
+
+def record(
+    state: DecodeState,
+    out: SampleOutput,
+    params: SamplingParams,
+    stops: StopStrings | None,
+    automata: Automata | None = None,
+    bits: jax.Array | None = None,
+) -> DecodeState:
+    """Append each running row's new token and check its stop conditions.
+
+    `automata`, `bits`: the constraints' tables and the masks the token was drawn under
+    (`constraints.row_bits` of the rows' states); each written token advances its row's
+    automaton, and a row whose automaton can then only end finishes (FINISH_CONSTRAINT).
+    """
     batch, buf = state.tokens.shape
     active = ~state.done
     ok = out.status == STATUS_OK
@@ -178,6 +218,12 @@ def record(
     else:
         text_window, hit_str, which_str = stop_strings.advance(text_window, stops, tok, write)
         hit_str = hit_str & (num_tokens >= params.min_tokens)
+    fsm = state.fsm
+    if automata is None:
+        hit_end = jnp.zeros_like(hit_seq)
+    else:
+        fsm = constraints.advance(automata, fsm, bits, tok, write)
+        hit_end = constraints.can_only_end(automata, fsm)
 
     finish = jnp.where(
         ~ok,
@@ -188,7 +234,13 @@ def record(
             jnp.where(
                 hit_seq,
                 FINISH_STOP_SEQUENCE,
-                jnp.where(hit_str, FINISH_STOP_STRING, jnp.where(hit_len, FINISH_LENGTH, RUNNING)),
+                jnp.where(
+                    hit_str,
+                    FINISH_STOP_STRING,
+                    jnp.where(
+                        hit_end, FINISH_CONSTRAINT, jnp.where(hit_len, FINISH_LENGTH, RUNNING)
+                    ),
+                ),
             ),
         ),
     )
@@ -217,6 +269,7 @@ def record(
         history=state.history.append(tok, where=write),
         window=window,
         text_window=text_window,
+        fsm=fsm,
         # Rows that wrote no token are done from here on: their states are never read again.
         processor_states=out.states,
     )
@@ -250,11 +303,13 @@ def prefill(
     buffer_len: int,
     num_top: int,
     layout: Layout = ONE_DEVICE,
+    automata: Automata | None = None,
+    fsm: jax.Array | None = None,  # [B] i32, the rows' initial automaton states
 ) -> DecodeState:
     """Run the whole prompt in one forward pass and draw each row's first token."""
     batch, plen = prompt.shape
-    prompt, positions, prompt_len, history, params = layout.rows(
-        (prompt, positions, prompt_len, history, params), batch
+    prompt, positions, prompt_len, history, params, fsm = layout.rows(
+        (prompt, positions, prompt_len, history, params, fsm), batch
     )
     logits, cache = forward_prompt(runner, weights, prompt, positions, plen + buffer_len, layout)
     state = DecodeState.empty(
@@ -266,11 +321,9 @@ def prefill(
         window=params.stop_sequences.shape[2],
         text=0 if stops is None else stops.window,
         processor_states=procs.init_states(params.processors, batch, logits.shape[1]),
+        fsm=fsm,
     )
-    out = layout.sample(
-        logits, params, state.num_tokens, history, state.processor_states, state.done
-    )
-    return layout.state(record(state, out, params, stops))
+    return layout.state(sample_state(layout, logits, state, params, stops, automata))
 
 
 @stored_jit(static_argnames=("runner", "layout"), donate_argnames=("state",))
@@ -282,6 +335,7 @@ def decode(
     stops: StopStrings | None,
     max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
     layout: Layout = ONE_DEVICE,
+    automata: Automata | None = None,
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
 
@@ -300,8 +354,7 @@ def decode(
         # Finished rows feed a padding position, so their cache is never written again.
         pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
         logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
-        out = layout.sample(logits, params, s.num_tokens, s.history, s.processor_states, s.done)
-        s = record(s.replace(cache=cache), out, params, stops)
+        s = sample_state(layout, logits, s.replace(cache=cache), params, stops, automata)
         return layout.state(s.replace(step=s.step + 1))
 
     return jax.lax.while_loop(cond, body, state)

@@ -11,7 +11,9 @@ with -1 to a width rounded up to a power of two (at least `MIN_LIST_WIDTH`), so 
 list length recompiles only when it outgrows its bucket.
 
 Stop strings (`stop`) are host-side metadata: they are not a pytree leaf. `generate` and
-`stream` turn them into device tables (see `logitloop.decoding.stop_strings`).
+`stream` turn them into device tables (see `logitloop.decoding.stop_strings`). So are the
+constraints (`json_schema`, `regex`, `choice`): `generate` compiles them against the model's
+vocabulary into device automata (`logitloop.decoding.constraints`).
 """
 
 from __future__ import annotations
@@ -399,6 +401,8 @@ class SamplingParams:
     processors: tuple = ()
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
+    # Each row's `constraints.Constraint` or None; () when no row has one.
+    constraints: tuple = struct.field(pytree_node=False, default=())
     # The vocabulary size every token id was checked against (create's `vocab_size`), or
     # None. Static: `sample` checks it against the logits' V when it traces, without
     # reading an id back from the device.
@@ -431,6 +435,9 @@ class SamplingParams:
         stop: Any = None,
         include_stop_str_in_output: Any = False,
         logprobs: Any = 0,
+        json_schema: Any = None,
+        regex: Any = None,
+        choice: Any = None,
         vocab_size: int | None = None,
     ) -> SamplingParams:
         """Validate the knobs on the host and build the per-row device pytree.
@@ -440,6 +447,13 @@ class SamplingParams:
         for every row or one list (or None) per row; `logit_bias` takes one dict
         `{token_id: bias}` or one per row; `stop` one string, a list of strings, or one list
         per row; `stop_sequences` a list of token-id lists, or one such list per row.
+
+        Constraints (structured output; at most one per row, None = unconstrained):
+        `json_schema` a dict or JSON string, `regex` a string (matched in full), `choice` a
+        list of strings; each one for every row or a list of one (or None) per row. The
+        sampler then draws only tokens that keep the text a prefix of an accepted document,
+        EOS only where the document is complete, and a row whose document can only end
+        stops with finish_reason "stop" (`logitloop.decoding.constraints`).
 
         `vocab_size`, when given, bounds every token id, and `sample` checks it against the
         logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);
@@ -566,6 +580,10 @@ class SamplingParams:
                     "False"
                 )
 
+        from logitloop.decoding import constraints  # it builds on this module
+
+        constrained = constraints.parse(json_schema, regex, choice, b)
+
         nb = bucket_width(max(len(r) for r in bias_ids))
         bias_val_arr = np.zeros((b, nb), np.float32)
         for i, vals in enumerate(bias_vals):
@@ -591,6 +609,7 @@ class SamplingParams:
             logprobs=jnp.asarray(n_logprobs, jnp.int32),
             stop=stop_strs,
             include_stop_str_in_output=tuple(bool(x) for x in include),
+            constraints=constrained,
             vocab_size=None if vocab_size is None else int(vocab_size),
         )
 
@@ -609,7 +628,9 @@ class SamplingParams:
 
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
-        return dataclasses.replace(self, stop=(), include_stop_str_in_output=(), vocab_size=None)
+        return dataclasses.replace(
+            self, stop=(), include_stop_str_in_output=(), constraints=(), vocab_size=None
+        )
 
     # ------------------------------------------------------------------ rows and widths
 
@@ -686,6 +707,11 @@ class SamplingParams:
                 if any(p.include_stop_str_in_output for p in parts)
                 else ()
             ),
+            constraints=(
+                sum((p.constraints or (None,) * p.batch_size for p in parts), ())
+                if any(p.constraints for p in parts)
+                else ()
+            ),
             vocab_size=vocab.pop() if len(vocab) == 1 else None,
         )
 
@@ -713,6 +739,7 @@ class SamplingParams:
             arrays,
             stop=self.stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            constraints=self.constraints,
             vocab_size=self.vocab_size,
         )
 
@@ -728,6 +755,7 @@ class SamplingParams:
             include_stop_str_in_output=tuple(self.include_stop_str_in_output[i] for i in idx)
             if self.include_stop_str_in_output
             else (),
+            constraints=tuple(self.constraints[i] for i in idx) if self.constraints else (),
             vocab_size=self.vocab_size,
         )
 

@@ -3,8 +3,10 @@
 Per row, in this order (each step is one pure function in `transforms.py` or
 `logitloop.ops.sampling`):
 
-1. Token masks and bias: `allowed_token_ids` (everything else to -inf), `logit_bias` added,
-   `banned_token_ids` to -inf. A banned or disallowed token stays -inf whatever its bias.
+1. Token masks and bias: `allowed_token_ids` (everything else to -inf), a constraint's
+   allowed-token bitmask (`allowed_bits`, `logitloop.decoding.constraints`), `logit_bias`
+   added, `banned_token_ids` to -inf. A banned or disallowed token stays -inf whatever its
+   bias.
 2. `min_tokens`: while the row has generated fewer than `min_tokens` tokens
    (`positions < min_tokens`), every stop token id is -inf.
 3. Penalties (need `history`): repetition penalty over prompt and generated tokens (positive
@@ -123,13 +125,16 @@ def adjust_logits(
     axes: Axes = SINGLE,
     states: tuple = (),
     done: jax.Array | None = None,
+    allowed_bits: jax.Array | None = None,
 ) -> Processed:
     """Steps 1-4: masks and bias, min_tokens, penalties, processors, temperature.
 
     `axes`: inside `shard_map`, where `logits` is this device's slice of the vocabulary
     (`ops.sampling.xla.Axes`): token ids are mapped to its columns, row statistics reduced
     over the vocabulary axis. `states`: the processors' states (`params.processors`);
-    `done`: [B] rows that stopped, for the processors' `Step` (default none).
+    `done`: [B] rows that stopped, for the processors' `Step` (default none);
+    `allowed_bits`: [B, ceil(V / 32)] u32 each row's allowed-token bitmask (a constraint's
+    state, `constraints.row_bits`), or None.
     """
     raw = logits.astype(jnp.float32)
     width = raw.shape[1]
@@ -148,6 +153,8 @@ def adjust_logits(
         return axes.local_ids(ids, width)
 
     z = transforms.allowed_mask(raw, local(params.allowed_ids), params.has_allowed)
+    if allowed_bits is not None:
+        z = transforms.allowed_bitmask(z, allowed_bits, axes.offset(width))
     z = transforms.logit_bias(z, local(params.bias_ids), params.bias_values)
     z = transforms.ban_tokens(z, local(params.banned_ids))
     z = transforms.suppress_stop_tokens(
@@ -220,6 +227,7 @@ def sample(
     *,
     processors: tuple | list | None = None,
     states: tuple | None = None,
+    allowed_bits: jax.Array | None = None,
     backend: str = "auto",
 ) -> SampleOutput:
     """Draw one token per row under the row's own settings (see the module docstring).
@@ -233,11 +241,21 @@ def sample(
 
     processors: user transforms (`logitloop.decoding.processors`), each a pytree with [B]
     leaves; states: their states (default: each one's `init`). The output's `states` are
-    the states after the drawn tokens.
+    the states after the drawn tokens. allowed_bits: [B, ceil(V / 32)] u32 allowed-token
+    bitmasks (a constraint's, `logitloop.decoding.constraints.row_bits`), or None.
     """
     check_shapes("ll.sample", logits, params, positions, history)
+    check_constraint_masks("ll.sample", params, allowed_bits)
     params, states = with_processors("ll.sample", logits, params, processors, states)
-    return sample_step(logits, params, positions, history, states=states, backend=backend)
+    return sample_step(
+        logits,
+        params,
+        positions,
+        history,
+        states=states,
+        allowed_bits=allowed_bits,
+        backend=backend,
+    )
 
 
 def with_processors(
@@ -289,6 +307,17 @@ def check_shapes(name: str, logits: jax.Array, params: SamplingParams, positions
         procs.check_rows(f"{name}: processors[{i}] ({type(p).__name__})", p, batch)
 
 
+def check_constraint_masks(name: str, params: SamplingParams, allowed_bits) -> None:
+    """Constraints (`json_schema`, `regex`, `choice`) act through their masks: params that
+    carry some without `allowed_bits` would sample unconstrained, so they are refused."""
+    if params.constraints and allowed_bits is None:
+        raise ValueError(
+            f"{name}: params carry json_schema/regex/choice constraints, which act through "
+            "allowed_bits (the rows' masks, logitloop.decoding.constraints.row_bits); "
+            "generate, stream and generate_many build them"
+        )
+
+
 def sample_step(
     logits: jax.Array,
     params: SamplingParams,
@@ -297,16 +326,18 @@ def sample_step(
     *,
     states: tuple = (),
     done: jax.Array | None = None,
+    allowed_bits: jax.Array | None = None,
     backend: str = "auto",
     axes: Axes = SINGLE,
 ) -> SampleOutput:
     """The sampling step, traceable anywhere: `sample` is this under `jit` on one device;
     inside `shard_map`, `axes` says how the rows and the vocabulary lie on the mesh (the
     logits are then this device's [B_s, V_s] slice, the results those of its rows).
-    `states`, `done`: the processors' states and the rows that stopped (`adjust_logits`)."""
+    `states`, `done`, `allowed_bits`: the processors' states, the rows that stopped and the
+    constraints' masks (`adjust_logits`)."""
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
-    proc = adjust_logits(logits, params, positions, history, axes, states, done)
+    proc = adjust_logits(logits, params, positions, history, axes, states, done, allowed_bits)
     key = row_keys(params.seed, positions)
     if axes.vocab is None and resolve_backend(backend) == "pallas":
         drawn, thr = filter_and_sample(
@@ -374,18 +405,22 @@ def sampling_distribution(
     *,
     processors: tuple | list | None = None,
     states: tuple | None = None,
+    allowed_bits: jax.Array | None = None,
 ) -> jax.Array:
     """[B, V] f32: the exact distribution `sample` draws from (zero outside the kept set).
 
     Greedy rows are one-hot at their argmax; rows with a non-OK status are all zero.
-    `processors`, `states`: as in `sample`.
+    `processors`, `states`, `allowed_bits`: as in `sample`.
     """
     name = "ll.sampling_distribution"
     check_shapes(name, logits, params, positions, history)
+    check_constraint_masks(name, params, allowed_bits)
     params, states = with_processors(name, logits, params, processors, states)
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
-    proc = adjust_logits(logits, params, positions, history, states=states)
+    proc = adjust_logits(
+        logits, params, positions, history, states=states, allowed_bits=allowed_bits
+    )
     cand_x, _ = candidates(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
     thr = thresholds(proc.scaled, params.top_k, params.top_p, params.min_p, cand_x)
     probs = kept_distribution(proc.scaled, thr, proc.greedy)

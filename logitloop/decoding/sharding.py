@@ -137,6 +137,7 @@ class MeshLayout(Layout):
         history: History | None,
         states: tuple = (),
         done: jax.Array | None = None,
+        allowed_bits: jax.Array | None = None,
     ) -> sampler.SampleOutput:
         """`sampler.sample_step` under `shard_map`: the vocabulary over "model" when its size
         divides V and no processor needs whole rows, the rows over "data" when its size
@@ -152,6 +153,7 @@ class MeshLayout(Layout):
             history,
             states=states,
             done=done,
+            allowed_bits=allowed_bits,
             mesh=self.mesh,
             axis=MODEL_AXIS if split else None,
             batch_axis=rows,
@@ -174,6 +176,7 @@ class MeshLayout(Layout):
             max_tokens=jnp.where(dummy, 1, padded.max_tokens),
             min_tokens=jnp.where(dummy, 0, padded.min_tokens),
             stop=padded.stop[:batch] + ((),) * pad if padded.stop else (),
+            constraints=padded.constraints[:batch] + (None,) * pad if padded.constraints else (),
         )
 
     def place(self, info: Any) -> Any:
@@ -207,6 +210,7 @@ def sample_sharded(
     *,
     states: tuple = (),
     done: jax.Array | None = None,
+    allowed_bits: jax.Array | None = None,
     mesh: Mesh,
     axis: str | None = MODEL_AXIS,
     batch_axis: str | None = DATA_AXIS,
@@ -231,18 +235,17 @@ def sample_sharded(
     axes = Axes(vocab=axis, rows=() if batch_axis is None else (batch_axis,), in_mesh=True)
     row = P(batch_axis)
 
-    def step(logits, params, positions, history, states, done):
-        return sampler.sample_step(
-            logits, params, positions, history, states=states, done=done, axes=axes
-        )
+    def step(logits, params, positions, history, states, done, allowed_bits):
+        rows = dict(states=states, done=done, allowed_bits=allowed_bits)
+        return sampler.sample_step(logits, params, positions, history, axes=axes, **rows)
 
     fn = jax.shard_map(
         step,
         mesh=mesh,
-        in_specs=(P(batch_axis, axis), row, row, row, row, row),
+        in_specs=(P(batch_axis, axis), row, row, row, row, row, row),
         out_specs=row,
         check_vma=False,
     )
     done = jnp.zeros((batch,), bool) if done is None else done
     positions = jnp.asarray(positions, jnp.int32)
-    return fn(logits, params.device_only(), positions, history, tuple(states), done)
+    return fn(logits, params.device_only(), positions, history, tuple(states), done, allowed_bits)

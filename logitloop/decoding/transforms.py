@@ -45,6 +45,18 @@ def allowed_mask(logits: jax.Array, allowed_ids: jax.Array, has_allowed: jax.Arr
     return only.at[_rows(logits), idx].set(kept, mode="drop")
 
 
+def allowed_bitmask(logits: jax.Array, bits: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+    """Set every token whose bit is clear to -inf (a constraint's mask, step 1).
+
+    logits: [B, V]; bits: [B, W] u32, token v allowed iff bit v % 32 of word v // 32 is set
+    (W >= ceil(V / 32); every bit set = unconstrained); offset: the global id of column 0
+    (this device's vocabulary slice on a mesh).
+    """
+    ids = offset + jnp.arange(logits.shape[1])  # [V] global ids
+    on = (bits[:, ids >> 5] >> (ids & 31).astype(jnp.uint32)) & jnp.uint32(1)  # [B, V]
+    return jnp.where(on.astype(bool), logits, NEG_INF)
+
+
 def logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
     """Add `bias_values[r, j]` to token `bias_ids[r, j]`. A -inf logit stays -inf.
 

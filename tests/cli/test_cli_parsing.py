@@ -146,3 +146,31 @@ def test_the_command_line_ends_its_process_with_every_line_delivered():
     bad = run("generate", "x", "--top-p", "2")
     assert bad.returncode == 2
     assert bad.stderr == "logitloop: error: top_p = 2.0 is outside the allowed range (0, 1]\n"
+
+
+def test_constraint_flags_and_jsonl_keys(tmp_path):
+    """--json-schema FILE, --regex, --choice, and the same keys per JSONL line (a line's
+    constraint replaces the flags')."""
+    from logitloop.cli.jobs import param_defaults, row_params
+    from logitloop.cli.parser import base_knobs
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "boolean"}', encoding="utf-8")
+    knobs = base_knobs(_generate_args("--json-schema", str(schema)))
+    assert row_params(knobs).constraints[0].regex == "(true|false)"
+    knobs = base_knobs(_generate_args("--choice", "yes", "--choice", "no"))
+    assert row_params(knobs).constraints[0].source == '["yes", "no"]'
+    assert row_params(base_knobs(_generate_args("--regex", "[0-9]+"))).constraints[0].kind == (
+        "regex"
+    )
+    lines = tmp_path / "p.jsonl"
+    lines.write_text(
+        '{"prompt": "a", "choice": ["x", "y"]}\n{"prompt": "b"}\n'
+        '{"prompt": "c", "json_schema": {"type": "integer", "minimum": 1, "maximum": 3}}\n',
+        encoding="utf-8",
+    )
+    items = read_items(str(lines), {"regex": "z+"}, param_defaults())
+    kinds = [row_params(item.knobs).constraints[0].kind for item in items]
+    assert kinds == ["choice", "regex", "json_schema"]
+    with pytest.raises(cli.common.CLIError, match=r"regex(\[0\])? is not a supported regex"):
+        row_params({"regex": "(a"})

@@ -482,9 +482,28 @@ def worker_multiprocess(process_id: int, port: int) -> None:
     jax.distributed.shutdown()
 
 
+def worker_structured() -> None:
+    """Constrained rows (json_schema, regex, choice) on (1, 2) and (2, 1) meshes and alone."""
+    from tests.decoding.noise_model import noise_model
+    from tests.decoding.test_constraints import PROMPTS, _mixed
+
+    model, params = noise_model(), _mixed(10)
+    out = {"single": summarize(ll.generate(model, PROMPTS, params))}
+    out["text"] = ll.generate(model, PROMPTS, params).text
+    for shape in ((1, 2), (2, 1)):
+        mesh = make_mesh(shape)
+        out["x".join(map(str, shape))] = summarize(ll.generate(model, PROMPTS, params, mesh=mesh))
+    out["stream_1x2"] = [[] for _ in PROMPTS]
+    for ev in ll.stream(model, PROMPTS, params, mesh=make_mesh((1, 2)), chunk_steps=4):
+        out["stream_1x2"][ev.row] += ev.token_ids
+    emit(out)
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
-    if name == "meshes":
+    if name == "structured":
+        worker_structured()
+    elif name == "meshes":
         worker_meshes()
     elif name == "sampler":
         worker_sampler()
