@@ -45,6 +45,7 @@ def generate(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -71,10 +72,22 @@ def generate(
     `processors`: user transforms with per-row settings and state, composed into every
     row's sampling step (`logitloop.decoding.processors`); their leaves have one row per
     prompt (repeated for `n > 1`).
+
+    `deterministic=True` (logitloop's models): a row's logits, and so its tokens,
+    logprobs and finish reason, are bit for bit those of the row alone, whatever the
+    batch, the prompt bucket and buffer, and on a data-parallel mesh of any size
+    (`logitloop.models.fixed_order`; README, "Deterministic decoding").
     """
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
-        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
+        model,
+        prompts,
+        params,
+        n=n,
+        ignore_eos=ignore_eos,
+        layout=layout,
+        processors=processors,
+        deterministic=deterministic,
     )
     stops = stop_tables(info, params.stop)
     state = initial_state(info, ids, params, stops, layout=layout)
@@ -111,6 +124,7 @@ def stream(
     chunk_steps: int = 8,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -118,12 +132,19 @@ def stream(
     host detokenises incrementally. A delta never holds an incomplete UTF-8 sequence, nor
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
-    exactly `generate(...).text` for that row.
+    exactly `generate(...).text` for that row. `deterministic`: as in `generate`.
     """
     check_count("chunk_steps", chunk_steps, 1)
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
-        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
+        model,
+        prompts,
+        params,
+        n=n,
+        ignore_eos=ignore_eos,
+        layout=layout,
+        processors=processors,
+        deterministic=deterministic,
     )
     stops = stop_tables(info, params.stop)
     state = initial_state(info, ids, params, stops, layout=layout)

@@ -185,13 +185,14 @@ def prepare(
     ignore_eos: bool = False,
     layout: Layout = ONE_DEVICE,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> tuple[ModelInfo, list[list[int]], SamplingParams]:
     """`generate`'s inputs checked and expanded: the model, tokenized prompts, per-row params.
 
     On a mesh the weights are laid over it and params gain dummy rows up to a multiple of
     the data-axis size (`layout.place`, `layout.pad_rows`); `ids` keeps the real rows.
     """
-    info = model_info(model)
+    info = model_info(model, deterministic=deterministic)
     ids = tokenize_prompts(prompts, info)
     ids, params = request_rows(info, ids, params, n=n, ignore_eos=ignore_eos, processors=processors)
     return layout.place(info), ids, layout.pad_rows(params)
@@ -268,11 +269,16 @@ def initial_state(
     *,
     buffer_len: int | None = None,
     layout: Layout = ONE_DEVICE,
+    prefill_chunk: int | None = None,
 ) -> DecodeState:
     """Pad the prompts, run prefill and return the state before the loop.
 
     Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
+    `prefill_chunk`: run the prompt columns through the model that many at a time
+    (`loop.forward_prompt`) instead of in one pass.
     """
+    if prefill_chunk is not None:
+        check_count("prefill_chunk", prefill_chunk, 1)
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
     batch = prompt_batch(ids, buffer_len)
@@ -289,6 +295,7 @@ def initial_state(
         buffer_len=buffer_len,
         num_top=num_top,
         layout=layout,
+        prefill_chunk=prefill_chunk,
     )
 
 
