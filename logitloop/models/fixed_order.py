@@ -141,7 +141,7 @@ def attention(
 
     `masked_scores(scores, mask)` maps the raw float32 dot products `[B, Hkv, G, T, S]`
     and the `[B, 1, 1, T, S]` mask to the scores the softmax sees (scale, soft-cap, mask
-    value), as `layers` does for the plain path. Scores and sums are float32; the
+    value), as `layers` does for the plain path. Products and sums run in float32; the
     probabilities are cast to the query dtype before they weight the values, like the
     plain path's.
     """
@@ -151,17 +151,17 @@ def attention(
         k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
     chunks = k.shape[2] // SLOT_CHUNK
-    # Products over D (a fixed length), for every query and slot.
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+    q32 = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    k32 = k.astype(jnp.float32)
+    # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, S, D] summed over D (one fixed size)
+    scores = tree_sum(q32[:, :, :, :, None, :] * k32[:, :, None, None, :, :])
     scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
     peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
     exp = jnp.exp(scores - peak).reshape(b, hkv, g, t, chunks, SLOT_CHUNK)
     total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
-    probs = (exp / total[..., None, None]).astype(q.dtype)
-    vc = v.reshape(b, hkv, chunks, SLOT_CHUNK, d)
-    # Each chunk's 16 slots in one product (a fixed contraction), then chunk after chunk.
-    partial = jnp.einsum(
-        "bkgtcs,bkcsd->bkgtcd", probs, vc, preferred_element_type=jnp.float32
-    )  # [B, Hkv, G, T, C, D]
+    probs = (exp / total[..., None, None]).astype(q.dtype).astype(jnp.float32)
+    vc = v.astype(jnp.float32).reshape(b, hkv, 1, 1, chunks, SLOT_CHUNK, d)
+    # [B, Hkv, G, T, C, 16, 1] * [B, Hkv, 1, 1, C, 16, D] summed over each chunk's slots
+    partial = tree_sum(probs[..., None] * vc, axis=-2)  # [B, Hkv, G, T, C, D]
     out = ordered_sum(partial, axis=-2)  # [B, Hkv, G, T, D]
     return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)
