@@ -90,8 +90,10 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         self._fn, self._kwargs = fn, jit_kwargs
         functools.update_wrapper(self, fn)
 
-    def _pick(self, runner: ModelRunner):
-        if not runner.deterministic:
+    def _pick(self, runner: ModelRunner, args):
+        # Inside another program (`generate_many`'s admission) the outer one's options rule.
+        nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+        if not runner.deterministic or nested:
             return self._plain
         options = fixed_order.compiler_options()
         key = tuple(sorted(options.items()))
@@ -100,10 +102,10 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         return self._fixed[key]
 
     def __call__(self, runner: ModelRunner, *args, **kwargs):
-        return self._pick(runner)(runner, *args, **kwargs)
+        return self._pick(runner, (args, kwargs))(runner, *args, **kwargs)
 
     def trace(self, runner: ModelRunner, *args, **kwargs):
-        return self._pick(runner).trace(runner, *args, **kwargs)
+        return self._pick(runner, (args, kwargs)).trace(runner, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
