@@ -80,15 +80,9 @@ def generate(
     """
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
-        model,
-        prompts,
-        params,
-        n=n,
-        ignore_eos=ignore_eos,
-        layout=layout,
-        processors=processors,
-        deterministic=deterministic,
-    )
+        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
+        processors=processors, deterministic=deterministic,
+    )  # fmt: skip
     stops = stop_tables(info, params.stop)
     state = initial_state(info, ids, params, stops, layout=layout)
     state = decode(
@@ -137,15 +131,9 @@ def stream(
     check_count("chunk_steps", chunk_steps, 1)
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
-        model,
-        prompts,
-        params,
-        n=n,
-        ignore_eos=ignore_eos,
-        layout=layout,
-        processors=processors,
-        deterministic=deterministic,
-    )
+        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
+        processors=processors, deterministic=deterministic,
+    )  # fmt: skip
     stops = stop_tables(info, params.stop)
     state = initial_state(info, ids, params, stops, layout=layout)
     device_params = params.device_only()

@@ -99,37 +99,25 @@ def test_the_default_mode_is_not_batch_invariant(shipped):
     assert batched[1] != alone[1]
 
 
-@pytest.mark.parametrize("batch", [17])
-def test_shipped_bfloat16_row_alone_equals_row_in_batch(shipped, batch):
-    prompt = _target(4096, 0)
-    assert _in_batch(shipped, prompt, batch, batch) == _alone(shipped, prompt)
+SLOW = pytest.mark.slow
+# (model fixture, vocabulary, prompt seed, batch): the default suite runs one batch per
+# model; `-m slow` the rest of 2, 3, 8, 17, 64 for each model and dtype.
+BATCH_CASES = [
+    ("shipped", 4096, 0, 17),
+    ("gqa_llama", 512, 3, 64),
+    *(pytest.param("shipped", 4096, 0, b, marks=SLOW) for b in (2, 3, 8, 64)),
+    *(pytest.param("shipped_f32", 4096, 2, b, marks=SLOW) for b in (2, 3, 8, 17, 64)),
+    *(pytest.param("gqa_llama", 512, 3, b, marks=SLOW) for b in (2, 3, 8, 17)),
+]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [2, 3, 8, 64])
-def test_shipped_bfloat16_row_alone_equals_row_in_more_batches(shipped, batch):
-    prompt = _target(4096, 0)
-    assert _in_batch(shipped, prompt, batch, batch) == _alone(shipped, prompt)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [2, 3, 8, 17, 64])
-def test_shipped_float32_row_alone_equals_row_in_batch(shipped_f32, batch):
-    prompt = _target(4096, 2)
-    assert _in_batch(shipped_f32, prompt, batch, batch) == _alone(shipped_f32, prompt)
-
-
-@pytest.mark.parametrize("batch", [64])
-def test_gqa_llama_float32_row_alone_equals_row_in_batch(gqa_llama, batch):
-    prompt = _target(512, 3)
-    assert _in_batch(gqa_llama, prompt, batch, batch) == _alone(gqa_llama, prompt)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [2, 3, 8, 17])
-def test_gqa_llama_float32_row_alone_equals_row_in_more_batches(gqa_llama, batch):
-    prompt = _target(512, 3)
-    assert _in_batch(gqa_llama, prompt, batch, batch) == _alone(gqa_llama, prompt)
+@pytest.mark.parametrize(("model_name", "vocab", "seed", "batch"), BATCH_CASES)
+def test_row_alone_equals_row_in_batch(request, model_name, vocab, seed, batch):
+    """The shipped model in bfloat16 and float32, and a random float32 Llama with
+    grouped-query attention (head_dim 8)."""
+    model = request.getfixturevalue(model_name)
+    prompt = _target(vocab, seed)
+    assert _in_batch(model, prompt, batch, batch) == _alone(model, prompt)
 
 
 @pytest.mark.parametrize("slots", [4, 32])
