@@ -75,7 +75,7 @@ def generate(
 
     `deterministic=True` (logitloop's models): a row's logits, and so its tokens,
     logprobs and finish reason, are bit for bit those of the row alone, whatever the
-    batch, the prompt bucket and buffer, and on a data-parallel mesh of any size
+    batch, the prompt bucket and buffer (on one device; a mesh still differs by ~1e-6)
     (`logitloop.models.fixed_order`; README, "Deterministic decoding").
     """
     layout = sharding.layout_for(mesh)
