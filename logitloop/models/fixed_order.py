@@ -13,16 +13,18 @@ call, the cache length or the mesh:
   `ROW_TILE` rows (`rowwise`): `lax.map` over `[M / ROW_TILE, ROW_TILE, K]`, M padded up
   with zero rows, so the one product XLA compiles always has `ROW_TILE` rows. A row's
   result then does not depend on M, nor on its place in its tile, nor on its neighbours.
-- Attention (`attention`) computes scores as products reduced over the head dimension
-  (a fixed size), and sums over cache slots in chunks of `SLOT_CHUNK` slots at fixed
-  absolute boundaries (slot 0, 16, 32, ...), each chunk reduced at one fixed shape, the
-  chunks then added one after another from slot 0 up. Slots a row may not see add exact
-  zeros (exp of the mask value), so slots past a row's last position, padding of the
-  cache to a multiple of the chunk, a longer bucket or buffer, or a longer prefix of the
-  cache read by a decode step leave the sums unchanged. The maximum is exact in any order.
-- Norms (RMSNorm, LayerNorm, QK-norm), RoPE, activations and the embedding are per row;
-  their reductions run over one row's hidden or head dimension, a fixed size, in a loop
-  XLA emits per row.
+- Attention (`attention`) computes each score as the float32 products of one query and
+  one key summed by halving over the head dimension (`tree_sum`: elementwise adds, an
+  order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
+  and sums over cache slots in chunks of `SLOT_CHUNK` slots at fixed absolute boundaries
+  (slot 0, 16, 32, ...), each chunk by halving, the chunks then added one after another
+  from slot 0 up (`ordered_sum`). Slots a row may not see add exact zeros (exp of the
+  mask value), so slots past a row's last position, padding of the cache to a multiple of
+  the chunk, a longer bucket or buffer, or a longer prefix of the cache read by a decode
+  step leave the sums unchanged. The maximum is exact in any order.
+- Norms (RMSNorm, LayerNorm, QK-norm) take their means by halving over the row (`mean`).
+  RoPE, activations, residual adds and the embedding are elementwise or gathers, the
+  same for a row wherever it sits (with the library fusions off, below).
 
 Keys and values are read from the cache, where slot == position, so chunked prefill and
 one pass give the same sums. Sliding-window rings (`layers.ring_mask`) hold slots in
