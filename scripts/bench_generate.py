@@ -26,6 +26,11 @@ Part 3 (`--buffers S ...`): the cost of a KV cache sized for long outputs while 
 are still short: the floor's 128 steps (batch 8, prompt 64, llama-40m) with caches of S
 slots, against the smallest S. A decode step reads only the prefix of the cache that
 holds every visible slot (`logitloop.models.layers.attend`), so the ratio should stay near 1.
+
+Part 4 (`--deterministic`): `generate(..., deterministic=True)` against the default at
+batch 1 and 8 (greedy, prompt `--prompt`, `--new-tokens` new), on llama-40m and on the
+shipped model in its own bfloat16; the two modes alternate, repeat by repeat, and the
+table gives the median tokens per second of each and their ratio.
 """
 
 from __future__ import annotations
@@ -402,6 +407,54 @@ def long_buffers(buffers: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+def deterministic_cost(prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
+    """Tokens per second of deterministic and default `generate`, alternating."""
+    rows = []
+    models = {
+        "llama-40m": LlamaModel(config("llama-40m"), rngs=nnx.Rngs(0)),
+        "shipped bf16": ll.load_pretrained(),
+    }
+    for name, model in models.items():
+        vocab = model.config.vocab_size
+        for batch in (1, 8):
+            rng = np.random.default_rng(batch)
+            prompts = rng.integers(1, vocab, (batch, prompt_len)).tolist()
+            params = ll.SamplingParams.create(
+                batch_size=batch, temperature=0.0, max_tokens=new_tokens
+            )
+
+            def run(det, prompts=prompts, params=params, model=model):
+                return ll.generate(model, prompts, params, ignore_eos=True, deterministic=det)
+
+            compile_s = {
+                det: first_call(lambda det=det: run(det).num_tokens) for det in (False, True)
+            }
+            times = {False: [], True: []}
+            for _ in range(repeats):
+                for det in (False, True):
+                    times[det].append(first_call(lambda det=det: run(det).num_tokens))
+            rate = {det: batch * new_tokens / statistics.median(t) for det, t in times.items()}
+            same = run(True).token_ids == run(False).token_ids
+            rows.append(
+                {
+                    "model": name,
+                    "batch": batch,
+                    "default tok/s": rate[False],
+                    "deterministic tok/s": rate[True],
+                    "ratio": rate[True] / rate[False],
+                    "compile+first s (default, deterministic)": [compile_s[False], compile_s[True]],
+                    "greedy tokens equal the default's": same,
+                }
+            )
+            print(
+                f"{name:>12} {batch:>5} {rate[False]:>13.1f} {rate[True]:>19.1f} "
+                f"{rate[True] / rate[False]:>6.2f} "
+                f"{compile_s[False]:>7.1f}/{compile_s[True]:<7.1f} {same}",
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peer", choices=["transformers"], default=None)
@@ -417,6 +470,9 @@ def main() -> None:
         default=["llama-40m", *PEER_FAMILIES],
         choices=["llama-40m", *PEER_FAMILIES],
         help="models for --peer (default: all)",
+    )
+    ap.add_argument(
+        "--deterministic", action="store_true", help="deterministic=True against the default"
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -463,6 +519,12 @@ def main() -> None:
             print(
                 f"{r['slots']:>6} {r['seconds']:>8.3f} {r['vs smallest']:>11.2f} {r['same tokens']}"
             )
+    if args.deterministic:
+        print(
+            f"{'model':>12} {'batch':>5} {'default tok/s':>13} {'deterministic tok/s':>19} "
+            f"{'ratio':>6} {'compile s':>15} same tokens"
+        )
+        report["deterministic"] = deterministic_cost(args.prompt, args.new_tokens, args.repeats)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

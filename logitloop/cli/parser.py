@@ -322,6 +322,11 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
             "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
         )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
+    s.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="a prompt's output does not depend on the batch it runs in (slower)",
+    )
 
 
 def _add_explain_parser(sub) -> None:

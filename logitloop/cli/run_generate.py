@@ -115,7 +115,7 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
     gen_started = time.perf_counter()
     with CompileWatch() as timer:
         if args.stream:
-            tokens = _stream_one(model, todo[0], args.ignore_eos)
+            tokens = _stream_one(model, todo[0], args.ignore_eos, args.deterministic)
         else:
             shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
             tokens = _run_requests(args, model, todo, shapes, sink.write)
@@ -169,8 +169,9 @@ def _run_requests(
     written = 0
     try:
         for index, result in iter_generate_many(
-            model, requests(), n=args.n, ignore_eos=args.ignore_eos, **shapes
-        ):
+            model, requests(), n=args.n, ignore_eos=args.ignore_eos,
+            deterministic=args.deterministic, **shapes,
+        ):  # fmt: skip
             finished[index] = record(todo[index], result, args.n)
             tokens += sum(result.num_tokens)
             ready = []
@@ -191,14 +192,18 @@ def _run_requests(
     return tokens
 
 
-def _stream_one(model, item: Item, ignore_eos: bool) -> int:
+def _stream_one(model, item: Item, ignore_eos: bool, deterministic: bool = False) -> int:
     """Print one prompt's text deltas as they come; returns the number of tokens generated."""
     import logitloop as ll
 
     out = sys.stdout
     tokens = 0
     try:
-        for event in ll.stream(model, [item.token_ids], item.params, ignore_eos=ignore_eos):
+        events = ll.stream(
+            model, [item.token_ids], item.params, ignore_eos=ignore_eos,
+            deterministic=deterministic,
+        )  # fmt: skip
+        for event in events:
             if event.text:
                 out.write(event.text)
                 out.flush()

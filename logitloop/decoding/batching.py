@@ -67,7 +67,7 @@ from logitloop.decoding.host import (
 )
 from logitloop.decoding.layout import Layout
 from logitloop.decoding.loop import DecodeState, Outputs, decode, prefill
-from logitloop.decoding.model import ModelInfo, ModelRunner, model_info
+from logitloop.decoding.model import ModelInfo, ModelRunner, model_info, runner_jit
 from logitloop.decoding.params import MIN_LIST_WIDTH, SamplingParams, Widths
 from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.stop_strings import StopStrings
@@ -143,6 +143,7 @@ def _empty_state(
 @stored_jit(
     static_argnames=("runner", "buffer_len", "num_top", "layout"),
     donate_argnames=("state",),
+    jit=runner_jit,
 )
 def _admit(
     runner: ModelRunner,
@@ -609,6 +610,7 @@ def iter_generate_many(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
 
@@ -618,7 +620,7 @@ def iter_generate_many(
     read; results that completed before have been yielded by then.
     """
     layout = sharding.layout_for(mesh)
-    info = layout.place(model_info(model))
+    info = layout.place(model_info(model, deterministic=deterministic))
     slots = check_count("slots", slots, 1)
     layout.check_rows("slots", slots)
     chunk_steps = check_count("chunk_steps", chunk_steps, 1)
@@ -675,6 +677,7 @@ def generate_many(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
 
@@ -693,6 +696,8 @@ def generate_many(
       multiples of the data-axis size (the default `prefill_batch` is rounded up to one).
     processors: the job's processors (leaves with a row axis of 1), for requests that
       bring none of their own (`Request.processors`).
+    deterministic: as in `generate`: a request's tokens and logprobs do not depend on the
+      slots, the other requests or `prefill_batch`.
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)`.
@@ -711,6 +716,7 @@ def generate_many(
         ignore_eos=ignore_eos,
         mesh=mesh,
         processors=processors,
+        deterministic=deterministic,
     ):
         out[index] = result
     return [out[i] for i in range(len(out))]

@@ -46,6 +46,7 @@ def generate(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -73,11 +74,17 @@ def generate(
     `processors`: user transforms with per-row settings and state, composed into every
     row's sampling step (`logitloop.decoding.processors`); their leaves have one row per
     prompt (repeated for `n > 1`).
+
+    `deterministic=True` (logitloop's models): a row's logits, and so its tokens,
+    logprobs and finish reason, are bit for bit those of the row alone, whatever the
+    batch, the prompt bucket and buffer (on one device; a mesh still differs by ~1e-6)
+    (`logitloop.models.fixed_order`; README, "Deterministic decoding").
     """
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
-        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
-    )
+        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
+        processors=processors, deterministic=deterministic,
+    )  # fmt: skip
     stops = stop_tables(info, params.stop)
     automata, fsm = constraint_tables(info, params)
     state = initial_state(info, ids, params, stops, layout=layout, automata=automata, fsm=fsm)
@@ -115,6 +122,7 @@ def stream(
     chunk_steps: int = 8,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -122,13 +130,14 @@ def stream(
     host detokenises incrementally. A delta never holds an incomplete UTF-8 sequence, nor
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
-    exactly `generate(...).text` for that row.
+    exactly `generate(...).text` for that row. `deterministic`: as in `generate`.
     """
     check_count("chunk_steps", chunk_steps, 1)
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
-        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
-    )
+        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
+        processors=processors, deterministic=deterministic,
+    )  # fmt: skip
     stops = stop_tables(info, params.stop)
     automata, fsm = constraint_tables(info, params)
     state = initial_state(info, ids, params, stops, layout=layout, automata=automata, fsm=fsm)

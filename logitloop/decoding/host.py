@@ -208,13 +208,14 @@ def prepare(
     ignore_eos: bool = False,
     layout: Layout = ONE_DEVICE,
     processors: Sequence[Any] | None = None,
+    deterministic: bool = False,
 ) -> tuple[ModelInfo, list[list[int]], SamplingParams]:
     """`generate`'s inputs checked and expanded: the model, tokenized prompts, per-row params.
 
     On a mesh the weights are laid over it and params gain dummy rows up to a multiple of
     the data-axis size (`layout.place`, `layout.pad_rows`); `ids` keeps the real rows.
     """
-    info = model_info(model)
+    info = model_info(model, deterministic=deterministic)
     ids = tokenize_prompts(prompts, info)
     ids, params = request_rows(info, ids, params, n=n, ignore_eos=ignore_eos, processors=processors)
     return layout.place(info), ids, layout.pad_rows(params)
@@ -311,6 +312,7 @@ def initial_state(
     layout: Layout = ONE_DEVICE,
     automata: Automata | None = None,
     fsm: np.ndarray | None = None,
+    prefill_chunk: int | None = None,
 ) -> DecodeState:
     """Pad the prompts, run prefill and return the state before the loop.
 
@@ -318,7 +320,11 @@ def initial_state(
     (`constraint_tables`).
 
     Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
+    `prefill_chunk`: run the prompt columns through the model that many at a time
+    (`loop.forward_prompt`) instead of in one pass.
     """
+    if prefill_chunk is not None:
+        check_count("prefill_chunk", prefill_chunk, 1)
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
     batch = prompt_batch(ids, buffer_len)
@@ -337,6 +343,7 @@ def initial_state(
         layout=layout,
         automata=automata,
         fsm=fsm,
+        prefill_chunk=prefill_chunk,
     )
 
 

@@ -33,7 +33,7 @@ from logitloop.decoding import processors as procs
 from logitloop.decoding.constraints import Automata
 from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
-from logitloop.decoding.model import ModelRunner
+from logitloop.decoding.model import ModelRunner, runner_jit
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.sampler import STATUS_OK, SampleOutput
@@ -282,14 +282,25 @@ def forward_prompt(
     positions: jax.Array,  # [B, P] i32, -1 on padding
     cache_len: int,
     layout: Layout = ONE_DEVICE,
+    chunk: int | None = None,
 ) -> tuple[jax.Array, Any]:
-    """The model over whole prompts in one pass: next-token logits [B, V] and the cache."""
-    batch = prompt.shape[0]
+    """The model over whole prompts: next-token logits [B, V] and the cache.
+
+    One pass, or with `chunk` the columns `chunk` at a time, each call attending the
+    cache the earlier ones wrote (as a decode step does).
+    """
+    batch, width = prompt.shape
     cache = layout.cache(runner.init_cache(weights, batch, cache_len), batch)
-    return runner.forward(weights, prompt, positions, cache)
+    step = width if chunk is None else chunk
+    for start in range(0, width, step):
+        cols = slice(start, start + step)
+        logits, cache = runner.forward(weights, prompt[:, cols], positions[:, cols], cache)
+    return logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "buffer_len", "num_top", "layout"))
+@functools.partial(
+    runner_jit, static_argnames=("runner", "buffer_len", "num_top", "layout", "prefill_chunk")
+)
 def prefill(
     runner: ModelRunner,
     weights: Any,
@@ -305,13 +316,17 @@ def prefill(
     layout: Layout = ONE_DEVICE,
     automata: Automata | None = None,
     fsm: jax.Array | None = None,  # [B] i32, the rows' initial automaton states
+    prefill_chunk: int | None = None,
 ) -> DecodeState:
-    """Run the whole prompt in one forward pass and draw each row's first token."""
+    """Run the whole prompt in one forward pass (or `prefill_chunk` columns at a time) and
+    draw each row's first token."""
     batch, plen = prompt.shape
     prompt, positions, prompt_len, history, params, fsm = layout.rows(
         (prompt, positions, prompt_len, history, params, fsm), batch
     )
-    logits, cache = forward_prompt(runner, weights, prompt, positions, plen + buffer_len, layout)
+    logits, cache = forward_prompt(
+        runner, weights, prompt, positions, plen + buffer_len, layout, prefill_chunk
+    )
     state = DecodeState.empty(
         cache=cache,
         history=history,
@@ -326,7 +341,7 @@ def prefill(
     return layout.state(sample_state(layout, logits, state, params, stops, automata))
 
 
-@stored_jit(static_argnames=("runner", "layout"), donate_argnames=("state",))
+@stored_jit(static_argnames=("runner", "layout"), donate_argnames=("state",), jit=runner_jit)
 def decode(
     runner: ModelRunner,
     weights: Any,

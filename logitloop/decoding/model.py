@@ -27,11 +27,14 @@ compiled program serves every call with the same shapes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
+
+from logitloop.models import fixed_order
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,10 +61,12 @@ class ModelRunner:
     graphdef: Any = None  # nnx.GraphDef for NNX modules
     apply_fn: Callable | None = None  # for FunctionModel
     init_cache_fn: Callable | None = None
+    deterministic: bool = False  # the layers' reductions in a fixed order (`fixed_order`)
 
     def forward(self, weights, tokens, positions, cache) -> tuple[jax.Array, Any]:
         if self.graphdef is not None:
-            logits, cache = nnx.merge(self.graphdef, weights)(tokens, positions, cache)
+            with fixed_order.fixed_order(self.deterministic):
+                logits, cache = nnx.merge(self.graphdef, weights)(tokens, positions, cache)
         else:
             logits, cache = self.apply_fn(weights, tokens, positions, cache)
         if logits.ndim == 3:
@@ -72,6 +77,35 @@ class ModelRunner:
         if self.graphdef is not None:
             return nnx.merge(self.graphdef, weights).init_cache(batch_size, max_length)
         return self.init_cache_fn(batch_size, max_length)
+
+
+class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
+    """`jax.jit(fn, **jit_kwargs)` for a function whose first argument is a `ModelRunner`:
+    a deterministic runner's programs are compiled with `fixed_order.compiler_options()`
+    (XLA:CPU's size-dependent library fusions off), every other runner's as usual."""
+
+    def __init__(self, fn: Callable, **jit_kwargs):
+        self._plain = jax.jit(fn, **jit_kwargs)
+        self._fixed = {}  # backend options -> jitted fn
+        self._fn, self._kwargs = fn, jit_kwargs
+        functools.update_wrapper(self, fn)
+
+    def _pick(self, runner: ModelRunner, args):
+        # Inside another program (`generate_many`'s admission) the outer one's options rule.
+        nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+        if not runner.deterministic or nested:
+            return self._plain
+        options = fixed_order.compiler_options()
+        key = tuple(sorted(options.items()))
+        if key not in self._fixed:
+            self._fixed[key] = jax.jit(self._fn, compiler_options=options, **self._kwargs)
+        return self._fixed[key]
+
+    def __call__(self, runner: ModelRunner, *args, **kwargs):
+        return self._pick(runner, (args, kwargs))(runner, *args, **kwargs)
+
+    def trace(self, runner: ModelRunner, *args, **kwargs):
+        return self._pick(runner, (args, kwargs)).trace(runner, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +128,21 @@ def _eos_tuple(eos: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
-def model_info(model: Any) -> ModelInfo:
-    """Resolve a FunctionModel or an NNX module into what the decode loop needs."""
+def model_info(model: Any, *, deterministic: bool = False) -> ModelInfo:
+    """Resolve a FunctionModel or an NNX module into what the decode loop needs.
+
+    `deterministic=True` (logitloop's models only) runs the model with its reductions in
+    a fixed order, so a row's logits do not depend on the rest of the batch
+    (`logitloop.models.fixed_order`).
+    """
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
     if isinstance(model, FunctionModel):
+        if deterministic:
+            raise ValueError(
+                "deterministic=True needs a logitloop model: a FunctionModel's forward pass "
+                "is its own code, whose reduction order logitloop cannot fix"
+            )
         return ModelInfo(
             runner=ModelRunner(apply_fn=model.apply_fn, init_cache_fn=model.init_cache),
             weights=model.params,
@@ -109,7 +155,7 @@ def model_info(model: Any) -> ModelInfo:
         config = model.config
         graphdef, weights = nnx.split(model)
         return ModelInfo(
-            runner=ModelRunner(graphdef=graphdef),
+            runner=ModelRunner(graphdef=graphdef, deterministic=deterministic),
             weights=weights,
             vocab_size=int(config.vocab_size),
             max_length=int(config.max_position_embeddings),

@@ -55,14 +55,17 @@ def program_store() -> Path | None:
 
 
 def stored_jit(
-    *, static_argnames: Sequence[str] = (), donate_argnames: Sequence[str] = ()
+    *,
+    static_argnames: Sequence[str] = (),
+    donate_argnames: Sequence[str] = (),
+    jit: Callable = jax.jit,
 ) -> Callable[[Callable], Callable]:
-    """`jax.jit(fn, static_argnames=..., donate_argnames=...)`, whose programs go through
-    the store when one is set (see the module docstring). `.trace` and `.lower` are the
-    jitted function's."""
+    """`jit(fn, static_argnames=..., donate_argnames=...)` (`jax.jit`, or a wrapper of it
+    such as `decoding.model.runner_jit`), whose programs go through the store when one is
+    set (see the module docstring). `.trace` is the jitted function's."""
 
     def wrap(fn: Callable) -> Callable:
-        jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
+        jitted = jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
         signature = inspect.signature(fn)
 
         @functools.wraps(fn)
@@ -81,7 +84,6 @@ def stored_jit(
             return jax.tree.unflatten(out_tree, run(*leaves))
 
         call.trace = jitted.trace
-        call.lower = jitted.lower
         call.jitted = jitted
         return call
 
@@ -95,6 +97,8 @@ def _storable(static: dict[str, Any], leaves: list[Any]) -> bool:
     if layout is not None and getattr(layout, "mesh", None) is not None:
         return False
     runner = static.get("runner")
+    if runner is not None and getattr(runner, "deterministic", False):
+        return False  # compiled with its own options (`runner_jit`), which export drops
     return runner is None or getattr(runner, "graphdef", None) is not None
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import layers
+from logitloop.models import fixed_order, layers
 from logitloop.models.layers import KVCache
 
 
@@ -96,8 +96,10 @@ class DecoderModel(nnx.Module):
         """
         x, new_cache = self.hidden_states(tokens, positions, cache)  # [B, T, E]
         last = self.output_norm(x[:, -1])  # [B, E]
-        logits = jnp.einsum(
-            "be,ve->bv", last, self.head_weight(), preferred_element_type=jnp.float32
+        head = self.head_weight()
+        logits = fixed_order.rowwise(
+            lambda rows: jnp.einsum("be,ve->bv", rows, head, preferred_element_type=jnp.float32),
+            last,
         )
         return self.output_logits(logits), new_cache
 

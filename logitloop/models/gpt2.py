@@ -65,8 +65,8 @@ class GPT2Block(nnx.Module):
         x = x + layers.merge_heads(attn, self.wo[...]) + self.bo[...]
 
         h = layers.layer_norm(x, self.ln_2_scale[...], self.ln_2_bias[...], c.layer_norm_eps)
-        h = layers.activation(c.hidden_act, h @ self.w_fc[...] + self.b_fc[...])  # [B, T, F]
-        return x + h @ self.w_proj[...] + self.b_proj[...], cache
+        h = layers.activation(c.hidden_act, layers.dense(h, self.w_fc[...]) + self.b_fc[...])
+        return x + layers.dense(h, self.w_proj[...]) + self.b_proj[...], cache  # [B, T, E]
 
 
 class GPT2Model(DecoderModel):

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from logitloop.models import fixed_order
 from logitloop.models.config import RopeConfig
 
 # Masked scores get this instead of -inf: a row with every slot masked (a padded query)
@@ -103,7 +104,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     before the scale multiplies it, which is what keeps bfloat16 results close to HF.
     """
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(fixed_order.mean(x32 * x32) + eps)
     return scale * x32.astype(x.dtype)
 
 
@@ -111,7 +112,7 @@ def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Gemma's RMSNorm: scale by `1 + weight`, all in float32, then cast to `x.dtype`
     (Llama casts before scaling; Gemma multiplies first, as `transformers` does)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(fixed_order.mean(x32 * x32) + eps)
     return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -123,8 +124,8 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """LayerNorm over the last axis; statistics in float32, result in `x.dtype`."""
     x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    mean = fixed_order.mean(x32)
+    var = fixed_order.mean(jnp.square(x32 - mean))
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
@@ -136,14 +137,22 @@ def split_heads(x: jax.Array, w: jax.Array) -> jax.Array:
     Written as an einsum over the head axes, XLA:CPU chose dimension orders that copied
     the weight (or the activation) at every decode step.
     """
-    out = x @ w.reshape(w.shape[0], -1)
+    out = dense(x, w.reshape(w.shape[0], -1))
     return out.reshape(*x.shape[:-1], *w.shape[1:])
 
 
 def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:
     """The output projection `[B, T, H, D] x [H, D, E] -> [B, T, E]`, as one 2-D product."""
     b, t, h, d = x.shape
-    return x.reshape(b, t, h * d) @ w.reshape(h * d, w.shape[-1])
+    return dense(x.reshape(b, t, h * d), w.reshape(h * d, w.shape[-1]))
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w`, `[..., K] x [K, N] -> [..., N]`, as one 2-D product over the rows of `x`
+    (over fixed-size row tiles under `fixed_order`, so a row's result does not depend on
+    how many rows there are)."""
+    out = fixed_order.rowwise(lambda rows: rows @ w, x.reshape(-1, x.shape[-1]))
+    return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -453,9 +462,14 @@ def _attend(q, k, v, mask, scale, softcap=None):
     q = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
     k = k.astype(q.dtype)
     v = v.astype(q.dtype)
+
+    def masked_scores(scores, mask):  # [B, Hkv, G, T, S] f32, [B, 1, 1, T, S] bool
+        return jnp.where(mask, soft_cap(scores * scale, softcap), MASK_VALUE)
+
+    if fixed_order.active():
+        return fixed_order.attention(q, k, v, mask, masked_scores).reshape(b, t, h, d)
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = soft_cap(scores * scale, softcap)
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)  # [B, Hkv, G, T, S]
+    scores = masked_scores(scores, mask[:, None, None, :, :])
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)  # [B, T, Hkv, G, D]
     return out.reshape(b, t, h, d)

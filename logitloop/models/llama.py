@@ -108,11 +108,12 @@ class LlamaBlock(nnx.Module):
     def mlp(self, h: jax.Array) -> jax.Array:
         """`[B, T, E] -> [B, T, E]`: down(act(gate(h)) * up(h))."""
         c = self.config
-        gate = h @ self.w_gate[...]  # [B, T, F]
-        up = h @ self.w_up[...]
+        gate = layers.dense(h, self.w_gate[...])  # [B, T, F]
+        up = layers.dense(h, self.w_up[...])
         if c.mlp_bias:
             gate, up = gate + self.b_gate[...], up + self.b_up[...]
-        out = (layers.activation(c.hidden_act, gate) * up) @ self.w_down[...]  # [B, T, E]
+        act = layers.activation(c.hidden_act, gate) * up
+        out = layers.dense(act, self.w_down[...])  # [B, T, E]
         if c.mlp_bias:
             out = out + self.b_down[...]
         return out

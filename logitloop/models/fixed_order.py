@@ -1,0 +1,169 @@
+"""Fixed-order reductions: what `deterministic=True` switches the model layers to.
+
+A row's logits depend on the batch it runs in when a kernel's summation order depends on
+the shapes it is given. On XLA:CPU a float32 product `[M, K] x [K, N]` rounds row 0
+differently for M = 2..33 than for M = 1 or 64 (permuting rows, or changing the other
+rows' contents at a fixed M, changes nothing), and attention sums over however many cache
+slots the call reads. In this mode every reduction a row's logits go through has an order
+fixed by the model's config alone, never by the batch size, the number of columns in the
+call, the cache length or the mesh:
+
+- Products over the hidden or MLP dimension (q/k/v/o projections, the MLP, the LM head;
+  `layers.split_heads`, `merge_heads`, `dense`, `DecoderModel.__call__`) run over tiles of
+  `ROW_TILE` rows (`rowwise`): `lax.map` over `[M / ROW_TILE, ROW_TILE, K]`, M padded up
+  with zero rows, so the one product XLA compiles always has `ROW_TILE` rows. A row's
+  result then does not depend on M, nor on its place in its tile, nor on its neighbours.
+- Attention (`attention`) computes each score as the float32 products of one query and
+  one key summed by halving over the head dimension (`tree_sum`: elementwise adds, an
+  order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
+  and sums over cache slots in chunks of `SLOT_CHUNK` slots at fixed absolute boundaries
+  (slot 0, 16, 32, ...), each chunk by halving, the chunks then added one after another
+  from slot 0 up (`ordered_sum`). Slots a row may not see add exact zeros (exp of the
+  mask value), so slots past a row's last position, padding of the cache to a multiple of
+  the chunk, a longer bucket or buffer, or a longer prefix of the cache read by a decode
+  step leave the sums unchanged. The maximum is exact in any order.
+- Norms (RMSNorm, LayerNorm, QK-norm) take their means by halving over the row (`mean`).
+  RoPE, activations, residual adds and the embedding are elementwise or gathers, the
+  same for a row wherever it sits (with the library fusions off, below).
+
+Keys and values are read from the cache, where slot == position, so chunked prefill and
+one pass give the same sums. Sliding-window rings (`layers.ring_mask`) hold slots in
+`position % R` order plus this call's columns, so for a layer with a ring the order is
+fixed for a given call shape only (batch size and composition, not prefill chunking or
+the bucket); the mixture-of-experts MLP (`moe.py`) is not covered.
+
+Fixed orders are not enough by themselves on XLA:CPU: above a size threshold it hands
+fusions (a reduce, an `exp(x - max)`, a product) to YNNPACK kernels, whose order and
+whose `exp` differ from XLA's own code, so the same row computed in a bigger array comes
+out different. Programs of a deterministic runner are compiled with those fusions off
+(`compiler_options`, applied by `decoding.model.runner_jit`).
+
+`fixed_order(True)` is entered by `decoding.model.ModelRunner.forward` while the model is
+traced; outside it every primitive here is the plain XLA op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+# Rows per product tile. Plain products are not row-invariant even with XLA:CPU's library
+# fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32 logits), and a
+# GPU library picks its kernel (and its split of the contraction) by the row count.
+ROW_TILE = 8
+# Cache slots per attention chunk (a divisor of every cache length `generate`
+# allocates: prompt and buffer buckets are multiples of 16).
+SLOT_CHUNK = 16
+
+# XLA:CPU options of a deterministic program: no library fusions chosen by array size.
+CPU_COMPILER_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type": "",
+    "xla_cpu_experimental_xnn_fusion_type": "",
+}
+
+_ACTIVE = contextvars.ContextVar("logitloop_fixed_order", default=False)
+
+
+@contextlib.contextmanager
+def fixed_order(enabled: bool = True) -> Iterator[None]:
+    """While tracing inside this context, the layers use fixed-order reductions."""
+    token = _ACTIVE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> bool:
+    """Whether the layers being traced use fixed-order reductions."""
+    return _ACTIVE.get()
+
+
+def compiler_options() -> dict[str, str]:
+    """XLA options for a deterministic program on the default backend."""
+    return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
+def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; in fixed-order mode over tiles of
+    `ROW_TILE` rows (0: whole), so that every call of `fn` XLA compiles has the same
+    shape."""
+    tile = ROW_TILE
+    if not active() or not tile:
+        return fn(x)
+    m = x.shape[0]
+    tiles = jnp.pad(x, ((0, -m % tile), (0, 0))).reshape(-1, tile, x.shape[1])
+    out = jax.lax.map(fn, tiles)  # [M / ROW_TILE, ROW_TILE, N]
+    return out.reshape(-1, out.shape[-1])[:m]
+
+
+def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """The sum over `axis` by halving: entry i is added to entry i + n/2 (an odd length
+    gains a zero) until one is left. Only elementwise adds of slices, whose order is fixed
+    by the axis length alone; XLA's reduce, by contrast, changes its order with the size of
+    the whole array (on XLA:CPU a row of 256 sums differently once there are 16 rows)."""
+    x = jnp.moveaxis(x, axis, -1)
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def mean(x: jax.Array, axis: int = -1) -> jax.Array:
+    """`jnp.mean(x, axis, keepdims=True)`; in fixed-order mode through `tree_sum`."""
+    if not active():
+        return jnp.mean(x, axis=axis, keepdims=True)
+    return jnp.expand_dims(tree_sum(x, axis) / x.shape[axis], axis)
+
+
+def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
+    """The sum over `axis`, added one entry after another from index 0 (a chain of adds,
+    which XLA does not reassociate): trailing exact zeros do not change it."""
+    parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def attention(
+    q: jax.Array,  # [B, T, Hkv, G, D]
+    k: jax.Array,  # [B, Hkv, S, D], q's dtype
+    v: jax.Array,  # [B, Hkv, S, D], q's dtype
+    mask: jax.Array,  # [B, T, S] bool
+    masked_scores: Callable[[jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """Softmax attention with every sum in a fixed order; returns `[B, T, Hkv, G, D]`.
+
+    `masked_scores(scores, mask)` maps the raw float32 dot products `[B, Hkv, G, T, S]`
+    and the `[B, 1, 1, T, S]` mask to the scores the softmax sees (scale, soft-cap, mask
+    value), as `layers` does for the plain path. Products and sums run in float32; the
+    probabilities are cast to the query dtype before they weight the values, like the
+    plain path's.
+    """
+    b, t, hkv, g, d = q.shape
+    pad = -k.shape[2] % SLOT_CHUNK
+    if pad:  # masked slots: exact zeros in every sum
+        k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+    chunks = k.shape[2] // SLOT_CHUNK
+    q32 = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    k32 = k.astype(jnp.float32)
+    # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, S, D] summed over D (one fixed size)
+    scores = tree_sum(q32[:, :, :, :, None, :] * k32[:, :, None, None, :, :])
+    scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
+    peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
+    exp = jnp.exp(scores - peak).reshape(b, hkv, g, t, chunks, SLOT_CHUNK)
+    total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
+    probs = (exp / total[..., None, None]).astype(q.dtype).astype(jnp.float32)
+    vc = v.astype(jnp.float32).reshape(b, hkv, 1, 1, chunks, SLOT_CHUNK, d)
+    # [B, Hkv, G, T, C, 16, 1] * [B, Hkv, 1, 1, C, 16, D] summed over each chunk's slots
+    partial = tree_sum(probs[..., None] * vc, axis=-2)  # [B, Hkv, G, T, C, D]
+    out = ordered_sum(partial, axis=-2)  # [B, Hkv, G, T, D]
+    return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)

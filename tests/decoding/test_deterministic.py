@@ -1,0 +1,238 @@
+"""`deterministic=True`: a row's tokens and logprobs are bit for bit those of the row alone.
+
+Every comparison is exact (`==` on the float lists): the row alone against the same row at
+a random place in batches of random other prompts (other lengths, so other prompt buckets;
+other `max_tokens`, so other buffers and cache lengths; other temperatures and seeds), in
+`generate_many`'s slots, and prefilled in chunks against one pass. The mesh case is
+`tests/sharding/test_deterministic_mesh.py`. The default mode is not invariant (a batch of
+17 changes the shipped model's bfloat16 logprobs by ~0.02), which the first test shows so
+that the exact comparisons are known to be able to fail.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logitloop as ll
+from logitloop.decoding import host, loop
+from logitloop.decoding.model import model_info
+from logitloop.models import fixed_order, layers
+
+from .random_llama import small_llama
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return ll.load_pretrained()  # bfloat16, as shipped
+
+
+@pytest.fixture(scope="module")
+def shipped_f32():
+    return ll.load_pretrained(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def gqa_llama():
+    return small_llama(512, 512, 5)  # float32, 4 query / 2 kv heads
+
+
+def _params(n, temperature, seed, max_tokens):
+    return ll.SamplingParams.create(
+        batch_size=n,
+        temperature=temperature,
+        seed=seed,
+        max_tokens=max_tokens,
+        top_p=0.95,
+        logprobs=2,
+    )
+
+
+def _row(result, i):
+    return (
+        result.token_ids[i],
+        result.raw_logprobs[i],
+        result.logprobs[i],
+        result.top_logprobs[i],
+        result.finish_reason[i],
+    )
+
+
+def _target(vocab, seed):
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, vocab, int(rng.integers(5, 14))).tolist()
+
+
+def _alone(model, prompt, **kw):
+    params = _params(1, [0.9], [11], [MAX_TOKENS])
+    return _row(ll.generate(model, [prompt], params, ignore_eos=True, deterministic=True, **kw), 0)
+
+
+def _in_batch(model, prompt, batch, seed, deterministic=True):
+    """The row among `batch - 1` random prompts (1-40 tokens, max_tokens 1-40), at a random
+    place; returns the row and its index."""
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    others = [rng.integers(1, vocab, int(rng.integers(1, 41))).tolist() for _ in range(batch - 1)]
+    at = int(rng.integers(0, batch))
+    prompts = others[:at] + [prompt] + others[at:]
+    temps = rng.uniform(0.0, 1.3, batch).tolist()
+    seeds = rng.integers(0, 2**31, batch).tolist()
+    lengths = rng.integers(1, 41, batch).tolist()
+    temps[at], seeds[at], lengths[at] = 0.9, 11, MAX_TOKENS
+    params = _params(batch, temps, seeds, lengths)
+    result = ll.generate(model, prompts, params, ignore_eos=True, deterministic=deterministic)
+    return _row(result, at)
+
+
+@pytest.mark.slow
+def test_the_default_mode_is_not_batch_invariant(shipped):
+    """What the mode fixes: without it a batch of 17 changes the row's raw logprobs."""
+    prompt = _target(4096, 0)
+    alone = _row(ll.generate(shipped, [prompt], _params(1, [0.9], [11], [MAX_TOKENS]),
+                             ignore_eos=True), 0)
+    batched = _in_batch(shipped, prompt, 17, 1, deterministic=False)
+    assert batched[1] != alone[1]
+
+
+SLOW = pytest.mark.slow
+# (model fixture, vocabulary, prompt seed, batch): the default suite runs one batch per
+# model; `-m slow` the rest of 2, 3, 8, 17, 64 for each model and dtype.
+BATCH_CASES = [
+    ("shipped", 4096, 0, 17),
+    ("gqa_llama", 512, 3, 64),
+    *(pytest.param("shipped", 4096, 0, b, marks=SLOW) for b in (2, 3, 8, 64)),
+    *(pytest.param("shipped_f32", 4096, 2, b, marks=SLOW) for b in (2, 3, 8, 17, 64)),
+    *(pytest.param("gqa_llama", 512, 3, b, marks=SLOW) for b in (2, 3, 8, 17)),
+]
+
+
+@pytest.mark.parametrize(("model_name", "vocab", "seed", "batch"), BATCH_CASES)
+def test_row_alone_equals_row_in_batch(request, model_name, vocab, seed, batch):
+    """The shipped model in bfloat16 and float32, and a random float32 Llama with
+    grouped-query attention (head_dim 8)."""
+    model = request.getfixturevalue(model_name)
+    prompt = _target(vocab, seed)
+    assert _in_batch(model, prompt, batch, batch) == _alone(model, prompt)
+
+
+@pytest.mark.parametrize("slots", [4, 32])
+def test_generate_many_slot_equals_row_alone(gqa_llama, slots):
+    """The row among 40 requests in `slots` slots: other slots, neighbours, admission
+    groups (`prefill_batch`) and cache length (the job's bounds) than alone."""
+    rng = np.random.default_rng(slots)
+    prompt = _target(512, 4)
+    requests = [
+        (rng.integers(1, 512, int(rng.integers(1, 30))).tolist(),
+         {"temperature": float(rng.uniform(0, 1.3)), "seed": int(rng.integers(0, 1000)),
+          "max_tokens": int(rng.integers(1, 30))})
+        for _ in range(40)
+    ]
+    at = int(rng.integers(0, 40))
+    requests[at] = (prompt, {"temperature": 0.9, "seed": 11, "max_tokens": MAX_TOKENS})
+    results = ll.generate_many(
+        gqa_llama, requests, {"top_p": 0.95, "logprobs": 2}, slots=slots, ignore_eos=True,
+        deterministic=True,
+    )
+    assert _row(results[at], 0) == _alone(gqa_llama, prompt)
+
+
+@pytest.mark.parametrize("chunk", [5, pytest.param(1, marks=pytest.mark.slow), 16])
+def test_chunked_prefill_equals_one_pass(gqa_llama, chunk):
+    """Prefill `chunk` columns at a time: the same logits as one pass, so the same row.
+    Two prompts of different lengths, so the chunks cut rows at different places."""
+    info = model_info(gqa_llama, deterministic=True)
+    ids = [_target(512, 5), _target(512, 6) + _target(512, 7)]
+    params = _params(2, [0.9, 0.0], [11, 3], [MAX_TOKENS, MAX_TOKENS]).with_stop_token_ids(())
+
+    def run(prefill_chunk):
+        state = host.initial_state(info, ids, params, None, prefill_chunk=prefill_chunk)
+        state = loop.decode(
+            info.runner, info.weights, state, params.device_only(), None,
+            jnp.asarray(2**30, jnp.int32),
+        )
+        return jax.tree.map(np.asarray, state.outputs())
+
+    one, chunked = run(None), run(chunk)
+    for name in ("tokens", "raw_logprobs", "logprobs", "top_values", "finish"):
+        np.testing.assert_array_equal(getattr(chunked, name), getattr(one, name), err_msg=name)
+
+
+@pytest.mark.parametrize("model_name", ["shipped_f32", "gqa_llama"])
+def test_deterministic_logits_are_the_models(request, model_name):
+    """Another order of the same sums: the logits stay within float32 rounding of the
+    default mode's (which the model tests hold against transformers)."""
+    model = request.getfixturevalue(model_name)
+    vocab = model.config.vocab_size
+    batch = host.prompt_batch([_target(vocab, 8), _target(vocab, 9)], 16)
+    out = {}
+    for det in (False, True):
+        info = model_info(model, deterministic=det)
+        logits, _ = jax.jit(
+            lambda w, info=info: loop.forward_prompt(
+                info.runner, w, batch.prompt, batch.positions, batch.cache_len
+            )
+        )(info.weights)
+        out[det] = np.asarray(logits)
+    np.testing.assert_allclose(out[True], out[False], rtol=1e-4, atol=1e-4)
+
+
+def test_fixed_order_attention_matches_a_float64_reference():
+    rng = np.random.default_rng(0)
+    b, t, h, hkv, s, d = 2, 3, 4, 2, 40, 8
+    q, k, v = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((b, t, h, d), (b, hkv, s, d), (b, hkv, s, d)))
+    pos = np.array([[10, 11, 12], [-1, 0, 1]])
+    mask = np.arange(s)[None, None, :] <= pos[:, :, None]
+    with fixed_order.fixed_order(True):
+        got = np.asarray(layers._attend(q, k, v, mask, 0.3))
+    kk, vv = np.repeat(k, h // hkv, 1).astype(np.float64), np.repeat(v, h // hkv, 1)
+    scores = np.einsum("bthd,bhsd->bhts", q.astype(np.float64), kk) * 0.3
+    scores = np.where(mask[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bhts,bhsd->bthd", probs, vv)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1, 1:], want[1, 1:], rtol=1e-5, atol=1e-5)  # not the pad
+
+
+def test_decode_attention_over_a_longer_cache_or_prefix_is_exact():
+    """More masked slots (a bigger bucket or buffer, the S/8..S prefix a decode step
+    reads of a cache of 512 slots or more) leave a query's output bit for bit the same."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 1, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((3, 2, 1024, 8)).astype(np.float32) for _ in range(2))
+    pos = np.array([[37], [100], [5]])
+    outs = []
+    with fixed_order.fixed_order(True):
+        for slots in (48, 128, 1024):
+            mask = np.arange(slots)[None, None, :] <= pos[:, :, None]
+            att = jax.jit(lambda q, k, v, m: layers.attend(q, k, v, m, 0.3))
+            outs.append(np.asarray(att(q, k[:, :, :slots], v[:, :, :slots], mask)))
+    np.testing.assert_array_equal(outs[1][:2], outs[2][:2])
+    np.testing.assert_array_equal(outs[0][0], outs[2][0])
+    np.testing.assert_array_equal(outs[0][2], outs[2][2])
+
+
+def test_tree_sum_is_the_sum():
+    x = np.random.default_rng(2).standard_normal((3, 37, 5)).astype(np.float32)
+    np.testing.assert_allclose(fixed_order.tree_sum(x, 1), x.sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fixed_order.ordered_sum(x, 1), x.sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_deterministic_values_are_rejected(gqa_llama):
+    params = _params(1, [0.0], [0], [4])
+    with pytest.raises(ValueError, match="deterministic"):
+        ll.generate(gqa_llama, [[1, 2]], params, deterministic="yes")
+    fn = ll.FunctionModel(
+        lambda p, t, pos, c: (jnp.zeros((t.shape[0], 8)), c), None, lambda b, n: None, 8, 64
+    )
+    with pytest.raises(ValueError, match="deterministic=True needs a logitloop model"):
+        ll.generate(fn, [[1, 2]], params, deterministic=True)
+    info = model_info(gqa_llama, deterministic=True)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        host.initial_state(info, [[1, 2]], params, None, prefill_chunk=0)
