@@ -13,6 +13,7 @@ from logitloop.decoding.loop import DecodeState
 from logitloop.decoding.model import FunctionModel
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.processors import Processor, Step
+from logitloop.decoding.speculative import DraftModel, PromptLookup
 from logitloop.decoding.sampler import (
     STATUS_ALL_MASKED,
     STATUS_BAD_LOGITS,
@@ -31,11 +32,13 @@ __all__ = [
     "STATUS_OK",
     "DRY",
     "DecodeState",
+    "DraftModel",
     "FunctionModel",
     "GenerationResult",
     "History",
     "NoRepeatNGram",
     "Processor",
+    "PromptLookup",
     "Request",
     "SampleOutput",
     "SamplingParams",

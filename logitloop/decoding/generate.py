@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding import sharding, stop_strings
+from logitloop.decoding import speculative as speculation
 from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public host-side names
     FINISH_REASON,
     MIN_BUFFER_BUCKET,
@@ -45,6 +46,7 @@ def generate(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    speculative: Any = None,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -71,13 +73,20 @@ def generate(
     `processors`: user transforms with per-row settings and state, composed into every
     row's sampling step (`logitloop.decoding.processors`); their leaves have one row per
     prompt (repeated for `n > 1`).
+
+    `speculative`: `ll.PromptLookup(...)` or `ll.DraftModel(...)` to decode speculatively
+    (`logitloop.decoding.speculative`): strict acceptance gives the same tokens, rejection
+    acceptance the same distribution; `result.speculation` counts drafts per row.
     """
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
     )
+    spec, draft_weights = _speculation(speculative, info, mesh)
     stops = stop_tables(info, params.stop)
-    state = initial_state(info, ids, params, stops, layout=layout)
+    state = initial_state(
+        info, ids, params, stops, layout=layout, speculative=spec, draft_weights=draft_weights
+    )
     state = decode(
         info.runner,
         info.weights,
@@ -86,8 +95,19 @@ def generate(
         stops,
         jnp.asarray(2**30, jnp.int32),
         layout=layout,
+        speculative=spec,
+        draft_weights=draft_weights,
     )
-    return collect(layout.host_view(state).outputs(), ids, params, info)
+    result = collect(layout.host_view(state).outputs(), ids, params, info)
+    result.speculation = speculation.stats(state.speculation, len(ids)) if spec else None
+    return result
+
+
+def _speculation(value: Any, info: Any, mesh: Any) -> tuple[Any, Any]:
+    """`speculative=` checked: (the static speculation, the draft's weights)."""
+    if value is not None and mesh is not None:
+        raise ValueError("speculative decoding runs on one device: pass mesh=None")
+    return speculation.resolve(value, info)
 
 
 @dataclasses.dataclass
@@ -111,6 +131,7 @@ def stream(
     chunk_steps: int = 8,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    speculative: Any = None,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -118,15 +139,19 @@ def stream(
     host detokenises incrementally. A delta never holds an incomplete UTF-8 sequence, nor
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
-    exactly `generate(...).text` for that row.
+    exactly `generate(...).text` for that row. With `speculative` (as in `generate`) a
+    chunk is `chunk_steps` propose-verify cycles.
     """
     check_count("chunk_steps", chunk_steps, 1)
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
     )
+    spec, draft_weights = _speculation(speculative, info, mesh)
     stops = stop_tables(info, params.stop)
-    state = initial_state(info, ids, params, stops, layout=layout)
+    state = initial_state(
+        info, ids, params, stops, layout=layout, speculative=spec, draft_weights=draft_weights
+    )
     device_params = params.device_only()
     batch = len(ids)
     tok = info.tokenizer
@@ -179,4 +204,6 @@ def stream(
             stops,
             jnp.asarray(int(step) + chunk_steps, jnp.int32),
             layout=layout,
+            speculative=spec,
+            draft_weights=draft_weights,
         )

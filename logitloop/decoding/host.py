@@ -72,6 +72,8 @@ class GenerationResult:
     top_logprobs: list[list[dict[int, float]]] | None = None
     text: list[str] | None = None
     error: list[str | None] | None = None
+    # with `speculative=`: per row {"cycles", "drafted", "accepted"} (`speculative.stats`)
+    speculation: list[dict[str, int]] | None = None
 
 
 # ----------------------------------------------------------------------------- host side
@@ -268,10 +270,13 @@ def initial_state(
     *,
     buffer_len: int | None = None,
     layout: Layout = ONE_DEVICE,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
     """Pad the prompts, run prefill and return the state before the loop.
 
     Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
+    `speculative`, `draft_weights`: from `speculative.resolve`.
     """
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
@@ -289,6 +294,8 @@ def initial_state(
         buffer_len=buffer_len,
         num_top=num_top,
         layout=layout,
+        speculative=speculative,
+        draft_weights=draft_weights,
     )
 
 

@@ -45,9 +45,13 @@ class Layout:
         history: History | None,
         states: tuple = (),
         done: jax.Array | None = None,
+        choose=None,
     ) -> sampler.SampleOutput:
-        """The loop's sampling step (`states`, `done`: for the processors)."""
-        return sampler.sample_step(logits, params, positions, history, states=states, done=done)
+        """The loop's sampling step (`states`, `done`: for the processors; `choose`: see
+        `sampler.sample_step`)."""
+        return sampler.sample_step(
+            logits, params, positions, history, states=states, done=done, choose=choose
+        )
 
     def place(self, info: Any) -> Any:
         """Host side: the model (`ModelInfo`) with its weights where the loop reads them."""

@@ -69,6 +69,8 @@ class DecodeState:
     window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
     text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
     processor_states: tuple = ()  # one state per `params.processors`, every leaf [B, ...]
+    # Speculative decoding's own per-row state (`speculative.SpecState`), None without it.
+    speculation: Any = None
 
     @classmethod
     def empty(
@@ -141,11 +143,20 @@ class Outputs:
 
 
 def record(
-    state: DecodeState, out: SampleOutput, params: SamplingParams, stops: StopStrings | None
+    state: DecodeState,
+    out: SampleOutput,
+    params: SamplingParams,
+    stops: StopStrings | None,
+    where: jax.Array | None = None,
 ) -> DecodeState:
-    """Append each running row's new token and check its stop conditions."""
+    """Append each running row's new token and check its stop conditions.
+
+    `where` ([B] bool): only these rows take their token; the others stay as they are,
+    processor states included (speculative verification records one draft column at a
+    time, for the rows still accepting).
+    """
     batch, buf = state.tokens.shape
-    active = ~state.done
+    active = ~state.done if where is None else ~state.done & where
     ok = out.status == STATUS_OK
     write = active & ok
     rows = jnp.arange(batch)
@@ -199,6 +210,13 @@ def record(
     ).astype(jnp.int32)
     matched = jnp.where(active & ok, matched, state.matched)
 
+    states = out.states
+    if where is not None:
+        states = jax.tree.map(
+            lambda new, old: jnp.where(write.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+            states,
+            state.processor_states,
+        )
     top_ids, top_values = state.top_ids, state.top_values
     if top_ids.shape[2]:
         top_ids = put(top_ids, out.top_logprobs.ids)
@@ -216,8 +234,9 @@ def record(
         history=state.history.append(tok, where=write),
         window=window,
         text_window=text_window,
-        # Rows that wrote no token are done from here on: their states are never read again.
-        processor_states=out.states,
+        # Without `where`, rows that wrote no token are done from here on: their states are
+        # never read again.
+        processor_states=states,
     )
 
 
@@ -235,7 +254,9 @@ def forward_prompt(
     return runner.forward(weights, prompt, positions, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "buffer_len", "num_top", "layout"))
+@functools.partial(
+    jax.jit, static_argnames=("runner", "buffer_len", "num_top", "layout", "speculative")
+)
 def prefill(
     runner: ModelRunner,
     weights: Any,
@@ -249,8 +270,14 @@ def prefill(
     buffer_len: int,
     num_top: int,
     layout: Layout = ONE_DEVICE,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
-    """Run the whole prompt in one forward pass and draw each row's first token."""
+    """Run the whole prompt in one forward pass and draw each row's first token.
+
+    With `speculative`, the state also gets speculation's per-row state (a draft model's
+    prefill included: `speculative.init`).
+    """
     batch, plen = prompt.shape
     prompt, positions, prompt_len, history, params = layout.rows(
         (prompt, positions, prompt_len, history, params), batch
@@ -269,10 +296,38 @@ def prefill(
     out = layout.sample(
         logits, params, state.num_tokens, history, state.processor_states, state.done
     )
-    return layout.state(record(state, out, params, stops))
+    state = record(state, out, params, stops)
+    if speculative is not None:
+        spec = speculative.init(draft_weights, prompt, positions, plen + buffer_len, layout)
+        state = state.replace(speculation=spec)
+    return layout.state(state)
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "layout"), donate_argnames=("state",))
+def last_tokens(state: DecodeState) -> jax.Array:
+    """[B] i32: each row's last generated token (0 before the first, or when none)."""
+    idx = jnp.maximum(state.num_tokens - 1, 0)[:, None]
+    return jnp.maximum(jnp.take_along_axis(state.tokens, idx, axis=1)[:, 0], 0)
+
+
+def decode_step(
+    runner: ModelRunner,
+    weights: Any,
+    s: DecodeState,
+    params: SamplingParams,
+    stops: StopStrings | None,
+    layout: Layout = ONE_DEVICE,
+) -> DecodeState:
+    """One token per running row: feed its last token, sample, record."""
+    # Finished rows feed a padding position, so their cache is never written again.
+    pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
+    logits, cache = runner.forward(weights, last_tokens(s)[:, None], pos, s.cache)
+    out = layout.sample(logits, params, s.num_tokens, s.history, s.processor_states, s.done)
+    return record(s.replace(cache=cache), out, params, stops)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("runner", "layout", "speculative"), donate_argnames=("state",)
+)
 def decode(
     runner: ModelRunner,
     weights: Any,
@@ -281,11 +336,17 @@ def decode(
     stops: StopStrings | None,
     max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
     layout: Layout = ONE_DEVICE,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
 
     Also stops once `state.step` reaches `max_steps` or every running row's buffer is full, so
     that `stream` and `generate_many` can run the same compiled loop in chunks.
+
+    `speculative` (static; `logitloop.decoding.speculative`): each iteration is then one
+    propose-verify-accept cycle (`speculative.cycle`), which records one or more tokens per
+    row; `draft_weights` are a draft model's weights.
     """
     buf = state.tokens.shape[1]
 
@@ -295,12 +356,10 @@ def decode(
         return (s.step < max_steps) & jnp.any(~s.done & (s.num_tokens < buf))
 
     def body(s: DecodeState):
-        last = jnp.take_along_axis(s.tokens, jnp.maximum(s.num_tokens - 1, 0)[:, None], axis=1)
-        # Finished rows feed a padding position, so their cache is never written again.
-        pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
-        logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
-        out = layout.sample(logits, params, s.num_tokens, s.history, s.processor_states, s.done)
-        s = record(s.replace(cache=cache), out, params, stops)
+        if speculative is None:
+            s = decode_step(runner, weights, s, params, stops, layout)
+        else:
+            s = speculative.cycle(runner, weights, draft_weights, s, params, stops, layout)
         return layout.state(s.replace(step=s.step + 1))
 
     return jax.lax.while_loop(cond, body, state)

@@ -77,12 +77,15 @@ class DecoderModel(nnx.Module):
         tokens: jax.Array,  # [B, T] int32
         positions: jax.Array,  # [B, T] int32, -1 for (left) padding
         cache: KVCache,
+        *,
+        all_columns: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """Run T columns through the model, writing their keys/values into `cache`.
 
         Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
         Only the last column goes through the final norm and LM head: prompts are
-        left-padded, so that column is every row's last real token. Padding columns
+        left-padded, so that column is every row's last real token. `all_columns=True`
+        returns every column's logits, `[B, T, V]` (speculative verification). Padding columns
         (-1) compute finite values that are never used.
 
         Each real token's key/value goes to cache slot == its position (padding is never
@@ -110,8 +113,8 @@ class DecoderModel(nnx.Module):
             mask = masks["pos" in layer_cache, window]
             x, layer_cache = block(x, positions, layer_cache, mask)
             new_cache.append(layer_cache)
-        last = self.output_norm(x[:, -1])  # [B, E]
+        last = self.output_norm(x if all_columns else x[:, -1])  # [B, T, E] or [B, E]
         logits = jnp.einsum(
-            "be,ve->bv", last, self.head_weight(), preferred_element_type=jnp.float32
+            "...e,ve->...v", last, self.head_weight(), preferred_element_type=jnp.float32
         )
         return self.output_logits(logits), new_cache
