@@ -371,7 +371,7 @@ def sample_step(
     )
 
 
-def _sub_key(key: jax.Array, stream: int) -> jax.Array:
+def sub_key(key: jax.Array, stream: int) -> jax.Array:
     """[B, 2] u32: a row key's independent sub-stream `stream` (counters the draw, which
     counts token ids from 0, never reaches)."""
     c = jnp.uint32(2**31 + 2 * stream)
@@ -397,12 +397,12 @@ def rejection_choice(
     if q is None:
         q = jax.nn.one_hot(d[:, 0], vocab, dtype=jnp.float32)
     q_d = jnp.take_along_axis(q, d, axis=1)[:, 0]
-    bits = noise.counter_bits(_sub_key(key, accept_stream), jnp.zeros(draft.shape, jnp.uint32))
+    bits = noise.counter_bits(sub_key(key, accept_stream), jnp.zeros(draft.shape, jnp.uint32))
     u = bits.astype(jnp.float32) * jnp.float32(2.0**-32)  # [0, 1)
     accept = u * q_d < p_d
     residual = jnp.maximum(probs - q, 0.0)
     e = noise.exponential_from_bits(
-        noise.counter_bits(_sub_key(key, residual_stream)[:, None, :], jnp.arange(vocab))
+        noise.counter_bits(sub_key(key, residual_stream)[:, None, :], jnp.arange(vocab))
     )
     race = jnp.where(residual > 0, jnp.log(residual) - jnp.log(e), NEG_INF)
     resampled = jnp.where(jnp.any(residual > 0, axis=1), jnp.argmax(race, axis=1), drawn)

@@ -64,8 +64,10 @@ from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.stop_strings import StopStrings
 from logitloop.models.layers import RING_SLACK
+from logitloop.ops.sampling import noise
 
 ACCEPTANCE = ("strict", "rejection")
+DRAFT_STREAM = 3  # a row's sub-stream for a draft model's sampled drafts (`sampler.sub_key`)
 EMA = 0.3  # weight of the latest cycle in a row's acceptance average
 
 
@@ -273,14 +275,85 @@ def stats(spec: SpecState | None, rows: int) -> list[dict[str, int]] | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftModel(_Speculation):
-    """Drafts drawn by a smaller model with the same tokenizer, with its own KV cache."""
+    """Drafts drawn by a smaller model with the same tokenizer, with its own KV cache.
+
+    strict: the draft proposes its greedy tokens. rejection: it samples at the row's
+    temperature (greedy rows: greedy) and its distribution q goes into the acceptance test.
+    The draft's cache is kept in step with the target's: each cycle feeds it the row's last
+    two tokens (the one before may be missing when every draft was accepted) and then its
+    own drafts. A draft model's rows never switch themselves off.
+    """
 
     model: Any = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.model is None:
-            raise ValueError("DraftModel.model is required (a logitloop model)")
+            raise ValueError("DraftModel.model is required: a logitloop model")
 
-    def resolve(self, info):
-        raise NotImplementedError
+    def resolve(self, info) -> tuple[_Draft, Any]:
+        from logitloop.decoding.model import model_info
+
+        draft = model_info(self.model)
+        if draft.vocab_size != info.vocab_size:
+            raise ValueError(
+                f"DraftModel.model has vocab_size {draft.vocab_size}, the target "
+                f"{info.vocab_size}: a draft needs the target's tokenizer"
+            )
+        spec = _Draft(
+            runner=draft.runner,
+            num_draft=self.num_draft,
+            acceptance=self.acceptance,
+            min_acceptance=0.0,
+            probe_every=self.probe_every,
+        )
+        return spec, draft.weights
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Draft(_Speculation):
+    """A `DraftModel` as `decode` compiles against it: the draft's static runner."""
+
+    runner: ModelRunner
+
+    def draft_prefill(self, draft_weights, prompt, positions, cache_len, layout):
+        return loop.forward_prompt(self.runner, draft_weights, prompt, positions, cache_len, layout)[1]
+
+    def propose(self, draft_weights, s, params, on):
+        k = self.num_draft
+        hist, length = s.history.tokens, s.history.length
+        running = ~s.done
+        base = s.prompt_len + s.num_tokens - 1  # = length - 1, the last token's position
+        prev = jnp.take_along_axis(hist, jnp.maximum(length - 2, 0)[:, None], axis=1)
+        tokens = jnp.concatenate([jnp.maximum(prev, 0), loop.last_tokens(s)[:, None]], axis=1)
+        pos = jnp.where(running[:, None], base[:, None] + jnp.arange(-1, 1)[None, :], -1)
+        logits, cache = self.runner.forward(draft_weights, tokens, pos, s.speculation.draft_cache)
+        drafts, qs = [], []
+        for i in range(k):
+            token, q = self.pick(logits, params, s.num_tokens + i)
+            drafts.append(token)
+            qs.append(q)
+            if i + 1 < k:
+                p_i = jnp.where(running, base + 1 + i, -1)[:, None]
+                logits, cache = self.runner.forward(draft_weights, token[:, None], p_i, cache)
+        drafts = jnp.stack(drafts, axis=1)  # [B, K]
+        q = None if self.acceptance == "strict" else jnp.stack(qs, axis=1)  # [B, K, V]
+        num = jnp.where(running, k, 0).astype(jnp.int32)
+        return drafts, num, q, cache
+
+    def pick(self, logits, params, positions):
+        """The draft's token at one position and its distribution q ([B, V]; None: greedy)."""
+        greedy_tok = jnp.argmax(logits, axis=1).astype(jnp.int32)
+        if self.acceptance == "strict":
+            return greedy_tok, None
+        greedy = (params.temperature == 0) | (params.top_k == 1)
+        t = jnp.where(greedy, 1.0, params.temperature)[:, None]
+        logq = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=1)
+        key = sampler.sub_key(noise.row_keys(params.seed, positions), DRAFT_STREAM)
+        e = noise.exponential_from_bits(
+            noise.counter_bits(key[:, None, :], jnp.arange(logits.shape[1]))
+        )
+        sampled = jnp.argmax(logq - jnp.log(e), axis=1).astype(jnp.int32)
+        token = jnp.where(greedy, greedy_tok, sampled)
+        q = jnp.where(greedy[:, None], jax.nn.one_hot(token, logits.shape[1]), jnp.exp(logq))
+        return token, q
