@@ -9,7 +9,7 @@
    (`DraftModel`);
 2. one forward pass of the target over the K + 1 columns [last, d1..dK] at positions
    p .. p + K (p = prompt_len + num_tokens - 1, where `last` is fed in a plain step);
-3. for j = 0..K, unrolled: the row's full sampling step on column j's logits with the
+3. for j = 0..K (a `while_loop` that ends once no row accepts): the row's full sampling step on column j's logits with the
    history, processor states, stop state and position as they are after the tokens
    accepted so far (`sample_step` through `layout.sample`, then `record` with a `where`
    mask: the loop's own pieces), and the row goes on accepting while the token taken at
@@ -179,26 +179,29 @@ class _Speculation:
         pos = jnp.where(~s.done[:, None] & (col <= num[:, None]), base + col, -1)  # [B, K+1]
         logits, cache = runner.forward_columns(weights, tokens, pos, s.cache)  # [B, K+1, V]
         s = s.replace(cache=cache)
-        accepting = ~s.done
-        for j in range(k + 1):
-            draft = drafts[:, j] if j < k else None
-            q_j = None if q is None or j == k else q[:, j]
+        # Column K has no draft after it: a -1 that no token equals ends the acceptance.
+        drafts = jnp.pad(drafts, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
+        if q is not None:
+            q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [B, K+1, V]
 
-            def step(carry, j=j, draft=draft, q_j=q_j):
-                s, accepting = carry
-                choose = None
-                if self.acceptance == "rejection" and draft is not None:
-                    choose = _rejection_choice(draft, q_j, j < num)
-                out = layout.sample(
-                    logits[:, j], params, s.num_tokens, s.history, s.processor_states, s.done,
-                    choose=choose,
-                )
-                s = loop.record(s, out, params, stops, where=accepting)
-                if draft is None:
-                    return s, jnp.zeros_like(accepting)
-                return s, accepting & ~s.done & (j < num) & (out.tokens == draft)
+        def more(carry):
+            j, _, accepting = carry
+            return (j <= k) & jnp.any(accepting)
 
-            s, accepting = jax.lax.cond(jnp.any(accepting), step, lambda c: c, (s, accepting))
+        def column(carry):
+            j, s, accepting = carry
+            draft = drafts[:, j]
+            choose = None
+            if self.acceptance == "rejection":
+                choose = _rejection_choice(draft, None if q is None else q[:, j], j < num)
+            out = layout.sample(
+                logits[:, j], params, s.num_tokens, s.history, s.processor_states, s.done,
+                choose=choose,
+            )
+            s = loop.record(s, out, params, stops, where=accepting)
+            return j + 1, s, accepting & ~s.done & (j < num) & (out.tokens == draft)
+
+        _, s, _ = jax.lax.while_loop(more, column, (jnp.int32(0), s, ~s.done))
         return s
 
 
