@@ -13,7 +13,6 @@ from logitloop.decoding.loop import DecodeState
 from logitloop.decoding.model import FunctionModel
 from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.processors import Processor, Step
-from logitloop.decoding.speculative import DraftModel, PromptLookup
 from logitloop.decoding.sampler import (
     STATUS_ALL_MASKED,
     STATUS_BAD_LOGITS,
@@ -23,6 +22,7 @@ from logitloop.decoding.sampler import (
     sample,
     sampling_distribution,
 )
+from logitloop.decoding.speculative import DraftModel, PromptLookup
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 

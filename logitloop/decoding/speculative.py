@@ -9,11 +9,11 @@
    (`DraftModel`);
 2. one forward pass of the target over the K + 1 columns [last, d1..dK] at positions
    p .. p + K (p = prompt_len + num_tokens - 1, where `last` is fed in a plain step);
-3. for j = 0..K (a `while_loop` that ends once no row accepts): the row's full sampling step on column j's logits with the
-   history, processor states, stop state and position as they are after the tokens
-   accepted so far (`sample_step` through `layout.sample`, then `record` with a `where`
-   mask: the loop's own pieces), and the row goes on accepting while the token taken at
-   column j equals draft j + 1.
+3. for j = 0..K (a `while_loop` that ends once no row accepts): the row's full sampling
+   step on column j's logits with the history, processor states, stop state and position
+   as they are after the tokens accepted so far (`sample_step` through `layout.sample`,
+   then `record` with a `where` mask: the loop's own pieces), and the row goes on
+   accepting while the token taken at column j equals draft j + 1.
 
 Index bookkeeping, one row, prompt length 3, two tokens t0 t1 generated (num_tokens = 2):
 p = 3 + 2 - 1 = 4, the columns [t1, d1, d2, d3] go in at positions 4..7 and their logits
@@ -39,8 +39,9 @@ Acceptance:
   accepted with probability min(1, p(d) / q(d)) under the row's final distribution p
   (after every step of the sampling order), with a uniform from a sub-stream of the row's
   own key at that position; on rejection the token is drawn from max(p - q, 0)
-  renormalised, with another (`sampler.rejection_choice`). Prompt-lookup drafts have q one-hot. The tokens then follow the
-  same distribution as plain sampling, though not the same tokens.
+  renormalised, with another (`sampler.rejection_choice`). Prompt-lookup drafts have q
+  one-hot. The tokens then follow the same distribution as plain sampling, though not the
+  same tokens.
 
 Greedy rows (temperature 0 or top_k 1) have p one-hot, where both modes coincide.
 
@@ -85,7 +86,9 @@ class SpecState:
 
 def _check(name: str, value: Any, lo: float, hi: float, kind=int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ValueError(f"{name} must be {'a number' if kind is float else 'an int'}, got {value!r}")
+        raise ValueError(
+            f"{name} must be {'a number' if kind is float else 'an int'}, got {value!r}"
+        )
     if not lo <= value <= hi:
         raise ValueError(f"{name} = {value!r} is outside the allowed range [{lo}, {hi}]")
 
@@ -161,7 +164,9 @@ class _Speculation:
         rate = accepted / jnp.maximum(num, 1)
         wanted = running & ~on  # switched off this cycle
         spec = spec.replace(
-            acceptance=jnp.where(num > 0, (1 - EMA) * spec.acceptance + EMA * rate, spec.acceptance),
+            acceptance=jnp.where(
+                num > 0, (1 - EMA) * spec.acceptance + EMA * rate, spec.acceptance
+            ),
             idle=jnp.where(wanted, spec.idle + 1, jnp.where(num > 0, 0, spec.idle)),
             cycles=spec.cycles + running.astype(jnp.int32),
             drafted=spec.drafted + num,
@@ -195,7 +200,12 @@ class _Speculation:
             if self.acceptance == "rejection":
                 choose = _rejection_choice(draft, None if q is None else q[:, j], j < num)
             out = layout.sample(
-                logits[:, j], params, s.num_tokens, s.history, s.processor_states, s.done,
+                logits[:, j],
+                params,
+                s.num_tokens,
+                s.history,
+                s.processor_states,
+                s.done,
                 choose=choose,
             )
             s = loop.record(s, out, params, stops, where=accepting)
@@ -320,7 +330,9 @@ class _Draft(_Speculation):
     runner: ModelRunner
 
     def draft_prefill(self, draft_weights, prompt, positions, cache_len, layout):
-        return loop.forward_prompt(self.runner, draft_weights, prompt, positions, cache_len, layout)[1]
+        return loop.forward_prompt(
+            self.runner, draft_weights, prompt, positions, cache_len, layout
+        )[1]
 
     def propose(self, draft_weights, s, params, on):
         k = self.num_draft
