@@ -51,6 +51,7 @@ import numpy as np
 
 from logitloop.decoding import processors as procs
 from logitloop.decoding import sharding, stop_strings
+from logitloop.decoding import speculative as speculation
 from logitloop.decoding.history import History
 from logitloop.decoding.host import (
     MIN_BUFFER_BUCKET,
@@ -106,6 +107,7 @@ class Request:
         "text",
         "layout",
         "vocab",
+        "speculative",
     ),
 )
 def _empty_state(
@@ -121,6 +123,8 @@ def _empty_state(
     window: int,
     text: int,
     layout: Layout,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
     """A state whose every row is an empty, finished slot (the loop never touches it)."""
     cap = prompt_len + buffer_len
@@ -136,12 +140,16 @@ def _empty_state(
         processor_states=procs.init_states(params.processors, batch, vocab),
         done=True,
     )
+    if speculative is not None:  # a one-column "prompt" of padding: nothing is written
+        pad = jnp.full((batch, 1), -1, jnp.int32)
+        spec = speculative.init(draft_weights, jnp.maximum(pad, 0), pad, cap, layout)
+        state = state.replace(speculation=spec)
     return layout.state(state)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("runner", "buffer_len", "num_top", "layout"),
+    static_argnames=("runner", "buffer_len", "num_top", "layout", "speculative"),
     donate_argnames=("state",),
 )
 def _admit(
@@ -161,6 +169,8 @@ def _admit(
     buffer_len: int,
     num_top: int,
     layout: Layout,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> tuple[DecodeState, SamplingParams, StopStrings | None]:
     """Prefill G prompts and write their fresh rows (state, params, stop strings) into slots."""
     fresh = prefill(
@@ -175,6 +185,8 @@ def _admit(
         buffer_len=buffer_len,
         num_top=num_top,
         layout=layout,
+        speculative=speculative,
+        draft_weights=draft_weights,
     )
 
     def put(big, small):
@@ -250,8 +262,12 @@ class _Batcher:
         ignore_eos: bool,
         layout: Layout,
         processors: Sequence[Any] | None,
+        speculative: Any = None,
+        draft_weights: Any = None,
     ):
         self.info = info
+        self.speculative = speculative  # static, from `speculative.resolve`
+        self.draft_weights = draft_weights
         self.slots = slots
         self.max_prompt_len = max_prompt_len
         self.max_tokens = max_tokens
@@ -367,6 +383,8 @@ class _Batcher:
                 window=widths.sequence_len,
                 text=text,
                 layout=self.layout,
+                speculative=self.speculative,
+                draft_weights=self.draft_weights,
             )
             return
         self.params = self.params.widen(widths)
@@ -427,6 +445,8 @@ class _Batcher:
                 buffer_len=self.buffer_len,
                 num_top=self.widths.top_logprobs,
                 layout=self.layout,
+                speculative=self.speculative,
+                draft_weights=self.draft_weights,
             )
         return used
 
@@ -440,6 +460,8 @@ class _Batcher:
             self.stops,
             np.int32(self.chunk_steps),
             layout=self.layout,
+            speculative=self.speculative,
+            draft_weights=self.draft_weights,
         )
 
     def done(self) -> np.ndarray:
@@ -568,6 +590,7 @@ def iter_generate_many(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    speculative: Any = None,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
 
@@ -578,6 +601,7 @@ def iter_generate_many(
     """
     layout = sharding.layout_for(mesh)
     info = layout.place(model_info(model))
+    spec, draft_weights = speculation.resolve(speculative, info, mesh)
     slots = check_count("slots", slots, 1)
     layout.check_rows("slots", slots)
     chunk_steps = check_count("chunk_steps", chunk_steps, 1)
@@ -616,6 +640,8 @@ def iter_generate_many(
         ignore_eos=ignore_eos,
         layout=layout,
         processors=processors,
+        speculative=spec,
+        draft_weights=draft_weights,
     )
     return batcher.run(requests)
 
@@ -634,6 +660,7 @@ def generate_many(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
+    speculative: Any = None,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
 
@@ -652,6 +679,7 @@ def generate_many(
       multiples of the data-axis size (the default `prefill_batch` is rounded up to one).
     processors: the job's processors (leaves with a row axis of 1), for requests that
       bring none of their own (`Request.processors`).
+    speculative: as in `generate`; a chunk is then `chunk_steps` propose-verify cycles.
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)`.
@@ -670,6 +698,7 @@ def generate_many(
         ignore_eos=ignore_eos,
         mesh=mesh,
         processors=processors,
+        speculative=speculative,
     ):
         out[index] = result
     return [out[i] for i in range(len(out))]

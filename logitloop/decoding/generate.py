@@ -82,7 +82,7 @@ def generate(
     info, ids, params = prepare(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
     )
-    spec, draft_weights = _speculation(speculative, info, mesh)
+    spec, draft_weights = speculation.resolve(speculative, info, mesh)
     stops = stop_tables(info, params.stop)
     state = initial_state(
         info, ids, params, stops, layout=layout, speculative=spec, draft_weights=draft_weights
@@ -102,12 +102,6 @@ def generate(
     result.speculation = speculation.stats(state.speculation, len(ids)) if spec else None
     return result
 
-
-def _speculation(value: Any, info: Any, mesh: Any) -> tuple[Any, Any]:
-    """`speculative=` checked: (the static speculation, the draft's weights)."""
-    if value is not None and mesh is not None:
-        raise ValueError("speculative decoding runs on one device: pass mesh=None")
-    return speculation.resolve(value, info)
 
 
 @dataclasses.dataclass
@@ -147,7 +141,7 @@ def stream(
     info, ids, params = prepare(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout, processors=processors
     )
-    spec, draft_weights = _speculation(speculative, info, mesh)
+    spec, draft_weights = speculation.resolve(speculative, info, mesh)
     stops = stop_tables(info, params.stop)
     state = initial_state(
         info, ids, params, stops, layout=layout, speculative=spec, draft_weights=draft_weights

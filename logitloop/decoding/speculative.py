@@ -100,7 +100,7 @@ class _Speculation:
     num_draft: int = 4
     acceptance: str = "strict"
     min_acceptance: float = 0.25
-    probe_every: int = 16
+    probe_every: int = 32
 
     def __post_init__(self):
         name = type(self).__name__
@@ -149,7 +149,18 @@ class _Speculation:
         spec = s.speculation
         running = ~s.done
         on = running & ((spec.acceptance >= self.min_acceptance) | (spec.idle >= self.probe_every))
-        drafts, num, q, draft_cache = self.propose(draft_weights, s, params, on)
+        if spec.draft_cache is None:  # prompt lookup: no cache to keep in step, skip it all
+
+            def nothing():
+                batch = s.num_tokens.shape[0]
+                none = jnp.zeros((batch,), jnp.int32)
+                return jnp.full((batch, self.num_draft), -1, jnp.int32), none, None, None
+
+            drafts, num, q, draft_cache = jax.lax.cond(
+                jnp.any(on), lambda: self.propose(draft_weights, s, params, on), nothing
+            )
+        else:
+            drafts, num, q, draft_cache = self.propose(draft_weights, s, params, on)
         num = jnp.where(on, num, 0)
 
         def narrow(s):
@@ -262,9 +273,11 @@ class PromptLookup(_Speculation):
         return drafts, num, None, None
 
 
-def resolve(speculative: Any, info: Any) -> tuple[Any, Any]:
+def resolve(speculative: Any, info: Any, mesh: Any = None) -> tuple[Any, Any]:
     """Host side: `generate`'s `speculative=` argument checked against the target model ->
     (the static speculation `decode` and `prefill` compile against, the draft's weights)."""
+    if speculative is not None and mesh is not None:
+        raise ValueError("speculative decoding runs on one device: pass mesh=None")
     if speculative is None or isinstance(speculative, PromptLookup):
         return speculative, None
     if isinstance(speculative, DraftModel):

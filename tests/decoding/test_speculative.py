@@ -198,3 +198,21 @@ def test_bad_speculative_argument_raises():
         ll.generate(target, [[1]], params, speculative="ngram")
     with pytest.raises(ValueError, match="vocab_size"):
         speculative.resolve(ll.DraftModel(model=ll.load_pretrained()), model_info(target))
+
+
+def test_stream_and_generate_many_take_the_same_tokens():
+    target = _bigram(0)
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3)
+    knobs = dict(temperature=[0.0, 1.0, 0.7], top_p=[1.0, 0.9, 1.0], max_tokens=[20, 13, 17])
+    params = ll.SamplingParams.create(batch_size=3, seed=[5, 6, 7], **knobs)
+    prompts = [[0, 1, 2, 0, 1], [3, 4], [5, 5, 1]]
+    want = ll.generate(target, prompts, params).token_ids
+    got = [[] for _ in prompts]
+    for event in ll.stream(target, prompts, params, chunk_steps=2, speculative=spec):
+        got[event.row] += event.token_ids
+    assert got == want
+    requests = [
+        (p, {k: v[i] for k, v in knobs.items()} | {"seed": 5 + i}) for i, p in enumerate(prompts)
+    ]
+    many = ll.generate_many(target, requests, slots=2, chunk_steps=3, speculative=spec)
+    assert [r.token_ids[0] for r in many] == want
