@@ -216,3 +216,38 @@ def test_stream_and_generate_many_take_the_same_tokens():
     ]
     many = ll.generate_many(target, requests, slots=2, chunk_steps=3, speculative=spec)
     assert [r.token_ids[0] for r in many] == want
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [("ngram:3:4", ("ngram", 3, 4)), ("draft:2", ("draft", 0, 2))],
+)
+def test_cli_parses_speculative(text, want):
+    from logitloop.cli.parser import build_parser
+
+    args = build_parser().parse_args(["generate", "x", "--speculative", text])
+    assert args.speculative == want
+    assert args.acceptance == "strict"
+
+
+@pytest.mark.parametrize("text", ["ngram:3", "ngram:0:4", "ngram:3:9", "lookup:3:4"])
+def test_cli_rejects_bad_speculative(text):
+    from logitloop.cli.common import CLIError
+    from logitloop.cli.parser import build_parser
+
+    with pytest.raises(CLIError, match=r"--speculative: .*(ngram:N:K|outside the allowed)"):
+        build_parser().parse_args(["generate", "x", "--speculative", text])
+
+
+@pytest.mark.slow
+def test_cli_speculative_prints_the_plain_text():
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "logitloop", "generate", "The for statement", "-q"]
+    base += ["--max-tokens", "16", "--temperature", "0.8", "--seed", "3"]
+    plain = subprocess.run(base, capture_output=True, text=True, check=True).stdout
+    spec = subprocess.run(
+        [*base, "--speculative", "ngram:3:4"], capture_output=True, text=True, check=True
+    ).stdout
+    assert spec == plain and plain.strip()
