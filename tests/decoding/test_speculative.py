@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 from scipy import stats
 
 import logitloop as ll
@@ -251,3 +253,34 @@ def test_cli_speculative_prints_the_plain_text():
         [*base, "--speculative", "ngram:3:4"], capture_output=True, text=True, check=True
     ).stdout
     assert spec == plain and plain.strip()
+
+
+@struct.dataclass
+class _BanByCount:
+    """A stateful processor: bans token `count % V`, where count is the tokens drawn."""
+
+    offset: jax.Array  # [B] i32
+
+    def init(self, batch_size, vocab_size):
+        return jnp.zeros((batch_size,), jnp.int32)
+
+    def apply(self, state, logits, step):
+        banned = (state + self.offset) % logits.shape[1]
+        return jnp.where(jnp.arange(logits.shape[1]) == banned[:, None], -jnp.inf, logits)
+
+    def update(self, state, tokens, step):
+        return state + 1
+
+
+def test_strict_keeps_processor_states_to_the_accepted_tokens():
+    target = _bigram(0)
+    params = ll.SamplingParams.create(
+        batch_size=2, temperature=[0.0, 1.0], max_tokens=24, seed=[4, 9]
+    )
+    prompts = [[0, 1, 2, 0, 1], [3, 4, 3, 4]]
+    procs = [_BanByCount(offset=jnp.asarray([0, 3], jnp.int32))]
+    plain = ll.generate(target, prompts, params, processors=procs).token_ids
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3)
+    result = ll.generate(target, prompts, params, processors=procs, speculative=spec)
+    assert result.token_ids == plain
+    assert sum(row["accepted"] for row in result.speculation) > 0
