@@ -45,9 +45,12 @@ Acceptance:
 
 Greedy rows (temperature 0 or top_k 1) have p one-hot, where both modes coincide.
 
-A row whose drafts are rarely accepted stops proposing (`min_acceptance`, a moving average
-of the accepted fraction of its drafts) and tries again every `probe_every` cycles; when no
-running row proposes anything, a cycle is a plain one-column step (`loop.decode_step`).
+A row whose drafts are rarely accepted stops proposing: a moving average of the accepted
+fraction of its drafts (weight `EMA` for the latest cycle) starts at 0.5, and below
+`min_acceptance` (default 0.25: two cycles without a hit) the row is off. It tries again at
+every `probe_every`-th cycle, when every row that is off tries at once: a cycle where one
+row proposes costs the whole batch a wide forward. When no running row proposes anything,
+a cycle is a plain one-column step (`loop.decode_step`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from logitloop.ops.sampling import noise
 ACCEPTANCE = ("strict", "rejection")
 DRAFT_STREAM = 3  # a row's sub-stream for a draft model's sampled drafts (`sampler.sub_key`)
 EMA = 0.3  # weight of the latest cycle in a row's acceptance average
+START_ACCEPTANCE = 0.5  # the average a row starts with
 
 
 @struct.dataclass
@@ -77,7 +81,6 @@ class SpecState:
     """Per-row speculation bookkeeping carried in `DecodeState.speculation`."""
 
     acceptance: jax.Array  # [B] f32, moving average of the accepted fraction of drafts
-    idle: jax.Array  # [B] i32, cycles since the row last proposed while switched off
     cycles: jax.Array  # [B] i32, cycles the row ran in (plain steps included)
     drafted: jax.Array  # [B] i32, draft tokens verified
     accepted: jax.Array  # [B] i32, draft tokens accepted
@@ -119,8 +122,7 @@ class _Speculation:
         batch = prompt.shape[0]
         zeros = jnp.zeros((batch,), jnp.int32)
         return SpecState(
-            acceptance=jnp.ones((batch,), jnp.float32),
-            idle=zeros,
+            acceptance=jnp.full((batch,), START_ACCEPTANCE, jnp.float32),
             cycles=zeros,
             drafted=zeros,
             accepted=zeros,
@@ -148,7 +150,8 @@ class _Speculation:
         """One propose-verify-accept cycle (the module docstring)."""
         spec = s.speculation
         running = ~s.done
-        on = running & ((spec.acceptance >= self.min_acceptance) | (spec.idle >= self.probe_every))
+        probe = s.step % self.probe_every == 0
+        on = running & ((spec.acceptance >= self.min_acceptance) | probe)
         if spec.draft_cache is None:  # prompt lookup: no cache to keep in step, skip it all
 
             def nothing():
@@ -173,12 +176,10 @@ class _Speculation:
         gained = new.num_tokens - s.num_tokens
         accepted = jnp.where(num > 0, jnp.minimum(jnp.maximum(gained - 1, 0), num), 0)
         rate = accepted / jnp.maximum(num, 1)
-        wanted = running & ~on  # switched off this cycle
         spec = spec.replace(
             acceptance=jnp.where(
                 num > 0, (1 - EMA) * spec.acceptance + EMA * rate, spec.acceptance
             ),
-            idle=jnp.where(wanted, spec.idle + 1, jnp.where(num > 0, 0, spec.idle)),
             cycles=spec.cycles + running.astype(jnp.int32),
             drafted=spec.drafted + num,
             accepted=spec.accepted + accepted,
