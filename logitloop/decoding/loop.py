@@ -346,7 +346,9 @@ def decode(
 
     `speculative` (static; `logitloop.decoding.speculative`): each iteration is then one
     propose-verify-accept cycle (`speculative.cycle`), which records one or more tokens per
-    row; `draft_weights` are a draft model's weights.
+    row, after the plain steps it takes while no row proposes (those count as iterations
+    too; the cycle itself may run one past `max_steps`); `draft_weights` are a draft
+    model's weights.
     """
     buf = state.tokens.shape[1]
 
@@ -359,7 +361,9 @@ def decode(
         if speculative is None:
             s = decode_step(runner, weights, s, params, stops, layout)
         else:
-            s = speculative.cycle(runner, weights, draft_weights, s, params, stops, layout)
+            s = speculative.cycle(
+                runner, weights, draft_weights, s, params, stops, layout, keep_going=cond
+            )
         return layout.state(s.replace(step=s.step + 1))
 
     return jax.lax.while_loop(cond, body, state)

@@ -49,8 +49,8 @@ A row whose drafts are rarely accepted stops proposing: a moving average of the 
 fraction of its drafts (weight `EMA` for the latest cycle) starts at 0.5, and below
 `min_acceptance` (default 0.25: two cycles without a hit) the row is off. It tries again at
 every `probe_every`-th cycle, when every row that is off tries at once: a cycle where one
-row proposes costs the whole batch a wide forward. When no running row proposes anything,
-a cycle is a plain one-column step (`loop.decode_step`).
+row proposes costs the whole batch a wide forward. While no running row is on, the loop
+takes plain one-column steps (`loop.decode_step`), which count as cycles.
 """
 
 from __future__ import annotations
@@ -146,13 +146,28 @@ class _Speculation:
         params: SamplingParams,
         stops: StopStrings | None,
         layout: Layout,
+        keep_going: Any,
     ) -> loop.DecodeState:
-        """One propose-verify-accept cycle (the module docstring)."""
+        """Plain one-column steps while no running row proposes (a `while_loop` under
+        `keep_going`, the decode loop's own condition), then one propose-verify-accept cycle
+        (the module docstring). No `cond` chooses between the two: a cond over the state
+        costs XLA:CPU a copy of the KV cache at every step."""
+
+        def on_rows(s):
+            probe = s.step % self.probe_every == 0
+            return ~s.done & ((s.speculation.acceptance >= self.min_acceptance) | probe)
+
+        def plain(s):
+            spec = s.speculation
+            spec = spec.replace(cycles=spec.cycles + (~s.done).astype(jnp.int32))
+            s = loop.decode_step(runner, weights, s, params, stops, layout)
+            return layout.state(s.replace(step=s.step + 1, speculation=spec))
+
+        s = jax.lax.while_loop(lambda s: keep_going(s) & ~jnp.any(on_rows(s)), plain, s)
         spec = s.speculation
         running = ~s.done
-        probe = s.step % self.probe_every == 0
-        on = running & ((spec.acceptance >= self.min_acceptance) | probe)
-        if spec.draft_cache is None:  # prompt lookup: no cache to keep in step, skip it all
+        on = on_rows(s)
+        if spec.draft_cache is None:  # prompt lookup: skip the lookup when no row is on
 
             def nothing():
                 batch = s.num_tokens.shape[0]
@@ -165,14 +180,7 @@ class _Speculation:
         else:
             drafts, num, q, draft_cache = self.propose(draft_weights, s, params, on)
         num = jnp.where(on, num, 0)
-
-        def narrow(s):
-            return loop.decode_step(runner, weights, s, params, stops, layout)
-
-        def wide(s):
-            return self.verify(runner, weights, s, params, stops, layout, drafts, num, q)
-
-        new = jax.lax.cond(jnp.any(num > 0), wide, narrow, s)
+        new = self.verify(runner, weights, s, params, stops, layout, drafts, num, q)
         gained = new.num_tokens - s.num_tokens
         accepted = jnp.where(num > 0, jnp.minimum(jnp.maximum(gained - 1, 0), num), 0)
         rate = accepted / jnp.maximum(num, 1)
