@@ -22,6 +22,7 @@ from logitloop.decoding.sampler import (
     sample,
     sampling_distribution,
 )
+from logitloop.decoding.speculative import DraftModel, PromptLookup
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
@@ -31,11 +32,13 @@ __all__ = [
     "STATUS_OK",
     "DRY",
     "DecodeState",
+    "DraftModel",
     "FunctionModel",
     "GenerationResult",
     "History",
     "NoRepeatNGram",
     "Processor",
+    "PromptLookup",
     "Request",
     "SampleOutput",
     "SamplingParams",

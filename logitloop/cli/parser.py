@@ -201,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_model_flags(gen)
     _add_generation_config_flag(gen)
+    _add_speculative_flags(gen)
 
     s = gen.add_argument_group(
         "sampling (defaults: generation_config.json's, then SamplingParams.create's; "
@@ -221,6 +222,49 @@ def _add_generation_config_flag(parser: argparse.ArgumentParser) -> None:
         help="auto: sampling settings the flags leave unset come from the checkpoint's "
         "generation_config.json, as in vLLM (shown on stderr when it sets any); none: "
         "SamplingParams.create's defaults (default: auto)",
+    )
+
+
+def speculative_spec(text: str) -> tuple[str, int, int]:
+    """`--speculative ngram:N:K` -> ("ngram", N, K): prompt lookup with n-grams up to N and
+    K drafts; `draft:K` -> ("draft", 0, K), K drafts from `--draft-model`."""
+    parts = text.split(":")
+    try:
+        if parts[0] == "ngram" and len(parts) == 3:
+            kind, n, k = "ngram", int(parts[1]), int(parts[2])
+        elif parts[0] == "draft" and len(parts) == 2:
+            kind, n, k = "draft", 0, int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not ngram:N:K (e.g. ngram:3:4) or draft:K (e.g. draft:4)"
+        ) from None
+    if kind == "ngram" and not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: N = {n} is outside the allowed range [1, 64]")
+    if not 1 <= k <= 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: K = {k} is outside the allowed range [1, 8]")
+    return kind, n, k
+
+
+def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative",
+        type=speculative_spec,
+        metavar="SPEC",
+        help="ngram:N:K: K drafts copied from the prompt and output after the last N tokens; "
+        "draft:K: K drafts from --draft-model",
+    )
+    spec.add_argument(
+        "--draft-model", metavar="PATH", help="a draft model folder (same tokenizer; K = 4)"
+    )
+    spec.add_argument(
+        "--acceptance",
+        choices=["strict", "rejection"],
+        default="strict",
+        help="strict: the same tokens as without speculation; rejection: the same "
+        "distribution (default: strict)",
     )
 
 

@@ -59,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError("--stream takes exactly one PROMPT, with -n 1 and no --input/--output")
     if args.overwrite and not args.output:
         raise CLIError("--overwrite needs --output FILE")
+    if args.speculative and args.speculative[0] == "draft" and not args.draft_model:
+        raise CLIError("--speculative draft:K needs --draft-model PATH")
+    if args.speculative and args.speculative[0] == "ngram" and args.draft_model:
+        raise CLIError("--speculative ngram:N:K and --draft-model exclude each other")
     check_model_folder(args.model)
+    if args.draft_model:
+        check_model_folder(args.draft_model)
 
     defaults = param_defaults()
     base = {**checkpoint_defaults(args, show=not args.quiet), **base_knobs(args)}
@@ -110,14 +116,16 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
         if item.params is not base_params:
             check_vocab(item.params, info.vocab_size, item.where)
 
+    speculative = _speculation(args)
     if sink is None:
         sink = TextOutput(headers=len(items) * args.n > 1)
     gen_started = time.perf_counter()
     with CompileWatch() as timer:
         if args.stream:
-            tokens = _stream_one(model, todo[0], args.ignore_eos, args.deterministic)
+            tokens = _stream_one(model, todo[0], args.ignore_eos, args.deterministic, speculative)
         else:
             shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
+            shapes["speculative"] = speculative
             tokens = _run_requests(args, model, todo, shapes, sink.write)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds
@@ -192,7 +200,22 @@ def _run_requests(
     return tokens
 
 
-def _stream_one(model, item: Item, ignore_eos: bool, deterministic: bool = False) -> int:
+def _speculation(args):
+    """`--speculative`, `--draft-model`, `--acceptance` as `generate`'s `speculative=`."""
+    import logitloop as ll
+
+    kind, n, k = args.speculative or ("draft" if args.draft_model else None, 0, 4)
+    if kind == "ngram":
+        return ll.PromptLookup(max_ngram=n, num_draft=k, acceptance=args.acceptance)
+    if kind == "draft":
+        draft = load_model(args.draft_model, args.dtype)
+        return ll.DraftModel(model=draft, num_draft=k, acceptance=args.acceptance)
+    return None
+
+
+def _stream_one(
+    model, item: Item, ignore_eos: bool, deterministic: bool = False, speculative=None
+) -> int:
     """Print one prompt's text deltas as they come; returns the number of tokens generated."""
     import logitloop as ll
 
@@ -201,7 +224,7 @@ def _stream_one(model, item: Item, ignore_eos: bool, deterministic: bool = False
     try:
         events = ll.stream(
             model, [item.token_ids], item.params, ignore_eos=ignore_eos,
-            deterministic=deterministic,
+            deterministic=deterministic, speculative=speculative,
         )  # fmt: skip
         for event in events:
             if event.text:

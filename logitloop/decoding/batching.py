@@ -50,6 +50,7 @@ import numpy as np
 
 from logitloop.decoding import constraints, sharding, stop_strings
 from logitloop.decoding import processors as procs
+from logitloop.decoding import speculative as speculation
 from logitloop.decoding.constraints import Automata, HostAutomaton
 from logitloop.decoding.history import History
 from logitloop.decoding.host import (
@@ -107,6 +108,7 @@ class Request:
         "text",
         "layout",
         "vocab",
+        "speculative",
     ),
 )
 def _empty_state(
@@ -122,6 +124,8 @@ def _empty_state(
     window: int,
     text: int,
     layout: Layout,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
     """A state whose every row is an empty, finished slot (the loop never touches it)."""
     cap = prompt_len + buffer_len
@@ -137,11 +141,15 @@ def _empty_state(
         processor_states=procs.init_states(params.processors, batch, vocab),
         done=True,
     )
+    if speculative is not None:  # a one-column "prompt" of padding: nothing is written
+        pad = jnp.full((batch, 1), -1, jnp.int32)
+        spec = speculative.init(draft_weights, jnp.maximum(pad, 0), pad, cap, layout)
+        state = state.replace(speculation=spec)
     return layout.state(state)
 
 
 @stored_jit(
-    static_argnames=("runner", "buffer_len", "num_top", "layout"),
+    static_argnames=("runner", "buffer_len", "num_top", "layout", "speculative"),
     donate_argnames=("state",),
     jit=runner_jit,
 )
@@ -164,6 +172,8 @@ def _admit(
     buffer_len: int,
     num_top: int,
     layout: Layout,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> tuple[DecodeState, SamplingParams, StopStrings | None]:
     """Prefill G prompts and write their fresh rows (state, params, stop strings, automaton
     states) into slots."""
@@ -181,6 +191,8 @@ def _admit(
         layout=layout,
         automata=automata,
         fsm=fsm,
+        speculative=speculative,
+        draft_weights=draft_weights,
     )
 
     def put(big, small):
@@ -257,8 +269,12 @@ class _Batcher:
         ignore_eos: bool,
         layout: Layout,
         processors: Sequence[Any] | None,
+        speculative: Any = None,
+        draft_weights: Any = None,
     ):
         self.info = info
+        self.speculative = speculative  # static, from `speculative.resolve`
+        self.draft_weights = draft_weights
         self.slots = slots
         self.max_prompt_len = max_prompt_len
         self.max_tokens = max_tokens
@@ -385,6 +401,8 @@ class _Batcher:
                 window=widths.sequence_len,
                 text=text,
                 layout=self.layout,
+                speculative=self.speculative,
+                draft_weights=self.draft_weights,
             )
             return
         self.params = self.params.widen(widths)
@@ -468,6 +486,8 @@ class _Batcher:
                 buffer_len=self.buffer_len,
                 num_top=self.widths.top_logprobs,
                 layout=self.layout,
+                speculative=self.speculative,
+                draft_weights=self.draft_weights,
             )
         return used
 
@@ -482,6 +502,8 @@ class _Batcher:
             np.int32(self.chunk_steps),
             layout=self.layout,
             automata=self.automata,
+            speculative=self.speculative,
+            draft_weights=self.draft_weights,
         )
 
     def done(self) -> np.ndarray:
@@ -611,6 +633,7 @@ def iter_generate_many(
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
     deterministic: bool = False,
+    speculative: Any = None,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
 
@@ -621,6 +644,7 @@ def iter_generate_many(
     """
     layout = sharding.layout_for(mesh)
     info = layout.place(model_info(model, deterministic=deterministic))
+    spec, draft_weights = speculation.resolve(speculative, info, mesh)
     slots = check_count("slots", slots, 1)
     layout.check_rows("slots", slots)
     chunk_steps = check_count("chunk_steps", chunk_steps, 1)
@@ -659,6 +683,8 @@ def iter_generate_many(
         ignore_eos=ignore_eos,
         layout=layout,
         processors=processors,
+        speculative=spec,
+        draft_weights=draft_weights,
     )
     return batcher.run(requests)
 
@@ -678,6 +704,7 @@ def generate_many(
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
     deterministic: bool = False,
+    speculative: Any = None,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
 
@@ -698,6 +725,7 @@ def generate_many(
       bring none of their own (`Request.processors`).
     deterministic: as in `generate`: a request's tokens and logprobs do not depend on the
       slots, the other requests or `prefill_batch`.
+    speculative: as in `generate`; a chunk is then `chunk_steps` propose-verify cycles.
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)`.
@@ -717,6 +745,7 @@ def generate_many(
         mesh=mesh,
         processors=processors,
         deterministic=deterministic,
+        speculative=speculative,
     ):
         out[index] = result
     return [out[i] for i in range(len(out))]

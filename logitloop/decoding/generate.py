@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding import sharding, stop_strings
+from logitloop.decoding import speculative as speculation
 from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public host-side names
     FINISH_REASON,
     MIN_BUFFER_BUCKET,
@@ -47,6 +48,7 @@ def generate(
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
     deterministic: bool = False,
+    speculative: Any = None,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -79,26 +81,71 @@ def generate(
     logprobs and finish reason, are bit for bit those of the row alone, whatever the
     batch, the prompt bucket and buffer (on one device; a mesh still differs by ~1e-6)
     (`logitloop.models.fixed_order`; README, "Deterministic decoding").
+
+    `speculative`: `ll.PromptLookup(...)` or `ll.DraftModel(...)` to decode speculatively
+    (`logitloop.decoding.speculative`): strict acceptance gives the same tokens, rejection
+    acceptance the same distribution; `result.speculation` counts drafts per row.
     """
+    run = _start(
+        model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
+    )
+    state = decode(
+        run.info.runner,
+        run.info.weights,
+        run.state,
+        run.params.device_only(),
+        run.stops,
+        jnp.asarray(2**30, jnp.int32),
+        **run.loop_args,
+    )
+    result = collect(run.layout.host_view(state).outputs(), run.ids, run.params, run.info)
+    if run.spec is not None:
+        result.speculation = speculation.stats(state.speculation, len(run.ids))
+    return result
+
+
+@dataclasses.dataclass
+class _Run:
+    """What `generate` and `stream` start from: the checked inputs, the tables the loop
+    reads and the state after prefill."""
+
+    info: Any
+    ids: list[list[int]]
+    params: SamplingParams
+    layout: Any
+    stops: Any
+    automata: Any
+    spec: Any
+    draft_weights: Any
+    state: Any
+
+    @property
+    def loop_args(self) -> dict[str, Any]:
+        """`decode`'s keyword arguments besides the state and the step limit."""
+        return dict(
+            layout=self.layout,
+            automata=self.automata,
+            speculative=self.spec,
+            draft_weights=self.draft_weights,
+        )
+
+
+def _start(
+    model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
+) -> _Run:
     layout = sharding.layout_for(mesh)
     info, ids, params = prepare(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
         processors=processors, deterministic=deterministic,
     )  # fmt: skip
+    spec, draft_weights = speculation.resolve(speculative, info, mesh)
     stops = stop_tables(info, params.stop)
     automata, fsm = constraint_tables(info, params)
-    state = initial_state(info, ids, params, stops, layout=layout, automata=automata, fsm=fsm)
-    state = decode(
-        info.runner,
-        info.weights,
-        state,
-        params.device_only(),
-        stops,
-        jnp.asarray(2**30, jnp.int32),
-        layout=layout,
-        automata=automata,
-    )
-    return collect(layout.host_view(state).outputs(), ids, params, info)
+    state = initial_state(
+        info, ids, params, stops, layout=layout, automata=automata, fsm=fsm,
+        speculative=spec, draft_weights=draft_weights,
+    )  # fmt: skip
+    return _Run(info, ids, params, layout, stops, automata, spec, draft_weights, state)
 
 
 @dataclasses.dataclass
@@ -123,6 +170,7 @@ def stream(
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
     deterministic: bool = False,
+    speculative: Any = None,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -130,17 +178,14 @@ def stream(
     host detokenises incrementally. A delta never holds an incomplete UTF-8 sequence, nor
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
-    exactly `generate(...).text` for that row. `deterministic`: as in `generate`.
+    exactly `generate(...).text` for that row. `deterministic`: as in `generate`. With
+    `speculative` (as in `generate`) a chunk is `chunk_steps` propose-verify cycles.
     """
     check_count("chunk_steps", chunk_steps, 1)
-    layout = sharding.layout_for(mesh)
-    info, ids, params = prepare(
-        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
-        processors=processors, deterministic=deterministic,
-    )  # fmt: skip
-    stops = stop_tables(info, params.stop)
-    automata, fsm = constraint_tables(info, params)
-    state = initial_state(info, ids, params, stops, layout=layout, automata=automata, fsm=fsm)
+    run = _start(
+        model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
+    )
+    info, ids, params, layout, state = run.info, run.ids, run.params, run.layout, run.state
     device_params = params.device_only()
     batch = len(ids)
     tok = info.tokenizer
@@ -190,8 +235,7 @@ def stream(
             info.weights,
             state,
             device_params,
-            stops,
+            run.stops,
             jnp.asarray(int(step) + chunk_steps, jnp.int32),
-            layout=layout,
-            automata=automata,
+            **run.loop_args,
         )

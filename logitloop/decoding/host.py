@@ -78,6 +78,8 @@ class GenerationResult:
     top_logprobs: list[list[dict[int, float]]] | None = None
     text: list[str] | None = None
     error: list[str | None] | None = None
+    # with `speculative=`: per row {"cycles", "drafted", "accepted"} (`speculative.stats`)
+    speculation: list[dict[str, int]] | None = None
 
 
 # ----------------------------------------------------------------------------- host side
@@ -313,6 +315,8 @@ def initial_state(
     automata: Automata | None = None,
     fsm: np.ndarray | None = None,
     prefill_chunk: int | None = None,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
     """Pad the prompts, run prefill and return the state before the loop.
 
@@ -322,6 +326,7 @@ def initial_state(
     Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
     `prefill_chunk`: run the prompt columns through the model that many at a time
     (`loop.forward_prompt`) instead of in one pass.
+    `speculative`, `draft_weights`: from `speculative.resolve`.
     """
     if prefill_chunk is not None:
         check_count("prefill_chunk", prefill_chunk, 1)
@@ -344,6 +349,8 @@ def initial_state(
         automata=automata,
         fsm=fsm,
         prefill_chunk=prefill_chunk,
+        speculative=speculative,
+        draft_weights=draft_weights,
     )
 
 

@@ -46,10 +46,11 @@ class Layout:
         states: tuple = (),
         done: jax.Array | None = None,
         allowed_bits: jax.Array | None = None,
+        choose=None,
     ) -> sampler.SampleOutput:
         """The loop's sampling step (`states`, `done`: for the processors; `allowed_bits`:
-        the constraints' masks)."""
-        rows = dict(states=states, done=done, allowed_bits=allowed_bits)
+        the constraints' masks; `choose`: see `sampler.sample_step`)."""
+        rows = dict(states=states, done=done, allowed_bits=allowed_bits, choose=choose)
         return sampler.sample_step(logits, params, positions, history, **rows)
 
     def place(self, info: Any) -> Any:

@@ -73,6 +73,8 @@ class DecodeState:
     text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
     processor_states: tuple = ()  # one state per `params.processors`, every leaf [B, ...]
     fsm: jax.Array | None = None  # [B] i32, each row's automaton state (-1 = unconstrained)
+    # Speculative decoding's own per-row state (`speculative.SpecState`), None without it.
+    speculation: Any = None
 
     @classmethod
     def empty(
@@ -155,9 +157,13 @@ def sample_state(
     params: SamplingParams,
     stops: StopStrings | None,
     automata: Automata | None,
+    *,
+    where: jax.Array | None = None,
+    choose: Any = None,
 ) -> DecodeState:
     """Draw each row's next token from `logits` [B, V] and `record` it: the one sampling
-    step of prefill and decode (the constraints' masks from the rows' automaton states)."""
+    step of prefill, decode and speculative verification (the constraints' masks from the
+    rows' automaton states; `where`, `choose`: see `record` and `sampler.sample_step`)."""
     bits = None if automata is None else constraints.row_bits(automata, state.fsm)
     out = layout.sample(
         logits,
@@ -167,8 +173,9 @@ def sample_state(
         state.processor_states,
         state.done,
         allowed_bits=bits,
+        choose=choose,
     )
-    return record(state, out, params, stops, automata, bits)
+    return record(state, out, params, stops, automata, bits, where=where)
 
 
 def record(
@@ -178,15 +185,19 @@ def record(
     stops: StopStrings | None,
     automata: Automata | None = None,
     bits: jax.Array | None = None,
+    where: jax.Array | None = None,
 ) -> DecodeState:
     """Append each running row's new token and check its stop conditions.
 
     `automata`, `bits`: the constraints' tables and the masks the token was drawn under
     (`constraints.row_bits` of the rows' states); each written token advances its row's
     automaton, and a row whose automaton can then only end finishes (FINISH_CONSTRAINT).
+    `where` ([B] bool): only these rows take their token; the others stay as they are,
+    processor states included (speculative verification records one draft column at a
+    time, for the rows still accepting).
     """
     batch, buf = state.tokens.shape
-    active = ~state.done
+    active = ~state.done if where is None else ~state.done & where
     ok = out.status == STATUS_OK
     write = active & ok
     rows = jnp.arange(batch)
@@ -252,6 +263,13 @@ def record(
     ).astype(jnp.int32)
     matched = jnp.where(active & ok, matched, state.matched)
 
+    states = out.states
+    if where is not None:
+        states = jax.tree.map(
+            lambda new, old: jnp.where(write.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+            states,
+            state.processor_states,
+        )
     top_ids, top_values = state.top_ids, state.top_values
     if top_ids.shape[2]:
         top_ids = put(top_ids, out.top_logprobs.ids)
@@ -270,8 +288,9 @@ def record(
         window=window,
         text_window=text_window,
         fsm=fsm,
-        # Rows that wrote no token are done from here on: their states are never read again.
-        processor_states=out.states,
+        # Without `where`, rows that wrote no token are done from here on: their states are
+        # never read again.
+        processor_states=states,
     )
 
 
@@ -299,7 +318,8 @@ def forward_prompt(
 
 
 @functools.partial(
-    runner_jit, static_argnames=("runner", "buffer_len", "num_top", "layout", "prefill_chunk")
+    runner_jit,
+    static_argnames=("runner", "buffer_len", "num_top", "layout", "prefill_chunk", "speculative"),
 )
 def prefill(
     runner: ModelRunner,
@@ -317,9 +337,15 @@ def prefill(
     automata: Automata | None = None,
     fsm: jax.Array | None = None,  # [B] i32, the rows' initial automaton states
     prefill_chunk: int | None = None,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
     """Run the whole prompt in one forward pass (or `prefill_chunk` columns at a time) and
-    draw each row's first token."""
+    draw each row's first token.
+
+    With `speculative`, the state also gets speculation's per-row state (a draft model's
+    prefill included: `speculative.init`).
+    """
     batch, plen = prompt.shape
     prompt, positions, prompt_len, history, params, fsm = layout.rows(
         (prompt, positions, prompt_len, history, params, fsm), batch
@@ -338,10 +364,40 @@ def prefill(
         processor_states=procs.init_states(params.processors, batch, logits.shape[1]),
         fsm=fsm,
     )
-    return layout.state(sample_state(layout, logits, state, params, stops, automata))
+    state = sample_state(layout, logits, state, params, stops, automata)
+    if speculative is not None:
+        spec = speculative.init(draft_weights, prompt, positions, plen + buffer_len, layout)
+        state = state.replace(speculation=spec)
+    return layout.state(state)
 
 
-@stored_jit(static_argnames=("runner", "layout"), donate_argnames=("state",), jit=runner_jit)
+def last_tokens(state: DecodeState) -> jax.Array:
+    """[B] i32: each row's last generated token (0 before the first, or when none)."""
+    idx = jnp.maximum(state.num_tokens - 1, 0)[:, None]
+    return jnp.maximum(jnp.take_along_axis(state.tokens, idx, axis=1)[:, 0], 0)
+
+
+def decode_step(
+    runner: ModelRunner,
+    weights: Any,
+    s: DecodeState,
+    params: SamplingParams,
+    stops: StopStrings | None,
+    layout: Layout = ONE_DEVICE,
+    automata: Automata | None = None,
+) -> DecodeState:
+    """One token per running row: feed its last token, sample, record."""
+    # Finished rows feed a padding position, so their cache is never written again.
+    pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
+    logits, cache = runner.forward(weights, last_tokens(s)[:, None], pos, s.cache)
+    return sample_state(layout, logits, s.replace(cache=cache), params, stops, automata)
+
+
+@stored_jit(
+    static_argnames=("runner", "layout", "speculative"),
+    donate_argnames=("state",),
+    jit=runner_jit,
+)
 def decode(
     runner: ModelRunner,
     weights: Any,
@@ -351,11 +407,19 @@ def decode(
     max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
     layout: Layout = ONE_DEVICE,
     automata: Automata | None = None,
+    speculative: Any = None,
+    draft_weights: Any = None,
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
 
     Also stops once `state.step` reaches `max_steps` or every running row's buffer is full, so
     that `stream` and `generate_many` can run the same compiled loop in chunks.
+
+    `speculative` (static; `logitloop.decoding.speculative`): each iteration is then one
+    propose-verify-accept cycle (`speculative.cycle`), which records one or more tokens per
+    row, after the plain steps it takes while no row proposes (those count as iterations
+    too; the cycle itself may run one past `max_steps`); `draft_weights` are a draft
+    model's weights.
     """
     buf = state.tokens.shape[1]
 
@@ -365,11 +429,13 @@ def decode(
         return (s.step < max_steps) & jnp.any(~s.done & (s.num_tokens < buf))
 
     def body(s: DecodeState):
-        last = jnp.take_along_axis(s.tokens, jnp.maximum(s.num_tokens - 1, 0)[:, None], axis=1)
-        # Finished rows feed a padding position, so their cache is never written again.
-        pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
-        logits, cache = runner.forward(weights, jnp.maximum(last, 0), pos, s.cache)
-        s = sample_state(layout, logits, s.replace(cache=cache), params, stops, automata)
+        if speculative is None:
+            s = decode_step(runner, weights, s, params, stops, layout, automata)
+        else:
+            s = speculative.cycle(
+                runner, weights, draft_weights, s, params, stops, layout, automata,
+                keep_going=cond,
+            )  # fmt: skip
         return layout.state(s.replace(step=s.step + 1))
 
     return jax.lax.while_loop(cond, body, state)

@@ -73,6 +73,18 @@ class ModelRunner:
             logits = logits[:, -1]
         return logits, cache
 
+    def forward_columns(self, weights, tokens, positions, cache) -> tuple[jax.Array, Any]:
+        """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts)."""
+        if self.graphdef is not None:
+            return nnx.merge(self.graphdef, weights)(tokens, positions, cache, all_columns=True)
+        logits, cache = self.apply_fn(weights, tokens, positions, cache)
+        if logits.ndim != 3:
+            raise ValueError(
+                "speculative decoding needs a model whose apply_fn returns the logits of "
+                f"every column, [B, T, V]; this one returned shape {tuple(logits.shape)}"
+            )
+        return logits, cache
+
     def init_cache(self, weights, batch_size: int, max_length: int) -> Any:
         if self.graphdef is not None:
             return nnx.merge(self.graphdef, weights).init_cache(batch_size, max_length)

@@ -46,7 +46,7 @@ from logitloop.decoding import processors as procs
 from logitloop.decoding import transforms
 from logitloop.decoding.history import History, distinct_tokens
 from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
-from logitloop.ops.sampling import Thresholds, filter_and_sample
+from logitloop.ops.sampling import Thresholds, filter_and_sample, noise
 from logitloop.ops.sampling.dispatch import resolve_backend
 from logitloop.ops.sampling.noise import row_keys
 from logitloop.ops.sampling.xla import (
@@ -329,12 +329,17 @@ def sample_step(
     allowed_bits: jax.Array | None = None,
     backend: str = "auto",
     axes: Axes = SINGLE,
+    choose=None,
 ) -> SampleOutput:
     """The sampling step, traceable anywhere: `sample` is this under `jit` on one device;
     inside `shard_map`, `axes` says how the rows and the vocabulary lie on the mesh (the
     logits are then this device's [B_s, V_s] slice, the results those of its rows).
     `states`, `done`, `allowed_bits`: the processors' states, the rows that stopped and the
-    constraints' masks (`adjust_logits`)."""
+    constraints' masks (`adjust_logits`).
+
+    `choose(probs [B, V], drawn [B] i32, key [B, 2] u32) -> tokens [B]`: picks the token
+    instead of the row's draw, from the final distribution (speculative decoding's
+    rejection acceptance, `rejection_choice`); logprobs and processor updates follow it."""
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history, axes, states, done, allowed_bits)
@@ -359,6 +364,15 @@ def sample_step(
     batch = proc.raw.shape[0]
     vocab = axes.vocab_size(proc.raw)
     ok = proc_status == STATUS_OK
+    drawn_logprobs = drawn.logprobs
+    if choose is not None:
+        if axes.vocab is not None:
+            raise ValueError("speculative rejection needs whole rows of the vocabulary")
+        probs = kept_distribution(proc.scaled, thr, proc.greedy)
+        chosen = choose(probs, drawn.tokens, key)
+        drawn = drawn.replace(tokens=chosen)
+        picked = jnp.take_along_axis(probs, jnp.clip(chosen, 0, vocab - 1)[:, None], axis=1)
+        drawn_logprobs = jnp.where(proc.greedy, 0.0, jnp.log(picked[:, 0]))
     tokens = jnp.where(ok, jnp.clip(drawn.tokens, 0, vocab - 1), 0)
     # The raw log-softmax at one token per row; the full [B, V] array only when top-n is asked.
     norm = jnp.where(ok, proc.raw_norm, 0.0)
@@ -379,12 +393,50 @@ def sample_step(
         states = procs.update_all(params.processors, states, tokens, step)
     return SampleOutput(
         tokens=tokens,
-        logprobs=jnp.where(ok, drawn.logprobs, NEG_INF),
+        logprobs=jnp.where(ok, drawn_logprobs, NEG_INF),
         raw_logprobs=jnp.where(ok, raw_tok, NEG_INF),
         top_logprobs=top,
         status=proc_status,
         states=tuple(states),
     )
+
+
+def sub_key(key: jax.Array, stream: int) -> jax.Array:
+    """[B, 2] u32: a row key's independent sub-stream `stream` (counters the draw, which
+    counts token ids from 0, never reaches)."""
+    c = jnp.uint32(2**31 + 2 * stream)
+    return jnp.stack([noise.counter_bits(key, c), noise.counter_bits(key, c + 1)], axis=-1)
+
+
+def rejection_choice(
+    probs: jax.Array,  # [B, V] f32, the final distribution p
+    drawn: jax.Array,  # [B] i32, the row's own draw (kept where `valid` is False)
+    key: jax.Array,  # [B, 2] u32, the row key at this position
+    draft: jax.Array,  # [B] i32
+    q: jax.Array | None,  # [B, V] f32, the draft's distribution; None: one-hot at `draft`
+    valid: jax.Array,  # [B] bool
+    accept_stream: int = 1,
+    residual_stream: int = 2,
+) -> jax.Array:
+    """Speculative sampling at one position: keep `draft` with probability
+    min(1, p(d) / q(d)), else draw from max(p - q, 0) renormalised (an exponential race
+    on the row's own sub-stream). The token follows p whatever q is."""
+    vocab = probs.shape[1]
+    d = jnp.clip(draft, 0, vocab - 1)[:, None]
+    p_d = jnp.take_along_axis(probs, d, axis=1)[:, 0]
+    if q is None:
+        q = jax.nn.one_hot(d[:, 0], vocab, dtype=jnp.float32)
+    q_d = jnp.take_along_axis(q, d, axis=1)[:, 0]
+    bits = noise.counter_bits(sub_key(key, accept_stream), jnp.zeros(draft.shape, jnp.uint32))
+    u = bits.astype(jnp.float32) * jnp.float32(2.0**-32)  # [0, 1)
+    accept = u * q_d < p_d
+    residual = jnp.maximum(probs - q, 0.0)
+    e = noise.exponential_from_bits(
+        noise.counter_bits(sub_key(key, residual_stream)[:, None, :], jnp.arange(vocab))
+    )
+    race = jnp.where(residual > 0, jnp.log(residual) - jnp.log(e), NEG_INF)
+    resampled = jnp.where(jnp.any(residual > 0, axis=1), jnp.argmax(race, axis=1), drawn)
+    return jnp.where(valid, jnp.where(accept, draft, resampled), drawn).astype(jnp.int32)
 
 
 def kept_distribution(scaled: jax.Array, thr: Thresholds, greedy: jax.Array) -> jax.Array:

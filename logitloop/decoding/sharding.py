@@ -138,10 +138,13 @@ class MeshLayout(Layout):
         states: tuple = (),
         done: jax.Array | None = None,
         allowed_bits: jax.Array | None = None,
+        choose=None,
     ) -> sampler.SampleOutput:
         """`sampler.sample_step` under `shard_map`: the vocabulary over "model" when its size
         divides V and no processor needs whole rows, the rows over "data" when its size
-        divides B."""
+        divides B. (`choose` must be None: speculation does not run on a mesh.)"""
+        if choose is not None:
+            raise ValueError("speculative decoding does not run on a mesh")
         batch, vocab = logits.shape
         size = self.mesh.shape[MODEL_AXIS]
         split = size > 1 and vocab % size == 0 and not params.processors

@@ -77,12 +77,15 @@ class DecoderModel(nnx.Module):
         tokens: jax.Array,  # [B, T] int32
         positions: jax.Array,  # [B, T] int32, -1 for (left) padding
         cache: KVCache,
+        *,
+        all_columns: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """Run T columns through the model, writing their keys/values into `cache`.
 
         Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
         Only the last column goes through the final norm and LM head: prompts are
-        left-padded, so that column is every row's last real token. Padding columns
+        left-padded, so that column is every row's last real token. `all_columns=True`
+        returns every column's logits, `[B, T, V]` (speculative verification). Padding columns
         (-1) compute finite values that are never used.
 
         Each real token's key/value goes to cache slot == its position (padding is never
@@ -95,13 +98,13 @@ class DecoderModel(nnx.Module):
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
         x, new_cache = self.hidden_states(tokens, positions, cache)  # [B, T, E]
-        last = self.output_norm(x[:, -1])  # [B, E]
+        last = self.output_norm(x if all_columns else x[:, -1])  # [B, T, E] or [B, E]
+        rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
         head = self.head_weight()
         logits = fixed_order.rowwise(
-            lambda rows: jnp.einsum("be,ve->bv", rows, head, preferred_element_type=jnp.float32),
-            last,
+            lambda r: jnp.einsum("be,ve->bv", r, head, preferred_element_type=jnp.float32), rows
         )
-        return self.output_logits(logits), new_cache
+        return self.output_logits(logits.reshape(*last.shape[:-1], -1)), new_cache
 
     def hidden_states(
         self,

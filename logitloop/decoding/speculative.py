@@ -1,0 +1,392 @@
+"""Speculative decoding inside the decode loop: propose, verify in one forward pass, accept.
+
+`decode` (`logitloop.decoding.loop`) runs `cycle` as its `while_loop` body when given a
+`PromptLookup` or a `DraftModel`. One cycle, for every running row at once:
+
+1. propose up to K draft tokens d1..dK (`num` of them valid per row): copied from the row's
+   own prompt and output after its latest earlier occurrence of its last n tokens
+   (`PromptLookup`, longest n first), or drawn by a smaller model with its own KV cache
+   (`DraftModel`);
+2. one forward pass of the target over the K + 1 columns [last, d1..dK] at positions
+   p .. p + K (p = prompt_len + num_tokens - 1, where `last` is fed in a plain step);
+3. for j = 0..K (a `while_loop` that ends once no row accepts): the row's full sampling
+   step on column j's logits with the history, processor states, stop state and position
+   as they are after the tokens accepted so far (`sample_step` through `layout.sample`,
+   then `record` with a `where` mask: the loop's own pieces), and the row goes on
+   accepting while the token taken at column j equals draft j + 1.
+
+Index bookkeeping, one row, prompt length 3, two tokens t0 t1 generated (num_tokens = 2):
+p = 3 + 2 - 1 = 4, the columns [t1, d1, d2, d3] go in at positions 4..7 and their logits
+draw the tokens at generated indices 2..5 (random streams (seed, 2)..(seed, 5), as in plain
+decoding). Say the row takes d1 at column 0 and, at column 1, a token x != d2: it records
+d1, x (num_tokens = 4) and the next cycle feeds x at position 3 + 4 - 1 = 6. Cache slots 4
+and 5 (t1, d1) are right; slots 6 and 7 hold the rejected d2, d3 and are rewritten by the
+next cycle before any query can see them (a query at position q sees slots <= q). So the
+cache "rolls back" by keeping `num_tokens` at the accepted length; a sliding-window ring
+ignores entries at or past a call's first position (`models.layers`), so K is capped at
+`layers.RING_SLACK`.
+
+Every cycle records at least one token per running row (column 0 is never a draft), and a
+row stops at the first accepted token that meets one of its stop conditions.
+
+Acceptance:
+
+- "strict": the token taken at column j is the one the row draws there with its own noise,
+  keyed by (seed, position) as always. The output is `generate`'s without speculation,
+  token for token, up to the rounding of the wider verify pass (a K + 1 column forward
+  sums in another order than a one column one).
+- "rejection": standard speculative sampling. A draft d with draft probability q(d) is
+  accepted with probability min(1, p(d) / q(d)) under the row's final distribution p
+  (after every step of the sampling order), with a uniform from a sub-stream of the row's
+  own key at that position; on rejection the token is drawn from max(p - q, 0)
+  renormalised, with another (`sampler.rejection_choice`). Prompt-lookup drafts have q
+  one-hot. The tokens then follow the same distribution as plain sampling, though not the
+  same tokens.
+
+Greedy rows (temperature 0 or top_k 1) have p one-hot, where both modes coincide.
+
+A row whose drafts are rarely accepted stops proposing: a moving average of the accepted
+fraction of its drafts (weight `EMA` for the latest cycle) starts at 0.5, and below
+`min_acceptance` (default 0.25: two cycles without a hit) the row is off. It tries again at
+every `probe_every`-th cycle, when every row that is off tries at once: a cycle where one
+row proposes costs the whole batch a wide forward. While no running row is on, the loop
+takes plain one-column steps (`loop.decode_step`), which count as cycles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from logitloop.decoding import loop, sampler
+from logitloop.decoding.constraints import Automata
+from logitloop.decoding.layout import Layout
+from logitloop.decoding.model import ModelRunner
+from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.stop_strings import StopStrings
+from logitloop.models.layers import RING_SLACK
+from logitloop.ops.sampling import noise
+
+ACCEPTANCE = ("strict", "rejection")
+DRAFT_STREAM = 3  # a row's sub-stream for a draft model's sampled drafts (`sampler.sub_key`)
+EMA = 0.3  # weight of the latest cycle in a row's acceptance average
+START_ACCEPTANCE = 0.5  # the average a row starts with
+
+
+@struct.dataclass
+class SpecState:
+    """Per-row speculation bookkeeping carried in `DecodeState.speculation`."""
+
+    acceptance: jax.Array  # [B] f32, moving average of the accepted fraction of drafts
+    cycles: jax.Array  # [B] i32, cycles the row ran in (plain steps included)
+    drafted: jax.Array  # [B] i32, draft tokens verified
+    accepted: jax.Array  # [B] i32, draft tokens accepted
+    draft_cache: Any = None  # a DraftModel's KV cache
+
+
+def _check(name: str, value: Any, lo: float, hi: float, kind=int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ValueError(
+            f"{name} must be {'a number' if kind is float else 'an int'}, got {value!r}"
+        )
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} = {value!r} is outside the allowed range [{lo}, {hi}]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Speculation:
+    """What both kinds of speculation share: K, the acceptance rule, the switch-off."""
+
+    num_draft: int = 4
+    acceptance: str = "strict"
+    min_acceptance: float = 0.25
+    probe_every: int = 32
+
+    def __post_init__(self):
+        name = type(self).__name__
+        _check(f"{name}.num_draft", self.num_draft, 1, RING_SLACK)
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(
+                f"{name}.acceptance = {self.acceptance!r} is not one of {', '.join(ACCEPTANCE)}"
+            )
+        _check(f"{name}.min_acceptance", self.min_acceptance, 0.0, 1.0, float)
+        _check(f"{name}.probe_every", self.probe_every, 1, 2**20)
+
+    # ------------------------------------------------------------------ the device side
+
+    def init(self, draft_weights, prompt, positions, cache_len: int, layout: Layout) -> SpecState:
+        """Per-row state after prefill (`loop.prefill`)."""
+        batch = prompt.shape[0]
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return SpecState(
+            acceptance=jnp.full((batch,), START_ACCEPTANCE, jnp.float32),
+            cycles=zeros,
+            drafted=zeros,
+            accepted=zeros,
+            draft_cache=self.draft_prefill(draft_weights, prompt, positions, cache_len, layout),
+        )
+
+    def draft_prefill(self, draft_weights, prompt, positions, cache_len, layout):
+        return None
+
+    def propose(self, draft_weights, s: loop.DecodeState, params: SamplingParams, on):
+        """-> drafts [B, K] i32, num [B] i32 valid drafts, q [B, K, V] f32 or None (one-hot),
+        the new draft cache."""
+        raise NotImplementedError
+
+    def cycle(
+        self,
+        runner: ModelRunner,
+        weights: Any,
+        draft_weights: Any,
+        s: loop.DecodeState,
+        params: SamplingParams,
+        stops: StopStrings | None,
+        layout: Layout,
+        automata: Automata | None,
+        keep_going: Any,
+    ) -> loop.DecodeState:
+        """Plain one-column steps while no running row proposes (a `while_loop` under
+        `keep_going`, the decode loop's own condition), then one propose-verify-accept cycle
+        (the module docstring). No `cond` chooses between the two: a cond over the state
+        costs XLA:CPU a copy of the KV cache at every step."""
+
+        def on_rows(s):
+            probe = s.step % self.probe_every == 0
+            return ~s.done & ((s.speculation.acceptance >= self.min_acceptance) | probe)
+
+        def plain(s):
+            spec = s.speculation
+            spec = spec.replace(cycles=spec.cycles + (~s.done).astype(jnp.int32))
+            s = loop.decode_step(runner, weights, s, params, stops, layout, automata)
+            return layout.state(s.replace(step=s.step + 1, speculation=spec))
+
+        s = jax.lax.while_loop(lambda s: keep_going(s) & ~jnp.any(on_rows(s)), plain, s)
+        spec = s.speculation
+        running = ~s.done
+        on = on_rows(s)
+        if spec.draft_cache is None:  # prompt lookup: skip the lookup when no row is on
+
+            def nothing():
+                batch = s.num_tokens.shape[0]
+                none = jnp.zeros((batch,), jnp.int32)
+                return jnp.full((batch, self.num_draft), -1, jnp.int32), none, None, None
+
+            drafts, num, q, draft_cache = jax.lax.cond(
+                jnp.any(on), lambda: self.propose(draft_weights, s, params, on), nothing
+            )
+        else:
+            drafts, num, q, draft_cache = self.propose(draft_weights, s, params, on)
+        num = jnp.where(on, num, 0)
+        new = self.verify(runner, weights, s, params, stops, layout, automata, drafts, num, q)
+        gained = new.num_tokens - s.num_tokens
+        accepted = jnp.where(num > 0, jnp.minimum(jnp.maximum(gained - 1, 0), num), 0)
+        rate = accepted / jnp.maximum(num, 1)
+        spec = spec.replace(
+            acceptance=jnp.where(
+                num > 0, (1 - EMA) * spec.acceptance + EMA * rate, spec.acceptance
+            ),
+            cycles=spec.cycles + running.astype(jnp.int32),
+            drafted=spec.drafted + num,
+            accepted=spec.accepted + accepted,
+            draft_cache=draft_cache,
+        )
+        return new.replace(speculation=spec)
+
+    def verify(self, runner, weights, s, params, stops, layout, automata, drafts, num, q):
+        """The target over [last, d1..dK] in one pass, then each column in turn."""
+        k = self.num_draft
+        col = jnp.arange(k + 1)[None, :]
+        base = (s.prompt_len + s.num_tokens - 1)[:, None]
+        tokens = jnp.concatenate([loop.last_tokens(s)[:, None], jnp.maximum(drafts, 0)], axis=1)
+        pos = jnp.where(~s.done[:, None] & (col <= num[:, None]), base + col, -1)  # [B, K+1]
+        logits, cache = runner.forward_columns(weights, tokens, pos, s.cache)  # [B, K+1, V]
+        s = s.replace(cache=cache)
+        # Column K has no draft after it: a -1 that no token equals ends the acceptance.
+        drafts = jnp.pad(drafts, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
+        if q is not None:
+            q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [B, K+1, V]
+
+        def more(carry):
+            j, _, accepting = carry
+            return (j <= k) & jnp.any(accepting)
+
+        def column(carry):
+            j, s, accepting = carry
+            draft = drafts[:, j]
+            choose = None
+            if self.acceptance == "rejection":
+                choose = _rejection_choice(draft, None if q is None else q[:, j], j < num)
+            s = loop.sample_state(
+                layout, logits[:, j], s, params, stops, automata, where=accepting, choose=choose
+            )
+            token = loop.last_tokens(s)  # the token column j drew, where the row took it
+            return j + 1, s, accepting & ~s.done & (j < num) & (token == draft)
+
+        _, s, _ = jax.lax.while_loop(more, column, (jnp.int32(0), s, ~s.done))
+        return s
+
+
+def _rejection_choice(draft, q, valid):
+    """The `choose` hook of `sampler.sample_step` for rejection acceptance at one column:
+    draft [B] i32, q [B, V] f32 or None (one-hot at the draft), valid [B] bool (rows whose
+    column j holds a draft; the others keep the row's own draw)."""
+    return lambda probs, drawn, key: sampler.rejection_choice(probs, drawn, key, draft, q, valid)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptLookup(_Speculation):
+    """Drafts copied from the row's own prompt and output, no second model.
+
+    The row's last n tokens (n = max_ngram down to min_ngram) are looked up among its earlier
+    tokens; the up to `num_draft` tokens after the latest earlier occurrence are the drafts.
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check("PromptLookup.max_ngram", self.max_ngram, 1, 64)
+        _check("PromptLookup.min_ngram", self.min_ngram, 1, self.max_ngram)
+
+    def propose(self, draft_weights, s, params, on):
+        hist, length = s.history.tokens, s.history.length  # [B, C], [B]
+        batch, cap = hist.shape
+        k = self.num_draft
+        idx = jnp.arange(cap)[None, :]
+        end = jnp.full((batch,), -1, jnp.int32)  # end index of the occurrence found
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            suffix = jnp.take_along_axis(
+                hist, jnp.clip(length[:, None] - n + jnp.arange(n)[None, :], 0, cap - 1), axis=1
+            )  # [B, n]
+            match = (idx >= n - 1) & (idx <= length[:, None] - 2)  # a token must follow
+            for m in range(n):
+                shift = n - 1 - m  # hist[i - shift] must equal suffix[m]
+                shifted = jnp.pad(hist, ((0, 0), (shift, 0)), constant_values=-2)[:, :cap]
+                match = match & (shifted == suffix[:, m : m + 1])
+            latest = jnp.max(jnp.where(match, idx, -1), axis=1)
+            end = jnp.where((end < 0) & (length > n), latest, end)
+        num = jnp.where(end >= 0, jnp.minimum(k, length - 1 - end), 0).astype(jnp.int32)
+        at = jnp.clip(end[:, None] + 1 + jnp.arange(k)[None, :], 0, cap - 1)
+        drafts = jnp.take_along_axis(hist, at, axis=1)
+        drafts = jnp.where(jnp.arange(k)[None, :] < num[:, None], drafts, -1)
+        return drafts, num, None, None
+
+
+def resolve(speculative: Any, info: Any, mesh: Any = None) -> tuple[Any, Any]:
+    """Host side: `generate`'s `speculative=` argument checked against the target model ->
+    (the static speculation `decode` and `prefill` compile against, the draft's weights)."""
+    if speculative is not None and mesh is not None:
+        raise ValueError("speculative decoding runs on one device: pass mesh=None")
+    if speculative is None or isinstance(speculative, PromptLookup):
+        return speculative, None
+    if isinstance(speculative, DraftModel):
+        return speculative.resolve(info)
+    raise ValueError(
+        "speculative must be None, a logitloop.PromptLookup or a logitloop.DraftModel, "
+        f"got {type(speculative).__name__}"
+    )
+
+
+def stats(spec: SpecState | None, rows: int) -> list[dict[str, int]] | None:
+    """Per row: cycles, drafted and accepted draft tokens (for `GenerationResult`)."""
+    if spec is None:
+        return None
+    cycles, drafted, accepted = jax.device_get((spec.cycles, spec.drafted, spec.accepted))
+    return [
+        {"cycles": int(cycles[r]), "drafted": int(drafted[r]), "accepted": int(accepted[r])}
+        for r in range(rows)
+    ]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftModel(_Speculation):
+    """Drafts drawn by a smaller model with the same tokenizer, with its own KV cache.
+
+    strict: the draft proposes its greedy tokens. rejection: it samples at the row's
+    temperature (greedy rows: greedy) and its distribution q goes into the acceptance test.
+    The draft's cache is kept in step with the target's: each cycle feeds it the row's last
+    two tokens (the one before may be missing when every draft was accepted) and then its
+    own drafts. A draft model's rows never switch themselves off.
+    """
+
+    model: Any = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model is None:
+            raise ValueError("DraftModel.model is required: a logitloop model")
+
+    def resolve(self, info) -> tuple[_Draft, Any]:
+        from logitloop.decoding.model import model_info
+
+        draft = model_info(self.model)
+        if draft.vocab_size != info.vocab_size:
+            raise ValueError(
+                f"DraftModel.model has vocab_size {draft.vocab_size}, the target "
+                f"{info.vocab_size}: a draft needs the target's tokenizer"
+            )
+        spec = _Draft(
+            runner=draft.runner,
+            num_draft=self.num_draft,
+            acceptance=self.acceptance,
+            min_acceptance=0.0,
+            probe_every=self.probe_every,
+        )
+        return spec, draft.weights
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Draft(_Speculation):
+    """A `DraftModel` as `decode` compiles against it: the draft's static runner."""
+
+    runner: ModelRunner
+
+    def draft_prefill(self, draft_weights, prompt, positions, cache_len, layout):
+        return loop.forward_prompt(
+            self.runner, draft_weights, prompt, positions, cache_len, layout
+        )[1]
+
+    def propose(self, draft_weights, s, params, on):
+        k = self.num_draft
+        hist, length = s.history.tokens, s.history.length
+        running = ~s.done
+        base = s.prompt_len + s.num_tokens - 1  # = length - 1, the last token's position
+        prev = jnp.take_along_axis(hist, jnp.maximum(length - 2, 0)[:, None], axis=1)
+        tokens = jnp.concatenate([jnp.maximum(prev, 0), loop.last_tokens(s)[:, None]], axis=1)
+        pos = jnp.where(running[:, None], base[:, None] + jnp.arange(-1, 1)[None, :], -1)
+        logits, cache = self.runner.forward(draft_weights, tokens, pos, s.speculation.draft_cache)
+        drafts, qs = [], []
+        for i in range(k):
+            token, q = self.pick(logits, params, s.num_tokens + i)
+            drafts.append(token)
+            qs.append(q)
+            if i + 1 < k:
+                p_i = jnp.where(running, base + 1 + i, -1)[:, None]
+                logits, cache = self.runner.forward(draft_weights, token[:, None], p_i, cache)
+        drafts = jnp.stack(drafts, axis=1)  # [B, K]
+        q = None if self.acceptance == "strict" else jnp.stack(qs, axis=1)  # [B, K, V]
+        num = jnp.where(running, k, 0).astype(jnp.int32)
+        return drafts, num, q, cache
+
+    def pick(self, logits, params, positions):
+        """The draft's token at one position and its distribution q ([B, V]; None: greedy)."""
+        greedy_tok = jnp.argmax(logits, axis=1).astype(jnp.int32)
+        if self.acceptance == "strict":
+            return greedy_tok, None
+        greedy = (params.temperature == 0) | (params.top_k == 1)
+        t = jnp.where(greedy, 1.0, params.temperature)[:, None]
+        logq = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=1)
+        key = sampler.sub_key(noise.row_keys(params.seed, positions), DRAFT_STREAM)
+        e = noise.exponential_from_bits(
+            noise.counter_bits(key[:, None, :], jnp.arange(logits.shape[1]))
+        )
+        sampled = jnp.argmax(logq - jnp.log(e), axis=1).astype(jnp.int32)
+        token = jnp.where(greedy, greedy_tok, sampled)
+        q = jnp.where(greedy[:, None], jax.nn.one_hot(token, logits.shape[1]), jnp.exp(logq))
+        return token, q

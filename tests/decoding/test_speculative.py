@@ -1,0 +1,288 @@
+"""Speculative decoding: strict acceptance reproduces `generate` token for token, rejection
+acceptance reproduces its distribution, and acceptance never exceeds what exactness allows."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+from scipy import stats
+
+import logitloop as ll
+from logitloop.decoding import loop, speculative
+from logitloop.decoding.history import History
+from logitloop.decoding.model import model_info
+
+COPY_PROMPT = (
+    "Return the list of words. The for statement in Python differs a bit from what you may "
+    "be used to in C or Pascal. Again: The for statement in Python differs a bit"
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ll.load_pretrained(dtype=jnp.float32)
+
+
+def _mixed_params(batch: int) -> ll.SamplingParams:
+    return ll.SamplingParams.create(
+        batch_size=batch,
+        temperature=[0.0, 0.7, 1.0, 1.3][:batch],
+        top_k=[0, 40, 0, 100][:batch],
+        top_p=[1.0, 0.9, 0.95, 1.0][:batch],
+        min_p=[0.0, 0.0, 0.05, 0.0][:batch],
+        repetition_penalty=[1.0, 1.1, 1.0, 1.2][:batch],
+        presence_penalty=[0.0, 0.0, 0.5, 0.0][:batch],
+        frequency_penalty=[0.0, 0.3, 0.0, 0.0][:batch],
+        logit_bias={13: -2.0},
+        min_tokens=[0, 3, 0, 5][:batch],
+        max_tokens=[24, 17, 20, 24][:batch],
+        stop=[[], ["Pascal"], ["\n\n"], []][:batch],
+        seed=[0, 1, 2, 3][:batch],
+    )
+
+
+def test_strict_prompt_lookup_equals_generate_token_for_token(model):
+    params = _mixed_params(4)
+    prompts = [COPY_PROMPT, COPY_PROMPT, "The for statement", COPY_PROMPT]
+    plain = ll.generate(model, prompts, params)
+    spec = ll.generate(
+        model, prompts, params, speculative=ll.PromptLookup(max_ngram=3, num_draft=4)
+    )
+    assert spec.token_ids == plain.token_ids
+    assert spec.text == plain.text
+    assert spec.finish_reason == plain.finish_reason
+    np.testing.assert_allclose(
+        np.concatenate(spec.logprobs), np.concatenate(plain.logprobs), atol=1e-4
+    )
+    assert sum(row["drafted"] for row in spec.speculation) > 0
+    # Rows whose drafts all fail switch themselves off after two tries (no probe within 24).
+    assert all(row["drafted"] <= 2 * 4 for row in spec.speculation if row["accepted"] == 0)
+
+
+@pytest.mark.slow
+def test_draft_identical_to_target_accepts_everything_at_temperature_zero(model):
+    params = ll.SamplingParams.create(batch_size=2, temperature=0.0, max_tokens=[24, 17])
+    prompts = ["The for statement", "A dictionary"]
+    plain = ll.generate(model, prompts, params)
+    spec = ll.generate(model, prompts, params, speculative=ll.DraftModel(model=model, num_draft=4))
+    assert spec.token_ids == plain.token_ids
+    for row, ids in zip(spec.speculation, spec.token_ids, strict=True):
+        # After the prefill's token, every cycle takes all 4 drafts and its own token, the
+        # last one cut short by max_tokens.
+        assert row["cycles"] == -(-(len(ids) - 1) // 5)
+        assert row["accepted"] >= row["drafted"] - 4
+
+
+# ------------------------------------------------------------------ a bigram FunctionModel
+
+VOCAB = 6
+
+
+def _bigram_apply(table, tokens, positions, cache):
+    return table[tokens], cache  # [B, T, V]: the logits depend on the token fed only
+
+
+@functools.cache  # one model per seed: a FunctionModel is identity-hashed, so compiles once
+def _bigram(seed: int) -> ll.FunctionModel:
+    table = 2.0 * np.random.default_rng(seed).normal(size=(VOCAB, VOCAB)).astype(np.float32)
+    return ll.FunctionModel(
+        apply_fn=_bigram_apply,
+        params=jnp.asarray(table),
+        init_cache=lambda batch, length: jnp.zeros((batch,), jnp.int32),
+        vocab_size=VOCAB,
+        max_length=64,
+    )
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "draft_model"])
+def test_rejection_matches_plain_sampling_distribution(kind):
+    """Per-position chi-square (two samples, 1000 rows each) of the tokens drawn."""
+    target = _bigram(0)
+    rows, steps = 1000, 6
+    prompt = [0, 1, 2, 0, 1, 2, 0, 1]
+
+    def params(seed0):
+        return ll.SamplingParams.create(
+            batch_size=rows,
+            temperature=1.0,
+            top_p=0.95,
+            repetition_penalty=1.3,
+            max_tokens=steps,
+            seed=list(range(seed0, seed0 + rows)),
+        )
+
+    spec = (
+        ll.PromptLookup(max_ngram=2, num_draft=3, acceptance="rejection", min_acceptance=0.0)
+        if kind == "prompt_lookup"
+        else ll.DraftModel(model=_bigram(1), num_draft=3, acceptance="rejection")
+    )
+    plain = np.asarray(ll.generate(target, [prompt] * rows, params(0)).token_ids)
+    result = ll.generate(target, [prompt] * rows, params(10**6), speculative=spec)
+    fast = np.asarray(result.token_ids)
+    assert sum(r["accepted"] for r in result.speculation) > rows / 2  # drafts were taken
+    for t in range(steps):
+        table = np.stack([np.bincount(x[:, t], minlength=VOCAB) for x in (plain, fast)])
+        table = table[:, table.sum(axis=0) > 0]
+        p_value = stats.chi2_contingency(table).pvalue
+        assert p_value > 1e-3, (t, table)
+
+
+def test_strict_rejection_and_plain_coincide_on_greedy_rows():
+    """A greedy bigram walk soon cycles: prompt lookup then drafts it right, every time."""
+    target = _bigram(0)
+    params = ll.SamplingParams.create(batch_size=2, temperature=0.0, max_tokens=24)
+    prompts = [[0, 1, 2, 0, 1], [3, 4]]
+    plain = ll.generate(target, prompts, params).token_ids
+    for acceptance in ("strict", "rejection"):
+        spec = ll.PromptLookup(num_draft=3, acceptance=acceptance, min_acceptance=0.0)
+        result = ll.generate(target, prompts, params, speculative=spec)
+        assert result.token_ids == plain
+        for row in result.speculation:
+            assert row["accepted"] >= 0.6 * row["drafted"]
+            assert row["cycles"] < 24 / 2
+
+
+def test_identical_draft_model_accepts_every_greedy_draft():
+    target = _bigram(0)
+    params = ll.SamplingParams.create(batch_size=2, temperature=0.0, max_tokens=[21, 14])
+    prompts = [[0, 1, 2], [3]]
+    plain = ll.generate(target, prompts, params).token_ids
+    spec = ll.DraftModel(model=target, num_draft=4)
+    result = ll.generate(target, prompts, params, speculative=spec)
+    assert result.token_ids == plain
+    for row, ids in zip(result.speculation, plain, strict=True):
+        assert row["cycles"] == -(-(len(ids) - 1) // 5)
+        assert row["accepted"] >= row["drafted"] - 4
+
+
+def test_prompt_lookup_proposes_after_the_latest_longest_match():
+    # Row 0: last tokens [7, 8] occur earlier twice; the latest is followed by 9, 5.
+    # Row 1: only its last token (4) matches, at index 0, followed by 6.
+    hist = History.create([[7, 8, 1, 7, 8, 9, 5, 7, 8], [4, 6, 4]], vocab_size=16, capacity=4)
+    state = loop.DecodeState.empty(
+        cache=None,
+        history=hist,
+        prompt_len=hist.length,
+        buffer_len=4,
+        num_top=0,
+        window=1,
+        text=0,
+    )
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3)
+    drafts, num, q, _ = spec.propose(None, state, None, None)
+    assert num.tolist() == [3, 2]
+    assert drafts.tolist() == [[9, 5, 7], [6, 4, -1]]
+    assert q is None
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: ll.PromptLookup(num_draft=0), r"num_draft = 0 is outside the allowed range"),
+        (lambda: ll.PromptLookup(num_draft=9), r"num_draft = 9 is outside the allowed range"),
+        (lambda: ll.PromptLookup(max_ngram=0), r"max_ngram = 0 is outside"),
+        (lambda: ll.PromptLookup(acceptance="greedy"), r"acceptance = 'greedy' is not one of"),
+        (lambda: ll.DraftModel(num_draft=2), r"DraftModel.model is required"),
+    ],
+)
+def test_bad_settings_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_speculative_argument_raises():
+    target = _bigram(0)
+    params = ll.SamplingParams.create(batch_size=1, max_tokens=2)
+    with pytest.raises(ValueError, match="speculative must be None"):
+        ll.generate(target, [[1]], params, speculative="ngram")
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative.resolve(ll.DraftModel(model=ll.load_pretrained()), model_info(target))
+
+
+def test_stream_and_generate_many_take_the_same_tokens():
+    target = _bigram(0)
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3)
+    knobs = dict(temperature=[0.0, 1.0, 0.7], top_p=[1.0, 0.9, 1.0], max_tokens=[20, 13, 17])
+    params = ll.SamplingParams.create(batch_size=3, seed=[5, 6, 7], **knobs)
+    prompts = [[0, 1, 2, 0, 1], [3, 4], [5, 5, 1]]
+    want = ll.generate(target, prompts, params).token_ids
+    got = [[] for _ in prompts]
+    for event in ll.stream(target, prompts, params, chunk_steps=2, speculative=spec):
+        got[event.row] += event.token_ids
+    assert got == want
+    requests = [
+        (p, {k: v[i] for k, v in knobs.items()} | {"seed": 5 + i}) for i, p in enumerate(prompts)
+    ]
+    many = ll.generate_many(target, requests, slots=2, chunk_steps=3, speculative=spec)
+    assert [r.token_ids[0] for r in many] == want
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [("ngram:3:4", ("ngram", 3, 4)), ("draft:2", ("draft", 0, 2))],
+)
+def test_cli_parses_speculative(text, want):
+    from logitloop.cli.parser import build_parser
+
+    args = build_parser().parse_args(["generate", "x", "--speculative", text])
+    assert args.speculative == want
+    assert args.acceptance == "strict"
+
+
+@pytest.mark.parametrize("text", ["ngram:3", "ngram:0:4", "ngram:3:9", "lookup:3:4"])
+def test_cli_rejects_bad_speculative(text):
+    from logitloop.cli.common import CLIError
+    from logitloop.cli.parser import build_parser
+
+    with pytest.raises(CLIError, match=r"--speculative: .*(ngram:N:K|outside the allowed)"):
+        build_parser().parse_args(["generate", "x", "--speculative", text])
+
+
+@pytest.mark.slow
+def test_cli_speculative_prints_the_plain_text():
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "logitloop", "generate", "The for statement", "-q"]
+    base += ["--max-tokens", "16", "--temperature", "0.8", "--seed", "3"]
+    plain = subprocess.run(base, capture_output=True, text=True, check=True).stdout
+    spec = subprocess.run(
+        [*base, "--speculative", "ngram:3:4"], capture_output=True, text=True, check=True
+    ).stdout
+    assert spec == plain and plain.strip()
+
+
+@struct.dataclass
+class _BanByCount:
+    """A stateful processor: bans token `count % V`, where count is the tokens drawn."""
+
+    offset: jax.Array  # [B] i32
+
+    def init(self, batch_size, vocab_size):
+        return jnp.zeros((batch_size,), jnp.int32)
+
+    def apply(self, state, logits, step):
+        banned = (state + self.offset) % logits.shape[1]
+        return jnp.where(jnp.arange(logits.shape[1]) == banned[:, None], -jnp.inf, logits)
+
+    def update(self, state, tokens, step):
+        return state + 1
+
+
+def test_strict_keeps_processor_states_to_the_accepted_tokens():
+    target = _bigram(0)
+    params = ll.SamplingParams.create(
+        batch_size=2, temperature=[0.0, 1.0], max_tokens=24, seed=[4, 9]
+    )
+    prompts = [[0, 1, 2, 0, 1], [3, 4, 3, 4]]
+    procs = [_BanByCount(offset=jnp.asarray([0, 3], jnp.int32))]
+    plain = ll.generate(target, prompts, params, processors=procs).token_ids
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0)
+    result = ll.generate(target, prompts, params, processors=procs, speculative=spec)
+    assert result.token_ids == plain
+    assert sum(row["accepted"] for row in result.speculation) > 0
