@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# An in-process `cli.main` turns on JAX's persistent compilation cache (every program
+# written) and the stored programs in the user's cache folder, for the rest of that pytest
+# worker. Tests run with it off; those about the cache set the variable themselves, and the
+# CLI's subprocesses get their own shared cache (`tests/cli/test_cli.py`, `cli_env`).
+os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
 
 from logitloop.decoding.compiles import CompileWatch
 
@@ -25,6 +33,14 @@ SLOW_CASES = (
     "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[llama3_rope]",
     "tests/models/test_phi3.py::test_decoding_across_the_switch_matches_hf_forward_with_a_cache",
     "tests/decoding/test_processors.py::test_generate_stream_and_generate_many_agree",
+    # The pseudo-terminal sessions (a whole `logitloop chat` each), two speculative cases
+    # that repeat strict-equals-plain on other entry points, and the stored programs of
+    # generate_many (generate's are pinned by default).
+    "tests/cli/test_chat_cli.py::test_chat_on_a_terminal",
+    "tests/cli/test_chat_cli.py::test_ctrl_c_ends_a_reply_not_the_chat",
+    "tests/decoding/test_speculative.py::test_stream_and_generate_many_take_the_same_tokens",
+    "tests/decoding/test_speculative.py::test_strict_rejection_and_plain_coincide_on_greedy_rows",
+    "tests/decoding/test_programs.py::test_continuous_batching_stores_its_three_programs",
 )
 
 

@@ -19,6 +19,7 @@ BASE_FLAGS = ["--max-tokens", "10", "--top-p", "0.95", "--batch-size", "4"]
 
 
 _CACHE_VARS = (
+    "LOGITLOOP_COMPILE_CACHE",  # tests/conftest.py turns it off for in-process runs
     "JAX_COMPILATION_CACHE_DIR",
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",

@@ -116,11 +116,16 @@ def test_an_unwritable_store_runs_as_plain_jit(model, plain, tmp_path):
 
 def test_the_cli_keeps_programs_beside_its_compile_cache(tmp_path, monkeypatch):
     import jax
+    from jax._src import compilation_cache
 
     from logitloop.cli import cache
 
     monkeypatch.setenv(cache.COMPILE_CACHE_ENV, str(tmp_path / "cc"))
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    thresholds = (
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+        jax.config.jax_persistent_cache_min_entry_size_bytes,
+    )
     try:
         cache.use_compile_cache(False)
         assert programs.program_store() is None
@@ -128,6 +133,10 @@ def test_the_cli_keeps_programs_beside_its_compile_cache(tmp_path, monkeypatch):
         jax.config.update("jax_compilation_cache_dir", None)
         cache.use_compile_cache(True)
         assert programs.program_store() == tmp_path / "cc" / cache.PROGRAMS
-    finally:
+    finally:  # leave this worker as it was: no store, no cache folder (which pytest removes)
+        programs.use_program_store(None)
         jax.config.update("jax_compilation_cache_dir", saved[0])
         jax.config.update("jax_enable_compilation_cache", saved[1])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", thresholds[0])
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", thresholds[1])
+        compilation_cache.reset_cache()
