@@ -41,6 +41,19 @@ SLOW_CASES = (
     "tests/decoding/test_speculative.py::test_stream_and_generate_many_take_the_same_tokens",
     "tests/decoding/test_speculative.py::test_strict_rejection_and_plain_coincide_on_greedy_rows",
     "tests/decoding/test_programs.py::test_continuous_batching_stores_its_three_programs",
+    # The hypothesis stop-string property: twice in the full suite the worker running it
+    # died inside XLA:CPU (an abort while compiling its decode program, once a segfault
+    # serializing it), after other tests in that worker; it passes alone and with its file.
+    # Kept out of the default run until that is understood (the table-driven stop-string
+    # cases stay).
+    "tests/decoding/test_stop_strings.py::test_device_detection_matches_host_reference",
+    # Repeats of what cheaper default cases pin: the large-vocabulary draw statistics, the
+    # draft-model chi-square (prompt lookup's stays), a second prefill chunk size, two
+    # processes against one (the meshes stay).
+    "tests/decoding/test_sampler_distribution.py::test_draws_follow_the_reference_distribution[large_vocabulary]",
+    "tests/decoding/test_speculative.py::test_rejection_matches_plain_sampling_distribution[draft_model]",
+    "tests/decoding/test_deterministic.py::test_chunked_prefill_equals_one_pass[5]",
+    "tests/sharding/test_multiprocess.py::test_two_processes_agree_with_single_process",
 )
 
 
