@@ -1,6 +1,6 @@
 """Stored programs (`logitloop.decoding.programs`, the CLI's second run): the same tokens as
-plain `jax.jit`, read back without tracing, and traced again when a file is absent, corrupt
-or stale."""
+plain `jax.jit`, read back without tracing or compiling, and compiled again when a file is
+absent, corrupt or stale."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _run(model):
 
 
 def _files(folder):
-    return sorted(folder.glob("*.program"))
+    return sorted(folder.glob("*.executable"))
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +58,13 @@ def test_stored_programs_give_the_tokens_of_plain_jit(model, plain, tmp_path, mo
     assert len(written) == 1, written
     stamp = written[0].stat().st_mtime_ns
 
-    # A fresh process (nothing in memory) reads it back: nothing is traced or exported.
+    # A fresh process (nothing in memory) reads it back: nothing is traced or compiled.
     programs.use_program_store(tmp_path)
 
-    def no_export(*args, **kwargs):
-        raise AssertionError("a stored program was traced again")
+    def no_compile(*args, **kwargs):
+        raise AssertionError("a stored program was compiled again")
 
-    monkeypatch.setattr(programs.jax.export, "export", no_export)
+    monkeypatch.setattr(programs, "_compile", no_compile)
     assert _run(model) == plain
     assert [p.stat().st_mtime_ns for p in _files(tmp_path)] == [stamp]
 
