@@ -470,55 +470,33 @@ class SamplingParams:
         ):
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         inf = math.inf
-        temp = _check_range(
-            "temperature",
-            _per_row("temperature", temperature, b),
-            0,
-            inf,
-            hi_open=True,
-            normal=False,
-        )
+
+        def rows(name: str, value: Any, lo: float, hi: float, **kind: bool) -> np.ndarray:
+            return _check_range(name, _per_row(name, value, b), lo, hi, **kind)
+
+        temp = rows("temperature", temperature, 0, inf, hi_open=True, normal=False)
         for row, t in enumerate(temp):
             if 0 < t < _MIN_TEMPERATURE:  # 1 / T would overflow float32
                 raise ValueError(
                     f"{row_name('temperature', row, b)} = {t} is outside the allowed range: "
                     f"0 (greedy) or [{_MIN_TEMPERATURE:.6g}, {_F32_MAX:.6g}]"
                 )
-        k = _check_range(
-            "top_k", _per_row("top_k", top_k, b), -_MAX_INT32, _MAX_INT32, integer=True
-        )
-        p = _check_range("top_p", _per_row("top_p", top_p, b), 0, 1, lo_open=True)
-        mp = _check_range("min_p", _per_row("min_p", min_p, b), 0, 1)
-        rep = _check_range(
-            "repetition_penalty",
-            _per_row("repetition_penalty", repetition_penalty, b),
-            0,
-            inf,
-            lo_open=True,
-            hi_open=True,
-        )
-        pres = _check_range(
-            "presence_penalty", _per_row("presence_penalty", presence_penalty, b), -2, 2
-        )
-        freq = _check_range(
-            "frequency_penalty", _per_row("frequency_penalty", frequency_penalty, b), -2, 2
-        )
-        seeds = _check_range("seed", _per_row("seed", seed, b), 0, MAX_SEED, integer=True)
-        max_t = _check_range(
-            "max_tokens", _per_row("max_tokens", max_tokens, b), 1, _MAX_INT32, integer=True
-        )
-        min_t = _check_range(
-            "min_tokens", _per_row("min_tokens", min_tokens, b), 0, _MAX_INT32, integer=True
-        )
+        k = rows("top_k", top_k, -_MAX_INT32, _MAX_INT32, integer=True)
+        p = rows("top_p", top_p, 0, 1, lo_open=True)
+        mp = rows("min_p", min_p, 0, 1)
+        rep = rows("repetition_penalty", repetition_penalty, 0, inf, lo_open=True, hi_open=True)
+        pres = rows("presence_penalty", presence_penalty, -2, 2)
+        freq = rows("frequency_penalty", frequency_penalty, -2, 2)
+        seeds = rows("seed", seed, 0, MAX_SEED, integer=True)
+        max_t = rows("max_tokens", max_tokens, 1, _MAX_INT32, integer=True)
+        min_t = rows("min_tokens", min_tokens, 0, _MAX_INT32, integer=True)
         for row in range(b):
             if min_t[row] > max_t[row]:
                 raise ValueError(
                     f"{row_name('min_tokens', row, b)} = {min_t[row]} is outside the allowed "
                     f"range [0, {row_name('max_tokens', row, b)} = {max_t[row]}]"
                 )
-        n_logprobs = _check_range(
-            "logprobs", _per_row("logprobs", logprobs, b), 0, MAX_TOP_LOGPROBS, integer=True
-        )
+        n_logprobs = rows("logprobs", logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
 
         bias_rows = _bias_rows(logit_bias, b)
         bias_ids = [[] for _ in range(b)]
