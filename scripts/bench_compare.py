@@ -2,15 +2,16 @@
 
     python scripts/bench_compare.py --base ../old-checkout --new . --rounds 3
 
-Each round runs one measuring process per tree, base first, then new (each with
-PYTHONPATH set to its tree), so both see the same machine load in turn. A process times
-`ll.sample` (batch 8 and 64 at V 32000 and 128256; greedy, top-p 0.9, every knob per row,
-and a wide top-p 0.99) and `ll.generate` on the llama-40m configuration (prompt 64, 128 new
-tokens; batch 1 and 8; greedy and top-p 0.9): each the median of `--repeats` calls after a
-warm-up call (`--part` picks one half). The table gives, per measurement, the median over
-rounds for each tree and new / base (below 1: the new tree is faster). Used to check that
-a refactor costs nothing. A tree with user processors also times one trivial processor
-(one elementwise pass) against the same call without it.
+Each round runs one measuring process per tree (each with PYTHONPATH set to its tree), base
+first in odd rounds and new first in even ones, so both see the same machine load in turn.
+A process times `ll.sample` (batch 8 and 64 at V 32000 and 128256; greedy, top-p 0.9, every
+knob per row, and a wide top-p 0.99) and `ll.generate` on the llama-40m configuration
+(prompt 64, 128 new tokens; batch 1 and 8; greedy and top-p 0.9): each the median of
+`--repeats` calls after a warm-up call (`--part` picks one half). The table gives, per
+measurement present in both trees, the median over rounds for each tree and new / base
+(below 1: the new tree is faster). Used to check that a refactor costs nothing. A tree with
+user processors also times one trivial processor (one elementwise pass) against the same
+call without it.
 """
 
 from __future__ import annotations
@@ -114,12 +115,13 @@ def main() -> None:
     args = ap.parse_args()
     runs: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
     for i in range(args.rounds):
-        for side in ("base", "new"):
+        # Base first in odd rounds, new first in even ones: neither tree always runs second.
+        for side in ("base", "new") if i % 2 == 0 else ("new", "base"):
             runs[side].append(measure(getattr(args, side).resolve(), args.repeats, args.part))
             print(f"round {i + 1} {side} done", file=sys.stderr, flush=True)
     rows = []
     print(f"{'measurement':<34} {'base ms':>9} {'new ms':>9} {'new/base':>9}")
-    for key in runs["base"][0]:
+    for key in (k for k in runs["base"][0] if k in runs["new"][0]):
         b = statistics.median(r[key] for r in runs["base"])
         n = statistics.median(r[key] for r in runs["new"])
         rows.append(dict(measurement=key, base=b, new=n, ratio=n / b))
@@ -128,7 +130,7 @@ def main() -> None:
     print(f"median new/base {statistics.median(ratios):.3f}, worst {max(ratios):.3f}")
     # The new tree alone: one trivial processor against the same call without it.
     for key in runs["new"][0]:
-        if not key.startswith("processor "):
+        if not key.startswith("processor ") or key in runs["base"][0]:
             continue
         plain = key.replace("processor sample", "plain sample").replace("processor ", "")
         w = statistics.median(r[key] for r in runs["new"])

@@ -15,6 +15,33 @@ os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
 from logitloop.decoding.compiles import CompileWatch
 
 
+def _mapped_regions() -> tuple[int, int] | None:
+    """(memory mappings this process has, the kernel's limit), where Linux says."""
+    try:
+        with open("/proc/self/maps") as f:
+            count = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return count, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_executables():
+    """After a test module, drop JAX's compiled programs once they hold half the process's
+    memory mappings. Every XLA:CPU executable keeps 6-18 mappings (its JIT-compiled code;
+    measured with jax 0.10.2) for as long as a jit cache holds it, and a worker that has
+    run a few hundred tests holds thousands of executables; at `vm.max_map_count` (65530
+    by default) a compile or a serialization cannot map memory. The likely cause of the
+    two workers that died inside XLA:CPU late in a full run (not reproduced directly)."""
+    yield
+    regions = _mapped_regions()
+    if regions is not None and regions[0] > regions[1] // 2:
+        import jax
+
+        jax.clear_caches()
+
+
 @pytest.fixture
 def compile_counter() -> CompileWatch:
     """`with compile_counter as c: ...; assert c.count == 0`."""
@@ -41,11 +68,9 @@ SLOW_CASES = (
     "tests/decoding/test_speculative.py::test_stream_and_generate_many_take_the_same_tokens",
     "tests/decoding/test_speculative.py::test_strict_rejection_and_plain_coincide_on_greedy_rows",
     "tests/decoding/test_programs.py::test_continuous_batching_stores_its_three_programs",
-    # The hypothesis stop-string property: twice in the full suite the worker running it
-    # died inside XLA:CPU (an abort while compiling its decode program, once a segfault
-    # serializing it), after other tests in that worker; it passes alone and with its file.
-    # Kept out of the default run until that is understood (the table-driven stop-string
-    # cases stay).
+    # The hypothesis stop-string property (30 s; the table-driven stop-string cases stay).
+    # Twice in the full suite the worker running it died inside XLA:CPU, late in the
+    # worker's life, most likely out of memory mappings (see `_bounded_executables`).
     "tests/decoding/test_stop_strings.py::test_device_detection_matches_host_reference",
     # Repeats of what cheaper default cases pin: the large-vocabulary draw statistics, the
     # draft-model chi-square (prompt lookup's stays), a second prefill chunk size, two

@@ -44,7 +44,8 @@ def use_compile_cache(enabled: bool) -> None:
         use_program_store(None)
         return
     jax.config.update("jax_compilation_cache_dir", str(folder))
-    # The traced programs too (`jax.export`), so a second run skips tracing and lowering.
+    # The loop's compiled programs too (`decoding/programs.py`), so a second run neither
+    # traces, lowers nor compiles them.
     use_program_store(folder / PROGRAMS)
     # Every program, however quick to compile: the CLI's small ones add up to seconds.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
