@@ -10,9 +10,14 @@ call, the cache length or the mesh:
 
 - Products over the hidden or MLP dimension (q/k/v/o projections, the MLP, the LM head;
   `layers.split_heads`, `merge_heads`, `dense`, `DecoderModel.__call__`) run over tiles of
-  `ROW_TILE` rows (`rowwise`): `lax.map` over `[M / ROW_TILE, ROW_TILE, K]`, M padded up
-  with zero rows, so the one product XLA compiles always has `ROW_TILE` rows. A row's
-  result then does not depend on M, nor on its place in its tile, nor on its neighbours.
+  a fixed number of rows (`rowwise`): `lax.map` over `[M / tile, tile, K]`, M padded up
+  with zero rows, so the one product XLA compiles always has `tile` rows. A row's result
+  then does not depend on M, nor on its place in its tile, nor on its neighbours. The
+  tile is fixed per pass, not per batch: PROMPT_TILE rows for the hidden states of a
+  prompt pass, DECODE_TILE for a decode step, a speculative verification and every LM
+  head. Prompt tokens only ever go through the prompt pass and generated tokens through
+  decode steps or verification, in every batch, slot and chunking, so each position meets
+  the same shapes.
 - Attention (`attention`) computes each score as the float32 products of one query and
   one key summed by halving over the head dimension (`tree_sum`: elementwise adds, an
   order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
@@ -33,13 +38,17 @@ fixed for a given call shape only (batch size and composition, not prefill chunk
 the bucket); the mixture-of-experts MLP (`moe.py`) is not covered.
 
 Fixed orders are not enough by themselves on XLA:CPU: above a size threshold it hands
-fusions (a reduce, an `exp(x - max)`, a product) to YNNPACK kernels, whose order and
-whose `exp` differ from XLA's own code, so the same row computed in a bigger array comes
-out different. Programs of a deterministic runner are compiled with those fusions off
-(`compiler_options`, applied by `decoding.model.runner_jit`).
+fusions (a reduce, an `exp(x - max)`, elementwise code around a product) to YNNPACK
+kernels, whose order and whose `exp` differ from XLA's own code, so the same row computed
+in a bigger array comes out different. Programs of a deterministic runner are compiled
+with those fusions off except YNNPACK's individual dots (`compiler_options`, applied by
+`decoding.model.runner_jit`): a dot alone, of one fixed tile shape, gives each row the
+same bits whatever the other rows and the program around it (tested), and it is faster
+than XLA:CPU's own dot (BENCHMARKS.md, "Deterministic decoding").
 
-`fixed_order(True)` is entered by `decoding.model.ModelRunner.forward` while the model is
-traced; outside it every primitive here is the plain XLA op.
+`fixed_order(True, prompt=...)` is entered by `decoding.model.ModelRunner.forward` (and
+`forward_columns`) while the model is traced; outside it every primitive here is the plain
+XLA op.
 """
 
 from __future__ import annotations
@@ -51,27 +60,44 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-# Rows per product tile. Plain products are not row-invariant even with XLA:CPU's library
-# fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32 logits), and a
-# GPU library picks its kernel (and its split of the contraction) by the row count.
-ROW_TILE = 8
+# Rows per product tile, by the pass. Plain products are not row-invariant even with
+# XLA:CPU's library fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32
+# logits), and a GPU library picks its kernel (and its split of the contraction) by the row
+# count. A prompt pass (`loop.forward_prompt`, chunked or not) runs its hidden-state
+# products over tiles of PROMPT_TILE rows (a batch's prompts are many rows: few, big
+# tiles); a decode step and a speculative verification (generated tokens), and every LM
+# head (one row per sequence), over tiles of DECODE_TILE rows. A token position is always
+# computed by the same pass whatever the batch (prompt tokens by the prompt pass,
+# generated ones by decode or verification), so each product it goes through always has
+# the same shape.
+PROMPT_TILE = 64
+DECODE_TILE = 8
 # Cache slots per attention chunk (a divisor of every cache length `generate`
 # allocates: prompt and buffer buckets are multiples of 16).
 SLOT_CHUNK = 16
 
-# XLA:CPU options of a deterministic program: no library fusions chosen by array size.
+# XLA:CPU options of a deterministic program: of the library fusions, which XLA:CPU picks
+# by array size and which can take in the ops around them (a reduce, an `exp(x - max)`,
+# elementwise code) with another order and another `exp`, only YNNPACK's individual dots
+# stay: each is one product of a fixed tile shape, whose rows do not depend on each other
+# (`tests/decoding/test_deterministic.py`, the tile-product test).
 CPU_COMPILER_OPTIONS = {
-    "xla_cpu_experimental_ynn_fusion_type": "",
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "xla_cpu_experimental_xnn_fusion_type": "",
 }
 
-_ACTIVE = contextvars.ContextVar("logitloop_fixed_order", default=False)
+# None (plain ops), "prompt" or "decode": the pass being traced in fixed-order mode.
+_ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "logitloop_fixed_order", default=None
+)
 
 
 @contextlib.contextmanager
-def fixed_order(enabled: bool = True) -> Iterator[None]:
-    """While tracing inside this context, the layers use fixed-order reductions."""
-    token = _ACTIVE.set(bool(enabled))
+def fixed_order(enabled: bool = True, *, prompt: bool = False) -> Iterator[None]:
+    """While tracing inside this context, the layers use fixed-order reductions; `prompt`:
+    the call is a prompt pass (row tiles of PROMPT_TILE), else a decode step or a
+    verification (DECODE_TILE)."""
+    token = _ACTIVE.set(("prompt" if prompt else "decode") if enabled else None)
     try:
         yield
     finally:
@@ -80,7 +106,12 @@ def fixed_order(enabled: bool = True) -> Iterator[None]:
 
 def active() -> bool:
     """Whether the layers being traced use fixed-order reductions."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() is not None
+
+
+def row_tile(*, head: bool = False) -> int:
+    """Rows per product tile in the pass being traced (`head`: the LM head's product)."""
+    return PROMPT_TILE if _ACTIVE.get() == "prompt" and not head else DECODE_TILE
 
 
 def compiler_options() -> dict[str, str]:
@@ -88,16 +119,17 @@ def compiler_options() -> dict[str, str]:
     return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
 
 
-def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+def rowwise(
+    fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False
+) -> jax.Array:
     """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; in fixed-order mode over tiles of
-    `ROW_TILE` rows (0: whole), so that every call of `fn` XLA compiles has the same
-    shape."""
-    tile = ROW_TILE
-    if not active() or not tile:
+    `row_tile(head=head)` rows (0: whole), so that every call of `fn` XLA compiles in a
+    given pass has the same shape."""
+    if not active() or not (tile := row_tile(head=head)):
         return fn(x)
     m = x.shape[0]
     tiles = jnp.pad(x, ((0, -m % tile), (0, 0))).reshape(-1, tile, x.shape[1])
-    out = jax.lax.map(fn, tiles)  # [M / ROW_TILE, ROW_TILE, N]
+    out = jax.lax.map(fn, tiles)  # [M / tile, tile, N]
     return out.reshape(-1, out.shape[-1])[:m]
 
 
