@@ -23,10 +23,13 @@ call, the cache length or the mesh:
   order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
   and sums over cache slots in chunks of `SLOT_CHUNK` slots at fixed absolute boundaries
   (slot 0, 16, 32, ...), each chunk by halving, the chunks then added one after another
-  from slot 0 up (`ordered_sum`). Slots a row may not see add exact zeros (exp of the
-  mask value), so slots past a row's last position, padding of the cache to a multiple of
-  the chunk, a longer bucket or buffer, or a longer prefix of the cache read by a decode
-  step leave the sums unchanged. The maximum is exact in any order.
+  from slot 0 up (a `lax.scan` over the chunks, one chunk per iteration: the loop also
+  keeps XLA:CPU from fusing RoPE's sin and cos into the broadcast products and
+  recomputing them per slot, which made a prompt pass 3-4x slower). Slots a row may not
+  see add exact zeros (exp of the mask value), so slots past a row's last position,
+  padding of the cache to a multiple of the chunk, a longer bucket or buffer, or a longer
+  prefix of the cache read by a decode step leave the sums unchanged. The maximum is
+  exact in any order.
 - Norms (RMSNorm, LayerNorm, QK-norm) take their means by halving over the row (`mean`).
   RoPE, activations, residual adds and the embedding are elementwise or gathers, the
   same for a row wherever it sits (with the library fusions off, below).
@@ -119,9 +122,7 @@ def compiler_options() -> dict[str, str]:
     return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
 
 
-def rowwise(
-    fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False
-) -> jax.Array:
+def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False) -> jax.Array:
     """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; in fixed-order mode over tiles of
     `row_tile(head=head)` rows (0: whole), so that every call of `fn` XLA compiles in a
     given pass has the same shape."""
@@ -186,16 +187,35 @@ def attention(
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
     chunks = k.shape[2] // SLOT_CHUNK
     q32 = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    k32 = k.astype(jnp.float32)
-    # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, S, D] summed over D (one fixed size)
-    scores = tree_sum(q32[:, :, :, :, None, :] * k32[:, :, None, None, :, :])
+
+    def by_chunk(a):  # [B, Hkv, S, ...] -> [C, B, Hkv, SLOT_CHUNK, ...]
+        a = a.reshape(b, hkv, chunks, SLOT_CHUNK, *a.shape[3:])
+        return jnp.moveaxis(a, 2, 0)
+
+    # One chunk of slots per loop iteration: the loop keeps XLA:CPU from fusing the
+    # producers of q (RoPE's sin and cos) and of the probabilities (an exp) into the
+    # broadcast products and recomputing them for every slot or head element.
+    def chunk_scores(kc):  # [B, Hkv, 16, D] -> [B, Hkv, G, T, 16]
+        # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, 16, D] summed over D (one fixed size)
+        return tree_sum(q32[:, :, :, :, None, :] * kc.astype(jnp.float32)[:, :, None, None])
+
+    scores = jax.lax.map(chunk_scores, by_chunk(k))  # [C, B, Hkv, G, T, 16]
+    scores = jnp.moveaxis(scores, 0, 4).reshape(b, hkv, g, t, chunks * SLOT_CHUNK)
     scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
     peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
     exp = jnp.exp(scores - peak).reshape(b, hkv, g, t, chunks, SLOT_CHUNK)
     total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
-    probs = (exp / total[..., None, None]).astype(q.dtype).astype(jnp.float32)
-    vc = v.astype(jnp.float32).reshape(b, hkv, 1, 1, chunks, SLOT_CHUNK, d)
-    # [B, Hkv, G, T, C, 16, 1] * [B, Hkv, 1, 1, C, 16, D] summed over each chunk's slots
-    partial = tree_sum(probs[..., None] * vc, axis=-2)  # [B, Hkv, G, T, C, D]
-    out = ordered_sum(partial, axis=-2)  # [B, Hkv, G, T, D]
+    probs = (exp / total[..., None, None]).astype(q.dtype)
+
+    def add_chunk(acc, pv):  # chunk after chunk from slot 0: acc + this chunk's sum
+        p, vc = pv  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
+        # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
+        part = tree_sum(
+            p.astype(jnp.float32)[..., None] * vc.astype(jnp.float32)[:, :, None, None],
+            axis=-2,
+        )
+        return acc + part, None
+
+    zero = jnp.zeros((b, hkv, g, t, d), jnp.float32)
+    out, _ = jax.lax.scan(add_chunk, zero, (jnp.moveaxis(probs, 4, 0), by_chunk(v)))
     return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)
