@@ -313,7 +313,9 @@ def forward_prompt(
     step = width if chunk is None else chunk
     for start in range(0, width, step):
         cols = slice(start, start + step)
-        logits, cache = runner.forward(weights, prompt[:, cols], positions[:, cols], cache)
+        logits, cache = runner.forward(
+            weights, prompt[:, cols], positions[:, cols], cache, prompt=True
+        )
     return logits, cache
 
 

@@ -63,9 +63,14 @@ class ModelRunner:
     init_cache_fn: Callable | None = None
     deterministic: bool = False  # the layers' reductions in a fixed order (`fixed_order`)
 
-    def forward(self, weights, tokens, positions, cache) -> tuple[jax.Array, Any]:
+    def forward(
+        self, weights, tokens, positions, cache, *, prompt: bool = False
+    ) -> tuple[jax.Array, Any]:
+        """Last-column logits `[B, V]` and the cache. `prompt`: the call is (part of) a
+        prompt pass, not a decode step: a deterministic runner's products then run over
+        prompt-sized row tiles (`fixed_order.PROMPT_TILE`)."""
         if self.graphdef is not None:
-            with fixed_order.fixed_order(self.deterministic):
+            with fixed_order.fixed_order(self.deterministic, prompt=prompt):
                 logits, cache = nnx.merge(self.graphdef, weights)(tokens, positions, cache)
         else:
             logits, cache = self.apply_fn(weights, tokens, positions, cache)
@@ -74,9 +79,12 @@ class ModelRunner:
         return logits, cache
 
     def forward_columns(self, weights, tokens, positions, cache) -> tuple[jax.Array, Any]:
-        """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts)."""
+        """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts:
+        generated tokens, so a deterministic runner treats the call as a decode step)."""
         if self.graphdef is not None:
-            return nnx.merge(self.graphdef, weights)(tokens, positions, cache, all_columns=True)
+            with fixed_order.fixed_order(self.deterministic):
+                model = nnx.merge(self.graphdef, weights)
+                return model(tokens, positions, cache, all_columns=True)
         logits, cache = self.apply_fn(weights, tokens, positions, cache)
         if logits.ndim != 3:
             raise ValueError(

@@ -10,18 +10,26 @@ call, the cache length or the mesh:
 
 - Products over the hidden or MLP dimension (q/k/v/o projections, the MLP, the LM head;
   `layers.split_heads`, `merge_heads`, `dense`, `DecoderModel.__call__`) run over tiles of
-  `ROW_TILE` rows (`rowwise`): `lax.map` over `[M / ROW_TILE, ROW_TILE, K]`, M padded up
-  with zero rows, so the one product XLA compiles always has `ROW_TILE` rows. A row's
-  result then does not depend on M, nor on its place in its tile, nor on its neighbours.
+  a fixed number of rows (`rowwise`): `lax.map` over `[M / tile, tile, K]`, M padded up
+  with zero rows, so the one product XLA compiles always has `tile` rows. A row's result
+  then does not depend on M, nor on its place in its tile, nor on its neighbours. The
+  tile is fixed per pass, not per batch: PROMPT_TILE rows for the hidden states of a
+  prompt pass, DECODE_TILE for a decode step, a speculative verification and every LM
+  head. Prompt tokens only ever go through the prompt pass and generated tokens through
+  decode steps or verification, in every batch, slot and chunking, so each position meets
+  the same shapes.
 - Attention (`attention`) computes each score as the float32 products of one query and
   one key summed by halving over the head dimension (`tree_sum`: elementwise adds, an
   order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
   and sums over cache slots in chunks of `SLOT_CHUNK` slots at fixed absolute boundaries
   (slot 0, 16, 32, ...), each chunk by halving, the chunks then added one after another
-  from slot 0 up (`ordered_sum`). Slots a row may not see add exact zeros (exp of the
-  mask value), so slots past a row's last position, padding of the cache to a multiple of
-  the chunk, a longer bucket or buffer, or a longer prefix of the cache read by a decode
-  step leave the sums unchanged. The maximum is exact in any order.
+  from slot 0 up (a `lax.scan` over the chunks, one chunk per iteration: the loop also
+  keeps XLA:CPU from fusing RoPE's sin and cos into the broadcast products and
+  recomputing them per slot, which made a prompt pass 3-4x slower). Slots a row may not
+  see add exact zeros (exp of the mask value), so slots past a row's last position,
+  padding of the cache to a multiple of the chunk, a longer bucket or buffer, or a longer
+  prefix of the cache read by a decode step leave the sums unchanged. The maximum is
+  exact in any order.
 - Norms (RMSNorm, LayerNorm, QK-norm) take their means by halving over the row (`mean`).
   RoPE, activations, residual adds and the embedding are elementwise or gathers, the
   same for a row wherever it sits (with the library fusions off, below).
@@ -33,13 +41,17 @@ fixed for a given call shape only (batch size and composition, not prefill chunk
 the bucket); the mixture-of-experts MLP (`moe.py`) is not covered.
 
 Fixed orders are not enough by themselves on XLA:CPU: above a size threshold it hands
-fusions (a reduce, an `exp(x - max)`, a product) to YNNPACK kernels, whose order and
-whose `exp` differ from XLA's own code, so the same row computed in a bigger array comes
-out different. Programs of a deterministic runner are compiled with those fusions off
-(`compiler_options`, applied by `decoding.model.runner_jit`).
+fusions (a reduce, an `exp(x - max)`, elementwise code around a product) to YNNPACK
+kernels, whose order and whose `exp` differ from XLA's own code, so the same row computed
+in a bigger array comes out different. Programs of a deterministic runner are compiled
+with those fusions off except YNNPACK's individual dots (`compiler_options`, applied by
+`decoding.model.runner_jit`): a dot alone, of one fixed tile shape, gives each row the
+same bits whatever the other rows and the program around it (tested), and it is faster
+than XLA:CPU's own dot (BENCHMARKS.md, "Deterministic decoding").
 
-`fixed_order(True)` is entered by `decoding.model.ModelRunner.forward` while the model is
-traced; outside it every primitive here is the plain XLA op.
+`fixed_order(True, prompt=...)` is entered by `decoding.model.ModelRunner.forward` (and
+`forward_columns`) while the model is traced; outside it every primitive here is the plain
+XLA op.
 """
 
 from __future__ import annotations
@@ -51,27 +63,44 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-# Rows per product tile. Plain products are not row-invariant even with XLA:CPU's library
-# fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32 logits), and a
-# GPU library picks its kernel (and its split of the contraction) by the row count.
-ROW_TILE = 8
+# Rows per product tile, by the pass. Plain products are not row-invariant even with
+# XLA:CPU's library fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32
+# logits), and a GPU library picks its kernel (and its split of the contraction) by the row
+# count. A prompt pass (`loop.forward_prompt`, chunked or not) runs its hidden-state
+# products over tiles of PROMPT_TILE rows (a batch's prompts are many rows: few, big
+# tiles); a decode step and a speculative verification (generated tokens), and every LM
+# head (one row per sequence), over tiles of DECODE_TILE rows. A token position is always
+# computed by the same pass whatever the batch (prompt tokens by the prompt pass,
+# generated ones by decode or verification), so each product it goes through always has
+# the same shape.
+PROMPT_TILE = 64
+DECODE_TILE = 8
 # Cache slots per attention chunk (a divisor of every cache length `generate`
 # allocates: prompt and buffer buckets are multiples of 16).
 SLOT_CHUNK = 16
 
-# XLA:CPU options of a deterministic program: no library fusions chosen by array size.
+# XLA:CPU options of a deterministic program: of the library fusions, which XLA:CPU picks
+# by array size and which can take in the ops around them (a reduce, an `exp(x - max)`,
+# elementwise code) with another order and another `exp`, only YNNPACK's individual dots
+# stay: each is one product of a fixed tile shape, whose rows do not depend on each other
+# (`tests/decoding/test_deterministic.py`, the tile-product test).
 CPU_COMPILER_OPTIONS = {
-    "xla_cpu_experimental_ynn_fusion_type": "",
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "xla_cpu_experimental_xnn_fusion_type": "",
 }
 
-_ACTIVE = contextvars.ContextVar("logitloop_fixed_order", default=False)
+# None (plain ops), "prompt" or "decode": the pass being traced in fixed-order mode.
+_ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "logitloop_fixed_order", default=None
+)
 
 
 @contextlib.contextmanager
-def fixed_order(enabled: bool = True) -> Iterator[None]:
-    """While tracing inside this context, the layers use fixed-order reductions."""
-    token = _ACTIVE.set(bool(enabled))
+def fixed_order(enabled: bool = True, *, prompt: bool = False) -> Iterator[None]:
+    """While tracing inside this context, the layers use fixed-order reductions; `prompt`:
+    the call is a prompt pass (row tiles of PROMPT_TILE), else a decode step or a
+    verification (DECODE_TILE)."""
+    token = _ACTIVE.set(("prompt" if prompt else "decode") if enabled else None)
     try:
         yield
     finally:
@@ -80,7 +109,12 @@ def fixed_order(enabled: bool = True) -> Iterator[None]:
 
 def active() -> bool:
     """Whether the layers being traced use fixed-order reductions."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() is not None
+
+
+def row_tile(*, head: bool = False) -> int:
+    """Rows per product tile in the pass being traced (`head`: the LM head's product)."""
+    return PROMPT_TILE if _ACTIVE.get() == "prompt" and not head else DECODE_TILE
 
 
 def compiler_options() -> dict[str, str]:
@@ -88,16 +122,15 @@ def compiler_options() -> dict[str, str]:
     return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
 
 
-def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False) -> jax.Array:
     """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; in fixed-order mode over tiles of
-    `ROW_TILE` rows (0: whole), so that every call of `fn` XLA compiles has the same
-    shape."""
-    tile = ROW_TILE
-    if not active() or not tile:
+    `row_tile(head=head)` rows (0: whole), so that every call of `fn` XLA compiles in a
+    given pass has the same shape."""
+    if not active() or not (tile := row_tile(head=head)):
         return fn(x)
     m = x.shape[0]
     tiles = jnp.pad(x, ((0, -m % tile), (0, 0))).reshape(-1, tile, x.shape[1])
-    out = jax.lax.map(fn, tiles)  # [M / ROW_TILE, ROW_TILE, N]
+    out = jax.lax.map(fn, tiles)  # [M / tile, tile, N]
     return out.reshape(-1, out.shape[-1])[:m]
 
 
@@ -154,16 +187,35 @@ def attention(
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
     chunks = k.shape[2] // SLOT_CHUNK
     q32 = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    k32 = k.astype(jnp.float32)
-    # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, S, D] summed over D (one fixed size)
-    scores = tree_sum(q32[:, :, :, :, None, :] * k32[:, :, None, None, :, :])
+
+    def by_chunk(a):  # [B, Hkv, S, ...] -> [C, B, Hkv, SLOT_CHUNK, ...]
+        a = a.reshape(b, hkv, chunks, SLOT_CHUNK, *a.shape[3:])
+        return jnp.moveaxis(a, 2, 0)
+
+    # One chunk of slots per loop iteration: the loop keeps XLA:CPU from fusing the
+    # producers of q (RoPE's sin and cos) and of the probabilities (an exp) into the
+    # broadcast products and recomputing them for every slot or head element.
+    def chunk_scores(kc):  # [B, Hkv, 16, D] -> [B, Hkv, G, T, 16]
+        # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, 16, D] summed over D (one fixed size)
+        return tree_sum(q32[:, :, :, :, None, :] * kc.astype(jnp.float32)[:, :, None, None])
+
+    scores = jax.lax.map(chunk_scores, by_chunk(k))  # [C, B, Hkv, G, T, 16]
+    scores = jnp.moveaxis(scores, 0, 4).reshape(b, hkv, g, t, chunks * SLOT_CHUNK)
     scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
     peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
     exp = jnp.exp(scores - peak).reshape(b, hkv, g, t, chunks, SLOT_CHUNK)
     total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
-    probs = (exp / total[..., None, None]).astype(q.dtype).astype(jnp.float32)
-    vc = v.astype(jnp.float32).reshape(b, hkv, 1, 1, chunks, SLOT_CHUNK, d)
-    # [B, Hkv, G, T, C, 16, 1] * [B, Hkv, 1, 1, C, 16, D] summed over each chunk's slots
-    partial = tree_sum(probs[..., None] * vc, axis=-2)  # [B, Hkv, G, T, C, D]
-    out = ordered_sum(partial, axis=-2)  # [B, Hkv, G, T, D]
+    probs = (exp / total[..., None, None]).astype(q.dtype)
+
+    def add_chunk(acc, pv):  # chunk after chunk from slot 0: acc + this chunk's sum
+        p, vc = pv  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
+        # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
+        part = tree_sum(
+            p.astype(jnp.float32)[..., None] * vc.astype(jnp.float32)[:, :, None, None],
+            axis=-2,
+        )
+        return acc + part, None
+
+    zero = jnp.zeros((b, hkv, g, t, d), jnp.float32)
+    out, _ = jax.lax.scan(add_chunk, zero, (jnp.moveaxis(probs, 4, 0), by_chunk(v)))
     return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)

@@ -141,6 +141,58 @@ def test_generate_many_slot_equals_row_alone(gqa_llama, slots):
     assert _row(results[at], 0) == _alone(gqa_llama, prompt)
 
 
+def test_speculative_row_equals_the_row_alone(gqa_llama):
+    """Speculative verification feeds generated tokens several columns at a time: in this
+    mode it goes the decode steps' way (their row tiles, fixed-order attention), so a row's
+    raw logits at each position are those of plain decoding alone, whatever was drafted."""
+    rng = np.random.default_rng(12)
+    prompt = (_target(512, 10) * 3)[:30]  # repeats: prompt lookup finds drafts
+    others = [(rng.integers(1, 512, 6).tolist() * 4)[: int(rng.integers(4, 24))] for _ in range(4)]
+    prompts = others[:2] + [prompt] + others[2:]
+    params = _params(5, [0.3, 1.1, 0.9, 0.0, 0.7], [5, 6, 11, 7, 8], [12, 30, MAX_TOKENS, 7, 19])
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0)  # strict
+    result = ll.generate(
+        gqa_llama, prompts, params, ignore_eos=True, deterministic=True, speculative=spec
+    )
+    assert _row(result, 2) == _alone(gqa_llama, prompt)
+    assert sum(row["drafted"] for row in result.speculation) > 0
+
+
+@pytest.mark.parametrize("prompt", [False, True])
+@pytest.mark.parametrize(("k", "n", "dtype"), [(512, 1376, "float32"), (1376, 512, "bfloat16")])
+def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dtype):
+    """A deterministic program's products each have one fixed shape, [tile, K] x [K, N], and
+    are compiled as they are in the default mode (YNNPACK's dot on XLA:CPU, only the other
+    library fusions off): a row's result is the same bits whatever the other rows, its place
+    in its tile, the number of tiles and the program around the product (here another
+    product of the same rows, which XLA could merge with it)."""
+    rng = np.random.default_rng([k, n, prompt])
+    w, w2 = (jnp.asarray(rng.standard_normal((k, n)), dtype) for _ in range(2))
+    row = rng.standard_normal(k)
+    tile = fixed_order.PROMPT_TILE if prompt else fixed_order.DECODE_TILE
+    opts = fixed_order.compiler_options()
+
+    def one(x, w):
+        with fixed_order.fixed_order(True, prompt=prompt):
+            return fixed_order.rowwise(lambda r: r @ w, x)
+
+    def two(x, w, w2):
+        with fixed_order.fixed_order(True, prompt=prompt):
+            return fixed_order.rowwise(lambda r: r @ w, x), fixed_order.rowwise(
+                lambda r: jnp.tanh(r @ w2), x
+            )
+
+    one, two = jax.jit(one, compiler_options=opts), jax.jit(two, compiler_options=opts)
+    alone = np.asarray(one(jnp.asarray(row[None], dtype), w))[0]
+    for m in sorted({2, tile - 1, tile, tile + 1, 3 * tile + 5} - {0, 1}):
+        x = rng.standard_normal((m, k))
+        at = int(rng.integers(0, m))
+        x[at] = row
+        x = jnp.asarray(x, dtype)
+        np.testing.assert_array_equal(np.asarray(one(x, w))[at], alone, err_msg=f"m={m}")
+        np.testing.assert_array_equal(np.asarray(two(x, w, w2)[0])[at], alone, err_msg=f"m={m}")
+
+
 @pytest.mark.parametrize("chunk", [5, pytest.param(1, marks=pytest.mark.slow), 16])
 def test_chunked_prefill_equals_one_pass(gqa_llama, chunk):
     """Prefill `chunk` columns at a time: the same logits as one pass, so the same row.
