@@ -76,7 +76,9 @@ class ModelRunner:
     def forward_columns(self, weights, tokens, positions, cache) -> tuple[jax.Array, Any]:
         """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts)."""
         if self.graphdef is not None:
-            return nnx.merge(self.graphdef, weights)(tokens, positions, cache, all_columns=True)
+            with fixed_order.fixed_order(self.deterministic):
+                model = nnx.merge(self.graphdef, weights)
+                return model(tokens, positions, cache, all_columns=True)
         logits, cache = self.apply_fn(weights, tokens, positions, cache)
         if logits.ndim != 3:
             raise ValueError(
