@@ -408,3 +408,15 @@ def test_generate_many_counts_drafts_per_request():
     assert [r.speculation for r in many] == [[row] for row in want.speculation]
     assert sum(row["accepted"] for row in want.speculation) > 0
     assert ll.generate_many(target, requests[:1], slots=1)[0].speculation is None
+
+
+def test_packaged_draft_matches_the_shipped_model_and_the_package_stays_small():
+    from pathlib import Path
+
+    package = Path(ll.__file__).parent
+    draft = ll.load_pretrained(package / "models" / "tiny_draft")
+    target = ll.load_pretrained()
+    assert draft.config.vocab_size == target.config.vocab_size
+    assert draft.config.num_layers < target.config.num_layers
+    files = [f for f in package.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    assert sum(f.stat().st_size for f in files) < 10 * 10**6
