@@ -13,7 +13,10 @@
    step on column j's logits with the history, processor states, stop state and position
    as they are after the tokens accepted so far (`sample_step` through `layout.sample`,
    then `record` with a `where` mask: the loop's own pieces), and the row goes on
-   accepting while the token taken at column j equals draft j + 1.
+   accepting while the token taken at column j equals draft j + 1. Without processors or
+   constraints the sampling steps of all K + 1 columns run first as one call over
+   B * (K + 1) rows, column j with d1..dj appended to the row's history (what it is if
+   column j's token is recorded at all; `sample_columns`), and the loop only records.
 
 Index bookkeeping, one row, prompt length 3, two tokens t0 t1 generated (num_tokens = 2):
 p = 3 + 2 - 1 = 4, the columns [t1, d1, d2, d3] go in at positions 4..7 and their logits
@@ -50,7 +53,9 @@ fraction of its drafts (weight `EMA` for the latest cycle) starts at 0.5, and be
 `min_acceptance` (default 0.25: two cycles without a hit) the row is off. It tries again at
 every `probe_every`-th cycle, when every row that is off tries at once: a cycle where one
 row proposes costs the whole batch a wide forward. While no running row is on, the loop
-takes plain one-column steps (`loop.decode_step`), which count as cycles.
+takes plain one-column steps (`loop.decode_step`), which count as cycles; a draft model
+skips them and is fed what it missed before it next proposes. Steps and cycles both count
+against `decode`'s `max_steps`, and none starts once it is reached.
 """
 
 from __future__ import annotations
