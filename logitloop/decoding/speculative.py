@@ -13,10 +13,9 @@
    step on column j's logits with the history, processor states, stop state and position
    as they are after the tokens accepted so far (`sample_step` through `layout.sample`,
    then `record` with a `where` mask: the loop's own pieces), and the row goes on
-   accepting while the token taken at column j equals draft j + 1. Without processors or
-   constraints the sampling steps of all K + 1 columns run first as one call over
-   B * (K + 1) rows, column j with d1..dj appended to the row's history (what it is if
-   column j's token is recorded at all; `sample_columns`), and the loop only records.
+   accepting while the token taken at column j equals draft j + 1. (Sampling all K + 1
+   columns in one call of B * (K + 1) rows, each with the drafts before it in its history,
+   was measured no faster with strict acceptance and slower with rejection on CPU.)
 
 Index bookkeeping, one row, prompt length 3, two tokens t0 t1 generated (num_tokens = 2):
 p = 3 + 2 - 1 = 4, the columns [t1, d1, d2, d3] go in at positions 4..7 and their logits
@@ -69,7 +68,6 @@ from flax import struct
 
 from logitloop.decoding import loop, sampler
 from logitloop.decoding.constraints import Automata
-from logitloop.decoding.history import History
 from logitloop.decoding.layout import Layout
 from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
@@ -82,9 +80,6 @@ DRAFT_STREAM = 3  # a row's sub-stream for a draft model's sampled drafts (`samp
 EMA = 0.3  # weight of the latest cycle in a row's acceptance average
 START_ACCEPTANCE = 0.5  # the average a row starts with
 CATCH_UP = 8  # columns per call feeding a draft model the tokens it missed while off
-# Verify every draft column in one sampling call when no processor or constraint needs the
-# columns in turn (`_Speculation.sample_columns`).
-SAMPLE_AT_ONCE = True
 
 
 @struct.dataclass
@@ -246,12 +241,6 @@ class _Speculation:
         drafts = jnp.pad(drafts, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
         if q is not None:
             q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [B, K+1, V]
-        # Without processors or constraints, what a column draws depends on the row's tokens
-        # only: sample every column at once, with the history as it is at that column if the
-        # drafts before it are taken (the only case in which its token is recorded).
-        at_once = None
-        if SAMPLE_AT_ONCE and automata is None and not params.processors:
-            at_once = self.sample_columns(layout, logits, s, params, drafts, num, q)
 
         def more(carry):
             j, _, accepting = carry
@@ -260,59 +249,17 @@ class _Speculation:
         def column(carry):
             j, s, accepting = carry
             draft = drafts[:, j]
-            if at_once is not None:
-                out = jax.tree.map(lambda x: x[:, j], at_once)
-                s = loop.record(s, out, params, stops, where=accepting)
-            else:
-                choose = None
-                if self.acceptance == "rejection":
-                    choose = _rejection_choice(draft, None if q is None else q[:, j], j < num)
-                s = loop.sample_state(
-                    layout, logits[:, j], s, params, stops, automata, where=accepting,
-                    choose=choose,
-                )  # fmt: skip
+            choose = None
+            if self.acceptance == "rejection":
+                choose = _rejection_choice(draft, None if q is None else q[:, j], j < num)
+            s = loop.sample_state(
+                layout, logits[:, j], s, params, stops, automata, where=accepting, choose=choose
+            )
             token = loop.last_tokens(s)  # the token column j drew, where the row took it
             return j + 1, s, accepting & ~s.done & (j < num) & (token == draft)
 
         _, s, _ = jax.lax.while_loop(more, column, (jnp.int32(0), s, ~s.done))
         return s
-
-    def sample_columns(self, layout, logits, s, params, drafts, num, q) -> sampler.SampleOutput:
-        """Every column's sampling step in one call of B * (K + 1) rows: column j of row b
-        is row b with drafts 1..j appended to its history, drawing generated index
-        num_tokens + j (so its own noise, as in plain decoding). -> fields [B, K + 1, ...]."""
-        batch, cols, _ = logits.shape
-        hist = s.history
-        cap = hist.tokens.shape[1]
-        j = jnp.arange(cols)
-        off = jnp.arange(cap)[None, :] - hist.length[:, None]  # [B, C]: index after the last
-        placed = jnp.take_along_axis(drafts, jnp.clip(off, 0, cols - 1), axis=1)  # [B, C]
-        own = (off[:, None, :] >= 0) & (off[:, None, :] < j[None, :, None])  # [B, K+1, C]
-        tokens = jnp.where(own, placed[:, None, :], hist.tokens[:, None, :])
-
-        def flat(x):
-            return x.reshape((batch * cols,) + x.shape[2:])
-
-        def rep(x):
-            return jnp.repeat(x, cols, axis=0)
-
-        history = History(
-            flat(tokens), rep(hist.num_prompt), flat(hist.length[:, None] + j[None, :])
-        )
-        choose = None
-        if self.acceptance == "rejection":
-            valid = flat(jnp.broadcast_to(j[None, :] < num[:, None], (batch, cols)))
-            choose = _rejection_choice(flat(drafts), None if q is None else flat(q), valid)
-        out = layout.sample(
-            flat(logits),
-            jax.tree.map(rep, params),
-            flat(s.num_tokens[:, None] + j[None, :]),
-            history,
-            (),
-            rep(s.done),
-            choose=choose,
-        )
-        return jax.tree.map(lambda x: x.reshape((batch, cols) + x.shape[1:]), out)
 
 
 def _rejection_choice(draft, q, valid):
