@@ -1,8 +1,10 @@
 """Speculative decoding against plain `generate`: tokens/s and mean accepted length.
 
     python scripts/bench_speculative.py                        # shipped model, copy-heavy task
+    python scripts/bench_speculative.py --task tutorial        # a passage it never saw
     python scripts/bench_speculative.py --model llama-40m      # a random 42M Llama (see below)
-    python scripts/bench_speculative.py --draft PATH           # also a draft model checkpoint
+    python scripts/bench_speculative.py --draft shipped        # also the packaged draft model
+    python scripts/bench_speculative.py --draft PATH           # ... or a draft checkpoint
     python scripts/bench_speculative.py --out bench_out/speculative.json \
         --plot bench_out/speculative.png
 
@@ -11,9 +13,16 @@ For each batch size (1 and 8) and temperature (0, 0.5, 1.0, 1.5), in one process
 rejection acceptance, and with `--draft` a draft model in both modes. Every variant is
 compiled once first (untimed); then the repeats alternate the variants, and each cell is
 the median. Every row generates exactly `--tokens` tokens (EOS ignored). The task is
-copy-heavy: the prompt holds a passage, then asks for it again and starts it.
+copy-heavy: the prompt holds a passage, then asks for it again and starts it, cut at a word
+boundary. `--task doc` (default): the opening of the "for" topic of `pydoc_data.topics`,
+text the shipped model was trained on; `--task tutorial`: a passage of the Python tutorial,
+which it never saw (and which it does not copy: a 4-layer model trained on 107k tokens
+continues from memory, not from its context). `--draft shipped`: the draft packaged beside
+the shipped model (`logitloop/models/tiny_draft`, scripts/train_tiny.py --tokenizer-from).
 
-`mean accepted` is tokens per row per cycle (1 = nothing accepted; at most num_draft + 1);
+`mean accepted` is tokens per row per cycle (1 = nothing accepted; at most num_draft + 1;
+the plain steps of rows that switched speculation off count as cycles), `accepted` the
+share of the drafts verified that were taken;
 `speedup` is plain's median time over the variant's, by wall clock and by the process's
 CPU time (`time.process_time`, every thread): on a shared, overloaded machine the CPU time
 is what stays comparable (other processes' load inflates the wall time of whichever
@@ -47,12 +56,26 @@ PASSAGE = (
     "sequence."
 )
 COPY_PROMPT = PASSAGE + "\n\nThe same passage once more, word for word:\n\n" + PASSAGE[:40]
+DRAFT_DIR = Path(ll.__file__).parent / "models" / "tiny_draft"
 
 
-def load(name: str):
+def copy_prompt(task: str) -> str:
+    """A passage, a request to repeat it, and its first words (cut before a space, so that
+    the next token, a space and a word, is the one the passage has there)."""
+    if task == "tutorial":
+        passage = PASSAGE
+    else:
+        import pydoc_data.topics  # noqa: PLC0415
+
+        passage = pydoc_data.topics.topics["for"].split("\n\n", 1)[1][:300]
+    start = passage[: passage.rfind(" ", 0, 40)]
+    return passage + "\n\nThe same passage once more, word for word:\n\n" + start
+
+
+def load(name: str, task: str = "doc"):
     if name == "shipped":
         model = ll.load_pretrained(dtype=jnp.float32)
-        return model, model.tokenizer.encode(COPY_PROMPT)
+        return model, model.tokenizer.encode(copy_prompt(task))
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_generate import config  # noqa: PLC0415 - a sibling script
     from flax import nnx
@@ -86,15 +109,18 @@ def run(model, prompt, batch, temperature, spec, tokens):
     t0, c0 = time.perf_counter(), time.process_time()
     result = ll.generate(model, [prompt] * batch, params, ignore_eos=True, speculative=spec)
     seconds = (time.perf_counter() - t0, time.process_time() - c0)
-    cycles = sum(r["cycles"] for r in result.speculation) if result.speculation else None
+    spec = result.speculation
+    cycles = sum(r["cycles"] for r in spec) if spec else None
+    drafts = (sum(r["drafted"] for r in spec), sum(r["accepted"] for r in spec)) if spec else None
     made = sum(len(ids) for ids in result.token_ids)
-    return seconds, made, cycles, batch
+    return seconds, made, cycles, drafts
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="shipped", choices=["shipped", "llama-40m"])
-    ap.add_argument("--draft", default=None, help="a draft model checkpoint folder")
+    ap.add_argument("--task", default="doc", choices=["doc", "tutorial"])
+    ap.add_argument("--draft", default=None, help="a draft model checkpoint folder, or 'shipped'")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.5, 1.0, 1.5])
     ap.add_argument("--tokens", type=int, default=96)
@@ -103,8 +129,9 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", default=None, help="PNG: mean accepted length and speedup vs T")
     args = ap.parse_args(argv)
 
-    model, prompt = load(args.model)
-    draft = None if args.draft is None else ll.load_pretrained(args.draft, dtype=jnp.float32)
+    model, prompt = load(args.model, args.task)
+    folder = DRAFT_DIR if args.draft == "shipped" else args.draft
+    draft = None if folder is None else ll.load_pretrained(folder, dtype=jnp.float32)
     rows = []
     for batch in args.batches:
         specs = variants(draft)
@@ -115,17 +142,18 @@ def main(argv=None) -> None:
             cycles = {}
             for _ in range(args.repeats):
                 for name, spec in specs.items():
-                    seconds, made, cyc, _ = run(model, prompt, batch, temp, spec, args.tokens)
+                    seconds, made, cyc, drafts = run(model, prompt, batch, temp, spec, args.tokens)
                     times[name].append(seconds)
-                    cycles[name] = (made, cyc)
+                    cycles[name] = (made, cyc, drafts)
             plain = statistics.median(t for t, _ in times["plain"])
             plain_cpu = statistics.median(c for _, c in times["plain"])
             for name in specs:
-                made, cyc = cycles[name]
+                made, cyc, drafts = cycles[name]
                 med = statistics.median(t for t, _ in times[name])
                 cpu = statistics.median(c for _, c in times[name])
                 row = dict(
                     model=args.model,
+                    task=args.task,
                     batch=batch,
                     temperature=temp,
                     variant=name,
@@ -137,9 +165,14 @@ def main(argv=None) -> None:
                     cpu_speedup=plain_cpu / cpu,
                     # the prefill's token is not a cycle's
                     mean_accepted=None if cyc is None else (made - batch) / cyc,
+                    drafted=None if drafts is None else drafts[0],
+                    accepted=None if drafts is None else drafts[1],
                 )
                 rows.append(row)
-                acc = "" if cyc is None else f"{row['mean_accepted']:.2f}"
+                acc = ""
+                if cyc is not None:
+                    share = drafts[1] / max(drafts[0], 1)
+                    acc = f"{row['mean_accepted']:.2f} ({drafts[1]}/{drafts[0]} = {share:.2f})"
                 print(
                     f"batch {batch} T={temp:<4} {name:<16} {row['tokens_per_s']:8.1f} tok/s "
                     f"(wall, speedup {row['speedup']:.2f}x)  "

@@ -1,6 +1,9 @@
 """Train the small Llama model that ships inside logitloop, on Python's own documentation.
 
     python scripts/train_tiny.py --workdir runs/tiny --out logitloop/models/tiny
+    python scripts/train_tiny.py --workdir runs/draft --out logitloop/models/tiny_draft \
+        --tokenizer-from logitloop/models/tiny --hidden 64 --layers 2 --heads 2 \
+        --kv-heads 1 --ffn 192          # a smaller draft for speculative decoding
 
 The text is `pydoc_data.topics` (the help() topics, about 465 kB, shipped with every
 Python). A byte-level BPE tokenizer is trained on the same text with `tokenizers`. Whole
@@ -257,12 +260,22 @@ def main() -> None:
         help="start from this script's export (its weights and tokenizer; the chat tokens "
         "it lacks are added); the model-size flags are then the folder's",
     )
+    ap.add_argument(
+        "--tokenizer-from",
+        metavar="FOLDER",
+        help="use this export's tokenizer (with the chat tokens it lacks added) instead of "
+        "training one, with the model-size flags as given: a draft model for that export "
+        "(speculative decoding needs the target's tokenizer)",
+    )
     args = ap.parse_args()
+    if args.init_from is not None and args.tokenizer_from is not None:
+        ap.error("--init-from brings its tokenizer: drop --tokenizer-from")
 
     workdir = Path(args.workdir).absolute()
     train_texts, val_texts = corpus(args.seed, args.val_fraction)
-    if args.init_from is not None:
-        extend_tokenizer(Path(args.init_from) / "tokenizer.json", workdir / "tokenizer.json")
+    source = args.init_from or args.tokenizer_from
+    if source is not None:
+        extend_tokenizer(Path(source) / "tokenizer.json", workdir / "tokenizer.json")
     tok = train_tokenizer(train_texts + val_texts, args.vocab, workdir / "tokenizer.json")
     train, val = encode(tok, train_texts), encode(tok, val_texts)
     print(f"train {len(train)} tokens, validation {len(val)} tokens, vocab {tok.get_vocab_size()}")

@@ -233,6 +233,8 @@ class _Pending:
     ids: list[list[int]]  # per row
     params: SamplingParams  # n rows, EOS ids added (as `generate` has them)
     outputs: list[Outputs | None]  # per row, once it finished: host arrays [1, ...]
+    # per row, with `speculative=`: {"cycles", "drafted", "accepted"} once it finished
+    speculation: list[dict[str, int] | None] | None = None
 
 
 def _describe(index: int, request_id: Any) -> str:
@@ -369,6 +371,7 @@ class _Batcher:
             ids=ids,
             params=params,
             outputs=[None] * self.n,
+            speculation=[None] * self.n,
         )
         return pending, rows
 
@@ -510,10 +513,12 @@ class _Batcher:
         """Wait for the chunk; the host copy of every slot's `done`."""
         return np.asarray(jax.device_get(self.layout.host_view(self.state.done)))
 
-    def fetch(self, slots: Sequence[int]) -> list[Outputs]:
-        """Copy the finished rows in `slots` to the host, each as `Outputs` of one row."""
+    def fetch(self, slots: Sequence[int]) -> list[tuple[Outputs, dict[str, int] | None]]:
+        """Copy the finished rows in `slots` to the host, each as `Outputs` of one row and
+        its speculation counts (None without `speculative=`)."""
         outputs = jax.device_get(self.layout.host_view(self.state.outputs()))
-        return [outputs.take([slot]) for slot in slots]
+        counts = speculation.stats(self.state.speculation, self.slots)
+        return [(outputs.take([slot]), counts and counts[slot]) for slot in slots]
 
     # ------------------------------------------------------------------ results
 
@@ -527,7 +532,10 @@ class _Batcher:
                 for o in pending.outputs
             ]
         )
-        return collect(outputs, pending.ids, pending.params, self.info)
+        result = collect(outputs, pending.ids, pending.params, self.info)
+        if self.speculative is not None:
+            result.speculation = list(pending.speculation)
+        return result
 
     # ------------------------------------------------------------------ the loop
 
@@ -575,11 +583,12 @@ class _Batcher:
             finished = sorted(slot for slot in occupant if done[slot])
             if not finished:
                 continue
-            for slot, out in zip(finished, self.fetch(finished), strict=True):
+            for slot, (out, counts) in zip(finished, self.fetch(finished), strict=True):
                 row = occupant.pop(slot)
                 free.append(slot)
                 request = pending[row.request]
                 request.outputs[row.child] = out
+                request.speculation[row.child] = counts
                 if all(o is not None for o in request.outputs):
                     ready.append(row.request)
             free.sort()
@@ -725,7 +734,8 @@ def generate_many(
       bring none of their own (`Request.processors`).
     deterministic: as in `generate`: a request's tokens and logprobs do not depend on the
       slots, the other requests or `prefill_batch`.
-    speculative: as in `generate`; a chunk is then `chunk_steps` propose-verify cycles.
+    speculative: as in `generate`; a chunk is then `chunk_steps` propose-verify cycles (or
+      plain steps), and each result's `speculation` counts its rows' drafts.
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)`.

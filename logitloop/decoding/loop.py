@@ -420,7 +420,7 @@ def decode(
     `speculative` (static; `logitloop.decoding.speculative`): each iteration is then one
     propose-verify-accept cycle (`speculative.cycle`), which records one or more tokens per
     row, after the plain steps it takes while no row proposes (those count as iterations
-    too; the cycle itself may run one past `max_steps`); `draft_weights` are a draft
+    too, and neither runs once `max_steps` is reached); `draft_weights` are a draft
     model's weights.
     """
     buf = state.tokens.shape[1]
@@ -433,11 +433,10 @@ def decode(
     def body(s: DecodeState):
         if speculative is None:
             s = decode_step(runner, weights, s, params, stops, layout, automata)
-        else:
-            s = speculative.cycle(
-                runner, weights, draft_weights, s, params, stops, layout, automata,
-                keep_going=cond,
-            )  # fmt: skip
-        return layout.state(s.replace(step=s.step + 1))
+            return layout.state(s.replace(step=s.step + 1))
+        # Plain steps and at most one cycle, each counted in `step`, none once `cond` fails.
+        return speculative.cycle(
+            runner, weights, draft_weights, s, params, stops, layout, automata, keep_going=cond
+        )
 
     return jax.lax.while_loop(cond, body, state)

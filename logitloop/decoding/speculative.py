@@ -13,7 +13,9 @@
    step on column j's logits with the history, processor states, stop state and position
    as they are after the tokens accepted so far (`sample_step` through `layout.sample`,
    then `record` with a `where` mask: the loop's own pieces), and the row goes on
-   accepting while the token taken at column j equals draft j + 1.
+   accepting while the token taken at column j equals draft j + 1. (Sampling all K + 1
+   columns in one call of B * (K + 1) rows, each with the drafts before it in its history,
+   was measured no faster with strict acceptance and slower with rejection on CPU.)
 
 Index bookkeeping, one row, prompt length 3, two tokens t0 t1 generated (num_tokens = 2):
 p = 3 + 2 - 1 = 4, the columns [t1, d1, d2, d3] go in at positions 4..7 and their logits
@@ -50,7 +52,9 @@ fraction of its drafts (weight `EMA` for the latest cycle) starts at 0.5, and be
 `min_acceptance` (default 0.25: two cycles without a hit) the row is off. It tries again at
 every `probe_every`-th cycle, when every row that is off tries at once: a cycle where one
 row proposes costs the whole batch a wide forward. While no running row is on, the loop
-takes plain one-column steps (`loop.decode_step`), which count as cycles.
+takes plain one-column steps (`loop.decode_step`), which count as cycles; a draft model
+skips them and is fed what it missed before it next proposes. Steps and cycles both count
+against `decode`'s `max_steps`, and none starts once it is reached.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ ACCEPTANCE = ("strict", "rejection")
 DRAFT_STREAM = 3  # a row's sub-stream for a draft model's sampled drafts (`sampler.sub_key`)
 EMA = 0.3  # weight of the latest cycle in a row's acceptance average
 START_ACCEPTANCE = 0.5  # the average a row starts with
+CATCH_UP = 8  # columns per call feeding a draft model the tokens it missed while off
 
 
 @struct.dataclass
@@ -85,6 +90,9 @@ class SpecState:
     cycles: jax.Array  # [B] i32, cycles the row ran in (plain steps included)
     drafted: jax.Array  # [B] i32, draft tokens verified
     accepted: jax.Array  # [B] i32, draft tokens accepted
+    # [B] i32: positions below this hold the right keys/values in a DraftModel's cache (the
+    # draft is fed what it missed before it proposes: `_Draft.catch_up`); unused otherwise
+    fed: jax.Array | None = None
     draft_cache: Any = None  # a DraftModel's KV cache
 
 
@@ -127,6 +135,7 @@ class _Speculation:
             cycles=zeros,
             drafted=zeros,
             accepted=zeros,
+            fed=(jnp.max(positions, axis=1) + 1).astype(jnp.int32),
             draft_cache=self.draft_prefill(draft_weights, prompt, positions, cache_len, layout),
         )
 
@@ -152,8 +161,10 @@ class _Speculation:
     ) -> loop.DecodeState:
         """Plain one-column steps while no running row proposes (a `while_loop` under
         `keep_going`, the decode loop's own condition), then one propose-verify-accept cycle
-        (the module docstring). No `cond` chooses between the two: a cond over the state
-        costs XLA:CPU a copy of the KV cache at every step."""
+        (the module docstring) if `keep_going` still holds; every step and cycle adds one to
+        `s.step`. No `cond` chooses between the two, nor guards the cycle (a `while_loop`
+        that runs at most once does): a cond over the state costs XLA:CPU a copy of the KV
+        cache at every step."""
 
         def on_rows(s):
             probe = s.step % self.probe_every == 0
@@ -165,10 +176,23 @@ class _Speculation:
             s = loop.decode_step(runner, weights, s, params, stops, layout, automata)
             return layout.state(s.replace(step=s.step + 1, speculation=spec))
 
+        def once(carry):
+            s, _ = carry
+            s = self.propose_verify(
+                runner, weights, draft_weights, s, params, stops, layout, automata, on_rows(s)
+            )
+            return layout.state(s.replace(step=s.step + 1)), jnp.bool_(False)
+
         s = jax.lax.while_loop(lambda s: keep_going(s) & ~jnp.any(on_rows(s)), plain, s)
+        s, _ = jax.lax.while_loop(lambda c: c[1] & keep_going(c[0]), once, (s, jnp.bool_(True)))
+        return s
+
+    def propose_verify(
+        self, runner, weights, draft_weights, s, params, stops, layout, automata, on
+    ) -> loop.DecodeState:
+        """One propose-verify-accept cycle; `on` [B]: the rows that propose."""
         spec = s.speculation
         running = ~s.done
-        on = on_rows(s)
         if spec.draft_cache is None:  # prompt lookup: skip the lookup when no row is on
 
             def nothing():
@@ -193,6 +217,13 @@ class _Speculation:
             cycles=spec.cycles + running.astype(jnp.int32),
             drafted=spec.drafted + num,
             accepted=spec.accepted + accepted,
+            # A draft model was fed the row's tokens up to its last one and its drafts but
+            # the last (`_Draft.propose`); of those, the accepted ones hold.
+            fed=jnp.where(
+                running,
+                s.history.length + jnp.minimum(accepted, self.num_draft - 1),
+                spec.fed,
+            ),
             draft_cache=draft_cache,
         )
         return new.replace(speculation=spec)
@@ -312,7 +343,9 @@ class DraftModel(_Speculation):
     temperature (greedy rows: greedy) and its distribution q goes into the acceptance test.
     The draft's cache is kept in step with the target's: each cycle feeds it the row's last
     two tokens (the one before may be missing when every draft was accepted) and then its
-    own drafts. A draft model's rows never switch themselves off.
+    own drafts. Rows switch themselves off as prompt lookup's do; the plain steps taken
+    meanwhile skip the draft, which is fed the tokens it missed (`CATCH_UP` columns at a
+    time) before it next proposes.
     """
 
     model: Any = None
@@ -335,7 +368,7 @@ class DraftModel(_Speculation):
             runner=draft.runner,
             num_draft=self.num_draft,
             acceptance=self.acceptance,
-            min_acceptance=0.0,
+            min_acceptance=self.min_acceptance,
             probe_every=self.probe_every,
         )
         return spec, draft.weights
@@ -352,6 +385,29 @@ class _Draft(_Speculation):
             self.runner, draft_weights, prompt, positions, cache_len, layout
         )[1]
 
+    def catch_up(self, draft_weights, s) -> Any:
+        """The draft's cache with every running row's tokens before its last two fed (rows
+        that took plain steps while off lag behind): `CATCH_UP` columns a call, in a
+        `while_loop` that runs no call when no row lags."""
+        hist, length = s.history.tokens, s.history.length
+        cap = hist.shape[1]
+        upto = jnp.where(~s.done, length - 2, 0)  # the last two go in with `propose`'s call
+        cols = jnp.arange(CATCH_UP)[None, :]
+
+        def lags(carry):
+            return jnp.any(carry[1] < upto)
+
+        def feed(carry):
+            cache, fed = carry
+            at = fed[:, None] + cols  # [B, C]
+            pos = jnp.where(at < upto[:, None], at, -1)
+            tokens = jnp.maximum(jnp.take_along_axis(hist, jnp.clip(at, 0, cap - 1), axis=1), 0)
+            _, cache = self.runner.forward(draft_weights, tokens, pos, cache)
+            return cache, jnp.maximum(fed, jnp.minimum(fed + CATCH_UP, upto))
+
+        spec = s.speculation
+        return jax.lax.while_loop(lags, feed, (spec.draft_cache, spec.fed))[0]
+
     def propose(self, draft_weights, s, params, on):
         k = self.num_draft
         hist, length = s.history.tokens, s.history.length
@@ -360,7 +416,8 @@ class _Draft(_Speculation):
         prev = jnp.take_along_axis(hist, jnp.maximum(length - 2, 0)[:, None], axis=1)
         tokens = jnp.concatenate([jnp.maximum(prev, 0), loop.last_tokens(s)[:, None]], axis=1)
         pos = jnp.where(running[:, None], base[:, None] + jnp.arange(-1, 1)[None, :], -1)
-        logits, cache = self.runner.forward(draft_weights, tokens, pos, s.speculation.draft_cache)
+        cache = self.catch_up(draft_weights, s)
+        logits, cache = self.runner.forward(draft_weights, tokens, pos, cache)
         drafts, qs = [], []
         for i in range(k):
             token, q = self.pick(logits, params, s.num_tokens + i)

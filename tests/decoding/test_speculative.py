@@ -286,3 +286,137 @@ def test_strict_keeps_processor_states_to_the_accepted_tokens():
     result = ll.generate(target, prompts, params, processors=procs, speculative=spec)
     assert result.token_ids == plain
     assert sum(row["accepted"] for row in result.speculation) > 0
+
+
+# ------------------------------------------------- a model that copies: acceptance is known
+
+PERIOD, COPY_VOCAB = 5, 16
+
+
+def _copy_apply(period, _, tokens, positions, cache):
+    """Greedy next token at position q: the token at q + 1 - period (0 before the start).
+    The cache is the row's tokens by position, so this reads the context, as a model does."""
+    batch, slots = cache.shape
+    cache = cache.at[jnp.arange(batch)[:, None], jnp.where(positions >= 0, positions, slots)].set(
+        tokens, mode="drop"
+    )
+    src = positions + 1 - period
+    pred = jnp.where(src >= 0, jnp.take_along_axis(cache, jnp.clip(src, 0, slots - 1), 1), 0)
+    return 4.0 * jax.nn.one_hot(pred, COPY_VOCAB), cache  # [B, T, V]
+
+
+@functools.cache
+def _copier(period: int) -> ll.FunctionModel:
+    return ll.FunctionModel(
+        apply_fn=functools.partial(_copy_apply, period),
+        params=jnp.zeros(()),
+        init_cache=lambda batch, length: jnp.zeros((batch, length), jnp.int32),
+        vocab_size=COPY_VOCAB,
+        max_length=128,
+    )
+
+
+def _copy_prompt():
+    cycle = [1, 2, 3, 4, 5]  # every n-gram of the period occurs once per period
+    return cycle * 2 + cycle[:2]
+
+
+@pytest.mark.parametrize("acceptance", ["strict", "rejection"])
+@pytest.mark.parametrize("max_tokens", [21, 23])
+def test_prompt_lookup_accepts_every_draft_of_a_model_that_copies(acceptance, max_tokens):
+    """The greedy continuation of a periodic prompt is the period again; the latest earlier
+    3-gram lies one period back and the 4 tokens after it are that continuation, so every
+    cycle takes 4 drafts and its own token (the last one cut short by max_tokens), with the
+    default switch-off settings."""
+    target = _copier(PERIOD)
+    params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=max_tokens)
+    plain = ll.generate(target, [_copy_prompt()], params).token_ids
+    assert plain[0][:6] == [3, 4, 5, 1, 2, 3]
+    spec = ll.PromptLookup(max_ngram=3, num_draft=4, acceptance=acceptance)
+    result = ll.generate(target, [_copy_prompt()], params, speculative=spec)
+    assert result.token_ids == plain
+    cycles = -(-(max_tokens - 1) // 5)  # the prefill draws the first token
+    assert result.speculation == [
+        {"cycles": cycles, "drafted": 4 * cycles, "accepted": max_tokens - 1 - cycles}
+    ]
+
+
+def test_draft_model_catches_up_after_plain_steps():
+    """An identical draft switched off after every cycle (min_acceptance 1) proposes at
+    every third step only; in between the loop takes plain steps that skip the draft. Its
+    drafts are right only if it was fed the tokens of those steps before it proposes."""
+    target = _copier(PERIOD)
+    params = ll.SamplingParams.create(batch_size=2, temperature=0.0, max_tokens=[30, 19])
+    prompts = [_copy_prompt(), [6, 7, 8, 9, 10, 6]]
+    plain = ll.generate(target, prompts, params).token_ids
+    spec = ll.DraftModel(model=target, num_draft=4, min_acceptance=1.0, probe_every=3)
+    result = ll.generate(target, prompts, params, speculative=spec)
+    assert result.token_ids == plain
+    for row in result.speculation:
+        assert row["drafted"] >= 2 * 4 and row["cycles"] > row["drafted"] // 4  # plain steps
+        assert row["accepted"] >= row["drafted"] - 4  # all but the last cycle's cut
+
+
+def test_draft_model_rows_switch_off_when_drafts_miss():
+    target, draft = _copier(PERIOD), _copier(3)  # the draft copies the wrong period
+    params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=24)
+    plain = ll.generate(target, [_copy_prompt()], params).token_ids
+    result = ll.generate(
+        target, [_copy_prompt()], params, speculative=ll.DraftModel(model=draft, num_draft=4)
+    )
+    assert result.token_ids == plain
+    (row,) = result.speculation
+    assert row["drafted"] <= 2 * 4 and row["cycles"] == 23  # off after two missed cycles
+
+
+def test_a_chunk_stops_at_max_steps():
+    """Plain steps and cycles both count against max_steps; none runs past it."""
+    from logitloop.decoding.generate import _start
+
+    target = _copier(PERIOD)
+    params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=40)
+    spec = ll.PromptLookup(max_ngram=3, num_draft=4, min_acceptance=1.0)  # off after step 0
+    run = _start(target, [_copy_prompt()], params, 1, False, None, None, False, spec)
+    state = loop.decode(
+        run.info.runner,
+        run.info.weights,
+        run.state,
+        run.params.device_only(),
+        run.stops,
+        jnp.asarray(5, jnp.int32),
+        **run.loop_args,
+    )
+    assert int(state.step) == 5
+    assert int(state.speculation.cycles[0]) == 5
+    assert int(state.num_tokens[0]) == 1 + 5 + 4  # prefill, one full cycle, 4 plain steps
+
+
+def test_generate_many_counts_drafts_per_request():
+    """Rows that never switch off run the same cycles whatever the chunks and slots, so
+    generate_many's counts are generate's."""
+    target = _bigram(0)
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0)
+    knobs = dict(temperature=[0.0, 1.0, 0.0], max_tokens=[20, 13, 17])
+    params = ll.SamplingParams.create(batch_size=3, seed=[5, 6, 7], **knobs)
+    prompts = [[0, 1, 2, 0, 1], [3, 4], [5, 5, 1]]
+    want = ll.generate(target, prompts, params, speculative=spec)
+    requests = [
+        (p, {k: v[i] for k, v in knobs.items()} | {"seed": 5 + i}) for i, p in enumerate(prompts)
+    ]
+    many = ll.generate_many(target, requests, slots=2, chunk_steps=3, speculative=spec)
+    assert [r.token_ids[0] for r in many] == want.token_ids
+    assert [r.speculation for r in many] == [[row] for row in want.speculation]
+    assert sum(row["accepted"] for row in want.speculation) > 0
+    assert ll.generate_many(target, requests[:1], slots=1)[0].speculation is None
+
+
+def test_packaged_draft_matches_the_shipped_model_and_the_package_stays_small():
+    from pathlib import Path
+
+    package = Path(ll.__file__).parent
+    draft = ll.load_pretrained(package / "models" / "tiny_draft")
+    target = ll.load_pretrained()
+    assert draft.config.vocab_size == target.config.vocab_size
+    assert draft.config.num_layers < target.config.num_layers
+    files = [f for f in package.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    assert sum(f.stat().st_size for f in files) < 10 * 10**6
