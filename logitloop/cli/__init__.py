@@ -72,7 +72,7 @@ against the model; conversations rendered; result records), `sinks.py` (stdout t
 JSONL `--output`: resume, lock, fresh file put in place), `run_generate.py`,
 `run_explain.py` and `run_chat.py` (the three subcommands), `explain_view.py` (explain's
 table and figure), `cache.py` (the persistent compilation cache, and
-`logitloop.decoding.programs`' traced programs beside it), `common.py` (the error type,
+`logitloop.decoding.programs`' compiled programs beside it), `common.py` (the error type,
 loading the model, the checkpoint's sampling defaults). Only what a subcommand needs is
 imported, when it runs.
 """

@@ -1,5 +1,5 @@
 """The CLI's persistent compilation cache: compiled programs kept between runs (JAX's own
-cache), and the traced programs beside them (`logitloop.decoding.programs`, in the folder's
+cache), and the compiled programs beside them (`logitloop.decoding.programs`, in the folder's
 `programs/`), so that a second `logitloop generate "..."` neither traces, lowers nor
 compiles its programs again."""
 
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 COMPILE_CACHE_ENV = "LOGITLOOP_COMPILE_CACHE"
-PROGRAMS = "programs"  # the subfolder of traced programs (`logitloop.decoding.programs`)
+PROGRAMS = "programs"  # the subfolder of compiled programs (`logitloop.decoding.programs`)
 
 
 def compile_cache_dir() -> Path | None:

@@ -48,7 +48,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def use_program_store(folder: str | os.PathLike | None) -> None:
-    """Keep traced programs in `folder` (None: keep none, every call is plain `jax.jit`)."""
+    """Keep compiled programs in `folder` (None: keep none, every call is plain `jax.jit`)."""
     global _store
     _store = None if folder is None else Path(folder)
     _loaded.clear()

@@ -1,5 +1,5 @@
 """The CLI keeps compiled programs between runs (JAX's persistent compilation cache) and the
-traced programs beside them (`logitloop.decoding.programs`)."""
+loop's own executables beside them (`logitloop.decoding.programs`)."""
 
 from __future__ import annotations
 
@@ -40,11 +40,11 @@ def test_a_run_fills_the_cache_and_a_second_reads_it(tmp_path, model_args):
     env = _env(LOGITLOOP_COMPILE_CACHE=str(folder))
     first = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     assert folder.is_dir() and any(folder.iterdir()), "no compiled program was kept"
-    stored = sorted((folder / PROGRAMS).glob("*.program"))
-    assert len(stored) == 3, stored  # traced programs too (logitloop.decoding.programs)
+    stored = sorted((folder / PROGRAMS).glob("*.executable"))
+    assert len(stored) == 3, stored  # the loop's own programs (decoding.programs)
     second = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     assert second.stdout == first.stdout and first.stdout.strip()
-    assert sorted((folder / PROGRAMS).glob("*.program")) == stored
+    assert sorted((folder / PROGRAMS).glob("*.executable")) == stored
 
 
 def test_the_flag_turns_the_cache_off():
