@@ -87,3 +87,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.nodeid.startswith(case) for case in SLOW_CASES):
             item.add_marker(pytest.mark.slow)
+
+
+_MODULE_FIXTURE = ('scope="module"', 'scope="class"')
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (xdist's default `--dist load`) with one change: every test of a module that
+    defines a module- or class-scoped fixture goes to the same worker. Plain `load` spreads
+    a module's tests over both workers, so each worker paid for the module's fixtures (the
+    8-device mesh subprocess, the CLI's batch job, a training run: about a minute each)
+    and compiled the module's programs again. Such modules are sent first, biggest first
+    (xdist's `loadscope` order); the other tests, one by one, fill in behind them.
+    (`--dist loadgroup` would do this with marks, but with pytest 9 its group suffix on
+    the node ids has no effect: measured, the marked tests were spread.) Any other
+    `--dist` keeps xdist's own scheduler."""
+    if config.getoption("dist", None) != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+    shares_fixtures: dict[str, bool] = {}
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path not in shares_fixtures:
+                try:
+                    text = (root / path).read_text()
+                except OSError:
+                    text = ""
+                shares_fixtures[path] = any(s in text for s in _MODULE_FIXTURE)
+            return path if shares_fixtures[path] else nodeid
+
+    return ModuleFixtureScheduling(config, log)
