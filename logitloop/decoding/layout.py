@@ -62,6 +62,11 @@ class Layout:
         return params
 
     @property
+    def row_mesh(self) -> Any:
+        """The mesh whose "data" axis holds the rows (None: one device)."""
+        return None
+
+    @property
     def row_multiple(self) -> int:
         """A batch's row count must be a multiple of this (the mesh's data-axis size)."""
         return 1

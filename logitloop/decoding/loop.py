@@ -314,7 +314,7 @@ def forward_prompt(
     for start in range(0, width, step):
         cols = slice(start, start + step)
         logits, cache = runner.forward(
-            weights, prompt[:, cols], positions[:, cols], cache, prompt=True
+            weights, prompt[:, cols], positions[:, cols], cache, prompt=True, mesh=layout.row_mesh
         )
     return logits, cache
 
@@ -391,7 +391,9 @@ def decode_step(
     """One token per running row: feed its last token, sample, record."""
     # Finished rows feed a padding position, so their cache is never written again.
     pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
-    logits, cache = runner.forward(weights, last_tokens(s)[:, None], pos, s.cache)
+    logits, cache = runner.forward(
+        weights, last_tokens(s)[:, None], pos, s.cache, mesh=layout.row_mesh
+    )
     return sample_state(layout, logits, s.replace(cache=cache), params, stops, automata)
 
 

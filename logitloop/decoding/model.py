@@ -64,13 +64,14 @@ class ModelRunner:
     deterministic: bool = False  # the layers' reductions in a fixed order (`fixed_order`)
 
     def forward(
-        self, weights, tokens, positions, cache, *, prompt: bool = False
+        self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None
     ) -> tuple[jax.Array, Any]:
         """Last-column logits `[B, V]` and the cache. `prompt`: the call is (part of) a
         prompt pass, not a decode step: a deterministic runner's products then run over
-        prompt-sized row tiles (`fixed_order.PROMPT_TILE`)."""
+        prompt-sized row tiles (`fixed_order.PROMPT_TILE`). `mesh`: the rows lie over its
+        "data" axis (a deterministic runner tiles each device's rows by themselves)."""
         if self.graphdef is not None:
-            with fixed_order.fixed_order(self.deterministic, prompt=prompt):
+            with fixed_order.fixed_order(self.deterministic, prompt=prompt, mesh=mesh):
                 logits, cache = nnx.merge(self.graphdef, weights)(tokens, positions, cache)
         else:
             logits, cache = self.apply_fn(weights, tokens, positions, cache)

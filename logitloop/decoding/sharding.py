@@ -105,6 +105,10 @@ class MeshLayout(Layout):
 
     mesh: Mesh  # every axis Auto (`as_auto`)
 
+    @property
+    def row_mesh(self) -> Mesh:
+        return self.mesh
+
     def _named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 

@@ -18,6 +18,8 @@ call, the cache length or the mesh:
   head. Prompt tokens only ever go through the prompt pass and generated tokens through
   decode steps or verification, in every batch, slot and chunking, so each position meets
   the same shapes.
+  On a mesh with a "data" axis each device's rows are tiled by themselves (`fixed_order(
+  mesh=...)`, from the decode loop's layout), so every device runs the one-device tile.
 - Attention (`attention`) computes each score as the float32 products of one query and
   one key summed by halving over the head dimension (`tree_sum`: elementwise adds, an
   order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
@@ -62,6 +64,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Rows per product tile, by the pass. Plain products are not row-invariant even with
 # XLA:CPU's library fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32
@@ -93,17 +96,27 @@ CPU_COMPILER_OPTIONS = {
 _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "logitloop_fixed_order", default=None
 )
+# The mesh whose "data" axis holds the rows of the pass being traced, if any.
+_ROW_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "logitloop_fixed_order_mesh", default=None
+)
+DATA_AXIS = "data"
 
 
 @contextlib.contextmanager
-def fixed_order(enabled: bool = True, *, prompt: bool = False) -> Iterator[None]:
+def fixed_order(
+    enabled: bool = True, *, prompt: bool = False, mesh: Mesh | None = None
+) -> Iterator[None]:
     """While tracing inside this context, the layers use fixed-order reductions; `prompt`:
     the call is a prompt pass (row tiles of PROMPT_TILE), else a decode step or a
-    verification (DECODE_TILE)."""
+    verification (DECODE_TILE); `mesh`: the rows lie over this mesh's "data" axis, so each
+    device tiles its own rows (`rowwise`)."""
     token = _ACTIVE.set(("prompt" if prompt else "decode") if enabled else None)
+    mesh_token = _ROW_MESH.set(mesh if enabled and mesh is not None else None)
     try:
         yield
     finally:
+        _ROW_MESH.reset(mesh_token)
         _ACTIVE.reset(token)
 
 
@@ -124,14 +137,32 @@ def compiler_options() -> dict[str, str]:
 
 def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False) -> jax.Array:
     """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; in fixed-order mode over tiles of
-    `row_tile(head=head)` rows (0: whole), so that every call of `fn` XLA compiles in a
-    given pass has the same shape."""
-    if not active() or not (tile := row_tile(head=head)):
+    `row_tile(head=head)` rows, so that every product XLA compiles in a given pass has the
+    same shape on every device.
+
+    With the rows over a mesh's "data" axis of size D (the M rows in D contiguous blocks,
+    one per device), each device's block is padded and tiled by itself: the tiles go
+    through `lax.map` as `[D, tile, K]`, D over "data", so every device runs a
+    `[tile, K]` product on its own rows, as one device does. (Tiling the global rows
+    instead would let the partitioner split a tile's rows over the devices: on a (8, 1)
+    mesh at batch 8 each device then ran one-row products, which round differently.)"""
+    if not active():
         return fn(x)
-    m = x.shape[0]
-    tiles = jnp.pad(x, ((0, -m % tile), (0, 0))).reshape(-1, tile, x.shape[1])
-    out = jax.lax.map(fn, tiles)  # [M / tile, tile, N]
-    return out.reshape(-1, out.shape[-1])[:m]
+    tile = row_tile(head=head)
+    mesh = _ROW_MESH.get()
+    d = mesh.shape[DATA_AXIS] if mesh is not None else 1
+    m, k = x.shape
+    if m % d:
+        raise ValueError(f"{m} rows do not split over a data axis of size {d}")
+    per = m // d
+    blocks = jnp.pad(x.reshape(d, per, k), ((0, 0), (0, -per % tile), (0, 0)))
+    tiles = blocks.reshape(d, -1, tile, k).transpose(1, 0, 2, 3)  # [T, D, tile, K]
+    if mesh is not None:
+        spec = NamedSharding(mesh, PartitionSpec(None, DATA_AXIS))
+        tiles = jax.lax.with_sharding_constraint(tiles, spec)
+    out = jax.lax.map(lambda t: fn(t.reshape(d * tile, k)).reshape(d, tile, -1), tiles)
+    out = out.transpose(1, 0, 2, 3).reshape(d, -1, out.shape[-1])[:, :per]  # [D, per, N]
+    return out.reshape(m, out.shape[-1])
 
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:

@@ -1,9 +1,11 @@
-"""`deterministic=True` on a data-parallel mesh: each row's tokens and logprobs should be bit
-for bit the single device's (the shipped model in bfloat16, 8 CPU devices in a subprocess).
+"""`deterministic=True` on a data-parallel mesh: each row's tokens, raw logprobs, logprobs
+and finish reasons are bit for bit the single device's, for `generate` on (8, 1) and (2, 1)
+meshes and for `generate_many` on (8, 1); the shipped model in bfloat16 and a random
+float32 Llama with grouped-query attention whose 6 rows the (8, 1) mesh pads to 8 (8 CPU
+devices in a subprocess).
 
-Not met yet: on the (8, 1) mesh the logprobs differ from one device's by ~1e-6 from the
-first token on (the tokens of this case agree). Kept as a strict xfail, so that the fix
-turns it into a failure to remove the mark."""
+Each device tiles its own rows (`fixed_order.rowwise`); before it did, the partitioner
+split a tile's rows over the devices and the (8, 1) mesh's logprobs differed by ~1e-6."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ import pytest
 
 from ._run import REPO, parse, worker_env
 
+# One subprocess, about a minute on 2 cores: in `-m slow`, beside the full batch matrix
+# (`tests/decoding/test_deterministic.py`).
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the (8, 1) mesh differs by ~1e-6 (module docstring)")
-def test_data_parallel_mesh_equals_one_device_bit_for_bit():
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.sharding.deterministic_worker", "8x1", "2x1"],
         cwd=REPO,
@@ -27,6 +32,16 @@ def test_data_parallel_mesh_equals_one_device_bit_for_bit():
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    out = parse(proc.stdout, proc.stderr, "deterministic_worker")
-    for shape in ("8x1", "2x1"):
-        assert out[shape] == out["one"], shape
+    return parse(proc.stdout, proc.stderr, "deterministic_worker")
+
+
+@pytest.mark.parametrize("model", ["shipped", "gqa_llama"])
+@pytest.mark.parametrize("run", ["8x1", "2x1", "many_8x1"])
+def test_data_parallel_mesh_equals_one_device_bit_for_bit(runs, model, run):
+    assert runs[f"{model}/{run}"] == runs[f"{model}/one"]
+
+
+def test_the_rows_are_not_trivial(runs):
+    one = runs["shipped/one"]
+    assert len({tuple(t) for t in one["token_ids"]}) == len(one["token_ids"])
+    assert any(lp < -0.5 for row in one["logprobs"] for lp in row)  # sampled rows
