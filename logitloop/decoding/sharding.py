@@ -46,6 +46,7 @@ from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.params import SamplingParams
 from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mesh API in one place
+    DATA_AXIS,
     MODEL_AXIS,
     param_shardings,
     place_weights,
@@ -54,9 +55,6 @@ from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mes
 )
 from logitloop.ops.sampling.sharded import auto_axes
 from logitloop.ops.sampling.xla import Axes
-
-DATA_AXIS = "data"
-
 
 # ----------------------------------------------------------------------------- the mesh
 

@@ -66,6 +66,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from logitloop.models.partitioning import DATA_AXIS
+
 # Rows per product tile, by the pass. Plain products are not row-invariant even with
 # XLA:CPU's library fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32
 # logits), and a GPU library picks its kernel (and its split of the contraction) by the row
@@ -100,7 +102,6 @@ _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _ROW_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
     "logitloop_fixed_order_mesh", default=None
 )
-DATA_AXIS = "data"
 
 
 @contextlib.contextmanager
@@ -112,7 +113,7 @@ def fixed_order(
     verification (DECODE_TILE); `mesh`: the rows lie over this mesh's "data" axis, so each
     device tiles its own rows (`rowwise`)."""
     token = _ACTIVE.set(("prompt" if prompt else "decode") if enabled else None)
-    mesh_token = _ROW_MESH.set(mesh if enabled and mesh is not None else None)
+    mesh_token = _ROW_MESH.set(mesh if enabled else None)
     try:
         yield
     finally:

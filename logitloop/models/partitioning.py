@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from logitloop.ops.sampling.sharded import auto_axes
 
 MODEL_AXIS = "model"
+DATA_AXIS = "data"  # the rows (`logitloop.decoding.sharding`, `fixed_order.rowwise`)
 # Logical parameter axes laid over the model axis; the rest are replicated.
 MODEL_PARALLEL_AXES = frozenset({"experts", "heads", "kv_heads", "mlp", "vocab"})
 
