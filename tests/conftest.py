@@ -84,6 +84,12 @@ SLOW_CASES = (
     # in generate_many, speculation and chunked prefill), and 32 slots (4 stay).
     "tests/decoding/test_deterministic.py::test_row_alone_equals_row_in_batch[gqa_llama-512-3-64]",
     "tests/decoding/test_deterministic.py::test_generate_many_slot_equals_row_alone[32]",
+    # Two more ~20-s cases whose property a cheaper default case pins as well: a float32
+    # Llama's generate_many rows against generate (the scripted slot-reuse identity and the
+    # deterministic 4-slot case stay), and a deterministic row under speculation (strict
+    # speculation's equality with generate stays).
+    "tests/batching/test_generate_many.py::test_llama_identity_float32",
+    "tests/decoding/test_deterministic.py::test_speculative_row_equals_the_row_alone",
 )
 
 
