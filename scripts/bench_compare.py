@@ -5,11 +5,12 @@
 Each tree gets `--workers` long-lived measuring processes (PYTHONPATH set to its tree) that
 compile every measurement first and then wait. The driver then alternates single
 measurements between the trees: in each round, for each measurement, every process runs it
-once (the median of `--repeats` calls), base first in odd rounds and new first in even
-ones. A measurement of one tree is thus never more than a few seconds from the other's, so
-the machine's slow drifts (other jobs on shared cores) fall on both alike; a ratio is taken
-per round (mean over each tree's processes) and the table gives the median of those
-ratios, with the per-tree medians beside it (below 1: the new tree is faster).
+once (one `generate` call, or the median of `--repeats` sampler calls), base first in odd
+rounds and new first in even ones. A measurement of one tree is thus never more than a few
+seconds from the other's, so the machine's slow drifts (other jobs on shared cores) fall on
+both alike; a ratio is taken per round (mean over each tree's processes) and the table gives
+the median of those ratios, with the per-tree medians beside it (below 1: the new tree is
+faster).
 
 A process times `ll.sample` (batch 8 and 64 at V 32000 and 128256; greedy, top-p 0.9, every
 knob per row, and a wide top-p 0.99) and `ll.generate` on the llama-40m configuration

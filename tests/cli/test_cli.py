@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocess_env import jax_cache_env
+
 TIMEOUT_S = 300
 A, B = 100, 200  # two ordinary token ids for the forced-stop lines
 BASE_FLAGS = ["--max-tokens", "10", "--top-p", "0.95", "--batch-size", "4"]
@@ -41,9 +43,7 @@ def cli_env() -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONIOENCODING"] = "utf-8"
     if _compile_cache:
-        env["JAX_COMPILATION_CACHE_DIR"] = _compile_cache[0]
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+        env.update(jax_cache_env(_compile_cache[0]))
     else:
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     return env

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from tests.subprocess_env import jax_cache_env
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 SMALL = [
@@ -62,13 +64,7 @@ def environment(base: Path) -> dict[str, str]:
     """The runs' environment: one JAX compilation cache for the module's five runs, so that
     only the first compiles (about 4.5 s of each ~9.5-s run); the others load the same
     executables, so their arithmetic is the first run's."""
-    return dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+    return dict(os.environ, JAX_PLATFORMS="cpu", **jax_cache_env(str(base / "jax_cache")))
 
 
 def train(workdir: Path, out: Path, *extra: str) -> str:
