@@ -270,18 +270,22 @@ def test_decode_attention_over_a_longer_cache_or_prefix_is_exact():
     np.testing.assert_array_equal(outs[0][2], outs[2][2])
 
 
-@pytest.mark.parametrize(
-    ("hkv", "g", "d", "dtype"),
-    [(2, 2, 8, jnp.float32), (2, 4, 64, jnp.float32)],
-)
-def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d, dtype):
+# (batch, columns, cache slots) around the query: decode steps, verifications, prompt
+# chunks; caches a multiple of the 16-slot chunk or not.
+ATTENTION_CALLS = [(1, 1, 32), (2, 1, 24), (3, 5, 48), (8, 1, 100), (17, 5, 208),
+                   (64, 1, 1024), (64, 5, 96), (1, 16, 40), (8, 33, 96), (3, 64, 32)]
+
+
+@pytest.mark.parametrize("prompt", [False, True], ids=["decode", "prompt"])
+@pytest.mark.parametrize(("hkv", "g", "d"), [(2, 2, 8), (2, 4, 64)])
+def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d, prompt):
     """One query's output, bit for bit, wherever it sits: among 0-63 other rows of random
-    content, at any column of a call of 1-64 columns (a decode step, a verification, a
-    prompt chunk), over caches of 24-1024 slots (padded to the chunk or not), with
-    random keys and values in the slots it may not see. (The plain einsum path fails
-    both cases; bfloat16 is covered end to end by the shipped model's tests.)"""
+    content, at any column of a call of 1-64 columns, over caches of 24-1024 slots, with
+    random keys and values in the slots it may not see; traced as a decode step (one-row
+    dots) and as a prompt pass (halving). The plain einsum path fails both shapes;
+    bfloat16 is covered end to end by the shipped model's tests."""
     rng = np.random.default_rng(d + g)
-    pos = 20
+    pos = 20  # the query sees slots 0..pos
     qrow = rng.standard_normal((hkv, g, d)).astype(np.float32)
     krow, vrow = (rng.standard_normal((hkv, pos + 1, d)).astype(np.float32) for _ in range(2))
     att = jax.jit(
@@ -290,20 +294,17 @@ def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d,
         ),
         compiler_options=fixed_order.compiler_options(),
     )
-    cases = [(1, 1, 32), (2, 1, 24), (3, 5, 48), (8, 1, 100), (17, 5, 208), (64, 1, 1024),
-             (64, 5, 96), (1, 16, 40), (8, 33, 96), (3, 64, 32)]
     outs = []
-    for batch, columns, slots in cases:
-        at, col = int(rng.integers(0, batch)), int(rng.integers(0, columns))
-        q = rng.standard_normal((batch, columns, hkv, g, d)).astype(np.float32)
-        k, v = (rng.standard_normal((batch, hkv, slots, d)).astype(np.float32) for _ in range(2))
-        q[at, col] = qrow
-        k[at, :, : pos + 1], v[at, :, : pos + 1] = krow, vrow
-        # column c of the call sees slots up to pos - col + c: the query's own sees 0..pos
-        seen = pos - col + np.arange(columns)
-        mask = np.broadcast_to(np.arange(slots) <= seen[:, None], (batch, columns, slots))
-        out = att(*(jnp.asarray(a, dtype) for a in (q, k, v)), jnp.asarray(mask))
-        outs.append(np.asarray(out.astype(jnp.float32))[at, col])
+    with fixed_order.fixed_order(True, prompt=prompt):  # while `att` is traced
+        for batch, columns, slots in ATTENTION_CALLS:
+            at, col = int(rng.integers(0, batch)), int(rng.integers(0, columns))
+            q = rng.standard_normal((batch, columns, hkv, g, d)).astype(np.float32)
+            k, v = (rng.standard_normal((batch, hkv, slots, d)).astype(np.float32) for _ in "kv")
+            q[at, col] = qrow
+            k[at, :, : pos + 1], v[at, :, : pos + 1] = krow, vrow
+            seen = pos - col + np.arange(columns)  # column c sees slots up to seen[c]
+            mask = np.broadcast_to(np.arange(slots) <= seen[:, None], (batch, columns, slots))
+            outs.append(np.asarray(att(q, k, v, mask))[at, col])
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
 
