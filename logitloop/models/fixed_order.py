@@ -31,14 +31,7 @@ call, the cache length or the mesh:
   see add exact zeros (exp of the mask value), so slots past a row's last position,
   padding of the cache to a multiple of the chunk, a longer bucket or buffer, or a longer
   prefix of the cache read by a decode step leave the sums unchanged. The maximum is
-  exact in any order. In a decode step or a verification each chunk's sums over the
-  head dimension and over its 16 slots are one-row dots of fixed shapes instead of
-  halving (XLA's own code, the same order for every row; see `attention`).
-  Invariance here rests on XLA:CPU compiling the same elementwise code to the same bits
-  in every program: an attention built of one-row dots alone, one query row per loop
-  iteration, was invariant by itself but changed how the keys around it were fused in
-  `generate_many`'s program, whose keys then came out with other bits (BENCHMARKS.md,
-  2026-12-02 night). The end-to-end tests are what check it.
+  exact in any order.
 - Norms (RMSNorm, LayerNorm, QK-norm) take their means by halving over the row (`mean`).
   RoPE, activations, residual adds and the embedding are elementwise or gathers, the
   same for a row wherever it sits (with the library fusions off, below).
@@ -234,25 +227,7 @@ def attention(
     # One chunk of slots per loop iteration: the loop keeps XLA:CPU from fusing the
     # producers of q (RoPE's sin and cos) and of the probabilities (an exp) into the
     # broadcast products and recomputing them for every slot or head element.
-    # A decode step or a verification (few rows: T x G per kv head) takes each chunk's
-    # products as batched one-row dots, batch (row, kv head, query row): `[1, D] x [D, 16]`
-    # and `[1, 16] x [16, D]`, shapes fixed by the config. XLA:CPU gives no one-row dot
-    # to YNNPACK, so they stay XLA's own code, and each query's sums are the same bits
-    # whatever the batch, the columns and the cache (tested); at batch 8 they cost about
-    # a third of the halving products (BENCHMARKS.md). A prompt pass keeps the halving
-    # products: broadcasting each chunk's keys to its T x G query rows costs more there.
-    decode = _ACTIVE.get() == "decode"
-    rows = g * t
-
-    def one_row_dots(x, kv, contract):  # [B, Hkv, R, 1, n] with [B, Hkv, 16, D]
-        kv = jnp.broadcast_to(kv.astype(jnp.float32)[:, :, None], (b, hkv, rows, SLOT_CHUNK, d))
-        dims = (((4,), (contract,)), ((0, 1, 2), (0, 1, 2)))
-        return jax.lax.dot_general(x, kv, dims, preferred_element_type=jnp.float32)
-
     def chunk_scores(kc):  # [B, Hkv, 16, D] -> [B, Hkv, G, T, 16]
-        if decode:
-            scores = one_row_dots(q32.reshape(b, hkv, rows, 1, d), kc, 4)
-            return scores.reshape(b, hkv, g, t, SLOT_CHUNK)
         # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, 16, D] summed over D (one fixed size)
         return tree_sum(q32[:, :, :, :, None, :] * kc.astype(jnp.float32)[:, :, None, None])
 
@@ -266,9 +241,6 @@ def attention(
 
     def add_chunk(acc, pv):  # chunk after chunk from slot 0: acc + this chunk's sum
         p, vc = pv  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
-        if decode:
-            p = p.astype(jnp.float32).reshape(b, hkv, rows, 1, SLOT_CHUNK)
-            return acc + one_row_dots(p, vc, 3).reshape(b, hkv, g, t, d), None
         # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
         part = tree_sum(
             p.astype(jnp.float32)[..., None] * vc.astype(jnp.float32)[:, :, None, None],

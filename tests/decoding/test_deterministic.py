@@ -281,9 +281,9 @@ ATTENTION_CALLS = [(1, 1, 32), (2, 1, 24), (3, 5, 48), (8, 1, 100), (17, 5, 208)
 def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d, prompt):
     """One query's output, bit for bit, wherever it sits: among 0-63 other rows of random
     content, at any column of a call of 1-64 columns, over caches of 24-1024 slots, with
-    random keys and values in the slots it may not see; traced as a decode step (one-row
-    dots) and as a prompt pass (halving). The plain einsum path fails both shapes;
-    bfloat16 is covered end to end by the shipped model's tests."""
+    random keys and values in the slots it may not see; traced as a decode step and as a
+    prompt pass. The plain einsum path fails both shapes; bfloat16 is covered end to end
+    by the shipped model's tests."""
     rng = np.random.default_rng(d + g)
     pos = 20  # the query sees slots 0..pos
     qrow = rng.standard_normal((hkv, g, d)).astype(np.float32)
