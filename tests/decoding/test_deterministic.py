@@ -276,14 +276,13 @@ ATTENTION_CALLS = [(1, 1, 32), (2, 1, 24), (3, 5, 48), (8, 1, 100), (17, 5, 208)
                    (64, 1, 1024), (64, 5, 96), (1, 16, 40), (8, 33, 96), (3, 64, 32)]
 
 
-@pytest.mark.parametrize("prompt", [False, True], ids=["decode", "prompt"])
 @pytest.mark.parametrize(("hkv", "g", "d"), [(2, 2, 8), (2, 4, 64)])
-def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d, prompt):
+def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d):
     """One query's output, bit for bit, wherever it sits: among 0-63 other rows of random
     content, at any column of a call of 1-64 columns, over caches of 24-1024 slots, with
-    random keys and values in the slots it may not see; traced as a decode step and as a
-    prompt pass. The plain einsum path fails both shapes; bfloat16 is covered end to end
-    by the shipped model's tests."""
+    random keys and values in the slots it may not see (prompt passes, decode steps and
+    verifications share this code). The plain einsum path fails both shapes; bfloat16 is
+    covered end to end by the shipped model's tests."""
     rng = np.random.default_rng(d + g)
     pos = 20  # the query sees slots 0..pos
     qrow = rng.standard_normal((hkv, g, d)).astype(np.float32)
@@ -295,7 +294,7 @@ def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d,
         compiler_options=fixed_order.compiler_options(),
     )
     outs = []
-    with fixed_order.fixed_order(True, prompt=prompt):  # while `att` is traced
+    with fixed_order.fixed_order(True):  # while `att` is traced
         for batch, columns, slots in ATTENTION_CALLS:
             at, col = int(rng.integers(0, batch)), int(rng.integers(0, columns))
             q = rng.standard_normal((batch, columns, hkv, g, d)).astype(np.float32)
