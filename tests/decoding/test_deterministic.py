@@ -272,19 +272,20 @@ def test_decode_attention_over_a_longer_cache_or_prefix_is_exact():
 
 # (batch, columns, cache slots) around the query: decode steps, verifications, prompt
 # chunks; caches a multiple of the 16-slot chunk or not.
-ATTENTION_CALLS = [(1, 1, 32), (2, 1, 24), (3, 5, 48), (8, 1, 100), (17, 5, 208),
-                   (64, 1, 1024), (64, 5, 96), (1, 16, 40), (8, 33, 96), (3, 64, 32)]
+ATTENTION_CALLS = [(1, 1, 128), (2, 1, 136), (3, 5, 160), (8, 1, 200), (17, 5, 208),
+                   (64, 1, 1024), (64, 5, 256), (1, 16, 144), (8, 33, 256), (3, 64, 128)]
 
 
 @pytest.mark.parametrize(("hkv", "g", "d"), [(2, 2, 8), (2, 4, 64)])
 def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d):
     """One query's output, bit for bit, wherever it sits: among 0-63 other rows of random
-    content, at any column of a call of 1-64 columns, over caches of 24-1024 slots, with
+    content, at any column of a call of 1-64 columns, over caches of 128-1024 slots, with
     random keys and values in the slots it may not see (prompt passes, decode steps and
-    verifications share this code). The plain einsum path fails both shapes; bfloat16 is
-    covered end to end by the shipped model's tests."""
+    verifications share this code). The query sees 121 slots, 8 chunks: the plain einsum
+    path fails both shapes, and so does a softmax denominator summed by XLA's reduce
+    instead of chunk after chunk; bfloat16 is covered end to end by the shipped model."""
     rng = np.random.default_rng(d + g)
-    pos = 20  # the query sees slots 0..pos
+    pos = 120  # the query sees slots 0..pos
     qrow = rng.standard_normal((hkv, g, d)).astype(np.float32)
     krow, vrow = (rng.standard_normal((hkv, pos + 1, d)).astype(np.float32) for _ in range(2))
     att = jax.jit(
