@@ -368,8 +368,19 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
     s.add_argument(
         "--deterministic",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=False,
         help="a prompt's output does not depend on the batch it runs in (slower)",
+    )
+    s.add_argument(
+        "--deterministic-model-parallel",
+        dest="deterministic",
+        action="store_const",
+        const="model-parallel",
+        help="--deterministic in the mode that a model-parallel mesh reproduces: the output "
+        "of generate(..., deterministic='model-parallel') on a model axis of 1, 2, 4 or 8 "
+        "devices (slower still)",
     )
 
 

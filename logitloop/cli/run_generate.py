@@ -214,7 +214,7 @@ def _speculation(args):
 
 
 def _stream_one(
-    model, item: Item, ignore_eos: bool, deterministic: bool = False, speculative=None
+    model, item: Item, ignore_eos: bool, deterministic: bool | str = False, speculative=None
 ) -> int:
     """Print one prompt's text deltas as they come; returns the number of tokens generated."""
     import logitloop as ll

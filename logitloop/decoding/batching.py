@@ -641,7 +641,7 @@ def iter_generate_many(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
-    deterministic: bool = False,
+    deterministic: bool | str = False,
     speculative: Any = None,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
@@ -712,7 +712,7 @@ def generate_many(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
-    deterministic: bool = False,
+    deterministic: bool | str = False,
     speculative: Any = None,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.

@@ -47,7 +47,7 @@ def generate(
     ignore_eos: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
-    deterministic: bool = False,
+    deterministic: bool | str = False,
     speculative: Any = None,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
@@ -79,7 +79,8 @@ def generate(
 
     `deterministic=True` (logitloop's models): a row's logits, and so its tokens,
     logprobs and finish reason, are bit for bit those of the row alone, whatever the
-    batch, the prompt bucket and buffer (on one device; a mesh still differs by ~1e-6)
+    batch, the prompt bucket and buffer, and on a data-parallel mesh;
+    `deterministic="model-parallel"` also on a model axis of 1, 2, 4 or 8 devices
     (`logitloop.models.fixed_order`; README, "Deterministic decoding").
 
     `speculative`: `ll.PromptLookup(...)` or `ll.DraftModel(...)` to decode speculatively
@@ -169,7 +170,7 @@ def stream(
     chunk_steps: int = 8,
     mesh: jax.sharding.Mesh | None = None,
     processors: Sequence[Any] | None = None,
-    deterministic: bool = False,
+    deterministic: bool | str = False,
     speculative: Any = None,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.

@@ -210,7 +210,7 @@ def prepare(
     ignore_eos: bool = False,
     layout: Layout = ONE_DEVICE,
     processors: Sequence[Any] | None = None,
-    deterministic: bool = False,
+    deterministic: bool | str = False,
 ) -> tuple[ModelInfo, list[list[int]], SamplingParams]:
     """`generate`'s inputs checked and expanded: the model, tokenized prompts, per-row params.
 

@@ -36,6 +36,9 @@ from flax import nnx
 
 from logitloop.models import fixed_order
 
+# `deterministic=` values: off, invariant to the batch and a data axis, and also to a model
+# axis (`fixed_order.fixed_order(model_parallel=True)`).
+MODEL_PARALLEL = "model-parallel"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FunctionModel:
@@ -61,7 +64,18 @@ class ModelRunner:
     graphdef: Any = None  # nnx.GraphDef for NNX modules
     apply_fn: Callable | None = None  # for FunctionModel
     init_cache_fn: Callable | None = None
-    deterministic: bool = False  # the layers' reductions in a fixed order (`fixed_order`)
+    # The layers' reductions in a fixed order (`fixed_order`): False, True, or
+    # "model-parallel" (also the splits of a model axis).
+    deterministic: bool | str = False
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.deterministic == MODEL_PARALLEL
+
+    def _fixed_order(self, **kwargs):
+        return fixed_order.fixed_order(
+            bool(self.deterministic), model_parallel=self.model_parallel, **kwargs
+        )
 
     def forward(
         self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None
@@ -71,7 +85,7 @@ class ModelRunner:
         prompt-sized row tiles (`fixed_order.PROMPT_TILE`). `mesh`: the rows lie over its
         "data" axis (a deterministic runner tiles each device's rows by themselves)."""
         if self.graphdef is not None:
-            with fixed_order.fixed_order(self.deterministic, prompt=prompt, mesh=mesh):
+            with self._fixed_order(prompt=prompt, mesh=mesh):
                 logits, cache = nnx.merge(self.graphdef, weights)(tokens, positions, cache)
         else:
             logits, cache = self.apply_fn(weights, tokens, positions, cache)
@@ -83,7 +97,7 @@ class ModelRunner:
         """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts:
         generated tokens, so a deterministic runner treats the call as a decode step)."""
         if self.graphdef is not None:
-            with fixed_order.fixed_order(self.deterministic):
+            with self._fixed_order():
                 model = nnx.merge(self.graphdef, weights)
                 return model(tokens, positions, cache, all_columns=True)
         logits, cache = self.apply_fn(weights, tokens, positions, cache)
@@ -116,7 +130,7 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
         if not runner.deterministic or nested:
             return self._plain
-        options = fixed_order.compiler_options()
+        options = fixed_order.compiler_options(runner.model_parallel)
         key = tuple(sorted(options.items()))
         if key not in self._fixed:
             self._fixed[key] = jax.jit(self._fn, compiler_options=options, **self._kwargs)
@@ -149,15 +163,20 @@ def _eos_tuple(eos: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
-def model_info(model: Any, *, deterministic: bool = False) -> ModelInfo:
+def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
     """Resolve a FunctionModel or an NNX module into what the decode loop needs.
 
     `deterministic=True` (logitloop's models only) runs the model with its reductions in
-    a fixed order, so a row's logits do not depend on the rest of the batch
-    (`logitloop.models.fixed_order`).
+    a fixed order, so a row's logits do not depend on the rest of the batch nor on a data
+    axis; `deterministic="model-parallel"` also fixes the splits of a model axis, so they
+    do not depend on its size either (`logitloop.models.fixed_order`).
     """
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+    if not isinstance(deterministic, bool) and not (
+        isinstance(deterministic, str) and deterministic == MODEL_PARALLEL
+    ):
+        raise ValueError(
+            f"deterministic must be True, False or {MODEL_PARALLEL!r}, got {deterministic!r}"
+        )
     if isinstance(model, FunctionModel):
         if deterministic:
             raise ValueError(

@@ -102,9 +102,7 @@ class DecoderModel(nnx.Module):
         rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
         head = self.head_weight()
         logits = fixed_order.rowwise(
-            lambda r: jnp.einsum("be,ve->bv", r, head, preferred_element_type=jnp.float32),
-            rows,
-            head=True,
+            lambda r: fixed_order.head_product(r, head), rows, head=True
         )
         return self.output_logits(logits.reshape(*last.shape[:-1], -1)), new_cache
 

@@ -20,6 +20,19 @@ call, the cache length or the mesh:
   the same shapes.
   On a mesh with a "data" axis each device's rows are tiled by themselves (`fixed_order(
   mesh=...)`, from the decode loop's layout), so every device runs the one-device tile.
+- With `model_parallel=True` (`deterministic="model-parallel"`), a product within a tile
+  also sums its contraction in chunks of at most MAX_CHUNK entries at fixed boundaries,
+  the chunks' float32 partial sums added one after another (`product`), and the LM head
+  runs over a fixed number of vocabulary tiles (`head_product`). Chunks and tiles are laid
+  out from the config alone so that a "model" axis of any size dividing MODEL_PARTS holds
+  whole chunks or tiles: where the mesh splits a contraction (the output projection by
+  heads, the down projection by the MLP axis), each device computes whole chunks' partial
+  sums and the fixed-order sum replaces the all-reduce, whose order the mesh decides;
+  where it splits the columns (q/k/v, gate/up, the vocabulary), each device's product of
+  its own columns gives them the one-device bits (XLA:CPU's own product does, for a
+  contraction of at most 128 whatever the number of columns; YNNPACK's dot, and XLA's own
+  above ~150, do not). Without it the products are single dots: faster (YNNPACK's), and
+  invariant to the batch and a data axis, not to a model axis.
 - Attention (`attention`) computes each score as the float32 products of one query and
   one key summed by halving over the head dimension (`tree_sum`: elementwise adds, an
   order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
@@ -49,7 +62,9 @@ in a bigger array comes out different. Programs of a deterministic runner are co
 with those fusions off except YNNPACK's individual dots (`compiler_options`, applied by
 `decoding.model.runner_jit`): a dot alone, of one fixed tile shape, gives each row the
 same bits whatever the other rows and the program around it (tested), and it is faster
-than XLA:CPU's own dot (BENCHMARKS.md, "Deterministic decoding").
+than XLA:CPU's own dot (BENCHMARKS.md, "Deterministic decoding"). A model-parallel
+program has YNNPACK's dots off as well (`CPU_SPLIT_OPTIONS`): they round a column
+differently with the number of columns.
 
 `fixed_order(True, prompt=...)` is entered by `decoding.model.ModelRunner.forward` (and
 `forward_columns`) while the model is traced; outside it every primitive here is the plain
@@ -60,6 +75,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 
 import jax
@@ -84,6 +100,16 @@ DECODE_TILE = 8
 # allocates: prompt and buffer buckets are multiples of 16).
 SLOT_CHUNK = 16
 
+# Model-axis sizes whose splits are fixed: the contraction chunks and the LM head's column
+# tiles are laid out so that a "model" axis of any size dividing MODEL_PARTS (1, 2, 4, 8)
+# holds whole chunks or tiles on each device (`contraction_chunk`, `head_product`).
+MODEL_PARTS = 8
+# The longest contraction one product gets (`product`). Measured on XLA:CPU's own (Eigen)
+# product with 8-64 rows: up to K = 128 a column's bits do not depend on the number of
+# columns, in a process with one host device or eight; at K = 176 and 256 they changed
+# with eight (its blocking splits K by the problem's shape there).
+MAX_CHUNK = 128
+
 # XLA:CPU options of a deterministic program: of the library fusions, which XLA:CPU picks
 # by array size and which can take in the ops around them (a reduce, an `exp(x - max)`,
 # elementwise code) with another order and another `exp`, only YNNPACK's individual dots
@@ -93,10 +119,23 @@ CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "xla_cpu_experimental_xnn_fusion_type": "",
 }
+# ... and of a model-parallel-invariant one: YNNPACK's dots off too. YNNPACK's dot rounds a
+# column differently with the number of columns in the call, and a model-parallel mesh
+# gives each device a slice of them; XLA:CPU's own product of a fixed row tile with a
+# contraction of at most MAX_CHUNK gives each entry the same bits whatever the number of
+# columns (the tests of `product` and `tests/sharding/test_deterministic_mesh.py`).
+CPU_SPLIT_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type": "",
+    "xla_cpu_experimental_xnn_fusion_type": "",
+}
 
 # None (plain ops), "prompt" or "decode": the pass being traced in fixed-order mode.
 _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "logitloop_fixed_order", default=None
+)
+# Whether the pass being traced also fixes the splits a model axis makes ("model-parallel").
+_SPLITS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "logitloop_fixed_order_splits", default=False
 )
 # The mesh whose "data" axis holds the rows of the pass being traced, if any.
 _ROW_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
@@ -106,17 +145,25 @@ _ROW_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def fixed_order(
-    enabled: bool = True, *, prompt: bool = False, mesh: Mesh | None = None
+    enabled: bool = True,
+    *,
+    prompt: bool = False,
+    mesh: Mesh | None = None,
+    model_parallel: bool = False,
 ) -> Iterator[None]:
     """While tracing inside this context, the layers use fixed-order reductions; `prompt`:
     the call is a prompt pass (row tiles of PROMPT_TILE), else a decode step or a
     verification (DECODE_TILE); `mesh`: the rows lie over this mesh's "data" axis, so each
-    device tiles its own rows (`rowwise`)."""
+    device tiles its own rows (`rowwise`); `model_parallel`: products also sum their
+    contraction in fixed chunks and the LM head runs over fixed column tiles (`product`,
+    `head_product`), so that a "model" axis does not change the bits either."""
     token = _ACTIVE.set(("prompt" if prompt else "decode") if enabled else None)
     mesh_token = _ROW_MESH.set(mesh if enabled else None)
+    splits_token = _SPLITS.set(bool(enabled and model_parallel))
     try:
         yield
     finally:
+        _SPLITS.reset(splits_token)
         _ROW_MESH.reset(mesh_token)
         _ACTIVE.reset(token)
 
@@ -126,14 +173,22 @@ def active() -> bool:
     return _ACTIVE.get() is not None
 
 
+def splits() -> bool:
+    """Whether the layers being traced also fix the splits of a model axis."""
+    return _SPLITS.get()
+
+
 def row_tile(*, head: bool = False) -> int:
     """Rows per product tile in the pass being traced (`head`: the LM head's product)."""
     return PROMPT_TILE if _ACTIVE.get() == "prompt" and not head else DECODE_TILE
 
 
-def compiler_options() -> dict[str, str]:
-    """XLA options for a deterministic program on the default backend."""
-    return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
+def compiler_options(model_parallel: bool = False) -> dict[str, str]:
+    """XLA options for a deterministic program on the default backend (`model_parallel`:
+    a program whose products split in fixed chunks, `fixed_order(model_parallel=True)`)."""
+    if jax.default_backend() != "cpu":
+        return {}
+    return dict(CPU_SPLIT_OPTIONS if model_parallel else CPU_COMPILER_OPTIONS)
 
 
 def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False) -> jax.Array:
@@ -164,6 +219,68 @@ def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = 
     out = jax.lax.map(lambda t: fn(t.reshape(d * tile, k)).reshape(d, tile, -1), tiles)
     out = out.transpose(1, 0, 2, 3).reshape(d, -1, out.shape[-1])[:, :per]  # [D, per, N]
     return out.reshape(m, out.shape[-1])
+
+
+def contraction_chunk(k: int, groups: int = 1) -> int:
+    """Entries of the contraction per chunk in a fixed-order product over `k` entries
+    that a model-parallel mesh may split into `groups` equal blocks (1: never split, as
+    the embedding axis; the head count for the output projection; `k` for the MLP's down
+    projection): the longest chunk of at most MAX_CHUNK that divides every device's share
+    of `k` on a "model" axis of any size dividing MODEL_PARTS."""
+    if groups < 1 or k % groups:
+        raise ValueError(f"a contraction of {k} does not split into {groups} groups")
+    base = k // math.gcd(groups, MODEL_PARTS)
+    return max(c for c in range(1, min(base, MAX_CHUNK) + 1) if base % c == 0)
+
+
+def product(rows: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
+    """`rows @ w`, `[M, K] x [K, N] -> [M, N]` in `rows`' dtype; in fixed-order mode the
+    contraction runs in chunks of `contraction_chunk(K, groups)` entries at fixed
+    boundaries: one batched product `[C, M, chunk] x [C, chunk, N]` (w's chunks are a free
+    view of its rows) into float32 partial sums, added chunk after chunk from 0.
+
+    On a mesh that splits the contraction over its "model" axis (the output projection's
+    heads, the down projection's MLP axis), every device holds whole chunks, so the
+    partial sums are the one-device ones and the fixed-order sum replaces the all-reduce
+    of the plain product, whose order the mesh decides. On a mesh that splits the columns
+    (the q/k/v and gate/up projections), each device's product is the one-device product
+    of its own columns: with a contraction of at most MAX_CHUNK, XLA:CPU's own product
+    gives a column the same bits whatever the number of columns."""
+    if not splits():
+        return rows @ w
+    m, k = rows.shape
+    chunk = contraction_chunk(k, groups)
+    parts = k // chunk
+    chunks = rows.reshape(m, parts, chunk).transpose(1, 0, 2)  # [C, M, chunk]
+    partial = jax.lax.dot_general(
+        chunks,
+        w.reshape(parts, chunk, w.shape[-1]),
+        (((2,), (1,)), ((0,), (0,))),
+        preferred_element_type=jnp.float32,
+    )  # [C, M, N]
+    return ordered_sum(partial, axis=0).astype(rows.dtype)
+
+
+def head_product(rows: jax.Array, head: jax.Array) -> jax.Array:
+    """The LM head, `[M, E] x [V, E]^T -> [M, V]` float32; in model-parallel fixed-order
+    mode (`splits()`) over
+    `gcd(V, MODEL_PARTS)` tiles of the vocabulary of one shape (a free view of the `[V, E]`
+    weight), each `[V / tiles, E] x [E, M]` with the weight on the left (as the right
+    operand, XLA:CPU's own product of llama-40m's `[32000, 512]` head at 8 rows took
+    14 ms a call against 4). One batched product, so a vocabulary split over a "model"
+    axis of a size that divides the tile count gives every device whole tiles of the
+    one-device shape.
+    if not splits():
+        return jnp.einsum("be,ve->bv", rows, head, preferred_element_type=jnp.float32)
+    v, e = head.shape
+    tiles = math.gcd(v, MODEL_PARTS)
+    out = jax.lax.dot_general(
+        head.reshape(tiles, v // tiles, e),
+        jnp.broadcast_to(rows, (tiles, *rows.shape)),
+        (((2,), (2,)), ((0,), (0,))),
+        preferred_element_type=jnp.float32,
+    )  # [tiles, V / tiles, M]
+    return out.transpose(2, 0, 1).reshape(rows.shape[0], v)
 
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:

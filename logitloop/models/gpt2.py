@@ -66,7 +66,8 @@ class GPT2Block(nnx.Module):
 
         h = layers.layer_norm(x, self.ln_2_scale[...], self.ln_2_bias[...], c.layer_norm_eps)
         h = layers.activation(c.hidden_act, layers.dense(h, self.w_fc[...]) + self.b_fc[...])
-        return x + layers.dense(h, self.w_proj[...]) + self.b_proj[...], cache  # [B, T, E]
+        out = layers.dense(h, self.w_proj[...], groups=c.intermediate_size)
+        return x + out + self.b_proj[...], cache  # [B, T, E]
 
 
 class GPT2Model(DecoderModel):

@@ -142,16 +142,21 @@ def split_heads(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:
-    """The output projection `[B, T, H, D] x [H, D, E] -> [B, T, E]`, as one 2-D product."""
+    """The output projection `[B, T, H, D] x [H, D, E] -> [B, T, E]`, as one 2-D product
+    (whose contraction a model-parallel mesh splits by heads)."""
     b, t, h, d = x.shape
-    return dense(x.reshape(b, t, h * d), w.reshape(h * d, w.shape[-1]))
+    return dense(x.reshape(b, t, h * d), w.reshape(h * d, w.shape[-1]), groups=h)
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
     """`x @ w`, `[..., K] x [K, N] -> [..., N]`, as one 2-D product over the rows of `x`
-    (over fixed-size row tiles under `fixed_order`, so a row's result does not depend on
-    how many rows there are)."""
-    out = fixed_order.rowwise(lambda rows: rows @ w, x.reshape(-1, x.shape[-1]))
+    (over fixed-size row tiles and fixed contraction chunks under `fixed_order`, so a
+    row's result does not depend on how many rows there are, nor on the mesh). `groups`:
+    the equal blocks a model-parallel mesh may split the contraction into (K for a
+    contraction over the MLP axis, 1 over the embedding)."""
+    out = fixed_order.rowwise(
+        lambda rows: fixed_order.product(rows, w, groups=groups), x.reshape(-1, x.shape[-1])
+    )
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 

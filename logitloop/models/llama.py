@@ -113,7 +113,7 @@ class LlamaBlock(nnx.Module):
         if c.mlp_bias:
             gate, up = gate + self.b_gate[...], up + self.b_up[...]
         act = layers.activation(c.hidden_act, gate) * up
-        out = layers.dense(act, self.w_down[...])  # [B, T, E]
+        out = layers.dense(act, self.w_down[...], groups=c.intermediate_size)  # [B, T, E]
         if c.mlp_bias:
             out = out + self.b_down[...]
         return out

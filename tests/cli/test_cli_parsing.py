@@ -48,6 +48,19 @@ def test_stop_flag_rejects_unknown_escapes(given, message):
     assert "--stop" in str(err.value) and message in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize(
+    "argv, mode",
+    [
+        ((), False),
+        (("--deterministic",), True),
+        (("--deterministic-model-parallel",), "model-parallel"),
+    ],
+)
+def test_deterministic_flags_give_the_mode(argv, mode):
+    got = _generate_args(*argv).deterministic
+    assert got == mode and type(got) is type(mode)
+
+
 def test_stop_flag_help_names_the_escapes():
     text = cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     assert "--stop '\\n\\n'" in text, text

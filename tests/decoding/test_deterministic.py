@@ -158,28 +158,33 @@ def test_speculative_row_equals_the_row_alone(gqa_llama):
     assert sum(row["drafted"] for row in result.speculation) > 0
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("prompt", [False, True])
 @pytest.mark.parametrize(("k", "n", "dtype"), [(512, 1376, "float32"), (1376, 512, "bfloat16")])
-def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dtype):
-    """A deterministic program's products each have one fixed shape, [tile, K] x [K, N], and
-    are compiled as they are in the default mode (YNNPACK's dot on XLA:CPU, only the other
-    library fusions off): a row's result is the same bits whatever the other rows, its place
-    in its tile, the number of tiles and the program around the product (here another
-    product of the same rows, which XLA could merge with it)."""
-    rng = np.random.default_rng([k, n, prompt])
+def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dtype, split):
+    """A deterministic program's products each have one fixed shape, [tile, K] x [K, N],
+    compiled with YNNPACK's dot on XLA:CPU (only the other library fusions off), or with
+    `split` ("model-parallel") [tile, chunk] x [chunk, N] summed chunk after chunk, all
+    library fusions off: a row's result is the same bits whatever the other rows, its
+    place in its tile, the number of tiles and the program around the product (here
+    another product of the same rows, which XLA could merge with it)."""
+    rng = np.random.default_rng([k, n, prompt, split])
     w, w2 = (jnp.asarray(rng.standard_normal((k, n)), dtype) for _ in range(2))
     row = rng.standard_normal(k)
     tile = fixed_order.PROMPT_TILE if prompt else fixed_order.DECODE_TILE
-    opts = fixed_order.compiler_options()
+    opts = fixed_order.compiler_options(split)
+
+    def product(w):
+        return lambda r: fixed_order.product(r, w, groups=k)
 
     def one(x, w):
-        with fixed_order.fixed_order(True, prompt=prompt):
-            return fixed_order.rowwise(lambda r: r @ w, x)
+        with fixed_order.fixed_order(True, prompt=prompt, model_parallel=split):
+            return fixed_order.rowwise(product(w), x)
 
     def two(x, w, w2):
-        with fixed_order.fixed_order(True, prompt=prompt):
-            return fixed_order.rowwise(lambda r: r @ w, x), fixed_order.rowwise(
-                lambda r: jnp.tanh(r @ w2), x
+        with fixed_order.fixed_order(True, prompt=prompt, model_parallel=split):
+            return fixed_order.rowwise(product(w), x), fixed_order.rowwise(
+                lambda r: jnp.tanh(product(w2)(r)), x
             )
 
     one, two = jax.jit(one, compiler_options=opts), jax.jit(two, compiler_options=opts)
@@ -191,6 +196,103 @@ def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dty
         x = jnp.asarray(x, dtype)
         np.testing.assert_array_equal(np.asarray(one(x, w))[at], alone, err_msg=f"m={m}")
         np.testing.assert_array_equal(np.asarray(two(x, w, w2)[0])[at], alone, err_msg=f"m={m}")
+
+
+def test_contraction_chunks_fit_every_model_axis():
+    """Chunks of at most MAX_CHUNK entries that tile every device's share of the
+    contraction on a model axis of 1, 2, 4 or 8 devices."""
+    cases = {(256, 1): 128, (512, 1): 128, (704, 704): 88, (256, 4): 64, (64, 8): 8,
+             (2048, 16): 128, (11008, 11008): 86, (96, 1): 96, (24, 3): 24}
+    for (k, groups), chunk in cases.items():
+        got = fixed_order.contraction_chunk(k, groups)
+        assert got == chunk, (k, groups, got)
+        share = k // np.gcd(groups, fixed_order.MODEL_PARTS)
+        assert share % got == 0 and got <= fixed_order.MAX_CHUNK
+    with pytest.raises(ValueError, match="does not split into 3 groups"):
+        fixed_order.contraction_chunk(256, 3)
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "groups", "dtype"),
+    [(512, 1408, 1, "float32"), (704, 256, 704, "bfloat16"), (256, 512, 4, "float32")],
+)
+def test_a_product_split_over_a_model_axis_gives_the_one_device_bits(k, n, groups, dtype):
+    """What a model-parallel mesh computes, simulated on one device: every device's
+    columns of the product by themselves, and every device's chunks' partial sums by
+    themselves (a batched product over fewer chunks), then added in the fixed order. Both
+    are the one-device product's bits on an axis of 2, 4 or 8; and the product is the
+    float64 one to rounding."""
+    rng = np.random.default_rng([k, n, groups])
+    x = jnp.asarray(rng.standard_normal((fixed_order.PROMPT_TILE, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    opts = fixed_order.compiler_options(model_parallel=True)
+
+    def fixed(x, w):
+        with fixed_order.fixed_order(True, prompt=True, model_parallel=True):
+            return fixed_order.product(x, w, groups=groups)
+
+    def partials(x, w):  # [C, M, N] float32, as in `product`
+        chunk = fixed_order.contraction_chunk(k, groups)
+        c = x.reshape(x.shape[0], -1, chunk).transpose(1, 0, 2)
+        wc = w.reshape(c.shape[0], chunk, -1)
+        return jax.lax.dot_general(
+            c, wc, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
+        )
+
+    fixed = jax.jit(fixed, compiler_options=opts)
+    partials = jax.jit(partials, compiler_options=opts)
+    full = np.asarray(fixed(x, w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    atol = 2e-2 if dtype == "bfloat16" else 2e-5
+    np.testing.assert_allclose(full.astype(np.float64), want, atol=atol)
+    chunks = np.asarray(partials(x, w))
+    for parts in (2, 4, 8):
+        cols = n // parts
+        np.testing.assert_array_equal(np.asarray(fixed(x, w[:, :cols])), full[:, :cols])
+        if k % (parts * fixed_order.contraction_chunk(k, groups)) == 0:
+            share = k // parts  # the first device's share of the contraction
+            np.testing.assert_array_equal(np.asarray(partials(x[:, :share], w[:share])),
+                                          chunks[: chunks.shape[0] // parts])
+    total = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    np.testing.assert_array_equal(total.astype(full.dtype), full)
+
+
+def test_the_lm_heads_column_tiles_are_fixed():
+    """`head_product` in model-parallel fixed-order mode: the float64 product to rounding,
+    and each of its gcd(V, 8) vocabulary tiles the same bits when computed with fewer tiles
+    beside it (what a device holding some of them computes)."""
+    rng = np.random.default_rng(7)
+    v, e = 4096 + 8, 256
+    rows = jnp.asarray(rng.standard_normal((fixed_order.DECODE_TILE, e)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((v, e)) / 16, jnp.float32)
+
+    opts = fixed_order.compiler_options(model_parallel=True)
+
+    def fixed(rows, head):
+        with fixed_order.fixed_order(True, model_parallel=True):
+            return fixed_order.head_product(rows, head)
+
+    fixed = jax.jit(fixed, compiler_options=opts)
+    full = np.asarray(fixed(rows, head))
+    want = np.asarray(rows, np.float64) @ np.asarray(head, np.float64).T
+    np.testing.assert_allclose(full, want, atol=1e-4)
+    tiles = np.gcd(v, fixed_order.MODEL_PARTS)
+    width = v // tiles
+    for parts in (2, 4, 8):
+        share = (tiles // parts) * width
+        # a device's share is whole tiles: with fewer rows of the weight, the same tiles
+        sub = jax.jit(
+            lambda r, h: jax.lax.dot_general(
+                h.reshape(-1, width, e),
+                jnp.broadcast_to(r, (h.shape[0] // width, *r.shape)),
+                (((2,), (2,)), ((0,), (0,))),
+                preferred_element_type=jnp.float32,
+            ).transpose(2, 0, 1).reshape(r.shape[0], -1),
+            compiler_options=opts,
+        )
+        np.testing.assert_array_equal(np.asarray(sub(rows, head[:share])), full[:, :share])
 
 
 @pytest.mark.parametrize("chunk", [5, pytest.param(1, marks=pytest.mark.slow), 16])
@@ -222,7 +324,7 @@ def test_deterministic_logits_are_the_models(request, model_name):
     vocab = model.config.vocab_size
     batch = host.prompt_batch([_target(vocab, 8), _target(vocab, 9)], 16)
     out = {}
-    for det in (False, True):
+    for det in (False, True, "model-parallel"):
         info = model_info(model, deterministic=det)
         logits, _ = jax.jit(
             lambda w, info=info: loop.forward_prompt(
@@ -231,6 +333,7 @@ def test_deterministic_logits_are_the_models(request, model_name):
         )(info.weights)
         out[det] = np.asarray(logits)
     np.testing.assert_allclose(out[True], out[False], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out["model-parallel"], out[False], rtol=1e-4, atol=1e-4)
 
 
 def test_fixed_order_attention_matches_a_float64_reference():

@@ -1,17 +1,26 @@
 """Run in a subprocess with 8 CPU devices (`tests/sharding/_run.worker_env`): with
 `deterministic=True`, the shipped model (bfloat16, as shipped) and a random float32 Llama
-with grouped-query attention, each on one device and on data-parallel meshes, by `generate`
-and by `generate_many`; prints one RESULT: line."""
+with grouped-query attention, each on one device and on the meshes named on the command
+line (data-parallel and model-parallel), by `generate` and, on the first mesh, by
+`generate_many`; and the last-column logits of one prefill pass on each mesh (the model
+alone, without the sampler). Data-parallel meshes run with `deterministic=True`,
+model-parallel ones with `deterministic="model-parallel"`, each against the one-device run
+in the same mode. Prints one RESULT: line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
 import jax
 import numpy as np
+from flax import nnx
 
 import logitloop as ll
+from logitloop.decoding.model import ModelRunner, runner_jit
+from logitloop.models.partitioning import place_weights
+from logitloop.ops.sampling.sharded import auto_axes
 from tests.decoding.random_llama import small_llama
 
 
@@ -24,6 +33,39 @@ def _rows(result) -> dict:
     }
 
 
+def _mode(shape: str) -> bool | str:
+    """The mode a mesh `DATAxMODEL` is run in: `deterministic=True` on a data-parallel
+    mesh, "model-parallel" where the model axis has more than one device."""
+    return True if shape.endswith("x1") else "model-parallel"
+
+
+def _prefill_logits(model, prompts, mesh, mode) -> list:
+    """Float32 logits of one deterministic (`mode`) prompt pass over left-padded `prompts`, as
+    lists of floats (their bits survive JSON: `repr` of a float round-trips). Rows are
+    padded with copies of the first to 8, a multiple of every mesh's data axis."""
+    prompts = prompts + prompts[:1] * (-len(prompts) % 8)
+    graphdef, weights = nnx.split(model)
+    width = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    positions = np.full((len(prompts), width), -1, np.int32)
+    for r, p in enumerate(prompts):
+        tokens[r, width - len(p) :] = p
+        positions[r, width - len(p) :] = np.arange(len(p))
+    runner = ModelRunner(graphdef=graphdef, deterministic=mode)
+
+    @functools.partial(runner_jit, static_argnames="runner")
+    def forward(runner, weights, tokens, positions):
+        cache = runner.init_cache(weights, tokens.shape[0], 64)
+        return runner.forward(weights, tokens, positions, cache, prompt=True, mesh=mesh)[0]
+
+    if mesh is not None:
+        mesh = auto_axes(mesh)  # as `generate` lays it out: GSPMD axes
+        weights = place_weights(weights, mesh)
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        tokens, positions = jax.device_put(tokens, rows), jax.device_put(positions, rows)
+    return np.asarray(forward(runner, weights, tokens, positions)).tolist()
+
+
 def main(shapes: list[str]) -> None:
     models = {"shipped": ll.load_pretrained(), "gqa_llama": small_llama(512, 512, 5)}
     rng = np.random.default_rng(0)
@@ -31,8 +73,9 @@ def main(shapes: list[str]) -> None:
     for name, model in models.items():
         vocab = model.config.vocab_size
         batch = 8 if name == "shipped" else 6  # 6 rows: padded to 8 on the (8, 1) mesh
-        prompts = [rng.integers(1, vocab - 2, int(rng.integers(3, 30))).tolist()
-                   for _ in range(batch)]
+        prompts = [
+            rng.integers(1, vocab - 2, int(rng.integers(3, 30))).tolist() for _ in range(batch)
+        ]
         params = ll.SamplingParams.create(
             batch_size=batch,
             temperature=rng.uniform(0.0, 1.2, batch).tolist(),
@@ -41,16 +84,24 @@ def main(shapes: list[str]) -> None:
             top_p=0.95,
         )
 
-        run = dict(ignore_eos=True, deterministic=True)
-        out[f"{name}/one"] = _rows(ll.generate(model, prompts, params, **run))
+        for mode, key in ((True, "one"), ("model-parallel", "one_mp")):
+            run = dict(ignore_eos=True, deterministic=mode)
+            out[f"{name}/{key}"] = _rows(ll.generate(model, prompts, params, **run))
+            out[f"{name}/logits_{key}"] = _prefill_logits(model, prompts, None, mode)
         for shape in shapes:
             mesh = jax.make_mesh(tuple(int(x) for x in shape.split("x")), ("data", "model"))
-            out[f"{name}/{shape}"] = _rows(ll.generate(model, prompts, params, mesh=mesh, **run))
+            run = dict(ignore_eos=True, deterministic=_mode(shape), mesh=mesh)
+            out[f"{name}/{shape}"] = _rows(ll.generate(model, prompts, params, **run))
+            out[f"{name}/logits_{shape}"] = _prefill_logits(model, prompts, mesh, _mode(shape))
         # generate_many on the first mesh: 4 slots for `batch` requests, so slots are reused.
         dims = tuple(int(x) for x in shapes[0].split("x"))
         requests = [(p, params.take([r])) for r, p in enumerate(prompts)]
         many = ll.generate_many(
-            model, requests, slots=dims[0], ignore_eos=True, deterministic=True,
+            model,
+            requests,
+            slots=dims[0],
+            ignore_eos=True,
+            deterministic=True,
             mesh=jax.make_mesh(dims, ("data", "model")),
         )
         rows = [_rows(res) for res in many]

@@ -1,17 +1,30 @@
-"""`deterministic=True` on a data-parallel mesh: each row's tokens, raw logprobs, logprobs
-and finish reasons are bit for bit the single device's, for `generate` on (8, 1) and (2, 1)
-meshes and for `generate_many` on (8, 1); the shipped model in bfloat16 and a random
-float32 Llama with grouped-query attention whose 6 rows the (8, 1) mesh pads to 8 (8 CPU
-devices in a subprocess).
+"""Deterministic decoding on a mesh: each row's tokens, raw logprobs, logprobs and finish
+reasons are bit for bit the single device's, for `generate` on data-parallel (8, 1) and
+(2, 1) meshes (`deterministic=True`), on model-parallel (2, 4) and (1, 8) meshes
+(`deterministic="model-parallel"`), and for `generate_many` on (8, 1); the shipped model
+in bfloat16 and a random float32 Llama with grouped-query attention whose 6 rows the
+(8, 1) mesh pads to 8 (8 CPU devices in a subprocess). The model's prefill logits are bit
+for bit the single device's on every mesh.
 
 Each device tiles its own rows (`fixed_order.rowwise`); before it did, the partitioner
-split a tile's rows over the devices and the (8, 1) mesh's logprobs differed by ~1e-6."""
+split a tile's rows over the devices and the (8, 1) mesh's logprobs differed by ~1e-6.
+On the model axis, products sum their contraction in fixed chunks (`fixed_order.product`)
+and the LM head runs over fixed vocabulary tiles (`fixed_order.head_product`); without
+them (`deterministic=True`), (2, 4) and (1, 8) move the shipped model's raw logprobs by up
+to 0.016.
+
+The random Llama's 512-token vocabulary is split over the model axis, and so is its
+sampler (`sharding.sample_sharded`), whose sums over the vocabulary (the log-softmax's
+normaliser, top-p's masses) add per-device partial sums in the mesh's order: there its
+logprobs agree to float32 rounding and its tokens are compared. The shipped model's 4098
+tokens do not split 4 or 8 ways, so its sampler runs whole on each device."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from ._run import REPO, parse, worker_env
@@ -24,7 +37,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs() -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.sharding.deterministic_worker", "8x1", "2x1"],
+        [sys.executable, "-m", "tests.sharding.deterministic_worker", "8x1", "2x1", "2x4", "1x8"],
         cwd=REPO,
         env=worker_env(8),
         capture_output=True,
@@ -39,6 +52,25 @@ def runs() -> dict:
 @pytest.mark.parametrize("run", ["8x1", "2x1", "many_8x1"])
 def test_data_parallel_mesh_equals_one_device_bit_for_bit(runs, model, run):
     assert runs[f"{model}/{run}"] == runs[f"{model}/one"]
+
+
+@pytest.mark.parametrize("model", ["shipped", "gqa_llama"])
+@pytest.mark.parametrize("mesh", ["8x1", "2x1", "2x4", "1x8"])
+def test_prefill_logits_on_any_mesh_are_one_devices_bit_for_bit(runs, model, mesh):
+    one = "one" if mesh.endswith("x1") else "one_mp"  # True / "model-parallel"
+    assert runs[f"{model}/logits_{mesh}"] == runs[f"{model}/logits_{one}"]
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "1x8"])
+def test_model_parallel_mesh_equals_one_device(runs, mesh):
+    """`deterministic="model-parallel"` on a model-parallel mesh against one device."""
+    assert runs[f"shipped/{mesh}"] == runs["shipped/one_mp"]  # bit for bit
+    one, got = runs["gqa_llama/one_mp"], runs[f"gqa_llama/{mesh}"]
+    assert got["token_ids"] == one["token_ids"]
+    assert got["finish_reason"] == one["finish_reason"]
+    for key in ("raw_logprobs", "logprobs"):
+        for a, b in zip(got[key], one[key], strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
 
 
 def test_the_rows_are_not_trivial(runs):
