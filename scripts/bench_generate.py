@@ -27,10 +27,11 @@ are still short: the floor's 128 steps (batch 8, prompt 64, llama-40m) with cach
 slots, against the smallest S. A decode step reads only the prefix of the cache that
 holds every visible slot (`logitloop.models.layers.attend`), so the ratio should stay near 1.
 
-Part 4 (`--deterministic`): `generate(..., deterministic=True)` against the default at
-batch 1 and 8 (greedy, prompt `--prompt`, `--new-tokens` new), on llama-40m and on the
-shipped model in its own bfloat16; the two modes alternate, repeat by repeat, and the
-table gives the median tokens per second of each and their ratio.
+Part 4 (`--deterministic`): `generate(..., deterministic=True)` and
+`deterministic="model-parallel"` against the default at batch 1 and 8 (greedy, prompt
+`--prompt`, `--new-tokens` new), on llama-40m and on the shipped model in its own
+bfloat16; the three modes alternate, repeat by repeat, and the table gives the median
+tokens per second of each and the two ratios to the default.
 """
 
 from __future__ import annotations
@@ -426,15 +427,15 @@ def deterministic_cost(prompt_len: int, new_tokens: int, repeats: int) -> list[d
             def run(det, prompts=prompts, params=params, model=model):
                 return ll.generate(model, prompts, params, ignore_eos=True, deterministic=det)
 
-            compile_s = {
-                det: first_call(lambda det=det: run(det).num_tokens) for det in (False, True)
-            }
-            times = {False: [], True: []}
+            modes = (False, True, "model-parallel")
+            compile_s = {det: first_call(lambda det=det: run(det).num_tokens) for det in modes}
+            times = {det: [] for det in modes}
             for _ in range(repeats):
-                for det in (False, True):
+                for det in modes:
                     times[det].append(first_call(lambda det=det: run(det).num_tokens))
             rate = {det: batch * new_tokens / statistics.median(t) for det, t in times.items()}
-            same = run(True).token_ids == run(False).token_ids
+            default = run(False).token_ids
+            same = all(run(det).token_ids == default for det in modes[1:])
             rows.append(
                 {
                     "model": name,
@@ -442,14 +443,19 @@ def deterministic_cost(prompt_len: int, new_tokens: int, repeats: int) -> list[d
                     "default tok/s": rate[False],
                     "deterministic tok/s": rate[True],
                     "ratio": rate[True] / rate[False],
-                    "compile+first s (default, deterministic)": [compile_s[False], compile_s[True]],
+                    "model-parallel tok/s": rate["model-parallel"],
+                    "model-parallel ratio": rate["model-parallel"] / rate[False],
+                    "compile+first s (default, deterministic, model-parallel)": [
+                        compile_s[det] for det in modes
+                    ],
                     "greedy tokens equal the default's": same,
                 }
             )
             print(
                 f"{name:>12} {batch:>5} {rate[False]:>13.1f} {rate[True]:>19.1f} "
-                f"{rate[True] / rate[False]:>6.2f} "
-                f"{compile_s[False]:>7.1f}/{compile_s[True]:<7.1f} {same}",
+                f"{rate[True] / rate[False]:>6.2f} {rate['model-parallel']:>8.1f} "
+                f"{rate['model-parallel'] / rate[False]:>6.2f} "
+                f"{'/'.join(f'{compile_s[d]:.1f}' for d in modes):>15} {same}",
                 flush=True,
             )
     return rows
@@ -472,7 +478,9 @@ def main() -> None:
         help="models for --peer (default: all)",
     )
     ap.add_argument(
-        "--deterministic", action="store_true", help="deterministic=True against the default"
+        "--deterministic",
+        action="store_true",
+        help="deterministic=True and 'model-parallel' against the default",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -522,7 +530,7 @@ def main() -> None:
     if args.deterministic:
         print(
             f"{'model':>12} {'batch':>5} {'default tok/s':>13} {'deterministic tok/s':>19} "
-            f"{'ratio':>6} {'compile s':>15} same tokens"
+            f"{'ratio':>6} {'mp tok/s':>8} {'ratio':>6} {'compile s':>15} same tokens"
         )
         report["deterministic"] = deterministic_cost(args.prompt, args.new_tokens, args.repeats)
     if args.out:

@@ -68,7 +68,13 @@ from logitloop.decoding.host import (
 )
 from logitloop.decoding.layout import Layout
 from logitloop.decoding.loop import DecodeState, Outputs, decode, prefill
-from logitloop.decoding.model import ModelInfo, ModelRunner, model_info, runner_jit
+from logitloop.decoding.model import (
+    ModelInfo,
+    ModelRunner,
+    is_model_parallel,
+    model_info,
+    runner_jit,
+)
 from logitloop.decoding.params import MIN_LIST_WIDTH, SamplingParams, Widths
 from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.stop_strings import StopStrings
@@ -651,7 +657,7 @@ def iter_generate_many(
     device runs a chunk). A bad request raises `ValueError` naming its index when it is
     read; results that completed before have been yielded by then.
     """
-    layout = sharding.layout_for(mesh)
+    layout = sharding.layout_for(mesh, whole_vocab=is_model_parallel(deterministic))
     info = layout.place(model_info(model, deterministic=deterministic))
     spec, draft_weights = speculation.resolve(speculative, info, mesh)
     slots = check_count("slots", slots, 1)

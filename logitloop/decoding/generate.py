@@ -35,6 +35,7 @@ from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public ho
     stop_tables,
 )
 from logitloop.decoding.loop import RUNNING, decode
+from logitloop.decoding.model import is_model_parallel
 from logitloop.decoding.params import SamplingParams
 
 
@@ -134,7 +135,7 @@ class _Run:
 def _start(
     model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
 ) -> _Run:
-    layout = sharding.layout_for(mesh)
+    layout = sharding.layout_for(mesh, whole_vocab=is_model_parallel(deterministic))
     info, ids, params = prepare(
         model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
         processors=processors, deterministic=deterministic,

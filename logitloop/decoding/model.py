@@ -40,6 +40,12 @@ from logitloop.models import fixed_order
 # axis (`fixed_order.fixed_order(model_parallel=True)`).
 MODEL_PARALLEL = "model-parallel"
 
+
+def is_model_parallel(deterministic: Any) -> bool:
+    """Whether a `deterministic=` value is the model-parallel mode."""
+    return isinstance(deterministic, str) and deterministic == MODEL_PARALLEL
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class FunctionModel:
     """A model given as plain functions (identity-hashed, so keep one instance around).
@@ -70,7 +76,7 @@ class ModelRunner:
 
     @property
     def model_parallel(self) -> bool:
-        return self.deterministic == MODEL_PARALLEL
+        return is_model_parallel(self.deterministic)
 
     def _fixed_order(self, **kwargs):
         return fixed_order.fixed_order(
@@ -171,9 +177,7 @@ def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
     axis; `deterministic="model-parallel"` also fixes the splits of a model axis, so they
     do not depend on its size either (`logitloop.models.fixed_order`).
     """
-    if not isinstance(deterministic, bool) and not (
-        isinstance(deterministic, str) and deterministic == MODEL_PARALLEL
-    ):
+    if not isinstance(deterministic, bool) and not is_model_parallel(deterministic):
         raise ValueError(
             f"deterministic must be True, False or {MODEL_PARALLEL!r}, got {deterministic!r}"
         )

@@ -77,9 +77,10 @@ def as_auto(mesh: Mesh) -> Mesh:
     return auto_axes(mesh)
 
 
-def layout_for(mesh: Mesh | None) -> Layout:
-    """The loop's layout for `generate(..., mesh=mesh)`: `ONE_DEVICE` for None."""
-    return ONE_DEVICE if mesh is None else MeshLayout(as_auto(mesh))
+def layout_for(mesh: Mesh | None, *, whole_vocab: bool = False) -> Layout:
+    """The loop's layout for `generate(..., mesh=mesh)`: `ONE_DEVICE` for None.
+    `whole_vocab`: the sampler never splits the vocabulary (`MeshLayout.whole_vocab`)."""
+    return ONE_DEVICE if mesh is None else MeshLayout(as_auto(mesh), whole_vocab=whole_vocab)
 
 
 def _row_spec(x: Any, batch: int) -> P:
@@ -102,6 +103,10 @@ class MeshLayout(Layout):
     """The loop over a mesh with axes "data" (rows) and "model" (weights, KV heads, vocab)."""
 
     mesh: Mesh  # every axis Auto (`as_auto`)
+    # The sampler runs on whole rows of the vocabulary, gathered over "model", never on
+    # slices of it: its sums over the vocabulary then have the one-device order
+    # (`deterministic="model-parallel"`; a split vocabulary adds per-device partial sums).
+    whole_vocab: bool = False
 
     @property
     def row_mesh(self) -> Mesh:
@@ -143,13 +148,14 @@ class MeshLayout(Layout):
         choose=None,
     ) -> sampler.SampleOutput:
         """`sampler.sample_step` under `shard_map`: the vocabulary over "model" when its size
-        divides V and no processor needs whole rows, the rows over "data" when its size
-        divides B. (`choose` must be None: speculation does not run on a mesh.)"""
+        divides V, no processor needs whole rows and the layout is not `whole_vocab`, the
+        rows over "data" when its size divides B. (`choose` must be None: speculation does
+        not run on a mesh.)"""
         if choose is not None:
             raise ValueError("speculative decoding does not run on a mesh")
         batch, vocab = logits.shape
         size = self.mesh.shape[MODEL_AXIS]
-        split = size > 1 and vocab % size == 0 and not params.processors
+        split = size > 1 and vocab % size == 0 and not params.processors and not self.whole_vocab
         rows = DATA_AXIS if batch % self.mesh.shape[DATA_AXIS] == 0 else None
         return sample_sharded(
             logits,

@@ -101,9 +101,7 @@ class DecoderModel(nnx.Module):
         last = self.output_norm(x if all_columns else x[:, -1])  # [B, T, E] or [B, E]
         rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
         head = self.head_weight()
-        logits = fixed_order.rowwise(
-            lambda r: fixed_order.head_product(r, head), rows, head=True
-        )
+        logits = fixed_order.rowwise(lambda r: fixed_order.head_product(r, head), rows, head=True)
         return self.output_logits(logits.reshape(*last.shape[:-1], -1)), new_cache
 
     def hidden_states(

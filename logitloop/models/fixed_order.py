@@ -234,10 +234,11 @@ def contraction_chunk(k: int, groups: int = 1) -> int:
 
 
 def product(rows: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
-    """`rows @ w`, `[M, K] x [K, N] -> [M, N]` in `rows`' dtype; in fixed-order mode the
-    contraction runs in chunks of `contraction_chunk(K, groups)` entries at fixed
-    boundaries: one batched product `[C, M, chunk] x [C, chunk, N]` (w's chunks are a free
-    view of its rows) into float32 partial sums, added chunk after chunk from 0.
+    """`rows @ w`, `[M, K] x [K, N] -> [M, N]` in `rows`' dtype; in model-parallel
+    fixed-order mode (`splits()`) the contraction runs in chunks of
+    `contraction_chunk(K, groups)` entries at fixed boundaries: one batched product
+    `[C, M, chunk] x [C, chunk, N]` (w's chunks are a free view of its rows) into float32
+    partial sums, added chunk after chunk from 0.
 
     On a mesh that splits the contraction over its "model" axis (the output projection's
     heads, the down projection's MLP axis), every device holds whole chunks, so the
@@ -263,13 +264,12 @@ def product(rows: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
 
 def head_product(rows: jax.Array, head: jax.Array) -> jax.Array:
     """The LM head, `[M, E] x [V, E]^T -> [M, V]` float32; in model-parallel fixed-order
-    mode (`splits()`) over
-    `gcd(V, MODEL_PARTS)` tiles of the vocabulary of one shape (a free view of the `[V, E]`
-    weight), each `[V / tiles, E] x [E, M]` with the weight on the left (as the right
-    operand, XLA:CPU's own product of llama-40m's `[32000, 512]` head at 8 rows took
-    14 ms a call against 4). One batched product, so a vocabulary split over a "model"
-    axis of a size that divides the tile count gives every device whole tiles of the
-    one-device shape.
+    mode (`splits()`) over `gcd(V, MODEL_PARTS)` tiles of the vocabulary of one shape (a
+    free view of the `[V, E]` weight), each `[V / tiles, E] x [E, M]` with the weight on
+    the left (as the right operand, XLA:CPU's own product of llama-40m's `[32000, 512]`
+    head at 8 rows took 14 ms a call against 4). One batched product, so a vocabulary
+    split over a "model" axis of a size that divides the tile count gives every device
+    whole tiles of the one-device shape."""
     if not splits():
         return jnp.einsum("be,ve->bv", rows, head, preferred_element_type=jnp.float32)
     v, e = head.shape
