@@ -1,11 +1,11 @@
 """Run in a subprocess with 8 CPU devices (`tests/sharding/_run.worker_env`): with
-`deterministic=True`, the shipped model (bfloat16, as shipped) and a random float32 Llama
+deterministic decoding, the shipped model (bfloat16, as shipped) and a random float32 Llama
 with grouped-query attention, each on one device and on the meshes named on the command
-line (data-parallel and model-parallel), by `generate` and, on the first mesh, by
-`generate_many`; and the last-column logits of one prefill pass on each mesh (the model
-alone, without the sampler). Data-parallel meshes run with `deterministic=True`,
-model-parallel ones with `deterministic="model-parallel"`, each against the one-device run
-in the same mode. Prints one RESULT: line."""
+line (data-parallel and model-parallel), by `generate` and, on the first mesh and the
+first model-parallel one, by `generate_many`; and the last-column logits of one prefill
+pass on each mesh (the model alone, without the sampler). Data-parallel meshes run with
+`deterministic=True`, model-parallel ones with `deterministic="model-parallel"`, each
+against the one-device run in the same mode. Prints one RESULT: line."""
 
 from __future__ import annotations
 
@@ -93,19 +93,22 @@ def main(shapes: list[str]) -> None:
             run = dict(ignore_eos=True, deterministic=_mode(shape), mesh=mesh)
             out[f"{name}/{shape}"] = _rows(ll.generate(model, prompts, params, **run))
             out[f"{name}/logits_{shape}"] = _prefill_logits(model, prompts, mesh, _mode(shape))
-        # generate_many on the first mesh: 4 slots for `batch` requests, so slots are reused.
-        dims = tuple(int(x) for x in shapes[0].split("x"))
+        # generate_many on the first mesh and on the first model-parallel one, with as many
+        # slots as the data axis has devices: fewer than the requests, so slots are reused.
         requests = [(p, params.take([r])) for r, p in enumerate(prompts)]
-        many = ll.generate_many(
-            model,
-            requests,
-            slots=dims[0],
-            ignore_eos=True,
-            deterministic=True,
-            mesh=jax.make_mesh(dims, ("data", "model")),
-        )
-        rows = [_rows(res) for res in many]
-        out[f"{name}/many_{shapes[0]}"] = {k: [r[k][0] for r in rows] for k in rows[0]}
+        many_on = [shapes[0], *[m for m in shapes if not m.endswith("x1")][:1]]
+        for shape in many_on:
+            dims = tuple(int(x) for x in shape.split("x"))
+            many = ll.generate_many(
+                model,
+                requests,
+                slots=dims[0],
+                ignore_eos=True,
+                deterministic=_mode(shape),
+                mesh=jax.make_mesh(dims, ("data", "model")),
+            )
+            rows = [_rows(res) for res in many]
+            out[f"{name}/many_{shape}"] = {k: [r[k][0] for r in rows] for k in rows[0]}
     print("RESULT:" + json.dumps(out))
 
 

@@ -1,7 +1,7 @@
 """Deterministic decoding on a mesh: each row's tokens, raw logprobs, logprobs and finish
 reasons are bit for bit the single device's, for `generate` on data-parallel (8, 1) and
 (2, 1) meshes (`deterministic=True`), on model-parallel (2, 4) and (1, 8) meshes
-(`deterministic="model-parallel"`), and for `generate_many` on (8, 1); the shipped model
+(`deterministic="model-parallel"`), and for `generate_many` on (8, 1) and (2, 4); the shipped model
 in bfloat16 and a random float32 Llama with grouped-query attention whose 6 rows the
 (8, 1) mesh pads to 8 (8 CPU devices in a subprocess). The model's prefill logits are bit
 for bit the single device's on every mesh.
@@ -61,7 +61,7 @@ def test_prefill_logits_on_any_mesh_are_one_devices_bit_for_bit(runs, model, mes
 
 
 @pytest.mark.parametrize("model", ["shipped", "gqa_llama"])
-@pytest.mark.parametrize("mesh", ["2x4", "1x8"])
+@pytest.mark.parametrize("mesh", ["2x4", "1x8", "many_2x4"])
 def test_model_parallel_mesh_equals_one_device_bit_for_bit(runs, model, mesh):
     """`deterministic="model-parallel"` on a model-parallel mesh against one device."""
     assert runs[f"{model}/{mesh}"] == runs[f"{model}/one_mp"]
