@@ -67,9 +67,10 @@ def _target(vocab, seed):
     return rng.integers(1, vocab, int(rng.integers(5, 14))).tolist()
 
 
-def _alone(model, prompt, **kw):
+def _alone(model, prompt, deterministic=True, **kw):
     params = _params(1, [0.9], [11], [MAX_TOKENS])
-    return _row(ll.generate(model, [prompt], params, ignore_eos=True, deterministic=True, **kw), 0)
+    run = dict(ignore_eos=True, deterministic=deterministic)
+    return _row(ll.generate(model, [prompt], params, **run, **kw), 0)
 
 
 def _in_batch(model, prompt, batch, seed, deterministic=True):
@@ -118,6 +119,15 @@ def test_row_alone_equals_row_in_batch(request, model_name, vocab, seed, batch):
     model = request.getfixturevalue(model_name)
     prompt = _target(vocab, seed)
     assert _in_batch(model, prompt, batch, batch) == _alone(model, prompt)
+
+
+def test_model_parallel_mode_row_alone_equals_row_in_batch(gqa_llama):
+    """`deterministic="model-parallel"` keeps the batch invariance of `True` (its products
+    are chunked within the same row tiles)."""
+    prompt = _target(512, 5)
+    alone = _alone(gqa_llama, prompt, deterministic="model-parallel")
+    assert _in_batch(gqa_llama, prompt, 9, 9, deterministic="model-parallel") == alone
+    assert alone[1] != _alone(gqa_llama, prompt)[1]  # the other mode sums otherwise
 
 
 @pytest.mark.parametrize("slots", [4, 32])
