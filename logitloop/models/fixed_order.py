@@ -249,17 +249,22 @@ def product(rows: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
     gives a column the same bits whatever the number of columns."""
     if not splits():
         return rows @ w
+    partials = chunk_partials(rows, w, contraction_chunk(rows.shape[1], groups))
+    return ordered_sum(partials, axis=0).astype(rows.dtype)
+
+
+def chunk_partials(rows: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
+    """`[M, K] x [K, N]` -> `[K / chunk, M, N]` float32: each `chunk` entries of the
+    contraction's partial sum, as one batched product (what `product` adds in order; a
+    device holding some of the chunks computes these for its own)."""
     m, k = rows.shape
-    chunk = contraction_chunk(k, groups)
     parts = k // chunk
-    chunks = rows.reshape(m, parts, chunk).transpose(1, 0, 2)  # [C, M, chunk]
-    partial = jax.lax.dot_general(
-        chunks,
+    return jax.lax.dot_general(
+        rows.reshape(m, parts, chunk).transpose(1, 0, 2),  # [C, M, chunk]
         w.reshape(parts, chunk, w.shape[-1]),
         (((2,), (1,)), ((0,), (0,))),
         preferred_element_type=jnp.float32,
-    )  # [C, M, N]
-    return ordered_sum(partial, axis=0).astype(rows.dtype)
+    )
 
 
 def head_product(rows: jax.Array, head: jax.Array) -> jax.Array:
@@ -273,14 +278,20 @@ def head_product(rows: jax.Array, head: jax.Array) -> jax.Array:
     if not splits():
         return jnp.einsum("be,ve->bv", rows, head, preferred_element_type=jnp.float32)
     v, e = head.shape
-    tiles = math.gcd(v, MODEL_PARTS)
+    return tile_products(rows, head.reshape(math.gcd(v, MODEL_PARTS), -1, e))
+
+
+def tile_products(rows: jax.Array, tiles: jax.Array) -> jax.Array:
+    """`[M, E]` against vocabulary tiles `[T, V_t, E]` -> `[M, T * V_t]` float32, one
+    batched product with the weight on the left (what `head_product` runs; a device
+    holding some of the tiles computes these for its own)."""
     out = jax.lax.dot_general(
-        head.reshape(tiles, v // tiles, e),
-        jnp.broadcast_to(rows, (tiles, *rows.shape)),
+        tiles,
+        jnp.broadcast_to(rows, (tiles.shape[0], *rows.shape)),
         (((2,), (2,)), ((0,), (0,))),
         preferred_element_type=jnp.float32,
-    )  # [tiles, V / tiles, M]
-    return out.transpose(2, 0, 1).reshape(rows.shape[0], v)
+    )  # [T, V_t, M]
+    return out.transpose(2, 0, 1).reshape(rows.shape[0], -1)
 
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:

@@ -242,12 +242,7 @@ def test_a_product_split_over_a_model_axis_gives_the_one_device_bits(k, n, group
             return fixed_order.product(x, w, groups=groups)
 
     def partials(x, w):  # [C, M, N] float32, as in `product`
-        chunk = fixed_order.contraction_chunk(k, groups)
-        c = x.reshape(x.shape[0], -1, chunk).transpose(1, 0, 2)
-        wc = w.reshape(c.shape[0], chunk, -1)
-        return jax.lax.dot_general(
-            c, wc, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
-        )
+        return fixed_order.chunk_partials(x, w, fixed_order.contraction_chunk(k, groups))
 
     fixed = jax.jit(fixed, compiler_options=opts)
     partials = jax.jit(partials, compiler_options=opts)
@@ -272,7 +267,8 @@ def test_a_product_split_over_a_model_axis_gives_the_one_device_bits(k, n, group
 def test_the_lm_heads_column_tiles_are_fixed():
     """`head_product` in model-parallel fixed-order mode: the float64 product to rounding,
     and each of its gcd(V, 8) vocabulary tiles the same bits when computed with fewer tiles
-    beside it (what a device holding some of them computes)."""
+    beside it (what a device holding some of them computes). In this one-device process
+    the untiled head passes too; the mesh test runs the head on 8 devices."""
     rng = np.random.default_rng(7)
     v, e = 4096 + 8, 256
     rows = jnp.asarray(rng.standard_normal((fixed_order.DECODE_TILE, e)), jnp.float32)
@@ -290,18 +286,13 @@ def test_the_lm_heads_column_tiles_are_fixed():
     np.testing.assert_allclose(full, want, atol=1e-4)
     tiles = np.gcd(v, fixed_order.MODEL_PARTS)
     width = v // tiles
+    # a device's share is whole tiles: with fewer of them beside it, the same bits
+    sub = jax.jit(
+        lambda r, h: fixed_order.tile_products(r, h.reshape(-1, width, e)),
+        compiler_options=opts,
+    )
     for parts in (2, 4, 8):
         share = (tiles // parts) * width
-        # a device's share is whole tiles: with fewer rows of the weight, the same tiles
-        sub = jax.jit(
-            lambda r, h: jax.lax.dot_general(
-                h.reshape(-1, width, e),
-                jnp.broadcast_to(r, (h.shape[0] // width, *r.shape)),
-                (((2,), (2,)), ((0,), (0,))),
-                preferred_element_type=jnp.float32,
-            ).transpose(2, 0, 1).reshape(r.shape[0], -1),
-            compiler_options=opts,
-        )
         np.testing.assert_array_equal(np.asarray(sub(rows, head[:share])), full[:, :share])
 
 

@@ -15,12 +15,10 @@ import sys
 
 import jax
 import numpy as np
-from flax import nnx
 
 import logitloop as ll
-from logitloop.decoding.model import ModelRunner, runner_jit
-from logitloop.models.partitioning import place_weights
-from logitloop.ops.sampling.sharded import auto_axes
+from logitloop.decoding import host, loop, sharding
+from logitloop.decoding.model import model_info, runner_jit
 from tests.decoding.random_llama import small_llama
 
 
@@ -40,30 +38,21 @@ def _mode(shape: str) -> bool | str:
 
 
 def _prefill_logits(model, prompts, mesh, mode) -> list:
-    """Float32 logits of one deterministic (`mode`) prompt pass over left-padded `prompts`, as
-    lists of floats (their bits survive JSON: `repr` of a float round-trips). Rows are
-    padded with copies of the first to 8, a multiple of every mesh's data axis."""
+    """Float32 logits of one deterministic (`mode`) prompt pass (`loop.forward_prompt`, laid
+    out as `generate` lays it out), as lists of floats (their bits survive JSON: `repr` of
+    a float round-trips). Rows are padded with copies of the first to 8, a multiple of
+    every mesh's data axis."""
     prompts = prompts + prompts[:1] * (-len(prompts) % 8)
-    graphdef, weights = nnx.split(model)
-    width = max(len(p) for p in prompts)
-    tokens = np.zeros((len(prompts), width), np.int32)
-    positions = np.full((len(prompts), width), -1, np.int32)
-    for r, p in enumerate(prompts):
-        tokens[r, width - len(p) :] = p
-        positions[r, width - len(p) :] = np.arange(len(p))
-    runner = ModelRunner(graphdef=graphdef, deterministic=mode)
+    layout = sharding.layout_for(mesh, whole_vocab=mode == "model-parallel")
+    info = layout.place(model_info(model, deterministic=mode))
+    batch = host.prompt_batch(prompts, 16)
 
     @functools.partial(runner_jit, static_argnames="runner")
-    def forward(runner, weights, tokens, positions):
-        cache = runner.init_cache(weights, tokens.shape[0], 64)
-        return runner.forward(weights, tokens, positions, cache, prompt=True, mesh=mesh)[0]
+    def forward(runner, weights, prompt, positions):
+        prompt, positions = layout.rows((prompt, positions))
+        return loop.forward_prompt(runner, weights, prompt, positions, batch.cache_len, layout)[0]
 
-    if mesh is not None:
-        mesh = auto_axes(mesh)  # as `generate` lays it out: GSPMD axes
-        weights = place_weights(weights, mesh)
-        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-        tokens, positions = jax.device_put(tokens, rows), jax.device_put(positions, rows)
-    return np.asarray(forward(runner, weights, tokens, positions)).tolist()
+    return np.asarray(forward(info.runner, info.weights, batch.prompt, batch.positions)).tolist()
 
 
 def main(shapes: list[str]) -> None:
