@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -196,6 +197,14 @@ def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
             tokenizer=model.tokenizer,
         )
     if isinstance(model, nnx.Module):
+        if is_model_parallel(deterministic) and not fixed_order.split_tiles_keep_row_bits():
+            warnings.warn(
+                f"deterministic={MODEL_PARALLEL!r}: this CPU's XLA product rounds a row by "
+                "its place in a row tile (rows 6-7 of 8 otherwise than 0-5, as on an AMD "
+                "EPYC), so a row's bits may depend on its batch and the mesh here; "
+                "deterministic=True is unaffected",
+                stacklevel=3,
+            )
         config = model.config
         graphdef, weights = nnx.split(model)
         return ModelInfo(

@@ -17,7 +17,9 @@ call, the cache length or the mesh:
   prompt pass, DECODE_TILE for a decode step, a speculative verification and every LM
   head. Prompt tokens only ever go through the prompt pass and generated tokens through
   decode steps or verification, in every batch, slot and chunking, so each position meets
-  the same shapes.
+  the same shapes. On XLA:CPU's YNNPACK dots, whose rows keep their bits for any row count
+  from 2 to 32, a decode-pass product runs its rows unpadded up to DECODE_TILE (one row as
+  two), which spares batch 1 the work of eight rows (`row_tile`).
   On a mesh with a "data" axis each device's rows are tiled by themselves (`fixed_order(
   mesh=...)`, from the decode loop's layout), so every device runs the one-device tile.
 - With `model_parallel=True` (`deterministic="model-parallel"`), a product within a tile
@@ -75,11 +77,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from logitloop.models.partitioning import DATA_AXIS
@@ -96,6 +100,15 @@ from logitloop.models.partitioning import DATA_AXIS
 # the same shape.
 PROMPT_TILE = 64
 DECODE_TILE = 8
+# ... except that on XLA:CPU with YNNPACK's dots (the mode without model-parallel splits,
+# whose products are single dots) a decode-pass product takes its rows as they come, up to
+# DECODE_TILE (one row padded to 2): a row of `[M, K] x [K, N]` there has the same bits
+# for every M from 2 to 32 and any place among the M rows (measured for the model's
+# shapes, `tests/decoding/test_deterministic.py`, the tile-product test); only M = 1 (the
+# matrix-vector path) and M >= 33 round otherwise. So batch 1 computes two rows, not eight,
+# and batch 2-8 no padding at all. (XLA:CPU's own product, the model-parallel mode's, has
+# no such range: on an AMD EPYC rows 6 and 7 of 8 round otherwise than rows 0-5.)
+
 # Cache slots per attention chunk (a divisor of every cache length `generate`
 # allocates: prompt and buffer buckets are multiples of 16).
 SLOT_CHUNK = 16
@@ -178,9 +191,17 @@ def splits() -> bool:
     return _SPLITS.get()
 
 
-def row_tile(*, head: bool = False) -> int:
-    """Rows per product tile in the pass being traced (`head`: the LM head's product)."""
-    return PROMPT_TILE if _ACTIVE.get() == "prompt" and not head else DECODE_TILE
+def row_tile(rows: int, *, head: bool = False) -> int:
+    """Rows per product tile, for a product over `rows` rows (one device's) in the pass
+    being traced (`head`: the LM head's product): PROMPT_TILE for a prompt pass's hidden
+    states; for a decode step, a verification and every LM head, DECODE_TILE, except on
+    XLA:CPU's YNNPACK dots (no model-parallel splits): the rows themselves, at least 2 and
+    at most DECODE_TILE (see DECODE_TILE)."""
+    if _ACTIVE.get() == "prompt" and not head:
+        return PROMPT_TILE
+    if splits() or jax.default_backend() != "cpu":
+        return DECODE_TILE
+    return min(max(rows, 2), DECODE_TILE)
 
 
 def compiler_options(model_parallel: bool = False) -> dict[str, str]:
@@ -191,10 +212,31 @@ def compiler_options(model_parallel: bool = False) -> dict[str, str]:
     return dict(CPU_SPLIT_OPTIONS if model_parallel else CPU_COMPILER_OPTIONS)
 
 
+@functools.cache
+def split_tiles_keep_row_bits() -> bool:
+    """Whether the model-parallel mode's product on the default backend gives a row of a
+    DECODE_TILE-row tile the same bits at every place in the tile (a probe of one small
+    product, once per process). The mode's invariance rests on it: it holds on the Intel
+    Xeon machines this was built on, and not on an AMD EPYC (AVX2), whose XLA:CPU (Eigen)
+    product rounds rows 6 and 7 of 8 otherwise than rows 0-5. Off XLA:CPU: True (not
+    probed; the mode makes no claim for other backends beyond its fixed tiles)."""
+    if jax.default_backend() != "cpu":
+        return True
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((DECODE_TILE, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    f = jax.jit(lambda x, w: x @ w, compiler_options=compiler_options(model_parallel=True))
+    ref = np.asarray(f(x, w))[0]
+    return all(
+        np.array_equal(np.asarray(f(jnp.roll(x, p, 0), w))[p], ref) for p in range(1, DECODE_TILE)
+    )
+
+
 def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False) -> jax.Array:
     """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; in fixed-order mode over tiles of
-    `row_tile(head=head)` rows, so that every product XLA compiles in a given pass has the
-    same shape on every device.
+    `row_tile(rows, head=head)` rows (zero rows pad the last), so that every product XLA
+    compiles in a given pass has one shape on every device, or (decode passes on YNNPACK's
+    dots) a row count whose range gives a row the same bits.
 
     With the rows over a mesh's "data" axis of size D (the M rows in D contiguous blocks,
     one per device), each device's block is padded and tiled by itself: the tiles go
@@ -204,13 +246,13 @@ def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = 
     mesh at batch 8 each device then ran one-row products, which round differently.)"""
     if not active():
         return fn(x)
-    tile = row_tile(head=head)
     mesh = _ROW_MESH.get()
     d = mesh.shape[DATA_AXIS] if mesh is not None else 1
     m, k = x.shape
     if m % d:
         raise ValueError(f"{m} rows do not split over a data axis of size {d}")
     per = m // d
+    tile = row_tile(per, head=head)
     blocks = jnp.pad(x.reshape(d, per, k), ((0, 0), (0, -per % tile), (0, 0)))
     tiles = blocks.reshape(d, -1, tile, k).transpose(1, 0, 2, 3)  # [T, D, tile, K]
     if mesh is not None:

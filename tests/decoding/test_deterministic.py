@@ -183,6 +183,8 @@ def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dty
     row = rng.standard_normal(k)
     tile = fixed_order.PROMPT_TILE if prompt else fixed_order.DECODE_TILE
     opts = fixed_order.compiler_options(split)
+    if split and not prompt and not fixed_order.split_tiles_keep_row_bits():
+        pytest.xfail("this CPU's XLA product rounds a row by its place in an 8-row tile")
 
     def product(w):
         return lambda r: fixed_order.product(r, w, groups=k)
@@ -199,7 +201,9 @@ def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dty
 
     one, two = jax.jit(one, compiler_options=opts), jax.jit(two, compiler_options=opts)
     alone = np.asarray(one(jnp.asarray(row[None], dtype), w))[0]
-    for m in sorted({2, tile - 1, tile, tile + 1, 3 * tile + 5} - {0, 1}):
+    # Decode tiles on YNNPACK's dots take 2..DECODE_TILE rows unpadded: every count there.
+    counts = range(2, tile + 2) if not (prompt or split) else ()
+    for m in sorted({2, tile - 1, tile, tile + 1, 3 * tile + 5, *counts} - {0, 1}):
         x = rng.standard_normal((m, k))
         at = int(rng.integers(0, m))
         x[at] = row
