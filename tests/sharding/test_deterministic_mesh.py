@@ -26,11 +26,21 @@ import sys
 
 import pytest
 
+from logitloop.models import fixed_order
+
 from ._run import REPO, parse, worker_env
 
 # One subprocess, about a minute on 2 cores: in `-m slow`, beside the full batch matrix
 # (`tests/decoding/test_deterministic.py`).
 pytestmark = pytest.mark.slow
+
+
+def _model_parallel_kernel_holds() -> None:
+    """The model-parallel mode rests on XLA:CPU's own product giving a row the same bits at
+    every place in its tile, which holds on the Intel Xeon machines and not on an AMD EPYC
+    (`fixed_order.split_tiles_keep_row_bits`): there its cases are expected failures."""
+    if not fixed_order.split_tiles_keep_row_bits():
+        pytest.xfail("this CPU's XLA product rounds a row by its place in an 8-row tile")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +67,8 @@ def test_data_parallel_mesh_equals_one_device_bit_for_bit(runs, model, run):
 @pytest.mark.parametrize("mesh", ["8x1", "2x1", "2x4", "1x8"])
 def test_prefill_logits_on_any_mesh_are_one_devices_bit_for_bit(runs, model, mesh):
     one = "one" if mesh.endswith("x1") else "one_mp"  # True / "model-parallel"
+    if one == "one_mp":
+        _model_parallel_kernel_holds()
     assert runs[f"{model}/logits_{mesh}"] == runs[f"{model}/logits_{one}"]
 
 
@@ -64,6 +76,7 @@ def test_prefill_logits_on_any_mesh_are_one_devices_bit_for_bit(runs, model, mes
 @pytest.mark.parametrize("mesh", ["2x4", "1x8", "many_2x4"])
 def test_model_parallel_mesh_equals_one_device_bit_for_bit(runs, model, mesh):
     """`deterministic="model-parallel"` on a model-parallel mesh against one device."""
+    _model_parallel_kernel_holds()
     assert runs[f"{model}/{mesh}"] == runs[f"{model}/one_mp"]
 
 
