@@ -7,6 +7,7 @@
     python scripts/bench_speculative.py --draft PATH           # ... or a draft checkpoint
     python scripts/bench_speculative.py --out bench_out/speculative.json \
         --plot bench_out/speculative.png
+    python scripts/bench_speculative.py --cycle-cost --draft shipped   # what a cycle costs
 
 For each batch size (1 and 8) and temperature (0, 0.5, 1.0, 1.5), in one process: plain
 `generate`, prompt lookup (`ll.PromptLookup(max_ngram=3, num_draft=4)`) with strict and
@@ -27,6 +28,12 @@ share of the drafts verified that were taken;
 CPU time (`time.process_time`, every thread): on a shared, overloaded machine the CPU time
 is what stays comparable (other processes' load inflates the wall time of whichever
 variant they overlap).
+
+`--cycle-cost`: what one propose-verify cycle costs in plain steps (the speculation's
+`cycle_cost`, whose CPU defaults `speculative.CPU_CYCLE_COST` come from here): every
+variant runs never switched off (`min_acceptance=0`, `cycle_cost=1`), and a cycle's cost
+is its time per cycle over plain's time per step (CPU time), at each temperature (more
+accepted drafts mean more sampling steps per cycle).
 
 `--model llama-40m`: a randomly initialised Llama of 42M parameters (scripts/bench_generate.py
 `MODELS`), with a byte-level stand-in for a tokenizer (prompts are token ids). Random models
@@ -87,15 +94,20 @@ def load(name: str, task: str = "doc"):
     return model, prompt + prompt[:8]
 
 
-def variants(draft):
+def variants(draft, **switch):
+    """plain and the speculation variants; `switch`: e.g. min_acceptance=0.0."""
     out = {
         "plain": None,
-        "ngram strict": ll.PromptLookup(max_ngram=3, num_draft=4),
-        "ngram rejection": ll.PromptLookup(max_ngram=3, num_draft=4, acceptance="rejection"),
+        "ngram strict": ll.PromptLookup(max_ngram=3, num_draft=4, **switch),
+        "ngram rejection": ll.PromptLookup(
+            max_ngram=3, num_draft=4, acceptance="rejection", **switch
+        ),
     }
     if draft is not None:
-        out["draft strict"] = ll.DraftModel(model=draft, num_draft=4)
-        out["draft rejection"] = ll.DraftModel(model=draft, num_draft=4, acceptance="rejection")
+        out["draft strict"] = ll.DraftModel(model=draft, num_draft=4, **switch)
+        out["draft rejection"] = ll.DraftModel(
+            model=draft, num_draft=4, acceptance="rejection", **switch
+        )
     return out
 
 
@@ -111,9 +123,10 @@ def run(model, prompt, batch, temperature, spec, tokens):
     seconds = (time.perf_counter() - t0, time.process_time() - c0)
     spec = result.speculation
     cycles = sum(r["cycles"] for r in spec) if spec else None
+    longest = max(r["cycles"] for r in spec) if spec else None  # the loop's iterations
     drafts = (sum(r["drafted"] for r in spec), sum(r["accepted"] for r in spec)) if spec else None
     made = sum(len(ids) for ids in result.token_ids)
-    return seconds, made, cycles, drafts
+    return seconds, made, cycles, drafts, longest
 
 
 def main(argv=None) -> None:
@@ -127,6 +140,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--plot", default=None, help="PNG: mean accepted length and speedup vs T")
+    ap.add_argument(
+        "--cycle-cost", action="store_true", help="measure a cycle's cost in plain steps"
+    )
     args = ap.parse_args(argv)
 
     model, prompt = load(args.model, args.task)
@@ -134,7 +150,8 @@ def main(argv=None) -> None:
     draft = None if folder is None else ll.load_pretrained(folder, dtype=jnp.float32)
     rows = []
     for batch in args.batches:
-        specs = variants(draft)
+        switch = dict(min_acceptance=0.0, cycle_cost=1.0) if args.cycle_cost else {}
+        specs = variants(draft, **switch)
         for spec in specs.values():  # compile every variant once, untimed
             run(model, prompt, batch, 0.0, spec, args.tokens)
         for temp in args.temperatures:
@@ -142,13 +159,15 @@ def main(argv=None) -> None:
             cycles = {}
             for _ in range(args.repeats):
                 for name, spec in specs.items():
-                    seconds, made, cyc, drafts = run(model, prompt, batch, temp, spec, args.tokens)
+                    seconds, made, cyc, drafts, longest = run(
+                        model, prompt, batch, temp, spec, args.tokens
+                    )
                     times[name].append(seconds)
-                    cycles[name] = (made, cyc, drafts)
+                    cycles[name] = (made, cyc, drafts, longest)
             plain = statistics.median(t for t, _ in times["plain"])
             plain_cpu = statistics.median(c for _, c in times["plain"])
             for name in specs:
-                made, cyc, drafts = cycles[name]
+                made, cyc, drafts, longest = cycles[name]
                 med = statistics.median(t for t, _ in times[name])
                 cpu = statistics.median(c for _, c in times[name])
                 row = dict(
@@ -169,6 +188,16 @@ def main(argv=None) -> None:
                     accepted=None if drafts is None else drafts[1],
                 )
                 rows.append(row)
+                if args.cycle_cost and cyc is not None:
+                    # plain takes --tokens - 1 steps; the variant its longest row's cycles
+                    row["cycle_cost"] = (cpu / longest) / (plain_cpu / (args.tokens - 1))
+                    print(
+                        f"batch {batch} T={temp:<4} {name:<16} cycle cost "
+                        f"{row['cycle_cost']:.2f} plain steps (CPU time), "
+                        f"{row['mean_accepted']:.2f} tokens per cycle",
+                        flush=True,
+                    )
+                    continue
                 acc = ""
                 if cyc is not None:
                     share = drafts[1] / max(drafts[0], 1)

@@ -266,6 +266,13 @@ def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         help="strict: the same tokens as without speculation; rejection: the same "
         "distribution (default: strict)",
     )
+    spec.add_argument(
+        "--cycle-cost",
+        type=float,
+        metavar="C",
+        help="what a propose-verify cycle costs in plain steps: a cycle runs only while "
+        "every row gains at least C tokens from it (default: measured on CPU, 1 elsewhere)",
+    )
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:

@@ -201,15 +201,15 @@ def _run_requests(
 
 
 def _speculation(args):
-    """`--speculative`, `--draft-model`, `--acceptance` as `generate`'s `speculative=`."""
+    """`--speculative`, `--draft-model`, `--acceptance`, `--cycle-cost` as `speculative=`."""
     import logitloop as ll
 
     kind, n, k = args.speculative or ("draft" if args.draft_model else None, 0, 4)
+    common = dict(num_draft=k, acceptance=args.acceptance, cycle_cost=args.cycle_cost)
     if kind == "ngram":
-        return ll.PromptLookup(max_ngram=n, num_draft=k, acceptance=args.acceptance)
+        return ll.PromptLookup(max_ngram=n, **common)
     if kind == "draft":
-        draft = load_model(args.draft_model, args.dtype)
-        return ll.DraftModel(model=draft, num_draft=k, acceptance=args.acceptance)
+        return ll.DraftModel(model=load_model(args.draft_model, args.dtype), **common)
     return None
 
 

@@ -47,19 +47,33 @@ Acceptance:
 
 Greedy rows (temperature 0 or top_k 1) have p one-hot, where both modes coincide.
 
-A row whose drafts are rarely accepted stops proposing: a moving average of the accepted
-fraction of its drafts (weight `EMA` for the latest cycle) starts at 0.5, and below
-`min_acceptance` (default 0.25: two cycles without a hit) the row is off. It tries again at
-every `probe_every`-th cycle, when every row that is off tries at once: a cycle where one
-row proposes costs the whole batch a wide forward. While no running row is on, the loop
-takes plain one-column steps (`loop.decode_step`), which count as cycles; a draft model
-skips them and is fed what it missed before it next proposes. Steps and cycles both count
-against `decode`'s `max_steps`, and none starts once it is reached.
+Switching off, per row and per batch. A row whose drafts are rarely accepted stops
+proposing: a moving average of the accepted fraction of its drafts (weight `EMA` for the
+latest cycle) starts at 0.5, and below `min_acceptance` (default 0.25: two cycles without a
+hit) the row is off. A cycle also has a price: it costs the whole batch `cycle_cost` plain
+steps (the wide forward, a draft model's K steps, up to K + 1 sampling steps), and a batch
+ends with its slowest row, so a cycle pays only if every running row gains more than that.
+Each row keeps a moving average of the tokens its cycles with drafts brought (`gain`,
+starting at 1 + K / 2); a row that is off, or has no draft now (`ready`: prompt lookup
+finds no earlier occurrence), counts 1, and a cycle runs only while the smallest over the
+running rows is at least `cycle_cost`: with S cycles and P plain steps the slowest row's N
+tokens take about S * g_min + P = N, so time N + S * (cycle_cost - g_min) in plain steps.
+`cycle_cost=None` takes `default_cycle_cost`: measured on XLA:CPU, 1.0 elsewhere (the
+memory-bound case, where the K + 1 columns read the weights once: the gate never closes
+and only the per-row switch acts). Every `probe_every`-th step (not the first) is a probe:
+every running row proposes, whatever its averages. A probe that does not pay costs the
+batch at most `cycle_cost - 1` steps, so `probe_every=None` spaces probes to keep that
+under `PROBE_SHARE` of the time, and at least 32 steps apart (`default_probe_every`).
+While no cycle runs, the loop takes plain one-column steps (`loop.decode_step`), which
+count as cycles; a draft model skips them and is fed what it missed before it next
+proposes. Steps and cycles both count against `decode`'s `max_steps`, and none starts once
+it is reached.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -80,6 +94,18 @@ DRAFT_STREAM = 3  # a row's sub-stream for a draft model's sampled drafts (`samp
 EMA = 0.3  # weight of the latest cycle in a row's acceptance average
 START_ACCEPTANCE = 0.5  # the average a row starts with
 CATCH_UP = 8  # columns per call feeding a draft model the tokens it missed while off
+PROBE_SHARE = 0.05  # at most this share of the steps lost to probes that do not pay
+# What a cycle with num_draft = 4 costs on XLA:CPU, in plain decode steps, by (kind,
+# acceptance): the shipped model at T = 0 (about 2 tokens a cycle), the mean of batch 1 and
+# 8 (BENCHMARKS.md, 2026-12-03, `scripts/bench_speculative.py --cycle-cost`: 1.73/1.76,
+# 2.06/2.45, 2.54/2.85, 3.63/4.69). `default_cycle_cost` scales the part above one step
+# with K.
+CPU_CYCLE_COST = {
+    ("lookup", "strict"): 1.75,
+    ("lookup", "rejection"): 2.25,
+    ("draft", "strict"): 2.7,
+    ("draft", "rejection"): 4.15,
+}
 
 
 @struct.dataclass
@@ -87,6 +113,7 @@ class SpecState:
     """Per-row speculation bookkeeping carried in `DecodeState.speculation`."""
 
     acceptance: jax.Array  # [B] f32, moving average of the accepted fraction of drafts
+    gain: jax.Array  # [B] f32, moving average of the tokens a cycle brought the row
     cycles: jax.Array  # [B] i32, cycles the row ran in (plain steps included)
     drafted: jax.Array  # [B] i32, draft tokens verified
     accepted: jax.Array  # [B] i32, draft tokens accepted
@@ -112,7 +139,8 @@ class _Speculation:
     num_draft: int = 4
     acceptance: str = "strict"
     min_acceptance: float = 0.25
-    probe_every: int = 32
+    probe_every: int | None = None  # None: `default_probe_every` (`resolve` fills it in)
+    cycle_cost: float | None = None  # None: `default_cycle_cost` (`resolve` fills it in)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -122,7 +150,15 @@ class _Speculation:
                 f"{name}.acceptance = {self.acceptance!r} is not one of {', '.join(ACCEPTANCE)}"
             )
         _check(f"{name}.min_acceptance", self.min_acceptance, 0.0, 1.0, float)
-        _check(f"{name}.probe_every", self.probe_every, 1, 2**20)
+        if self.probe_every is not None:
+            _check(f"{name}.probe_every", self.probe_every, 1, 2**20)
+        if self.cycle_cost is not None:
+            _check(f"{name}.cycle_cost", self.cycle_cost, 1.0, self.num_draft + 1.0, float)
+
+    def probe(self, s: loop.DecodeState) -> jax.Array:
+        """Whether this cycle is a probe (every `probe_every`-th step but the first): all
+        running rows propose."""
+        return (s.step > 0) & (s.step % self.probe_every == 0)
 
     # ------------------------------------------------------------------ the device side
 
@@ -132,6 +168,7 @@ class _Speculation:
         zeros = jnp.zeros((batch,), jnp.int32)
         return SpecState(
             acceptance=jnp.full((batch,), START_ACCEPTANCE, jnp.float32),
+            gain=jnp.full((batch,), 1 + START_ACCEPTANCE * self.num_draft, jnp.float32),
             cycles=zeros,
             drafted=zeros,
             accepted=zeros,
@@ -141,6 +178,10 @@ class _Speculation:
 
     def draft_prefill(self, draft_weights, prompt, positions, cache_len, layout):
         return None
+
+    def ready(self, s: loop.DecodeState) -> jax.Array:
+        """[B] bool: the rows that would have drafts now (a draft model: every running row)."""
+        return ~s.done
 
     def propose(self, draft_weights, s: loop.DecodeState, params: SamplingParams, on):
         """-> drafts [B, K] i32, num [B] i32 valid drafts, q [B, K, V] f32 or None (one-hot),
@@ -166,9 +207,18 @@ class _Speculation:
         that runs at most once does): a cond over the state costs XLA:CPU a copy of the KV
         cache at every step."""
 
+        cost = self.cycle_cost
+        if cost is None or self.probe_every is None:
+            raise ValueError("cycle_cost or probe_every unset: pass it through resolve()")
+
         def on_rows(s):
-            probe = s.step % self.probe_every == 0
-            return ~s.done & ((s.speculation.acceptance >= self.min_acceptance) | probe)
+            return ~s.done & ((s.speculation.acceptance >= self.min_acceptance) | self.probe(s))
+
+        def pays(s):  # the module docstring: a cycle runs while the slowest row gains enough
+            on = on_rows(s) & self.ready(s)
+            gain = jnp.where(on, s.speculation.gain, 1.0)
+            slowest = jnp.min(jnp.where(s.done, jnp.inf, gain))
+            return jnp.any(on) & (self.probe(s) | (slowest >= cost))
 
         def plain(s):
             spec = s.speculation
@@ -183,7 +233,7 @@ class _Speculation:
             )
             return layout.state(s.replace(step=s.step + 1)), jnp.bool_(False)
 
-        s = jax.lax.while_loop(lambda s: keep_going(s) & ~jnp.any(on_rows(s)), plain, s)
+        s = jax.lax.while_loop(lambda s: keep_going(s) & ~pays(s), plain, s)
         s, _ = jax.lax.while_loop(lambda c: c[1] & keep_going(c[0]), once, (s, jnp.bool_(True)))
         return s
 
@@ -210,10 +260,12 @@ class _Speculation:
         gained = new.num_tokens - s.num_tokens
         accepted = jnp.where(num > 0, jnp.minimum(jnp.maximum(gained - 1, 0), num), 0)
         rate = accepted / jnp.maximum(num, 1)
+        brought = gained.astype(jnp.float32)
         spec = spec.replace(
             acceptance=jnp.where(
                 num > 0, (1 - EMA) * spec.acceptance + EMA * rate, spec.acceptance
             ),
+            gain=jnp.where(num > 0, (1 - EMA) * spec.gain + EMA * brought, spec.gain),
             cycles=spec.cycles + running.astype(jnp.int32),
             drafted=spec.drafted + num,
             accepted=spec.accepted + accepted,
@@ -285,6 +337,10 @@ class PromptLookup(_Speculation):
         _check("PromptLookup.max_ngram", self.max_ngram, 1, 64)
         _check("PromptLookup.min_ngram", self.min_ngram, 1, self.max_ngram)
 
+    def ready(self, s):
+        """The rows whose lookup finds an earlier occurrence (cheap: no model runs)."""
+        return ~s.done & (self.propose(None, s, None, None)[1] > 0)
+
     def propose(self, draft_weights, s, params, on):
         hist, length = s.history.tokens, s.history.length  # [B, C], [B]
         batch, cap = hist.shape
@@ -314,14 +370,49 @@ def resolve(speculative: Any, info: Any, mesh: Any = None) -> tuple[Any, Any]:
     (the static speculation `decode` and `prefill` compile against, the draft's weights)."""
     if speculative is not None and mesh is not None:
         raise ValueError("speculative decoding runs on one device: pass mesh=None")
-    if speculative is None or isinstance(speculative, PromptLookup):
-        return speculative, None
-    if isinstance(speculative, DraftModel):
-        return speculative.resolve(info)
-    raise ValueError(
-        "speculative must be None, a logitloop.PromptLookup or a logitloop.DraftModel, "
-        f"got {type(speculative).__name__}"
-    )
+    if speculative is None:
+        return None, None
+    if isinstance(speculative, PromptLookup):
+        spec, draft_weights = speculative, None
+    elif isinstance(speculative, DraftModel):
+        spec, draft_weights = speculative.resolve(info)
+    else:
+        raise ValueError(
+            "speculative must be None, a logitloop.PromptLookup or a logitloop.DraftModel, "
+            f"got {type(speculative).__name__}"
+        )
+    if spec.cycle_cost is None:
+        spec = dataclasses.replace(spec, cycle_cost=default_cycle_cost(spec, _platform(info)))
+    if spec.probe_every is None:
+        spec = dataclasses.replace(spec, probe_every=default_probe_every(spec.cycle_cost))
+    return spec, draft_weights
+
+
+def _platform(info: Any) -> str:
+    """The platform the model's weights live on (the first array's device)."""
+    for leaf in jax.tree.leaves(info.weights):
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices())).platform
+    return jax.default_backend()
+
+
+def default_cycle_cost(spec: _Speculation, platform: str) -> float:
+    """What a cycle costs in plain steps when `cycle_cost=None` (the module docstring).
+
+    XLA:CPU is compute-bound at decode: CPU_CYCLE_COST, measured (BENCHMARKS.md). Other
+    platforms: 1.0, the memory-bound case the method is built for, not measured here (no
+    accelerator was at hand): the gate stays open and rows switch off on acceptance alone."""
+    if platform != "cpu":
+        return 1.0
+    kind = "draft" if isinstance(spec, _Draft) else "lookup"
+    extra = CPU_CYCLE_COST[kind, spec.acceptance] - 1.0  # measured at num_draft = 4
+    return min(1.0 + extra * spec.num_draft / 4, spec.num_draft + 1.0)
+
+
+def default_probe_every(cycle_cost: float) -> int:
+    """Steps between probes when `probe_every=None`: a probe that brings one token loses
+    `cycle_cost - 1` steps, at most `PROBE_SHARE` of the steps between probes; at least 32."""
+    return max(32, math.ceil(round((cycle_cost - 1.0) / PROBE_SHARE, 6)))  # 3.15/0.05: 63
 
 
 def stats(spec: SpecState | None, rows: int) -> list[dict[str, int]] | None:
@@ -370,6 +461,7 @@ class DraftModel(_Speculation):
             acceptance=self.acceptance,
             min_acceptance=self.min_acceptance,
             probe_every=self.probe_every,
+            cycle_cost=self.cycle_cost,
         )
         return spec, draft.weights
 

@@ -160,7 +160,8 @@ def test_speculative_row_equals_the_row_alone(gqa_llama):
     others = [(rng.integers(1, 512, 6).tolist() * 4)[: int(rng.integers(4, 24))] for _ in range(4)]
     prompts = others[:2] + [prompt] + others[2:]
     params = _params(5, [0.3, 1.1, 0.9, 0.0, 0.7], [5, 6, 11, 7, 8], [12, 30, MAX_TOKENS, 7, 19])
-    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0)  # strict
+    # strict, the batch gate open (cycle_cost 1): the rows that draw speculate too
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
     result = ll.generate(
         gqa_llama, prompts, params, ignore_eos=True, deterministic=True, speculative=spec
     )

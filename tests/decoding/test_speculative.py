@@ -50,9 +50,9 @@ def test_strict_prompt_lookup_equals_generate_token_for_token(model):
     params = _mixed_params(4)
     prompts = [COPY_PROMPT, COPY_PROMPT, "The for statement", COPY_PROMPT]
     plain = ll.generate(model, prompts, params)
-    spec = ll.generate(
-        model, prompts, params, speculative=ll.PromptLookup(max_ngram=3, num_draft=4)
-    )
+    # cycle_cost 1: the batch gate open, so that the rows that draw speculate too
+    lookup = ll.PromptLookup(max_ngram=3, num_draft=4, cycle_cost=1.0)
+    spec = ll.generate(model, prompts, params, speculative=lookup)
     assert spec.token_ids == plain.token_ids
     assert spec.text == plain.text
     assert spec.finish_reason == plain.finish_reason
@@ -116,10 +116,12 @@ def test_rejection_matches_plain_sampling_distribution(kind):
             seed=list(range(seed0, seed0 + rows)),
         )
 
+    # cycle_cost 1: the batch gate open, so the drafts are tested whatever the rows gain
+    knobs = dict(num_draft=3, acceptance="rejection", cycle_cost=1.0)
     spec = (
-        ll.PromptLookup(max_ngram=2, num_draft=3, acceptance="rejection", min_acceptance=0.0)
+        ll.PromptLookup(**knobs, max_ngram=2, min_acceptance=0.0)
         if kind == "prompt_lookup"
-        else ll.DraftModel(model=_bigram(1), num_draft=3, acceptance="rejection")
+        else ll.DraftModel(**knobs, model=_bigram(1))
     )
     plain = np.asarray(ll.generate(target, [prompt] * rows, params(0)).token_ids)
     result = ll.generate(target, [prompt] * rows, params(10**6), speculative=spec)
@@ -188,6 +190,10 @@ def test_prompt_lookup_proposes_after_the_latest_longest_match():
         (lambda: ll.PromptLookup(max_ngram=0), r"max_ngram = 0 is outside"),
         (lambda: ll.PromptLookup(acceptance="greedy"), r"acceptance = 'greedy' is not one of"),
         (lambda: ll.DraftModel(num_draft=2), r"DraftModel.model is required"),
+        (
+            lambda: ll.PromptLookup(num_draft=3, cycle_cost=0.5),
+            r"PromptLookup.cycle_cost = 0.5 is outside the allowed range \[1.0, 4.0\]",
+        ),
     ],
 )
 def test_bad_settings_raise(make, match):
@@ -282,7 +288,7 @@ def test_strict_keeps_processor_states_to_the_accepted_tokens():
     prompts = [[0, 1, 2, 0, 1], [3, 4, 3, 4]]
     procs = [_BanByCount(offset=jnp.asarray([0, 3], jnp.int32))]
     plain = ll.generate(target, prompts, params, processors=procs).token_ids
-    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0)
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
     result = ll.generate(target, prompts, params, processors=procs, speculative=spec)
     assert result.token_ids == plain
     assert sum(row["accepted"] for row in result.speculation) > 0
@@ -369,13 +375,82 @@ def test_draft_model_rows_switch_off_when_drafts_miss():
     assert row["drafted"] <= 2 * 4 and row["cycles"] == 23  # off after two missed cycles
 
 
+def test_a_cycle_that_costs_more_than_the_row_gains_is_not_run():
+    """The per-batch gate: a draft that always misses, never switched off per row
+    (min_acceptance 0), brings 1 token a cycle. A cycle costing 1 step runs every time; one
+    costing 1.5 runs while the row's gain, starting at 3, decays (3 -> 2.4 -> 1.98 -> 1.69
+    -> 1.48: four cycles), then plain steps, since the first probe (step 32) lies past the
+    23 steps."""
+    target, draft = _copier(PERIOD), _copier(3)
+    params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=24)
+    plain = ll.generate(target, [_copy_prompt()], params).token_ids
+    drafted = {}
+    for cost in (1.0, 1.5):
+        spec = ll.DraftModel(model=draft, num_draft=4, min_acceptance=0.0, cycle_cost=cost)
+        result = ll.generate(target, [_copy_prompt()], params, speculative=spec)
+        assert result.token_ids == plain
+        (row,) = result.speculation
+        assert row["cycles"] == 23 and row["accepted"] == 0
+        drafted[cost] = row["drafted"]
+    assert drafted == {1.0: 4 * 23, 1.5: 4 * 4}
+
+
+def test_the_slowest_row_decides_whether_a_cycle_runs():
+    """Row 0 copies its period (5 tokens a cycle), row 1 takes the same drafts but draws at
+    a temperature under which they mostly miss. With cycles costing one step the batch
+    speculates every cycle; costing 2 steps, only row 0 pays: cycles run while row 1's gain
+    decays from its start of 3 (3 -> 2.4 -> 1.98 with no hit), then plain steps for both
+    rows (the first probe, at step 32, lies past the 23 steps)."""
+    target = _copier(PERIOD)
+    params = ll.SamplingParams.create(
+        batch_size=2, temperature=[0.0, 3.0], max_tokens=24, seed=[0, 1]
+    )
+    prompts = [_copy_prompt(), _copy_prompt()]
+    plain = ll.generate(target, prompts, params).token_ids
+    drafted = {}
+    for cost in (1.0, 2.0):
+        spec = ll.PromptLookup(max_ngram=3, num_draft=4, min_acceptance=0.0, cycle_cost=cost)
+        result = ll.generate(target, prompts, params, speculative=spec)
+        assert result.token_ids == plain
+        drafted[cost] = result.speculation
+    hit, miss = drafted[1.0]
+    assert hit["drafted"] >= 4 * 4 and hit["accepted"] >= hit["drafted"] - 4  # max_tokens cuts
+    assert miss["accepted"] < 0.5 * miss["drafted"]
+    hit_2, miss_2 = drafted[2.0]
+    assert hit_2["drafted"] == miss_2["drafted"] <= 4 * 3 < hit["drafted"]
+    assert hit_2["accepted"] == hit_2["drafted"]
+
+
+def test_default_cycle_cost_is_measured_on_cpu_and_one_elsewhere():
+    lookup = ll.PromptLookup(num_draft=4)
+    draft = speculative.resolve(ll.DraftModel(model=_bigram(0)), model_info(_bigram(1)))[0]
+    for spec, kind in ((lookup, "lookup"), (draft, "draft")):
+        want = speculative.CPU_CYCLE_COST[kind, "strict"]
+        assert speculative.default_cycle_cost(spec, "cpu") == want
+        assert speculative.default_cycle_cost(spec, "gpu") == 1.0
+    two = ll.PromptLookup(num_draft=2)  # the part above one step scales with K
+    want = 1 + (speculative.CPU_CYCLE_COST["lookup", "strict"] - 1) / 2
+    assert speculative.default_cycle_cost(two, "cpu") == pytest.approx(want)
+    resolved, _ = speculative.resolve(lookup, model_info(_bigram(0)))
+    assert resolved.cycle_cost == speculative.default_cycle_cost(lookup, "cpu")
+    mine, _ = speculative.resolve(ll.PromptLookup(cycle_cost=2.5), model_info(_bigram(0)))
+    assert mine.cycle_cost == 2.5
+    # probes: at most PROBE_SHARE of the steps lost, at least 32 steps apart
+    assert speculative.default_probe_every(1.0) == 32
+    assert speculative.default_probe_every(4.15) == 63
+    assert mine.probe_every == 32 and resolved.probe_every == 32
+    mine, _ = speculative.resolve(ll.PromptLookup(probe_every=5), model_info(_bigram(0)))
+    assert mine.probe_every == 5
+
+
 def test_a_chunk_stops_at_max_steps():
     """Plain steps and cycles both count against max_steps; none runs past it."""
     from logitloop.decoding.generate import _start
 
     target = _copier(PERIOD)
     params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=40)
-    spec = ll.PromptLookup(max_ngram=3, num_draft=4, min_acceptance=1.0)  # off after step 0
+    # never on but at the probe of step 4
+    spec = ll.PromptLookup(max_ngram=3, num_draft=4, min_acceptance=1.0, probe_every=4)
     run = _start(target, [_copy_prompt()], params, 1, False, None, None, False, spec)
     state = loop.decode(
         run.info.runner,
@@ -388,14 +463,14 @@ def test_a_chunk_stops_at_max_steps():
     )
     assert int(state.step) == 5
     assert int(state.speculation.cycles[0]) == 5
-    assert int(state.num_tokens[0]) == 1 + 5 + 4  # prefill, one full cycle, 4 plain steps
+    assert int(state.num_tokens[0]) == 1 + 4 + 5  # prefill, 4 plain steps, one full cycle
 
 
 def test_generate_many_counts_drafts_per_request():
     """Rows that never switch off run the same cycles whatever the chunks and slots, so
     generate_many's counts are generate's."""
     target = _bigram(0)
-    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0)
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
     knobs = dict(temperature=[0.0, 1.0, 0.0], max_tokens=[20, 13, 17])
     params = ll.SamplingParams.create(batch_size=3, seed=[5, 6, 7], **knobs)
     prompts = [[0, 1, 2, 0, 1], [3, 4], [5, 5, 1]]
