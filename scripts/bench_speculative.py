@@ -31,9 +31,12 @@ variant they overlap).
 
 `--cycle-cost`: what one propose-verify cycle costs in plain steps (the speculation's
 `cycle_cost`, whose CPU defaults `speculative.CPU_CYCLE_COST` come from here): every
-variant runs never switched off (`min_acceptance=0`, `cycle_cost=1`), and a cycle's cost
-is its time per cycle over plain's time per step (CPU time), at each temperature (more
-accepted drafts mean more sampling steps per cycle).
+variant runs never switched off (`min_acceptance=0`, `cycle_cost=1`); its L loop iterations
+are S cycles (the rows' most `proposed`) and L - S plain steps (no row found a draft), so a
+cycle's cost is 1 + (CPU time / plain's CPU time per step - L) / S, at each temperature
+(more accepted drafts mean more sampling steps per cycle). Exact at batch 1 and for the
+identical rows of T = 0; at batch 8 and T > 0 rows propose in different cycles, S is a
+lower bound and the cost an upper one.
 
 `--model llama-40m`: a randomly initialised Llama of 42M parameters (scripts/bench_generate.py
 `MODELS`), with a byte-level stand-in for a tokenizer (prompts are token ids). Random models
@@ -123,7 +126,9 @@ def run(model, prompt, batch, temperature, spec, tokens):
     seconds = (time.perf_counter() - t0, time.process_time() - c0)
     spec = result.speculation
     cycles = sum(r["cycles"] for r in spec) if spec else None
-    longest = max(r["cycles"] for r in spec) if spec else None  # the loop's iterations
+    # the loop's iterations, and those that were cycles (exact when the rows propose
+    # together: batch 1, or identical rows at T = 0; otherwise a lower bound)
+    longest = (max(r["cycles"] for r in spec), max(r["proposed"] for r in spec)) if spec else None
     drafts = (sum(r["drafted"] for r in spec), sum(r["accepted"] for r in spec)) if spec else None
     made = sum(len(ids) for ids in result.token_ids)
     return seconds, made, cycles, drafts, longest
@@ -189,8 +194,11 @@ def main(argv=None) -> None:
                 )
                 rows.append(row)
                 if args.cycle_cost and cyc is not None:
-                    # plain takes --tokens - 1 steps; the variant its longest row's cycles
-                    row["cycle_cost"] = (cpu / longest) / (plain_cpu / (args.tokens - 1))
+                    # plain takes --tokens - 1 steps; the variant L iterations, S of them
+                    # cycles: cpu = step * (L - S + S * cost)
+                    step = plain_cpu / (args.tokens - 1)
+                    iterations, wide = longest
+                    row["cycle_cost"] = 1 + (cpu / step - iterations) / max(wide, 1)
                     print(
                         f"batch {batch} T={temp:<4} {name:<16} cycle cost "
                         f"{row['cycle_cost']:.2f} plain steps (CPU time), "

@@ -239,7 +239,7 @@ class _Pending:
     ids: list[list[int]]  # per row
     params: SamplingParams  # n rows, EOS ids added (as `generate` has them)
     outputs: list[Outputs | None]  # per row, once it finished: host arrays [1, ...]
-    # per row, with `speculative=`: {"cycles", "drafted", "accepted"} once it finished
+    # per row, with `speculative=`: {"cycles", "proposed", "drafted", "accepted"} once it finished
     speculation: list[dict[str, int] | None] | None = None
 
 

@@ -78,7 +78,7 @@ class GenerationResult:
     top_logprobs: list[list[dict[int, float]]] | None = None
     text: list[str] | None = None
     error: list[str | None] | None = None
-    # with `speculative=`: per row {"cycles", "drafted", "accepted"} (`speculative.stats`)
+    # with `speculative=`: per row {"cycles", "proposed", "drafted", "accepted"} (`stats`)
     speculation: list[dict[str, int]] | None = None
 
 

@@ -96,15 +96,15 @@ START_ACCEPTANCE = 0.5  # the average a row starts with
 CATCH_UP = 8  # columns per call feeding a draft model the tokens it missed while off
 PROBE_SHARE = 0.05  # at most this share of the steps lost to probes that do not pay
 # What a cycle with num_draft = 4 costs on XLA:CPU, in plain decode steps, by (kind,
-# acceptance): the shipped model at T = 0 (about 2 tokens a cycle), the mean of batch 1 and
-# 8 (BENCHMARKS.md, 2026-12-03, `scripts/bench_speculative.py --cycle-cost`: 1.73/1.76,
-# 2.06/2.45, 2.54/2.85, 3.63/4.69). `default_cycle_cost` scales the part above one step
-# with K.
+# acceptance): the shipped model at T = 0 (about 2.6 tokens a cycle), the mean of batch 1
+# and 8 (BENCHMARKS.md, 2026-12-03 (evening), `scripts/bench_speculative.py --cycle-cost`:
+# 2.13/2.71, 2.96/3.27, 2.50/2.99, 3.69/4.43). `default_cycle_cost` scales the part above
+# one step with K.
 CPU_CYCLE_COST = {
-    ("lookup", "strict"): 1.75,
-    ("lookup", "rejection"): 2.25,
-    ("draft", "strict"): 2.7,
-    ("draft", "rejection"): 4.15,
+    ("lookup", "strict"): 2.4,
+    ("lookup", "rejection"): 3.1,
+    ("draft", "strict"): 2.75,
+    ("draft", "rejection"): 4.05,
 }
 
 
@@ -115,6 +115,7 @@ class SpecState:
     acceptance: jax.Array  # [B] f32, moving average of the accepted fraction of drafts
     gain: jax.Array  # [B] f32, moving average of the tokens a cycle brought the row
     cycles: jax.Array  # [B] i32, cycles the row ran in (plain steps included)
+    proposed: jax.Array  # [B] i32, cycles in which the row's drafts were verified
     drafted: jax.Array  # [B] i32, draft tokens verified
     accepted: jax.Array  # [B] i32, draft tokens accepted
     # [B] i32: positions below this hold the right keys/values in a DraftModel's cache (the
@@ -170,6 +171,7 @@ class _Speculation:
             acceptance=jnp.full((batch,), START_ACCEPTANCE, jnp.float32),
             gain=jnp.full((batch,), 1 + START_ACCEPTANCE * self.num_draft, jnp.float32),
             cycles=zeros,
+            proposed=zeros,
             drafted=zeros,
             accepted=zeros,
             fed=(jnp.max(positions, axis=1) + 1).astype(jnp.int32),
@@ -267,6 +269,7 @@ class _Speculation:
             ),
             gain=jnp.where(num > 0, (1 - EMA) * spec.gain + EMA * brought, spec.gain),
             cycles=spec.cycles + running.astype(jnp.int32),
+            proposed=spec.proposed + (num > 0).astype(jnp.int32),
             drafted=spec.drafted + num,
             accepted=spec.accepted + accepted,
             # A draft model was fed the row's tokens up to its last one and its drafts but
@@ -416,14 +419,14 @@ def default_probe_every(cycle_cost: float) -> int:
 
 
 def stats(spec: SpecState | None, rows: int) -> list[dict[str, int]] | None:
-    """Per row: cycles, drafted and accepted draft tokens (for `GenerationResult`)."""
+    """Per row (for `GenerationResult`): cycles (the loop iterations the row ran in, plain
+    steps included), proposed (those in which it had drafts verified), drafted and accepted
+    draft tokens."""
     if spec is None:
         return None
-    cycles, drafted, accepted = jax.device_get((spec.cycles, spec.drafted, spec.accepted))
-    return [
-        {"cycles": int(cycles[r]), "drafted": int(drafted[r]), "accepted": int(accepted[r])}
-        for r in range(rows)
-    ]
+    keys = ("cycles", "proposed", "drafted", "accepted")
+    counts = jax.device_get([getattr(spec, key) for key in keys])
+    return [{key: int(c[r]) for key, c in zip(keys, counts, strict=True)} for r in range(rows)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -141,7 +141,9 @@ def test_strict_rejection_and_plain_coincide_on_greedy_rows():
     prompts = [[0, 1, 2, 0, 1], [3, 4]]
     plain = ll.generate(target, prompts, params).token_ids
     for acceptance in ("strict", "rejection"):
-        spec = ll.PromptLookup(num_draft=3, acceptance=acceptance, min_acceptance=0.0)
+        spec = ll.PromptLookup(
+            num_draft=3, acceptance=acceptance, min_acceptance=0.0, cycle_cost=1.0
+        )
         result = ll.generate(target, prompts, params, speculative=spec)
         assert result.token_ids == plain
         for row in result.speculation:
@@ -333,17 +335,22 @@ def test_prompt_lookup_accepts_every_draft_of_a_model_that_copies(acceptance, ma
     """The greedy continuation of a periodic prompt is the period again; the latest earlier
     3-gram lies one period back and the 4 tokens after it are that continuation, so every
     cycle takes 4 drafts and its own token (the last one cut short by max_tokens), with the
-    default switch-off settings."""
+    default per-row switch-off settings (the batch gate open: cycle_cost 1, as off CPU)."""
     target = _copier(PERIOD)
     params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=max_tokens)
     plain = ll.generate(target, [_copy_prompt()], params).token_ids
     assert plain[0][:6] == [3, 4, 5, 1, 2, 3]
-    spec = ll.PromptLookup(max_ngram=3, num_draft=4, acceptance=acceptance)
+    spec = ll.PromptLookup(max_ngram=3, num_draft=4, acceptance=acceptance, cycle_cost=1.0)
     result = ll.generate(target, [_copy_prompt()], params, speculative=spec)
     assert result.token_ids == plain
     cycles = -(-(max_tokens - 1) // 5)  # the prefill draws the first token
     assert result.speculation == [
-        {"cycles": cycles, "drafted": 4 * cycles, "accepted": max_tokens - 1 - cycles}
+        {
+            "cycles": cycles,
+            "proposed": cycles,
+            "drafted": 4 * cycles,
+            "accepted": max_tokens - 1 - cycles,
+        }
     ]
 
 
