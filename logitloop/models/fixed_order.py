@@ -107,7 +107,10 @@ DECODE_TILE = 8
 # shapes, `tests/decoding/test_deterministic.py`, the tile-product test); only M = 1 (the
 # matrix-vector path) and M >= 33 round otherwise. So batch 1 computes two rows, not eight,
 # and batch 2-8 no padding at all. (XLA:CPU's own product, the model-parallel mode's, has
-# no such range: on an AMD EPYC rows 6 and 7 of 8 round otherwise than rows 0-5.)
+# no such range: on an AMD EPYC rows 6 and 7 of 8 round otherwise than rows 0-5.) That
+# range is the CPU's, not a promise: on an Intel Xeon the LM head's product of bfloat16
+# rows into float32 gives a row other bits for every M from 3 to 16 than for M = 2. So a
+# probe decides, once per process, dtype and kind of product (`unpadded_rows_keep_bits`).
 
 # Cache slots per attention chunk (a divisor of every cache length `generate`
 # allocates: prompt and buffer buckets are multiples of 16).
@@ -191,17 +194,56 @@ def splits() -> bool:
     return _SPLITS.get()
 
 
-def row_tile(rows: int, *, head: bool = False) -> int:
-    """Rows per product tile, for a product over `rows` rows (one device's) in the pass
-    being traced (`head`: the LM head's product): PROMPT_TILE for a prompt pass's hidden
-    states; for a decode step, a verification and every LM head, DECODE_TILE, except on
-    XLA:CPU's YNNPACK dots (no model-parallel splits): the rows themselves, at least 2 and
-    at most DECODE_TILE (see DECODE_TILE)."""
+def row_tile(rows: int, *, head: bool = False, dtype: jnp.dtype = jnp.float32) -> int:
+    """Rows per product tile, for a product over `rows` rows (one device's) of `dtype` in
+    the pass being traced (`head`: the LM head's product): PROMPT_TILE for a prompt pass's
+    hidden states; for a decode step, a verification and every LM head, DECODE_TILE, except
+    on XLA:CPU's YNNPACK dots (no model-parallel splits) where the probe finds that a row
+    keeps its bits for 2..DECODE_TILE rows: the rows themselves, at least 2 and at most
+    DECODE_TILE (see DECODE_TILE)."""
     if _ACTIVE.get() == "prompt" and not head:
         return PROMPT_TILE
     if splits() or jax.default_backend() != "cpu":
         return DECODE_TILE
+    if not unpadded_rows_keep_bits(jnp.dtype(dtype).name, head):
+        return DECODE_TILE
     return min(max(rows, 2), DECODE_TILE)
+
+
+# (E, V) of the head probe and (K, N) of the product probe (the shipped model's sizes).
+_PROBE_SHAPES = {True: ((64, 512), (256, 4096)), False: ((256, 704), (704, 256))}
+
+
+@functools.cache
+def unpadded_rows_keep_bits(dtype: str, head: bool) -> bool:
+    """Whether a row of a decode-pass product in `dtype` on XLA:CPU's YNNPACK dots (the
+    compiler options of `deterministic=True`) has the same bits for every row count from 2
+    to DECODE_TILE and every place among them (`head`: the LM head's `[M, E] x [V, E]^T`
+    into float32; else `[M, K] x [K, N]` in `dtype`), probed at `_PROBE_SHAPES` once per
+    process (1-3 s; it runs eagerly even when first asked while a program is traced).
+    Where it does not, decode passes pad to DECODE_TILE rows (`row_tile`)."""
+    with jax.ensure_compile_time_eval():
+        return _probe_unpadded(dtype, head)
+
+
+def _probe_unpadded(dtype: str, head: bool) -> bool:
+    rng = np.random.default_rng(0)
+
+    def fn(x, w):
+        if head:
+            return jnp.einsum("be,ve->bv", x, w, preferred_element_type=jnp.float32)
+        return x @ w
+
+    f = jax.jit(fn, compiler_options=compiler_options())
+    for k, n in _PROBE_SHAPES[head]:
+        x = jnp.asarray(rng.standard_normal((DECODE_TILE, k)), dtype)
+        w = jnp.asarray(rng.standard_normal((n, k) if head else (k, n)), dtype)
+        ref = np.asarray(f(x[:2], w), np.float32)[0]
+        for m in range(3, DECODE_TILE + 1):
+            for p in range(m):
+                if not np.array_equal(np.asarray(f(jnp.roll(x[:m], p, 0), w), np.float32)[p], ref):
+                    return False
+    return True
 
 
 def compiler_options(model_parallel: bool = False) -> dict[str, str]:
@@ -252,7 +294,7 @@ def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = 
     if m % d:
         raise ValueError(f"{m} rows do not split over a data axis of size {d}")
     per = m // d
-    tile = row_tile(per, head=head)
+    tile = row_tile(per, head=head, dtype=x.dtype)
     blocks = jnp.pad(x.reshape(d, per, k), ((0, 0), (0, -per % tile), (0, 0)))
     tiles = blocks.reshape(d, -1, tile, k).transpose(1, 0, 2, 3)  # [T, D, tile, K]
     if mesh is not None:

@@ -213,6 +213,30 @@ def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dty
         np.testing.assert_array_equal(np.asarray(two(x, w, w2)[0])[at], alone, err_msg=f"m={m}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_head_product_ignores_the_row_count(dtype):
+    """The LM head in a decode pass, `[M, E] x [V, E]^T` into float32: a row's logits are
+    the same bits alone and at any place among 2..9 rows, whether this CPU lets the rows
+    run unpadded (`fixed_order.unpadded_rows_keep_bits`, which says no for bfloat16 on an
+    Intel Xeon: there the product rounds a row otherwise for every M from 3 to 16) or pads
+    them to the 8-row tile."""
+    rng = np.random.default_rng([5, len(dtype)])
+    head = jnp.asarray(rng.standard_normal((4098, 256)), dtype)
+    row = rng.standard_normal(256)
+
+    def logits(x):
+        with fixed_order.fixed_order(True):
+            return fixed_order.rowwise(lambda r: fixed_order.head_product(r, head), x, head=True)
+
+    f = jax.jit(logits, compiler_options=fixed_order.compiler_options())
+    alone = np.asarray(f(jnp.asarray(row[None], dtype)))[0]
+    for m in range(2, 10):
+        x = rng.standard_normal((m, 256))
+        at = int(rng.integers(0, m))
+        x[at] = row
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x, dtype)))[at], alone, f"m={m}")
+
+
 def test_contraction_chunks_fit_every_model_axis():
     """Chunks of at most MAX_CHUNK entries that tile every device's share of the
     contraction on a model axis of 1, 2, 4 or 8 devices."""
