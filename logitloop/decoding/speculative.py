@@ -113,7 +113,7 @@ class SpecState:
     """Per-row speculation bookkeeping carried in `DecodeState.speculation`."""
 
     acceptance: jax.Array  # [B] f32, moving average of the accepted fraction of drafts
-    gain: jax.Array  # [B] f32, moving average of the tokens a cycle brought the row
+    gain: jax.Array  # [B] f32, moving average of the tokens a cycle with drafts brought
     cycles: jax.Array  # [B] i32, cycles the row ran in (plain steps included)
     proposed: jax.Array  # [B] i32, cycles in which the row's drafts were verified
     drafted: jax.Array  # [B] i32, draft tokens verified
