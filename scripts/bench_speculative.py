@@ -128,10 +128,10 @@ def run(model, prompt, batch, temperature, spec, tokens):
     cycles = sum(r["cycles"] for r in spec) if spec else None
     # the loop's iterations, and those that were cycles (exact when the rows propose
     # together: batch 1, or identical rows at T = 0; otherwise a lower bound)
-    longest = (max(r["cycles"] for r in spec), max(r["proposed"] for r in spec)) if spec else None
+    loop = (max(r["cycles"] for r in spec), max(r["proposed"] for r in spec)) if spec else None
     drafts = (sum(r["drafted"] for r in spec), sum(r["accepted"] for r in spec)) if spec else None
     made = sum(len(ids) for ids in result.token_ids)
-    return seconds, made, cycles, drafts, longest
+    return seconds, made, cycles, drafts, loop
 
 
 def main(argv=None) -> None:
@@ -164,15 +164,15 @@ def main(argv=None) -> None:
             cycles = {}
             for _ in range(args.repeats):
                 for name, spec in specs.items():
-                    seconds, made, cyc, drafts, longest = run(
+                    seconds, made, cyc, drafts, loop = run(
                         model, prompt, batch, temp, spec, args.tokens
                     )
                     times[name].append(seconds)
-                    cycles[name] = (made, cyc, drafts, longest)
+                    cycles[name] = (made, cyc, drafts, loop)
             plain = statistics.median(t for t, _ in times["plain"])
             plain_cpu = statistics.median(c for _, c in times["plain"])
             for name in specs:
-                made, cyc, drafts, longest = cycles[name]
+                made, cyc, drafts, loop = cycles[name]
                 med = statistics.median(t for t, _ in times[name])
                 cpu = statistics.median(c for _, c in times[name])
                 row = dict(
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
                     # plain takes --tokens - 1 steps; the variant L iterations, S of them
                     # cycles: cpu = step * (L - S + S * cost)
                     step = plain_cpu / (args.tokens - 1)
-                    iterations, wide = longest
+                    iterations, wide = loop
                     row["cycle_cost"] = 1 + (cpu / step - iterations) / max(wide, 1)
                     print(
                         f"batch {batch} T={temp:<4} {name:<16} cycle cost "

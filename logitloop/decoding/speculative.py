@@ -384,19 +384,9 @@ def resolve(speculative: Any, info: Any, mesh: Any = None) -> tuple[Any, Any]:
             "speculative must be None, a logitloop.PromptLookup or a logitloop.DraftModel, "
             f"got {type(speculative).__name__}"
         )
-    if spec.cycle_cost is None:
-        spec = dataclasses.replace(spec, cycle_cost=default_cycle_cost(spec, _platform(info)))
-    if spec.probe_every is None:
-        spec = dataclasses.replace(spec, probe_every=default_probe_every(spec.cycle_cost))
-    return spec, draft_weights
-
-
-def _platform(info: Any) -> str:
-    """The platform the model's weights live on (the first array's device)."""
-    for leaf in jax.tree.leaves(info.weights):
-        if isinstance(leaf, jax.Array):
-            return next(iter(leaf.devices())).platform
-    return jax.default_backend()
+    cost = spec.cycle_cost or default_cycle_cost(spec, jax.default_backend())
+    every = spec.probe_every or default_probe_every(cost)
+    return dataclasses.replace(spec, cycle_cost=cost, probe_every=every), draft_weights
 
 
 def default_cycle_cost(spec: _Speculation, platform: str) -> float:

@@ -368,6 +368,7 @@ def test_draft_model_catches_up_after_plain_steps():
     for row in result.speculation:
         assert row["drafted"] >= 2 * 4 and row["cycles"] > row["drafted"] // 4  # plain steps
         assert row["accepted"] >= row["drafted"] - 4  # all but the last cycle's cut
+        assert row["proposed"] * 4 == row["drafted"]  # the cycles with drafts, not the steps
 
 
 def test_draft_model_rows_switch_off_when_drafts_miss():
@@ -426,6 +427,21 @@ def test_the_slowest_row_decides_whether_a_cycle_runs():
     hit_2, miss_2 = drafted[2.0]
     assert hit_2["drafted"] == miss_2["drafted"] <= 4 * 3 < hit["drafted"]
     assert hit_2["accepted"] == hit_2["drafted"]
+
+
+def test_proposed_counts_the_cycles_in_which_a_row_had_drafts():
+    """With the gate open and row 0 always drafting (and running longer), every iteration
+    of row 1 is a cycle; row 1, whose drafts miss at a high temperature, switches off
+    (min_acceptance 0.25) and sits out cycles that row 0 runs: they count in its cycles,
+    not in its proposed."""
+    target = _copier(PERIOD)
+    params = ll.SamplingParams.create(
+        batch_size=2, temperature=[0.0, 3.0], max_tokens=[96, 12], seed=[0, 1]
+    )
+    spec = ll.PromptLookup(max_ngram=3, num_draft=4, cycle_cost=1.0)
+    hit, miss = ll.generate(target, [_copy_prompt()] * 2, params, speculative=spec).speculation
+    assert hit["proposed"] == hit["cycles"] and hit["drafted"] == 4 * hit["cycles"]
+    assert 0 < miss["proposed"] < miss["cycles"]
 
 
 def test_default_cycle_cost_is_measured_on_cpu_and_one_elsewhere():
