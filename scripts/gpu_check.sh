@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The Pallas sampling kernel on one GPU, in under 5 minutes on an H100/H200:
+# The Pallas kernels on one GPU, in under 5 minutes on an H100/H200:
 #   1. versions and devices;
 #   2. correctness against the XLA path at several shapes (scripts/bench_gpu_sampler.py);
-#   3. the tests that run nowhere else: the compiled kernel test class and the
-#      compile-only sm_90 build (needs pytest; a skip counts as a failure);
+#   3. the tests that run nowhere else: the compiled sampling kernel test class, the
+#      compile-only sm_90 build, and deterministic mode's tile kernel compiled and in
+#      generation (needs pytest; a skip counts as a failure);
 #   4. the timing table (batch 1/8/64/256, V 128256), JSON to $1 (default
-#      bench_out/gpu_sampler.json).
+#      bench_out/gpu_sampler.json), and deterministic decoding's cost (JSON beside it).
 # Installs nothing except `pip install -e .` when logitloop is not importable and
 # `jax[cuda12]` when nvidia-smi sees a GPU that jax does not; both give up when offline.
 set -uo pipefail
@@ -45,6 +46,7 @@ timeout 150 $PY scripts/bench_gpu_sampler.py --check-only || status=1
 GPU_TESTS=(
   "tests/ops/test_sampling_kernel.py::TestSamplingKernel"
   "tests/ops/test_sampling_kernel.py::test_kernel_compiles_for_h100_without_a_gpu"
+  "tests/ops/test_tile_matmul.py::TestCompiledOnGPU"
 )
 if $PY -c "import pytest" 2>/dev/null; then
   echo "== pytest: compiled kernel tests"
@@ -61,6 +63,10 @@ fi
 
 echo "== timings"
 timeout 120 $PY scripts/bench_gpu_sampler.py --skip-check --out "$OUT" || status=1
+
+echo "== deterministic=True (the tile kernel) against the default, tokens/s"
+timeout 150 $PY scripts/bench_generate.py --skip-overhead --deterministic --new-tokens 64 \
+  --repeats 3 --out "${OUT%.json}_deterministic.json" || status=1
 
 [ $status -eq 0 ] && echo "gpu_check: ok" || echo "gpu_check: FAILED"
 exit $status

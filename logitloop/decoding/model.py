@@ -74,6 +74,9 @@ class ModelRunner:
     # The layers' reductions in a fixed order (`fixed_order`): False, True, or
     # "model-parallel" (also the splits of a model axis).
     deterministic: bool | str = False
+    # A deterministic runner's products as the Pallas tile kernel: None (XLA's dots in
+    # fixed row tiles), "pallas" or "interpret" (`fixed_order.tile_kernel`).
+    tile_kernel: str | None = None
 
     @property
     def model_parallel(self) -> bool:
@@ -81,7 +84,10 @@ class ModelRunner:
 
     def _fixed_order(self, **kwargs):
         return fixed_order.fixed_order(
-            bool(self.deterministic), model_parallel=self.model_parallel, **kwargs
+            bool(self.deterministic),
+            model_parallel=self.model_parallel,
+            kernel=self.tile_kernel,
+            **kwargs,
         )
 
     def forward(
@@ -208,7 +214,11 @@ def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
         config = model.config
         graphdef, weights = nnx.split(model)
         return ModelInfo(
-            runner=ModelRunner(graphdef=graphdef, deterministic=deterministic),
+            runner=ModelRunner(
+                graphdef=graphdef,
+                deterministic=deterministic,
+                tile_kernel=fixed_order.tile_kernel(deterministic),
+            ),
             weights=weights,
             vocab_size=int(config.vocab_size),
             max_length=int(config.max_position_embeddings),

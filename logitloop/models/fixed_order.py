@@ -22,6 +22,11 @@ call, the cache length or the mesh:
   two), which spares batch 1 the work of eight rows (`row_tile`).
   On a mesh with a "data" axis each device's rows are tiled by themselves (`fixed_order(
   mesh=...)`, from the decode loop's layout), so every device runs the one-device tile.
+  On a GPU (`tile_kernel`) the products are instead the Pallas tile kernel
+  (`logitloop.ops.tile_matmul`: fixed row, column and contraction blocks, so a row's bits
+  do not depend on the row count by construction), over the rows as they come: no row
+  tiles, since a GPU library and XLA's autotuner choose a dot's kernel by its shape and by
+  timing, program by program, which a fixed tile shape alone would not pin.
 - With `model_parallel=True` (`deterministic="model-parallel"`), a product within a tile
   also sums its contraction in chunks of at most MAX_CHUNK entries at fixed boundaries,
   the chunks' float32 partial sums added one after another (`product`), and the LM head
@@ -79,6 +84,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import jax
@@ -111,6 +117,9 @@ DECODE_TILE = 8
 # range is the CPU's, not a promise: on an Intel Xeon the LM head's product of bfloat16
 # rows into float32 gives a row other bits for every M from 3 to 16 than for M = 2. So a
 # probe decides, once per process, dtype and kind of product (`unpadded_rows_keep_bits`).
+
+# The Pallas tile kernel's modes (`tile_kernel`): compiled (a GPU) and interpreted (anywhere).
+TILE_KERNELS = ("pallas", "interpret")
 
 # Cache slots per attention chunk (a divisor of every cache length `generate`
 # allocates: prompt and buffer buckets are multiples of 16).
@@ -153,6 +162,10 @@ _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _SPLITS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "logitloop_fixed_order_splits", default=False
 )
+# The Pallas tile kernel the pass being traced runs its products with, if any (`tile_kernel`).
+_KERNEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "logitloop_fixed_order_kernel", default=None
+)
 # The mesh whose "data" axis holds the rows of the pass being traced, if any.
 _ROW_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
     "logitloop_fixed_order_mesh", default=None
@@ -166,14 +179,21 @@ def fixed_order(
     prompt: bool = False,
     mesh: Mesh | None = None,
     model_parallel: bool = False,
+    kernel: str | None = None,
 ) -> Iterator[None]:
     """While tracing inside this context, the layers use fixed-order reductions; `prompt`:
     the call is a prompt pass (row tiles of PROMPT_TILE), else a decode step or a
     verification (DECODE_TILE); `mesh`: the rows lie over this mesh's "data" axis, so each
     device tiles its own rows (`rowwise`); `model_parallel`: products also sum their
     contraction in fixed chunks and the LM head runs over fixed column tiles (`product`,
-    `head_product`), so that a "model" axis does not change the bits either."""
+    `head_product`), so that a "model" axis does not change the bits either; `kernel`:
+    the products run as the Pallas tile kernel (`TILE_KERNELS`), not as XLA dots."""
+    if kernel is not None and kernel not in TILE_KERNELS:
+        raise ValueError(f"kernel must be None or one of {TILE_KERNELS}, got {kernel!r}")
+    if kernel is not None and model_parallel:
+        raise ValueError("the tile kernel does not split a model axis: model_parallel=False")
     token = _ACTIVE.set(("prompt" if prompt else "decode") if enabled else None)
+    kernel_token = _KERNEL.set(kernel if enabled else None)
     mesh_token = _ROW_MESH.set(mesh if enabled else None)
     splits_token = _SPLITS.set(bool(enabled and model_parallel))
     try:
@@ -181,12 +201,35 @@ def fixed_order(
     finally:
         _SPLITS.reset(splits_token)
         _ROW_MESH.reset(mesh_token)
+        _KERNEL.reset(kernel_token)
         _ACTIVE.reset(token)
 
 
 def active() -> bool:
     """Whether the layers being traced use fixed-order reductions."""
     return _ACTIVE.get() is not None
+
+
+def tile_kernel(deterministic: bool | str, backend: str | None = None) -> str | None:
+    """The products of a runner with this `deterministic=` setting: "pallas" (the Pallas
+    tile kernel, `logitloop.ops.tile_matmul`) for `deterministic=True` on a GPU, where the
+    libraries behind XLA's dots pick their kernel by the row count and its autotuner by
+    timing; None (XLA's dots in fixed row tiles) otherwise. The environment variable
+    LOGITLOOP_TILE_KERNEL overrides it for `deterministic=True`: "pallas", "interpret"
+    (the kernel in Pallas' interpret mode, which runs anywhere: how the CPU tests run the
+    GPU's path) or "off"."""
+    if deterministic is not True:
+        return None
+    forced = os.environ.get("LOGITLOOP_TILE_KERNEL", "")
+    if forced:
+        if forced == "off":
+            return None
+        if forced not in TILE_KERNELS:
+            raise ValueError(
+                f"LOGITLOOP_TILE_KERNEL = {forced!r} is not one of off, {', '.join(TILE_KERNELS)}"
+            )
+        return forced
+    return "pallas" if (backend or jax.default_backend()) == "gpu" else None
 
 
 def splits() -> bool:
@@ -294,6 +337,8 @@ def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = 
     if not active():
         return fn(x)
     mesh = _ROW_MESH.get()
+    if _KERNEL.get() is not None and mesh is None:
+        return fn(x)  # the kernel's rows do not depend on the row count: no tiles needed
     d = mesh.shape[DATA_AXIS] if mesh is not None else 1
     m, k = x.shape
     if m % d:
@@ -336,10 +381,27 @@ def product(rows: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
     (the q/k/v and gate/up projections), each device's product is the one-device product
     of its own columns: with a contraction of at most MAX_CHUNK, XLA:CPU's own product
     gives a column the same bits whatever the number of columns."""
+    if _KERNEL.get() is not None:
+        return _kernel_product(rows, w, transposed=False, out_dtype=None)
     if not splits():
         return rows @ w
     partials = chunk_partials(rows, w, contraction_chunk(rows.shape[1], groups))
     return ordered_sum(partials, axis=0).astype(rows.dtype)
+
+
+def _kernel_product(rows, w, *, transposed: bool, out_dtype) -> jax.Array:
+    """A product through the Pallas tile kernel of the pass being traced (both operands in
+    their promoted dtype, as `@` and `einsum` take them)."""
+    from logitloop.ops.tile_matmul import tile_matmul
+
+    dtype = jnp.result_type(rows, w)
+    return tile_matmul(
+        rows.astype(dtype),
+        w.astype(dtype),
+        w_transposed=transposed,
+        out_dtype=out_dtype or dtype,
+        interpret=_KERNEL.get() == "interpret",
+    )
 
 
 def chunk_partials(rows: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
@@ -364,6 +426,8 @@ def head_product(rows: jax.Array, head: jax.Array) -> jax.Array:
     head at 8 rows took 14 ms a call against 4). One batched product, so a vocabulary
     split over a "model" axis of a size that divides the tile count gives every device
     whole tiles of the one-device shape."""
+    if _KERNEL.get() is not None:
+        return _kernel_product(rows, head, transposed=True, out_dtype=jnp.float32)
     if not splits():
         return jnp.einsum("be,ve->bv", rows, head, preferred_element_type=jnp.float32)
     v, e = head.shape

@@ -130,6 +130,21 @@ def test_model_parallel_mode_row_alone_equals_row_in_batch(gqa_llama):
     assert alone[1] != _alone(gqa_llama, prompt)[1]  # the other mode sums otherwise
 
 
+@pytest.mark.slow  # ~35 s; the kernel's own row test and the lowered program stay in default
+def test_the_gpu_kernel_path_row_alone_equals_row_in_batch(gqa_llama, monkeypatch):
+    """The GPU's path, run here with the Pallas tile kernel in interpret mode
+    (LOGITLOOP_TILE_KERNEL): every product is the kernel over the rows as they come (no row
+    tiles), and a row in a batch of 5 is bit for bit the row alone. Its raw logprobs are
+    within float32 rounding of the XLA path's."""
+    prompt = _target(512, 6)
+    xla = _alone(gqa_llama, prompt)
+    monkeypatch.setenv("LOGITLOOP_TILE_KERNEL", "interpret")
+    alone = _alone(gqa_llama, prompt)
+    assert _in_batch(gqa_llama, prompt, 5, 13) == alone
+    np.testing.assert_allclose(alone[1], xla[1], rtol=0, atol=1e-4)
+    assert alone[1] != xla[1]  # it is not the XLA path's program
+
+
 @pytest.mark.parametrize("slots", [4, 32])
 def test_generate_many_slot_equals_row_alone(gqa_llama, slots):
     """The row among 40 requests in `slots` slots: other slots, neighbours, admission
