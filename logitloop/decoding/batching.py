@@ -48,10 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding import constraints, sharding, stop_strings
+from logitloop.decoding import constraints, stop_strings
 from logitloop.decoding import processors as procs
 from logitloop.decoding import speculative as speculation
-from logitloop.decoding.constraints import Automata, HostAutomaton
+from logitloop.decoding.constraints import HostAutomaton
 from logitloop.decoding.history import History
 from logitloop.decoding.host import (
     MIN_BUFFER_BUCKET,
@@ -62,20 +62,24 @@ from logitloop.decoding.host import (
     collect,
     constraint_vocabulary,
     prompt_batch,
-    request_rows,
     stop_tables,
     tokenize_prompt,
 )
-from logitloop.decoding.layout import Layout
-from logitloop.decoding.loop import DecodeState, Outputs, decode, prefill
+from logitloop.decoding.loop import (
+    DecodeState,
+    Outputs,
+    Program,
+    PromptBatch,
+    Tables,
+    decode,
+    prefill,
+)
 from logitloop.decoding.model import (
     ModelInfo,
-    ModelRunner,
-    is_model_parallel,
-    model_info,
     runner_jit,
 )
 from logitloop.decoding.params import MIN_LIST_WIDTH, SamplingParams, Widths
+from logitloop.decoding.plan import Options, Plan, plan
 from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.stop_strings import StopStrings
 
@@ -105,22 +109,12 @@ class Request:
 
 @stored_jit(
     static_argnames=(
-        "runner",
-        "batch",
-        "prompt_len",
-        "buffer_len",
-        "num_top",
-        "window",
-        "text",
-        "layout",
-        "vocab",
-        "speculative",
+        "program", "vocab", "batch", "prompt_len", "buffer_len", "num_top", "window", "text",
     ),
-)
+)  # fmt: skip
 def _empty_state(
-    runner: ModelRunner,
-    weights: Any,
-    params: SamplingParams,
+    program: Program,
+    tables: Tables,
     *,
     vocab: int,
     batch: int,
@@ -129,91 +123,65 @@ def _empty_state(
     num_top: int,
     window: int,
     text: int,
-    layout: Layout,
-    speculative: Any = None,
-    draft_weights: Any = None,
 ) -> DecodeState:
     """A state whose every row is an empty, finished slot (the loop never touches it)."""
     cap = prompt_len + buffer_len
     zeros = jnp.zeros((batch,), jnp.int32)
     state = DecodeState.empty(
-        cache=runner.init_cache(weights, batch, cap),
+        cache=program.runner.init_cache(tables.weights, batch, cap),
         history=History(jnp.full((batch, cap), -1, jnp.int32), zeros, zeros),
         prompt_len=zeros,
         buffer_len=buffer_len,
         num_top=num_top,
         window=window,
         text=text,
-        processor_states=procs.init_states(params.processors, batch, vocab),
+        processor_states=procs.init_states(tables.params.processors, batch, vocab),
         done=True,
     )
-    if speculative is not None:  # a one-column "prompt" of padding: nothing is written
+    if program.speculative is not None:  # a one-column "prompt" of padding: nothing is written
         pad = jnp.full((batch, 1), -1, jnp.int32)
-        spec = speculative.init(draft_weights, jnp.maximum(pad, 0), pad, cap, layout)
+        spec = program.speculative.init(
+            tables.draft_weights, jnp.maximum(pad, 0), pad, cap, program.layout
+        )
         state = state.replace(speculation=spec)
-    return layout.state(state)
+    return program.layout.state(state)
 
 
 @stored_jit(
-    static_argnames=("runner", "buffer_len", "num_top", "layout", "speculative"),
+    static_argnames=("program", "buffer_len", "num_top"),
     donate_argnames=("state",),
     jit=runner_jit,
 )
 def _admit(
-    runner: ModelRunner,
-    weights: Any,
-    state: DecodeState,  # [S slots]
-    params: SamplingParams,  # [S]
-    stops: StopStrings | None,  # [S]
+    program: Program,
+    tables: Tables,  # [S slots]
+    state: DecodeState,  # [S]
     slot: jax.Array,  # [G] i32, the slot of each new row; S (out of range) = dummy row
-    prompt: jax.Array,  # [G, P] i32, left-padded
-    positions: jax.Array,  # [G, P] i32, -1 on padding
-    prompt_len: jax.Array,  # [G] i32
-    history: History,  # [G, P + N]
-    new_params: SamplingParams,  # [G]
-    new_stops: StopStrings | None,  # [G]
-    automata: Automata | None,  # the job's tables
+    prompts: PromptBatch,  # [G] new rows
+    new: Tables,  # [G] the new rows' params and stop strings (no weights, no automata)
     fsm: jax.Array,  # [G] i32, the new rows' initial automaton states
     *,
     buffer_len: int,
     num_top: int,
-    layout: Layout,
-    speculative: Any = None,
-    draft_weights: Any = None,
-) -> tuple[DecodeState, SamplingParams, StopStrings | None]:
+) -> tuple[DecodeState, Tables]:
     """Prefill G prompts and write their fresh rows (state, params, stop strings, automaton
     states) into slots."""
-    fresh = prefill(
-        runner,
-        weights,
-        prompt,
-        positions,
-        prompt_len,
-        history,
-        new_params,
-        new_stops,
-        buffer_len=buffer_len,
-        num_top=num_top,
-        layout=layout,
-        automata=automata,
-        fsm=fsm,
-        speculative=speculative,
-        draft_weights=draft_weights,
-    )
+    rows = tables.replace(params=new.params, stops=new.stops)
+    fresh = prefill(program, rows, prompts, fsm, buffer_len=buffer_len, num_top=num_top)
 
     def put(big, small):
         if big.ndim == 0:  # the loop's step counter is shared, not per row
             return big
         return big.at[slot].set(small.astype(big.dtype), mode="drop")
 
-    state = layout.state(jax.tree.map(put, state, fresh))
-    params = jax.tree.map(put, params, new_params)
+    state = program.layout.state(jax.tree.map(put, state, fresh))
+    stops = tables.stops
     if stops is not None:
         stops = stops.replace(
-            strings=put(stops.strings, new_stops.strings),
-            lengths=put(stops.lengths, new_stops.lengths),
+            strings=put(stops.strings, new.stops.strings),
+            lengths=put(stops.lengths, new.stops.lengths),
         )
-    return state, params, stops
+    return state, tables.replace(params=jax.tree.map(put, tables.params, new.params), stops=stops)
 
 
 # --------------------------------------------------------------------------- host side
@@ -265,7 +233,7 @@ class _Batcher:
 
     def __init__(
         self,
-        info: ModelInfo,
+        plan: Plan,
         *,
         slots: int,
         max_prompt_len: int,
@@ -273,16 +241,10 @@ class _Batcher:
         chunk_steps: int,
         prefill_batch: int,
         defaults: Mapping[str, Any],
-        n: int,
-        ignore_eos: bool,
-        layout: Layout,
-        processors: Sequence[Any] | None,
-        speculative: Any = None,
-        draft_weights: Any = None,
     ):
-        self.info = info
-        self.speculative = speculative  # static, from `speculative.resolve`
-        self.draft_weights = draft_weights
+        self.plan = plan
+        self.info = plan.info
+        self.n = plan.options.n
         self.slots = slots
         self.max_prompt_len = max_prompt_len
         self.max_tokens = max_tokens
@@ -291,21 +253,17 @@ class _Batcher:
         self.chunk_steps = chunk_steps
         self.group = prefill_batch
         self.defaults = dict(defaults)
-        self.n = n
-        self.ignore_eos = ignore_eos
-        self.layout = layout
-        self.processors = processors  # the job's default, rows of 1
         self.structure = None  # the processors' tree structure, fixed by the first request
         # Room for a few stop sequences from the start, so most jobs never widen them.
         self.widths = Widths(sequences=MIN_LIST_WIDTH, sequence_len=MIN_LIST_WIDTH)
         self.state: DecodeState | None = None
-        self.params: SamplingParams | None = None  # [S], at self.widths
+        # What the loop reads for the slots: params [S] at self.widths, the stop-string
+        # tables (None while no slot had one) and the automata seen so far.
+        self.tables: Tables | None = None
         self.slot_stops: list[tuple[str, ...]] = [()] * slots  # each slot's stop strings
-        self.stops: StopStrings | None = None
         # The constraints' automata seen so far, packed in this order (appended only, so a
-        # running row's state stays valid when the tables grow), and their tables.
+        # running row's state stays valid when the tables grow).
         self.automata_seen: list[HostAutomaton] = []
-        self.automata: Automata | None = None
         self.initial: dict[int, int] = {}  # id(automaton) -> its initial state in the tables
 
     # ------------------------------------------------------------------ requests
@@ -319,7 +277,10 @@ class _Batcher:
         """
         request = _split_request(item)
         prompt, knobs = request.prompt, request.params
-        chosen = self.processors if request.processors is None else request.processors
+        plan = self.plan
+        if request.processors is not None:
+            options = dataclasses.replace(plan.options, processors=request.processors)
+            plan = dataclasses.replace(plan, options=options)
         try:
             if isinstance(knobs, SamplingParams):
                 params = knobs
@@ -337,15 +298,7 @@ class _Batcher:
                 raise ValueError(
                     f"{name} has {len(ids[0])} tokens, over max_prompt_len = {self.max_prompt_len}"
                 )
-            ids, params = request_rows(
-                self.info,
-                ids,
-                params,
-                n=self.n,
-                ignore_eos=self.ignore_eos,
-                names=[name],
-                processors=chosen,
-            )
+            ids, params = plan.rows(None, params, ids=ids, names=[name])
             structure = jax.tree.structure(params.processors)
             if self.structure is None:
                 self.structure = structure
@@ -392,16 +345,16 @@ class _Batcher:
 
         `template`: one row whose params (and processors) fill the empty slots, greedy."""
         old, self.widths = self.widths, widths
-        self.stops = self._tables(self.slot_stops)
-        text = 0 if self.stops is None else self.stops.window
+        stops = self._tables(self.slot_stops)
+        text = 0 if stops is None else stops.window
         if self.state is None:
             # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
-            empty = template.widen(widths).take([0] * self.slots).device_only()
-            self.params = empty.replace(temperature=jnp.zeros((self.slots,), jnp.float32))
+            empty = template.widen(widths).take([0] * self.slots)
+            empty = empty.replace(temperature=jnp.zeros((self.slots,), jnp.float32))
+            self.tables = self.plan.tables(empty, stops)
             self.state = _empty_state(
-                self.info.runner,
-                self.info.weights,
-                self.params,
+                self.plan.program,
+                self.tables,
                 vocab=self.info.vocab_size,
                 batch=self.slots,
                 prompt_len=self.prompt_len,
@@ -409,12 +362,9 @@ class _Batcher:
                 num_top=widths.top_logprobs,
                 window=widths.sequence_len,
                 text=text,
-                layout=self.layout,
-                speculative=self.speculative,
-                draft_weights=self.draft_weights,
             )
             return
-        self.params = self.params.widen(widths)
+        self.tables = self.tables.replace(params=self.tables.params.widen(widths), stops=stops)
         s = self.state
 
         def pad_left(arr: jax.Array, width: int, fill: int) -> np.ndarray:
@@ -442,13 +392,14 @@ class _Batcher:
         if not new:
             return
         self.automata_seen += new
-        old = self.automata
+        old = self.tables.automata
         grow = (
             {}
             if old is None
             else {"min_states": old.bits.shape[0], "min_edges": old.targets.shape[0]}
         )
-        self.automata, initial = constraints.pack(self.automata_seen, **grow)
+        automata, initial = constraints.pack(self.automata_seen, **grow)
+        self.tables = self.tables.replace(automata=automata)
         self.initial = {id(a): s for a, s in zip(self.automata_seen, initial, strict=True)}
 
     def admit(self, rows: Sequence[_Row], free: list[int]) -> list[int]:
@@ -471,58 +422,39 @@ class _Batcher:
             batch = prompt_batch([row.ids for row in group], self.buffer_len, self.prompt_len)
             new_params = SamplingParams.concat([row.params for row in group], self.widths)
             new_stops = None
-            if self.stops is not None:
+            if self.tables.stops is not None:
                 new_stops = self._tables(new_params.stop or [()] * len(group))
             fsm = np.asarray(
                 [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
                 np.int32,
             )
-            self.state, self.params, self.stops = _admit(
-                self.info.runner,
-                self.info.weights,
+            new = Tables(None, new_params.device_only(), new_stops)
+            self.state, self.tables = _admit(
+                self.plan.program,
+                self.tables,
                 self.state,
-                self.params,
-                self.stops,
                 slot,
-                batch.prompt,
-                batch.positions,
-                batch.lengths,
-                batch.history,
-                new_params.device_only(),
-                new_stops,
-                self.automata,
+                batch,
+                new,
                 fsm,
                 buffer_len=self.buffer_len,
                 num_top=self.widths.top_logprobs,
-                layout=self.layout,
-                speculative=self.speculative,
-                draft_weights=self.draft_weights,
             )
         return used
 
     def dispatch(self) -> None:
         """Start one chunk of decode steps (asynchronously: the host carries on)."""
-        self.state = decode(
-            self.info.runner,
-            self.info.weights,
-            self.state.replace(step=np.int32(0)),
-            self.params,
-            self.stops,
-            np.int32(self.chunk_steps),
-            layout=self.layout,
-            automata=self.automata,
-            speculative=self.speculative,
-            draft_weights=self.draft_weights,
-        )
+        state = self.state.replace(step=np.int32(0))
+        self.state = decode(self.plan.program, self.tables, state, np.int32(self.chunk_steps))
 
     def done(self) -> np.ndarray:
         """Wait for the chunk; the host copy of every slot's `done`."""
-        return np.asarray(jax.device_get(self.layout.host_view(self.state.done)))
+        return np.asarray(jax.device_get(self.plan.layout.host_view(self.state.done)))
 
     def fetch(self, slots: Sequence[int]) -> list[tuple[Outputs, dict[str, int] | None]]:
         """Copy the finished rows in `slots` to the host, each as `Outputs` of one row and
         its speculation counts (None without `speculative=`)."""
-        outputs = jax.device_get(self.layout.host_view(self.state.outputs()))
+        outputs = jax.device_get(self.plan.layout.host_view(self.state.outputs()))
         counts = speculation.stats(self.state.speculation, self.slots)
         return [(outputs.take([slot]), counts and counts[slot]) for slot in slots]
 
@@ -539,7 +471,7 @@ class _Batcher:
             ]
         )
         result = collect(outputs, pending.ids, pending.params, self.info)
-        if self.speculative is not None:
+        if self.plan.program.speculative is not None:
             result.speculation = list(pending.speculation)
         return result
 
@@ -643,12 +575,7 @@ def iter_generate_many(
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
     max_tokens: int | None = None,
-    n: int = 1,
-    ignore_eos: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    processors: Sequence[Any] | None = None,
-    deterministic: bool | str = False,
-    speculative: Any = None,
+    **options: Any,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
 
@@ -657,9 +584,8 @@ def iter_generate_many(
     device runs a chunk). A bad request raises `ValueError` naming its index when it is
     read; results that completed before have been yielded by then.
     """
-    layout = sharding.layout_for(mesh, whole_vocab=is_model_parallel(deterministic))
-    info = layout.place(model_info(model, deterministic=deterministic))
-    spec, draft_weights = speculation.resolve(speculative, info, mesh)
+    job = plan(model, Options.of("iter_generate_many", options))
+    info, layout = job.info, job.layout
     slots = check_count("slots", slots, 1)
     layout.check_rows("slots", slots)
     chunk_steps = check_count("chunk_steps", chunk_steps, 1)
@@ -668,7 +594,6 @@ def iter_generate_many(
         prefill_batch = -(-min(4, -(-slots // 8)) // multiple) * multiple
     group = check_count("prefill_batch", prefill_batch, 1, slots)
     layout.check_rows("prefill_batch", group)
-    n = check_count("n", n, 1)
     if not isinstance(params, (Mapping, type(None))):
         raise ValueError(
             f"params must be a dict of SamplingParams.create arguments, got {params!r}"
@@ -687,19 +612,13 @@ def iter_generate_many(
     max_prompt_len = check_count("max_prompt_len", max_prompt_len, 1, info.max_length - 1)
     max_tokens = check_count("max_tokens", max_tokens, 1, info.max_length - 1)
     batcher = _Batcher(
-        info,
+        job,
         slots=slots,
         max_prompt_len=max_prompt_len,
         max_tokens=max_tokens,
         chunk_steps=chunk_steps,
         prefill_batch=group,
         defaults=defaults,
-        n=n,
-        ignore_eos=ignore_eos,
-        layout=layout,
-        processors=processors,
-        speculative=spec,
-        draft_weights=draft_weights,
     )
     return batcher.run(requests)
 
@@ -714,12 +633,7 @@ def generate_many(
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
     max_tokens: int | None = None,
-    n: int = 1,
-    ignore_eos: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    processors: Sequence[Any] | None = None,
-    deterministic: bool | str = False,
-    speculative: Any = None,
+    **options: Any,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
 
@@ -734,6 +648,7 @@ def generate_many(
       the cache) for the whole job. Default: from the requests when they are a sequence,
       else the model's context (correct, but a larger cache than needed: pass bounds for
       a generator). A request over a bound raises ValueError.
+    options: the shared keywords of `generate` (`logitloop.decoding.plan.Options`):
     n, ignore_eos, mesh: as in `generate`. On a mesh, `slots` and `prefill_batch` must be
       multiples of the data-axis size (the default `prefill_batch` is rounded up to one).
     processors: the job's processors (leaves with a row axis of 1), for requests that
@@ -756,12 +671,7 @@ def generate_many(
         prefill_batch=prefill_batch,
         max_prompt_len=max_prompt_len,
         max_tokens=max_tokens,
-        n=n,
-        ignore_eos=ignore_eos,
-        mesh=mesh,
-        processors=processors,
-        deterministic=deterministic,
-        speculative=speculative,
+        **options,
     ):
         out[index] = result
     return [out[i] for i in range(len(out))]

@@ -41,10 +41,11 @@ import numpy as np
 from logitloop.decoding import processors as procs
 from logitloop.decoding import transforms
 from logitloop.decoding.history import History
-from logitloop.decoding.host import MIN_BUFFER_BUCKET, prepare, prompt_batch
+from logitloop.decoding.host import MIN_BUFFER_BUCKET, prompt_batch
 from logitloop.decoding.loop import forward_prompt
 from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.plan import Options, plan
 from logitloop.decoding.sampler import (
     STATUS_BAD_LOGITS,
     STATUS_OK,
@@ -279,9 +280,9 @@ def explain_next_token(
     if params.constraints:  # its stages have no constraint mask: refused, not ignored
         raise ValueError("explain does not support json_schema, regex or choice constraints")
     params = params.replace(max_tokens=jnp.ones_like(params.max_tokens))
-    info, ids, params = prepare(
-        model, [prompt], params, ignore_eos=ignore_eos, processors=processors
-    )
+    job = plan(model, Options(ignore_eos=ignore_eos, processors=processors))
+    info = job.info
+    ids, params = job.rows([prompt], params)
     ids0 = ids[0]
     params = params.device_only()
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding import sharding, stop_strings
 from logitloop.decoding import speculative as speculation
+from logitloop.decoding import stop_strings
 from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public host-side names
     FINISH_REASON,
     MIN_BUFFER_BUCKET,
@@ -25,36 +25,25 @@ from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public ho
     bucket,
     check_count,
     collect,
-    constraint_tables,
     initial_state,
     pad_prompts,
-    prepare,
     row_stops,
     row_text,
     stop_reason,
-    stop_tables,
 )
-from logitloop.decoding.loop import RUNNING, decode
-from logitloop.decoding.model import is_model_parallel
+from logitloop.decoding.loop import RUNNING, DecodeState, Tables, decode
 from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.plan import Options, Plan, plan
 
 
 def generate(
-    model: Any,
-    prompts: Sequence[Any],
-    params: SamplingParams,
-    *,
-    n: int = 1,
-    ignore_eos: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    processors: Sequence[Any] | None = None,
-    deterministic: bool | str = False,
-    speculative: Any = None,
+    model: Any, prompts: Sequence[Any], params: SamplingParams, **options: Any
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
     model: a logitloop NNX model or a `FunctionModel`; prompts: token-id lists or strings
-    (with a tokenizer); params: `SamplingParams` with one row per prompt. `n` samples per
+    (with a tokenizer); params: `SamplingParams` with one row per prompt. `options`: the
+    shared keywords of `logitloop.decoding.plan.Options`, below. `n` samples per
     prompt (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's).
     The model's EOS ids join every row's stop ids unless `ignore_eos`.
 
@@ -88,66 +77,35 @@ def generate(
     (`logitloop.decoding.speculative`): strict acceptance gives the same tokens, rejection
     acceptance the same distribution; `result.speculation` counts drafts per row.
     """
-    run = _start(
-        model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
-    )
-    state = decode(
-        run.info.runner,
-        run.info.weights,
-        run.state,
-        run.params.device_only(),
-        run.stops,
-        jnp.asarray(2**30, jnp.int32),
-        **run.loop_args,
-    )
-    result = collect(run.layout.host_view(state).outputs(), run.ids, run.params, run.info)
-    if run.spec is not None:
+    run = _start(plan(model, Options.of("generate", options)), prompts, params)
+    state = decode(run.plan.program, run.tables, run.state, jnp.asarray(2**30, jnp.int32))
+    result = collect(run.plan.layout.host_view(state).outputs(), run.ids, run.params, run.info)
+    if run.plan.program.speculative is not None:
         result.speculation = speculation.stats(state.speculation, len(run.ids))
     return result
 
 
 @dataclasses.dataclass
 class _Run:
-    """What `generate` and `stream` start from: the checked inputs, the tables the loop
-    reads and the state after prefill."""
+    """What `generate` and `stream` start from: the plan, the checked rows, the tables the
+    loop reads and the state after prefill."""
 
-    info: Any
+    plan: Plan
     ids: list[list[int]]
-    params: SamplingParams
-    layout: Any
-    stops: Any
-    automata: Any
-    spec: Any
-    draft_weights: Any
-    state: Any
+    params: SamplingParams  # host-side, row by row
+    tables: Tables
+    state: DecodeState
 
     @property
-    def loop_args(self) -> dict[str, Any]:
-        """`decode`'s keyword arguments besides the state and the step limit."""
-        return dict(
-            layout=self.layout,
-            automata=self.automata,
-            speculative=self.spec,
-            draft_weights=self.draft_weights,
-        )
+    def info(self):
+        return self.plan.info
 
 
-def _start(
-    model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
-) -> _Run:
-    layout = sharding.layout_for(mesh, whole_vocab=is_model_parallel(deterministic))
-    info, ids, params = prepare(
-        model, prompts, params, n=n, ignore_eos=ignore_eos, layout=layout,
-        processors=processors, deterministic=deterministic,
-    )  # fmt: skip
-    spec, draft_weights = speculation.resolve(speculative, info, mesh)
-    stops = stop_tables(info, params.stop)
-    automata, fsm = constraint_tables(info, params)
-    state = initial_state(
-        info, ids, params, stops, layout=layout, automata=automata, fsm=fsm,
-        speculative=spec, draft_weights=draft_weights,
-    )  # fmt: skip
-    return _Run(info, ids, params, layout, stops, automata, spec, draft_weights, state)
+def _start(plan: Plan, prompts: Sequence[Any], params: SamplingParams) -> _Run:
+    ids, params = plan.rows(prompts, params)
+    tables, fsm = plan.batch_tables(params)
+    state = initial_state(plan.program, tables, ids, fsm=fsm)
+    return _Run(plan, ids, params, tables, state)
 
 
 @dataclasses.dataclass
@@ -166,13 +124,8 @@ def stream(
     prompts: Sequence[Any],
     params: SamplingParams,
     *,
-    n: int = 1,
-    ignore_eos: bool = False,
     chunk_steps: int = 8,
-    mesh: jax.sharding.Mesh | None = None,
-    processors: Sequence[Any] | None = None,
-    deterministic: bool | str = False,
-    speculative: Any = None,
+    **options: Any,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -180,15 +133,12 @@ def stream(
     host detokenises incrementally. A delta never holds an incomplete UTF-8 sequence, nor
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
-    exactly `generate(...).text` for that row. `deterministic`: as in `generate`. With
-    `speculative` (as in `generate`) a chunk is `chunk_steps` propose-verify cycles.
+    exactly `generate(...).text` for that row. `options`: as in `generate`. With
+    `speculative` a chunk is `chunk_steps` propose-verify cycles.
     """
     check_count("chunk_steps", chunk_steps, 1)
-    run = _start(
-        model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
-    )
-    info, ids, params, layout, state = run.info, run.ids, run.params, run.layout, run.state
-    device_params = params.device_only()
+    run = _start(plan(model, Options.of("stream", options)), prompts, params)
+    info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer
     seen = [0] * batch
@@ -233,11 +183,5 @@ def stream(
         if not open_rows:
             return
         state = decode(
-            info.runner,
-            info.weights,
-            state,
-            device_params,
-            run.stops,
-            jnp.asarray(int(step) + chunk_steps, jnp.int32),
-            **run.loop_args,
+            run.plan.program, run.tables, state, jnp.asarray(int(step) + chunk_steps, jnp.int32)
         )

@@ -31,7 +31,6 @@ from logitloop.decoding import constraints, stop_strings
 from logitloop.decoding import processors as procs
 from logitloop.decoding.constraints import Automata
 from logitloop.decoding.history import History
-from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.loop import (
     FINISH_CONSTRAINT,
     FINISH_ERROR,
@@ -41,9 +40,12 @@ from logitloop.decoding.loop import (
     FINISH_STOP_TOKEN,
     DecodeState,
     Outputs,
+    Program,
+    PromptBatch,
+    Tables,
     prefill,
 )
-from logitloop.decoding.model import ModelInfo, model_info
+from logitloop.decoding.model import ModelInfo
 from logitloop.decoding.params import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
@@ -201,28 +203,6 @@ def request_rows(
     return ids, params
 
 
-def prepare(
-    model: Any,
-    prompts: Sequence[Any],
-    params: SamplingParams,
-    *,
-    n: int = 1,
-    ignore_eos: bool = False,
-    layout: Layout = ONE_DEVICE,
-    processors: Sequence[Any] | None = None,
-    deterministic: bool | str = False,
-) -> tuple[ModelInfo, list[list[int]], SamplingParams]:
-    """`generate`'s inputs checked and expanded: the model, tokenized prompts, per-row params.
-
-    On a mesh the weights are laid over it and params gain dummy rows up to a multiple of
-    the data-axis size (`layout.place`, `layout.pad_rows`); `ids` keeps the real rows.
-    """
-    info = model_info(model, deterministic=deterministic)
-    ids = tokenize_prompts(prompts, info)
-    ids, params = request_rows(info, ids, params, n=n, ignore_eos=ignore_eos, processors=processors)
-    return layout.place(info), ids, layout.pad_rows(params)
-
-
 def stop_tables(
     info: ModelInfo, stop: Sequence[Sequence[str]], widths: Widths | None = None
 ) -> StopStrings | None:
@@ -274,20 +254,6 @@ def pad_prompts(
     return prompt, positions, hist, np.asarray([len(p) for p in ids], np.int32)
 
 
-@dataclasses.dataclass
-class PromptBatch:
-    """Prompts laid out for `loop.prefill` (numpy; jit moves them to the device)."""
-
-    prompt: np.ndarray  # [B, P] i32, left-padded
-    positions: np.ndarray  # [B, P] i32, -1 on padding
-    lengths: np.ndarray  # [B] i32
-    history: History  # [B, P + N]: each prompt from column 0, -1 after
-
-    @property
-    def cache_len(self) -> int:
-        return self.history.tokens.shape[1]
-
-
 def prompt_batch(
     ids: Sequence[Sequence[int]], buffer_len: int, prompt_len: int | None = None
 ) -> PromptBatch:
@@ -305,53 +271,32 @@ def buffer_for(params: SamplingParams) -> int:
 
 
 def initial_state(
-    info: ModelInfo,
+    program: Program,
+    tables: Tables,
     ids: list[list[int]],
-    params: SamplingParams,
-    stops: StopStrings | None,
     *,
-    buffer_len: int | None = None,
-    layout: Layout = ONE_DEVICE,
-    automata: Automata | None = None,
     fsm: np.ndarray | None = None,
+    buffer_len: int | None = None,
     prefill_chunk: int | None = None,
-    speculative: Any = None,
-    draft_weights: Any = None,
 ) -> DecodeState:
-    """Pad the prompts, run prefill and return the state before the loop.
+    """Pad the prompts `ids`, run prefill and return the state before the loop.
 
-    `automata`, `fsm`: the constraints' tables and the rows' initial states
-    (`constraint_tables`).
-
-    Rows of `params` past `len(ids)` (a mesh's dummy rows) get row 0's prompt.
-    `prefill_chunk`: run the prompt columns through the model that many at a time
-    (`loop.forward_prompt`) instead of in one pass.
-    `speculative`, `draft_weights`: from `speculative.resolve`.
+    `fsm`: the rows' initial automaton states (`constraint_tables`). Rows of the tables past
+    `len(ids)` (a mesh's dummy rows) get row 0's prompt. `buffer_len`: room for generated
+    tokens (default: the rows' largest max_tokens, bucketed). `prefill_chunk`: run the
+    prompt columns through the model that many at a time (`loop.forward_prompt`) instead
+    of in one pass.
     """
     if prefill_chunk is not None:
         check_count("prefill_chunk", prefill_chunk, 1)
+    params = tables.params
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
-    batch = prompt_batch(ids, buffer_len)
     num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
     return prefill(
-        info.runner,
-        info.weights,
-        batch.prompt,
-        batch.positions,
-        batch.lengths,
-        batch.history,
-        params.device_only(),
-        stops,
-        buffer_len=buffer_len,
-        num_top=num_top,
-        layout=layout,
-        automata=automata,
-        fsm=fsm,
-        prefill_chunk=prefill_chunk,
-        speculative=speculative,
-        draft_weights=draft_weights,
-    )
+        program, tables, prompt_batch(ids, buffer_len), fsm,
+        buffer_len=buffer_len, num_top=num_top, prefill_chunk=prefill_chunk,
+    )  # fmt: skip
 
 
 FINISH_REASON = {

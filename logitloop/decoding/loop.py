@@ -20,6 +20,7 @@ mesh).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -47,6 +48,48 @@ FINISH_LENGTH = 3
 FINISH_ERROR = 4
 FINISH_STOP_STRING = 5
 FINISH_CONSTRAINT = 6  # the row's automaton allows nothing but EOS: its document is complete
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The static part of a call, which the loop's programs are compiled against (hashable).
+
+    runner: the model's forward pass; layout: where the arrays live (one device or a mesh);
+    speculative: a resolved speculation strategy (`speculative.resolve`), or None.
+    """
+
+    runner: ModelRunner
+    layout: Layout = ONE_DEVICE
+    speculative: Any = None
+
+
+@struct.dataclass
+class Tables:
+    """What the loop reads at every step and never writes (device arrays, B rows).
+
+    weights: the model's; params: the rows' `SamplingParams` (device part); stops: the rows'
+    stop-string tables; automata: the constraints' tables; draft_weights: a draft model's.
+    """
+
+    weights: Any
+    params: SamplingParams
+    stops: StopStrings | None = None
+    automata: Automata | None = None
+    draft_weights: Any = None
+
+
+@struct.dataclass
+class PromptBatch:
+    """Prompts laid out for `prefill` (see the module docstring), B rows."""
+
+    prompt: jax.Array  # [B, P] i32, left-padded
+    positions: jax.Array  # [B, P] i32, -1 on padding
+    lengths: jax.Array  # [B] i32
+    history: History  # [B, P + N]: each prompt from column 0, -1 after
+
+    @property
+    def cache_len(self) -> int:
+        return self.history.tokens.shape[1]
 
 
 @struct.dataclass
@@ -152,11 +195,9 @@ class Outputs:
 
 def sample_state(
     layout: Layout,
+    tables: Tables,
     logits: jax.Array,
     state: DecodeState,
-    params: SamplingParams,
-    stops: StopStrings | None,
-    automata: Automata | None,
     *,
     where: jax.Array | None = None,
     choose: Any = None,
@@ -164,6 +205,7 @@ def sample_state(
     """Draw each row's next token from `logits` [B, V] and `record` it: the one sampling
     step of prefill, decode and speculative verification (the constraints' masks from the
     rows' automaton states; `where`, `choose`: see `record` and `sampler.sample_step`)."""
+    params, automata = tables.params, tables.automata
     bits = None if automata is None else constraints.row_bits(automata, state.fsm)
     out = layout.sample(
         logits,
@@ -175,7 +217,7 @@ def sample_state(
         allowed_bits=bits,
         choose=choose,
     )
-    return record(state, out, params, stops, automata, bits, where=where)
+    return record(state, out, params, tables.stops, automata, bits, where=where)
 
 
 def record(
@@ -320,55 +362,49 @@ def forward_prompt(
 
 
 @functools.partial(
-    runner_jit,
-    static_argnames=("runner", "buffer_len", "num_top", "layout", "prefill_chunk", "speculative"),
+    runner_jit, static_argnames=("program", "buffer_len", "num_top", "prefill_chunk")
 )
 def prefill(
-    runner: ModelRunner,
-    weights: Any,
-    prompt: jax.Array,  # [B, P] i32, left-padded
-    positions: jax.Array,  # [B, P] i32, -1 on padding
-    prompt_len: jax.Array,  # [B] i32
-    history: History,  # [B, P + N]
-    params: SamplingParams,
-    stops: StopStrings | None,
+    program: Program,
+    tables: Tables,  # [B] rows
+    prompts: PromptBatch,  # [B, P] prompts, left-padded, and their histories [B, P + N]
+    fsm: jax.Array | None = None,  # [B] i32, the rows' initial automaton states
     *,
     buffer_len: int,
     num_top: int,
-    layout: Layout = ONE_DEVICE,
-    automata: Automata | None = None,
-    fsm: jax.Array | None = None,  # [B] i32, the rows' initial automaton states
     prefill_chunk: int | None = None,
-    speculative: Any = None,
-    draft_weights: Any = None,
 ) -> DecodeState:
     """Run the whole prompt in one forward pass (or `prefill_chunk` columns at a time) and
     draw each row's first token.
 
-    With `speculative`, the state also gets speculation's per-row state (a draft model's
-    prefill included: `speculative.init`).
+    With `program.speculative`, the state also gets speculation's per-row state (a draft
+    model's prefill included: `speculative.init`).
     """
-    batch, plen = prompt.shape
-    prompt, positions, prompt_len, history, params, fsm = layout.rows(
-        (prompt, positions, prompt_len, history, params, fsm), batch
-    )
+    layout = program.layout
+    batch, plen = prompts.prompt.shape
+    prompts, params, fsm = layout.rows((prompts, tables.params, fsm), batch)
+    tables = tables.replace(params=params)
+    prompt, positions = prompts.prompt, prompts.positions
     logits, cache = forward_prompt(
-        runner, weights, prompt, positions, plen + buffer_len, layout, prefill_chunk
-    )
+        program.runner, tables.weights, prompt, positions, plen + buffer_len, layout,
+        prefill_chunk,
+    )  # fmt: skip
     state = DecodeState.empty(
         cache=cache,
-        history=history,
-        prompt_len=prompt_len,
+        history=prompts.history,
+        prompt_len=prompts.lengths,
         buffer_len=buffer_len,
         num_top=num_top,
-        window=params.stop_sequences.shape[2],
-        text=0 if stops is None else stops.window,
-        processor_states=procs.init_states(params.processors, batch, logits.shape[1]),
+        window=tables.params.stop_sequences.shape[2],
+        text=0 if tables.stops is None else tables.stops.window,
+        processor_states=procs.init_states(tables.params.processors, batch, logits.shape[1]),
         fsm=fsm,
     )
-    state = sample_state(layout, logits, state, params, stops, automata)
-    if speculative is not None:
-        spec = speculative.init(draft_weights, prompt, positions, plen + buffer_len, layout)
+    state = sample_state(layout, tables, logits, state)
+    if program.speculative is not None:
+        spec = program.speculative.init(
+            tables.draft_weights, prompt, positions, plen + buffer_len, layout
+        )
         state = state.replace(speculation=spec)
     return layout.state(state)
 
@@ -379,51 +415,32 @@ def last_tokens(state: DecodeState) -> jax.Array:
     return jnp.maximum(jnp.take_along_axis(state.tokens, idx, axis=1)[:, 0], 0)
 
 
-def decode_step(
-    runner: ModelRunner,
-    weights: Any,
-    s: DecodeState,
-    params: SamplingParams,
-    stops: StopStrings | None,
-    layout: Layout = ONE_DEVICE,
-    automata: Automata | None = None,
-) -> DecodeState:
+def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState:
     """One token per running row: feed its last token, sample, record."""
     # Finished rows feed a padding position, so their cache is never written again.
     pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
-    logits, cache = runner.forward(
-        weights, last_tokens(s)[:, None], pos, s.cache, mesh=layout.row_mesh
+    logits, cache = program.runner.forward(
+        tables.weights, last_tokens(s)[:, None], pos, s.cache, mesh=program.layout.row_mesh
     )
-    return sample_state(layout, logits, s.replace(cache=cache), params, stops, automata)
+    return sample_state(program.layout, tables, logits, s.replace(cache=cache))
 
 
-@stored_jit(
-    static_argnames=("runner", "layout", "speculative"),
-    donate_argnames=("state",),
-    jit=runner_jit,
-)
+@stored_jit(static_argnames=("program",), donate_argnames=("state",), jit=runner_jit)
 def decode(
-    runner: ModelRunner,
-    weights: Any,
+    program: Program,
+    tables: Tables,
     state: DecodeState,
-    params: SamplingParams,
-    stops: StopStrings | None,
     max_steps: jax.Array,  # [] i32: stop after this many loop iterations in total
-    layout: Layout = ONE_DEVICE,
-    automata: Automata | None = None,
-    speculative: Any = None,
-    draft_weights: Any = None,
 ) -> DecodeState:
     """Feed each row's last token and sample the next, until every row is done.
 
     Also stops once `state.step` reaches `max_steps` or every running row's buffer is full, so
     that `stream` and `generate_many` can run the same compiled loop in chunks.
 
-    `speculative` (static; `logitloop.decoding.speculative`): each iteration is then one
+    With `program.speculative` (`logitloop.decoding.speculative`) each iteration is one
     propose-verify-accept cycle (`speculative.cycle`), which records one or more tokens per
     row, after the plain steps it takes while no row proposes (those count as iterations
-    too, and neither runs once `max_steps` is reached); `draft_weights` are a draft
-    model's weights.
+    too, and neither runs once `max_steps` is reached).
     """
     buf = state.tokens.shape[1]
 
@@ -433,12 +450,10 @@ def decode(
         return (s.step < max_steps) & jnp.any(~s.done & (s.num_tokens < buf))
 
     def body(s: DecodeState):
-        if speculative is None:
-            s = decode_step(runner, weights, s, params, stops, layout, automata)
-            return layout.state(s.replace(step=s.step + 1))
+        if program.speculative is None:
+            s = decode_step(program, tables, s)
+            return program.layout.state(s.replace(step=s.step + 1))
         # Plain steps and at most one cycle, each counted in `step`, none once `cond` fails.
-        return speculative.cycle(
-            runner, weights, draft_weights, s, params, stops, layout, automata, keep_going=cond
-        )
+        return program.speculative.cycle(program, tables, s, keep_going=cond)
 
     return jax.lax.while_loop(cond, body, state)

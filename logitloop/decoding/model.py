@@ -128,9 +128,10 @@ class ModelRunner:
 
 
 class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
-    """`jax.jit(fn, **jit_kwargs)` for a function whose first argument is a `ModelRunner`:
-    a deterministic runner's programs are compiled with `fixed_order.compiler_options()`
-    (XLA:CPU's size-dependent library fusions off), every other runner's as usual."""
+    """`jax.jit(fn, **jit_kwargs)` for a function whose first argument is a `ModelRunner`
+    (or holds one as `.runner`, as the loop's `Program` does): a deterministic runner's
+    programs are compiled with `fixed_order.compiler_options()` (XLA:CPU's size-dependent
+    library fusions off), every other runner's as usual."""
 
     def __init__(self, fn: Callable, **jit_kwargs):
         self._plain = jax.jit(fn, **jit_kwargs)
@@ -138,7 +139,8 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         self._fn, self._kwargs = fn, jit_kwargs
         functools.update_wrapper(self, fn)
 
-    def _pick(self, runner: ModelRunner, args):
+    def _pick(self, runner: Any, args):
+        runner = getattr(runner, "runner", runner)
         # Inside another program (`generate_many`'s admission) the outer one's options rule.
         nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
         if not runner.deterministic or nested:
@@ -149,10 +151,10 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
             self._fixed[key] = jax.jit(self._fn, compiler_options=options, **self._kwargs)
         return self._fixed[key]
 
-    def __call__(self, runner: ModelRunner, *args, **kwargs):
+    def __call__(self, runner: Any, *args, **kwargs):
         return self._pick(runner, (args, kwargs))(runner, *args, **kwargs)
 
-    def trace(self, runner: ModelRunner, *args, **kwargs):
+    def trace(self, runner: Any, *args, **kwargs):
         return self._pick(runner, (args, kwargs)).trace(runner, *args, **kwargs)
 
 

@@ -95,10 +95,11 @@ def stored_jit(
 def _storable(static: dict[str, Any], leaves: list[Any]) -> bool:
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return False  # inside another trace: part of that program
-    layout = static.get("layout")
+    program = static.get("program")  # the loop's `Program`, or a runner and layout
+    layout = static.get("layout", getattr(program, "layout", None))
     if layout is not None and getattr(layout, "mesh", None) is not None:
         return False
-    runner = static.get("runner")
+    runner = static.get("runner", getattr(program, "runner", None))
     if runner is not None and getattr(runner, "deterministic", False):
         return False  # compiled with its own options (`runner_jit`), not stored
     return runner is None or getattr(runner, "graphdef", None) is not None

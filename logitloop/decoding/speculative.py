@@ -81,11 +81,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from logitloop.decoding import loop, sampler
-from logitloop.decoding.constraints import Automata
 from logitloop.decoding.layout import Layout
 from logitloop.decoding.model import ModelRunner
 from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.stop_strings import StopStrings
 from logitloop.models.layers import RING_SLACK
 from logitloop.ops.sampling import noise
 
@@ -191,16 +189,7 @@ class _Speculation:
         raise NotImplementedError
 
     def cycle(
-        self,
-        runner: ModelRunner,
-        weights: Any,
-        draft_weights: Any,
-        s: loop.DecodeState,
-        params: SamplingParams,
-        stops: StopStrings | None,
-        layout: Layout,
-        automata: Automata | None,
-        keep_going: Any,
+        self, program: loop.Program, tables: loop.Tables, s: loop.DecodeState, keep_going: Any
     ) -> loop.DecodeState:
         """Plain one-column steps while no running row proposes (a `while_loop` under
         `keep_going`, the decode loop's own condition), then one propose-verify-accept cycle
@@ -225,24 +214,23 @@ class _Speculation:
         def plain(s):
             spec = s.speculation
             spec = spec.replace(cycles=spec.cycles + (~s.done).astype(jnp.int32))
-            s = loop.decode_step(runner, weights, s, params, stops, layout, automata)
-            return layout.state(s.replace(step=s.step + 1, speculation=spec))
+            s = loop.decode_step(program, tables, s)
+            return program.layout.state(s.replace(step=s.step + 1, speculation=spec))
 
         def once(carry):
             s, _ = carry
-            s = self.propose_verify(
-                runner, weights, draft_weights, s, params, stops, layout, automata, on_rows(s)
-            )
-            return layout.state(s.replace(step=s.step + 1)), jnp.bool_(False)
+            s = self.propose_verify(program, tables, s, on_rows(s))
+            return program.layout.state(s.replace(step=s.step + 1)), jnp.bool_(False)
 
         s = jax.lax.while_loop(lambda s: keep_going(s) & ~pays(s), plain, s)
         s, _ = jax.lax.while_loop(lambda c: c[1] & keep_going(c[0]), once, (s, jnp.bool_(True)))
         return s
 
     def propose_verify(
-        self, runner, weights, draft_weights, s, params, stops, layout, automata, on
+        self, program: loop.Program, tables: loop.Tables, s: loop.DecodeState, on: jax.Array
     ) -> loop.DecodeState:
         """One propose-verify-accept cycle; `on` [B]: the rows that propose."""
+        draft_weights, params = tables.draft_weights, tables.params
         spec = s.speculation
         running = ~s.done
         if spec.draft_cache is None:  # prompt lookup: skip the lookup when no row is on
@@ -258,7 +246,7 @@ class _Speculation:
         else:
             drafts, num, q, draft_cache = self.propose(draft_weights, s, params, on)
         num = jnp.where(on, num, 0)
-        new = self.verify(runner, weights, s, params, stops, layout, automata, drafts, num, q)
+        new = self.verify(program, tables, s, drafts, num, q)
         gained = new.num_tokens - s.num_tokens
         accepted = jnp.where(num > 0, jnp.minimum(jnp.maximum(gained - 1, 0), num), 0)
         rate = accepted / jnp.maximum(num, 1)
@@ -283,14 +271,14 @@ class _Speculation:
         )
         return new.replace(speculation=spec)
 
-    def verify(self, runner, weights, s, params, stops, layout, automata, drafts, num, q):
+    def verify(self, program, tables, s, drafts, num, q):
         """The target over [last, d1..dK] in one pass, then each column in turn."""
         k = self.num_draft
         col = jnp.arange(k + 1)[None, :]
         base = (s.prompt_len + s.num_tokens - 1)[:, None]
         tokens = jnp.concatenate([loop.last_tokens(s)[:, None], jnp.maximum(drafts, 0)], axis=1)
         pos = jnp.where(~s.done[:, None] & (col <= num[:, None]), base + col, -1)  # [B, K+1]
-        logits, cache = runner.forward_columns(weights, tokens, pos, s.cache)  # [B, K+1, V]
+        logits, cache = program.runner.forward_columns(tables.weights, tokens, pos, s.cache)
         s = s.replace(cache=cache)
         # Column K has no draft after it: a -1 that no token equals ends the acceptance.
         drafts = jnp.pad(drafts, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
@@ -308,7 +296,7 @@ class _Speculation:
             if self.acceptance == "rejection":
                 choose = _rejection_choice(draft, None if q is None else q[:, j], j < num)
             s = loop.sample_state(
-                layout, logits[:, j], s, params, stops, automata, where=accepting, choose=choose
+                program.layout, tables, logits[:, j], s, where=accepting, choose=choose
             )
             token = loop.last_tokens(s)  # the token column j drew, where the row took it
             return j + 1, s, accepting & ~s.done & (j < num) & (token == draft)

@@ -19,6 +19,7 @@ import pytest
 import logitloop as ll
 from logitloop.decoding import host, loop
 from logitloop.decoding.model import model_info
+from logitloop.decoding.plan import Options, plan
 from logitloop.models import fixed_order, layers
 
 from .random_llama import small_llama
@@ -344,16 +345,14 @@ def test_the_lm_heads_column_tiles_are_fixed():
 def test_chunked_prefill_equals_one_pass(gqa_llama, chunk):
     """Prefill `chunk` columns at a time: the same logits as one pass, so the same row.
     Two prompts of different lengths, so the chunks cut rows at different places."""
-    info = model_info(gqa_llama, deterministic=True)
+    job = plan(gqa_llama, Options(deterministic=True))
     ids = [_target(512, 5), _target(512, 6) + _target(512, 7)]
     params = _params(2, [0.9, 0.0], [11, 3], [MAX_TOKENS, MAX_TOKENS]).with_stop_token_ids(())
+    tables = job.tables(params)
 
     def run(prefill_chunk):
-        state = host.initial_state(info, ids, params, None, prefill_chunk=prefill_chunk)
-        state = loop.decode(
-            info.runner, info.weights, state, params.device_only(), None,
-            jnp.asarray(2**30, jnp.int32),
-        )
+        state = host.initial_state(job.program, tables, ids, prefill_chunk=prefill_chunk)
+        state = loop.decode(job.program, tables, state, jnp.asarray(2**30, jnp.int32))
         return jax.tree.map(np.asarray, state.outputs())
 
     one, chunked = run(None), run(chunk)
@@ -472,6 +471,6 @@ def test_bad_deterministic_values_are_rejected(gqa_llama):
     )
     with pytest.raises(ValueError, match="deterministic=True needs a logitloop model"):
         ll.generate(fn, [[1, 2]], params, deterministic=True)
-    info = model_info(gqa_llama, deterministic=True)
+    job = plan(gqa_llama, Options(deterministic=True))
     with pytest.raises(ValueError, match="prefill_chunk"):
-        host.initial_state(info, [[1, 2]], params, None, prefill_chunk=0)
+        host.initial_state(job.program, job.tables(params), [[1, 2]], prefill_chunk=0)

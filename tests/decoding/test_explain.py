@@ -14,7 +14,8 @@ from scipy import stats
 import logitloop as ll
 from logitloop.cli import explain_view as view
 from logitloop.decoding import explain as ex
-from logitloop.decoding.generate import initial_state, prepare
+from logitloop.decoding.generate import initial_state
+from logitloop.decoding.plan import plan
 
 from .test_sampler_distribution import _pooled
 
@@ -167,8 +168,9 @@ def test_logits_are_what_generate_sees(model, knobs):
     assert drawn[0] == expl.sampled_token
     for seed, token in zip(seeds, drawn, strict=True):
         params = ll.SamplingParams.create(1, **dict(row, seed=seed))
-        info, ids, params = prepare(model, [PROMPT], params)
-        state = initial_state(info, ids, params, None)
+        job = plan(model)
+        ids, params = job.rows([PROMPT], params)
+        state = initial_state(job.program, job.tables(params), ids)
         assert int(state.tokens[0, 0]) == token
         assert np.isclose(float(state.logprobs[0, 0]), np.log(expl.final[token]), atol=1e-5)
     top_ids = np.asarray(state.top_ids[0, 0])

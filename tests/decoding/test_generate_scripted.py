@@ -8,6 +8,7 @@ import pytest
 
 import logitloop as ll
 from logitloop.decoding import generate as gen
+from logitloop.decoding.plan import plan
 
 from .scripted import expected, make_model
 
@@ -125,19 +126,17 @@ def test_min_tokens_holds_back_eos():
 
 def test_finished_row_never_changes(table):
     model = make_model(table)
-    info, ids, params = gen.prepare(
-        model,
-        [[1], [2]],
-        ll.SamplingParams.create(batch_size=2, temperature=0.0, max_tokens=[3, 40]),
+    job = plan(model)
+    ids, params = job.rows(
+        [[1], [2]], ll.SamplingParams.create(batch_size=2, temperature=0.0, max_tokens=[3, 40])
     )
-    state = gen.initial_state(info, ids, params, None)
-    state = gen.decode(info.runner, info.weights, state, params.device_only(), None, jnp.asarray(5))
+    tables = job.tables(params)
+    state = gen.initial_state(job.program, tables, ids)
+    state = gen.decode(job.program, tables, state, jnp.asarray(5))
     snap = {k: np.asarray(getattr(state, k))[0].copy() for k in ("tokens", "logprobs")}
     cache_row = np.asarray(state.cache)[0].copy()
     assert bool(state.done[0]) and not bool(state.done[1])
-    state = gen.decode(
-        info.runner, info.weights, state, params.device_only(), None, jnp.asarray(10**6)
-    )
+    state = gen.decode(job.program, tables, state, jnp.asarray(10**6))
     assert bool(state.done[1])
     for k, v in snap.items():
         np.testing.assert_array_equal(np.asarray(getattr(state, k))[0], v)

@@ -469,21 +469,14 @@ def test_default_cycle_cost_is_measured_on_cpu_and_one_elsewhere():
 def test_a_chunk_stops_at_max_steps():
     """Plain steps and cycles both count against max_steps; none runs past it."""
     from logitloop.decoding.generate import _start
+    from logitloop.decoding.plan import Options, plan
 
     target = _copier(PERIOD)
     params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=40)
     # never on but at the probe of step 4
     spec = ll.PromptLookup(max_ngram=3, num_draft=4, min_acceptance=1.0, probe_every=4)
-    run = _start(target, [_copy_prompt()], params, 1, False, None, None, False, spec)
-    state = loop.decode(
-        run.info.runner,
-        run.info.weights,
-        run.state,
-        run.params.device_only(),
-        run.stops,
-        jnp.asarray(5, jnp.int32),
-        **run.loop_args,
-    )
+    run = _start(plan(target, Options(speculative=spec)), [_copy_prompt()], params)
+    state = loop.decode(run.plan.program, run.tables, run.state, jnp.asarray(5, jnp.int32))
     assert int(state.step) == 5
     assert int(state.speculation.cycles[0]) == 5
     assert int(state.num_tokens[0]) == 1 + 4 + 5  # prefill, 4 plain steps, one full cycle

@@ -356,15 +356,17 @@ def test_decode_loop_lowers_for_tpu():
         max_position_embeddings=64,
     )
     info = model_info(LlamaModel(config, rngs=nnx.Rngs(0)))
+    program = loop.Program(info.runner)
     batch, plen, buf = 2, 16, 16
     params = ll.SamplingParams.create(
         batch_size=batch, temperature=0.8, top_k=[5, 80], top_p=0.9, min_p=0.02
     ).device_only()
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     history = History(i32(batch, plen + buf), i32(batch), i32(batch))
-    args = (info.weights, i32(batch, plen), i32(batch, plen), i32(batch), history, params, None)
+    tables = loop.Tables(info.weights, params)
+    prompts = loop.PromptBatch(i32(batch, plen), i32(batch, plen), i32(batch), history)
     static = dict(buffer_len=buf, num_top=0)
-    loop.prefill.trace(info.runner, *args, **static).lower(lowering_platforms=("tpu",))
-    state = jax.eval_shape(lambda *a: loop.prefill(info.runner, *a, **static), *args)
-    decode = loop.decode.trace(info.runner, info.weights, state, params, None, i32())
+    loop.prefill.trace(program, tables, prompts, **static).lower(lowering_platforms=("tpu",))
+    state = jax.eval_shape(lambda *a: loop.prefill(program, *a, **static), tables, prompts)
+    decode = loop.decode.trace(program, tables, state, i32())
     decode.lower(lowering_platforms=("tpu",))

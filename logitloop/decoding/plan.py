@@ -1,0 +1,142 @@
+"""One plan per call: what every entry point sets up before the device loop runs, once.
+
+`generate`, `stream`, `generate_many`, `explain` and `chat` take the same six options
+(`Options`: `n`, `ignore_eos`, `mesh`, `processors`, `deterministic`, `speculative`) as
+keywords, and all start with `plan(model, options)`:
+
+- the static part, `Plan.program` (`loop.Program`): the model's runner (with its numerics:
+  `deterministic=` fixes the reduction order), the layout (one device, or a mesh) and the
+  resolved speculation strategy; the loop's programs compile against it;
+- the device part: the model's weights placed by the layout and a draft model's weights,
+  then per batch `Plan.rows` (the prompts and params checked against the model, `n`
+  samples per prompt, the model's EOS ids among the stop ids, a mesh's dummy rows) and
+  `Plan.tables` (`loop.Tables`: the params' device part, the stop-string tables and the
+  constraints' automata, with the weights: everything the loop reads and never writes).
+
+So a new entry point (a scorer, a beam search) writes none of this again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from logitloop.decoding import sharding
+from logitloop.decoding import speculative as speculation
+from logitloop.decoding.constraints import Automata
+from logitloop.decoding.host import (
+    check_count,
+    constraint_tables,
+    request_rows,
+    stop_tables,
+    tokenize_prompts,
+)
+from logitloop.decoding.loop import Program, Tables
+from logitloop.decoding.model import ModelInfo, is_model_parallel, model_info
+from logitloop.decoding.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """The options every entry point shares, given to each as keywords.
+
+    n: samples per prompt (rows repeated prompt-major; sample i > 0 gets a seed derived from
+      the row's).
+    ignore_eos: leave the model's EOS ids out of the rows' stop ids.
+    mesh: a `jax.sharding.Mesh` with axes "data" and "model" to run sharded
+      (`logitloop.decoding.sharding`).
+    processors: user transforms composed into every row's sampling step
+      (`logitloop.decoding.processors`).
+    deterministic: True or "model-parallel": a row's results do not depend on the batch
+      (`logitloop.models.fixed_order`).
+    speculative: `ll.PromptLookup(...)` or `ll.DraftModel(...)`
+      (`logitloop.decoding.speculative`).
+    """
+
+    n: int = 1
+    ignore_eos: bool = False
+    mesh: Any = None
+    processors: Sequence[Any] | None = None
+    deterministic: bool | str = False
+    speculative: Any = None
+
+    def __post_init__(self):
+        check_count("n", self.n, 1)
+
+    @classmethod
+    def of(cls, caller: str, options: Mapping[str, Any]) -> Options:
+        """The options from a public function's keywords (`caller` names it in the
+        TypeError an unknown keyword raises, as Python's own would)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in options:
+            if name not in known:
+                raise TypeError(
+                    f"{caller}() got an unexpected keyword argument {name!r} (the shared "
+                    f"options are {', '.join(sorted(known))})"
+                )
+        return cls(**options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a call starts from: the model resolved once, the static program, the options."""
+
+    options: Options
+    info: ModelInfo  # its weights where the layout puts them
+    program: Program
+    draft_weights: Any = None
+
+    @property
+    def layout(self):
+        return self.program.layout
+
+    def rows(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        *,
+        ids: list[list[int]] | None = None,
+        names: Sequence[str] | None = None,
+    ) -> tuple[list[list[int]], SamplingParams]:
+        """A batch's prompts as checked token ids and its params row by row: `n` samples per
+        prompt, the model's EOS ids among the stop ids unless `ignore_eos`, `processors`
+        in the params, and a mesh's dummy rows (the ids keep the real rows only).
+        `ids`: prompts already tokenized (then `prompts` is not read); `names`: the
+        prompts' names in error messages (default "prompts[i]")."""
+        if ids is None:
+            ids = tokenize_prompts(prompts, self.info)
+        o = self.options
+        ids, params = request_rows(
+            self.info, ids, params, n=o.n, ignore_eos=o.ignore_eos, names=names,
+            processors=o.processors,
+        )  # fmt: skip
+        return ids, self.layout.pad_rows(params)
+
+    def tables(
+        self,
+        params: SamplingParams,
+        stops: Any = None,
+        automata: Automata | None = None,
+    ) -> Tables:
+        """What the loop reads for rows `params` (`stops`, `automata`: their device
+        tables, `stop_tables` and `constraint_tables`)."""
+        return Tables(self.info.weights, params.device_only(), stops, automata, self.draft_weights)
+
+    def batch_tables(self, params: SamplingParams) -> tuple[Tables, np.ndarray | None]:
+        """`tables` for one batch, with its stop-string tables and automata built here;
+        and the rows' initial automaton states (None without constraints)."""
+        automata, fsm = constraint_tables(self.info, params)
+        return self.tables(params, stop_tables(self.info, params.stop), automata), fsm
+
+
+def plan(model: Any, options: Options | None = None) -> Plan:
+    """Resolve `model` under `options` (default `Options()`): its runner and weights, the
+    layout, the speculation strategy and the draft's weights (see the module docstring)."""
+    options = Options() if options is None else options
+    layout = sharding.layout_for(options.mesh, whole_vocab=is_model_parallel(options.deterministic))
+    info = layout.place(model_info(model, deterministic=options.deterministic))
+    spec, draft_weights = speculation.resolve(options.speculative, info, options.mesh)
+    return Plan(options, info, Program(info.runner, layout, spec), draft_weights)
