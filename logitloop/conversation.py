@@ -15,8 +15,9 @@
   template's end-of-turn token (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`: the added token
   the template writes right after an assistant message); a matched stop token is not part
   of the reply text.
-- `generation_defaults` reads the sampling settings the checkpoint recommends from
-  `generation_config.json`; `SamplingParams.from_model` puts the user's settings over them.
+- The sampling settings the checkpoint recommends (`generation_config.json`) are read by
+  `logitloop.decoding.params.generation_defaults`; `SamplingParams.from_model` puts the
+  user's settings over them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
@@ -39,6 +39,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.params import SamplingParams
+from logitloop.models.generation_config import checkpoint_dir
 from logitloop.models.loading import _read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -53,15 +54,6 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
-# generation_config.json key -> SamplingParams.create argument (the keys vLLM reads too).
-GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 # Older names a message's reasoning is passed under; transformers copies them to the one
 # templates read.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -322,12 +314,6 @@ def _first_refused(template: jinja2.Template, messages, context) -> int | None:
 # ------------------------------------------------------------------- model-level helpers
 
 
-def checkpoint_dir(model: Any) -> Path | None:
-    """The folder `load_pretrained` read the model from, or None (e.g. a FunctionModel)."""
-    folder = getattr(model, "checkpoint_dir", None)
-    return None if folder is None else Path(folder)
-
-
 def model_template(model: Any) -> ChatTemplate:
     """The chat template of the checkpoint the model was loaded from."""
     folder = checkpoint_dir(model)
@@ -422,32 +408,6 @@ def chat_request(
     ends = end_of_turn_ids(model, template)
     knobs["stop_token_ids"] = [*stops, *(i for i in ends if i not in stops)]
     return ids, knobs
-
-
-def generation_defaults(model: Any) -> dict[str, Any]:
-    """The sampling settings the checkpoint's `generation_config.json` recommends, as
-    `SamplingParams.create` arguments: temperature, top_k, top_p, min_p, repetition_penalty
-    and max_new_tokens (as max_tokens), each only where the file sets it; `do_sample: false`
-    means greedy (temperature 0), as in transformers. `model` is a loaded model or its
-    checkpoint folder (a path). Empty for a model without a folder.
-
-    Raises ValueError naming the file for a value `SamplingParams.create` refuses.
-    """
-    folder = Path(model) if isinstance(model, (str, os.PathLike)) else checkpoint_dir(model)
-    path = None if folder is None else folder / "generation_config.json"
-    config = {} if path is None else _read_config(path)
-    out = {
-        name: config[key]
-        for key, name in GENERATION_DEFAULTS.items()
-        if config.get(key) is not None
-    }
-    if config.get("do_sample") is False:
-        out["temperature"] = 0.0
-    try:
-        SamplingParams.create(1, **out)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    return out
 
 
 # ------------------------------------------------------------------------ conversations

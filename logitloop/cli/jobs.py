@@ -220,7 +220,7 @@ def _conversation(value: Any, where: str) -> list[dict[str, Any]]:
             )
         content = message.get("content")
         if isinstance(content, str):  # the library's text check (no lone surrogates)
-            from logitloop.decoding.params import check_text
+            from logitloop.decoding.checks import check_text
 
             try:
                 check_text("content", content)

@@ -16,7 +16,7 @@ params, so they never send the sampler down its whole-vocabulary paths.
 
 Every shape is fixed up front: the slot count, the prompt bucket `P` and the generation
 buffer `N` (from `max_prompt_len` / `max_tokens`), hence the cache (`P + N` slots per row),
-and the widths of the per-row lists in the params (`params.Widths`: bias, banned, allowed
+and the widths of the per-row lists in the params (`checks.Widths`: bias, banned, allowed
 and stop ids, stop sequences, stop strings, top logprobs). A request whose lists outgrow a
 width widens it (`SamplingParams.widen`, to the next power of two as `create` buckets
 them) and that shape compiles once; a second job with the same bounds and settings of the
@@ -51,6 +51,7 @@ import numpy as np
 from logitloop.decoding import constraints, stop_strings
 from logitloop.decoding import processors as procs
 from logitloop.decoding import speculative as speculation
+from logitloop.decoding.checks import MIN_LIST_WIDTH, Widths
 from logitloop.decoding.constraints import HostAutomaton
 from logitloop.decoding.history import History
 from logitloop.decoding.host import (
@@ -78,7 +79,7 @@ from logitloop.decoding.model import (
     ModelInfo,
     runner_jit,
 )
-from logitloop.decoding.params import MIN_LIST_WIDTH, SamplingParams, Widths
+from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.plan import Options, Plan, plan
 from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.stop_strings import StopStrings

@@ -29,6 +29,14 @@ import numpy as np
 
 from logitloop.decoding import constraints, stop_strings
 from logitloop.decoding import processors as procs
+from logitloop.decoding.checks import (
+    MAX_TOP_LOGPROBS,
+    Widths,
+    bucket_width,
+    check_text,
+    is_token_id,
+    row_name,
+)
 from logitloop.decoding.constraints import Automata
 from logitloop.decoding.history import History
 from logitloop.decoding.loop import (
@@ -46,15 +54,7 @@ from logitloop.decoding.loop import (
     prefill,
 )
 from logitloop.decoding.model import ModelInfo
-from logitloop.decoding.params import (
-    MAX_TOP_LOGPROBS,
-    SamplingParams,
-    Widths,
-    bucket_width,
-    check_text,
-    is_token_id,
-    row_name,
-)
+from logitloop.decoding.params import SamplingParams
 from logitloop.decoding.stop_strings import StopStrings
 
 MIN_PROMPT_BUCKET = 16

@@ -44,8 +44,9 @@ from flax import struct
 
 from logitloop.decoding import processors as procs
 from logitloop.decoding import transforms
+from logitloop.decoding.checks import MAX_TOP_LOGPROBS
 from logitloop.decoding.history import History, distinct_tokens
-from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
+from logitloop.decoding.params import SamplingParams
 from logitloop.ops.sampling import Thresholds, filter_and_sample, noise
 from logitloop.ops.sampling.dispatch import resolve_backend
 from logitloop.ops.sampling.noise import row_keys

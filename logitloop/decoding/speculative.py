@@ -82,7 +82,7 @@ from flax import struct
 
 from logitloop.decoding import loop, sampler
 from logitloop.decoding.layout import Layout
-from logitloop.decoding.model import ModelRunner
+from logitloop.decoding.model import ModelRunner, model_info
 from logitloop.decoding.params import SamplingParams
 from logitloop.models.layers import RING_SLACK
 from logitloop.ops.sampling import noise
@@ -428,8 +428,6 @@ class DraftModel(_Speculation):
             raise ValueError("DraftModel.model is required: a logitloop model")
 
     def resolve(self, info) -> tuple[_Draft, Any]:
-        from logitloop.decoding.model import model_info
-
         draft = model_info(self.model)
         if draft.vocab_size != info.vocab_size:
             raise ValueError(

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from logitloop.decoding.params import _check_ids, _check_range, _id_lists, _pad_ids, _per_row
+from logitloop.decoding.checks import _check_ids, _check_range, _id_lists, _pad_ids, _per_row
 from logitloop.decoding.processors import Step
 from logitloop.processors._matching import (
     check_batch_size,

@@ -13,7 +13,8 @@ import pytest
 import tokenizers
 
 import logitloop as ll
-from logitloop.conversation import chat_request, end_of_turn_ids, generation_defaults
+from logitloop.conversation import chat_request, end_of_turn_ids
+from logitloop.decoding.params import generation_defaults
 
 from .conftest import EOT, GENERATION_CONFIG, IM_END
 
