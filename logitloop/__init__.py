@@ -6,14 +6,15 @@ out = ll.sample(logits, params, positions)
 """
 
 from logitloop.conversation import chat, stream_chat
-from logitloop.decoding.batching import Request, generate_many, iter_generate_many
-from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
-from logitloop.decoding.history import History
-from logitloop.decoding.loop import DecodeState
-from logitloop.decoding.model import FunctionModel
-from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.processors import Processor, Step
-from logitloop.decoding.sampler import (
+from logitloop.decoding.engine.batching import Request, generate_many, iter_generate_many
+from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
+from logitloop.decoding.loop.decode_loop import DecodeState
+from logitloop.decoding.loop.runner import FunctionModel
+from logitloop.decoding.loop.speculative import DraftModel, PromptLookup
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.decoding.sampling.processors import Processor, Step
+from logitloop.decoding.sampling.sampler import (
     STATUS_ALL_MASKED,
     STATUS_BAD_LOGITS,
     STATUS_OK,
@@ -22,7 +23,6 @@ from logitloop.decoding.sampler import (
     sample,
     sampling_distribution,
 )
-from logitloop.decoding.speculative import DraftModel, PromptLookup
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 

@@ -16,7 +16,7 @@
   the template writes right after an assistant message); a matched stop token is not part
   of the reply text.
 - The sampling settings the checkpoint recommends (`generation_config.json`) are read by
-  `logitloop.decoding.params.generation_defaults`; `SamplingParams.from_model` puts the
+  `logitloop.decoding.sampling.params.generation_defaults`; `SamplingParams.from_model` puts the
   user's settings over them.
 """
 
@@ -37,8 +37,8 @@ import jinja2.nodes
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
-from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
+from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.generation_config import checkpoint_dir
 from logitloop.models.loading import _read_json
 

@@ -6,7 +6,7 @@
 
 One job, the same model, prompts, settings and slot count for both, in one run:
 
-- `generate_many`: `logitloop.decoding.batching.generate_many`: `--slots` rows kept busy,
+- `generate_many`: `logitloop.decoding.engine.batching.generate_many`: `--slots` rows kept busy,
   decoded in chunks of `--chunk-steps`, finished rows refilled from the queue.
 - `generate`: `logitloop.generate` over fixed consecutive groups of `--slots` prompts; each
   group runs until its longest row stops.
@@ -38,9 +38,9 @@ from bench_generate import config  # scripts/ is on the path when run as a scrip
 from flax import nnx
 
 import logitloop as ll
-from logitloop.decoding.batching import Request, generate_many
-from logitloop.decoding.compiles import CompileWatch
-from logitloop.decoding.generate import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
+from logitloop.decoding.engine.batching import Request, generate_many
+from logitloop.decoding.engine.generate import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
+from logitloop.decoding.runtime.compiles import CompileWatch
 from logitloop.models import LlamaModel, load_pretrained
 
 

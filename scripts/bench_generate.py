@@ -50,7 +50,7 @@ from flax import nnx
 from timing import first_call, median_time  # scripts/ is on the path when run as a script
 
 import logitloop as ll
-from logitloop.decoding.model import model_info
+from logitloop.decoding.loop.runner import model_info
 from logitloop.models import LlamaConfig, LlamaModel
 
 MODELS = {

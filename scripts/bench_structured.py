@@ -32,8 +32,8 @@ from timing import first_call  # scripts/ is on the path when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' schemas
 
 import logitloop as ll  # noqa: E402
-from logitloop.decoding import constraints  # noqa: E402
-from logitloop.decoding.model import model_info  # noqa: E402
+from logitloop.decoding.loop.runner import model_info  # noqa: E402
+from logitloop.decoding.sampling import constraints  # noqa: E402
 from logitloop.models.tokenizer import Tokenizer  # noqa: E402
 from tests.decoding.test_constraints import REGEXES, SCHEMAS  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 # CLI's subprocesses get their own shared cache (`tests/cli/test_cli.py`, `cli_env`).
 os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
 
-from logitloop.decoding.compiles import CompileWatch
+from logitloop.decoding.runtime.compiles import CompileWatch
 
 
 def _mapped_regions() -> tuple[int, int] | None:

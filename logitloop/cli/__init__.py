@@ -19,7 +19,7 @@
   `top_p`, `max_tokens`, `seed`, `stop`, `logit_bias`, ...). A line's setting replaces the
   command-line value for that line. Unknown keys are an error.
 
-Prompts run with continuous batching (`logitloop.decoding.batching`): `--batch-size` rows
+Prompts run with continuous batching (`logitloop.decoding.engine.batching`): `--batch-size` rows
 decode together, and between chunks of decode steps each row that finished takes the next
 waiting prompt. The shapes are fixed for the whole job (from its longest prompt and largest
 max_tokens), so it compiles once, plus once more when a line first asks for logprobs or stop
@@ -57,7 +57,7 @@ at the prompt, like Ctrl-D, leaves.
 
 `explain` prints, for the token after one PROMPT, the top candidates with their probability
 after each step of the sampler and the step that cut each one (computed by
-`logitloop.decoding.explain`, shown by `logitloop.cli.explain_view`); `--plot FILE.png`
+`logitloop.decoding.engine.explain`, shown by `logitloop.cli.explain_view`); `--plot FILE.png`
 also draws a temperature sweep, raw vs final probabilities and `--draws` tokens from
 `ll.sample` against the final distribution. It takes the same sampling flags as `generate`
 (those that act on the next token) and validates them with the same messages.
@@ -72,7 +72,7 @@ against the model; conversations rendered; result records), `sinks.py` (stdout t
 JSONL `--output`: resume, lock, fresh file put in place), `run_generate.py`,
 `run_explain.py` and `run_chat.py` (the three subcommands), `explain_view.py` (explain's
 table and figure), `cache.py` (the persistent compilation cache, and
-`logitloop.decoding.programs`' compiled programs beside it), `common.py` (the error type,
+`logitloop.decoding.runtime.programs`' compiled programs beside it), `common.py` (the error type,
 loading the model, the checkpoint's sampling defaults). Only what a subcommand needs is
 imported, when it runs.
 """

@@ -1,6 +1,6 @@
 """The CLI's persistent compilation cache: compiled programs kept between runs (JAX's own
-cache), and the compiled programs beside them (`logitloop.decoding.programs`, in the folder's
-`programs/`), so that a second `logitloop generate "..."` neither traces, lowers nor
+cache), and the compiled programs beside them (`logitloop.decoding.runtime.programs`, in
+the folder's `programs/`), so that a second `logitloop generate "..."` neither traces, lowers nor
 compiles its programs again."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 COMPILE_CACHE_ENV = "LOGITLOOP_COMPILE_CACHE"
-PROGRAMS = "programs"  # the subfolder of compiled programs (`logitloop.decoding.programs`)
+PROGRAMS = "programs"  # the subfolder of compiled programs (`logitloop.decoding.runtime.programs`)
 
 
 def compile_cache_dir() -> Path | None:
@@ -33,7 +33,7 @@ def use_compile_cache(enabled: bool) -> None:
     `JAX_ENABLE_COMPILATION_CACHE=false`) is left as it is."""
     import jax
 
-    from logitloop.decoding.programs import use_program_store
+    from logitloop.decoding.runtime.programs import use_program_store
 
     folder = compile_cache_dir() if enabled else None
     if folder is None:

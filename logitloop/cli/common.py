@@ -35,12 +35,12 @@ def load_model(path: str | None, dtype: str | None):
 
 def checkpoint_defaults(args, *, show: bool = True) -> dict[str, Any]:
     """The sampling settings the --model folder's generation_config.json recommends
-    (`logitloop.decoding.params.generation_defaults`), unless `--generation-config none`.
+    (`logitloop.decoding.sampling.params.generation_defaults`), unless `--generation-config none`.
     When it sets any and `show`, one line on stderr names them and the file, as vLLM does at
     start: a flag (or a JSONL key) replaces a default of the same name."""
     if args.generation_config == "none":
         return {}
-    from logitloop.decoding.params import generation_defaults
+    from logitloop.decoding.sampling.params import generation_defaults
     from logitloop.models.loading import SHIPPED_MODEL_DIR
 
     folder = SHIPPED_MODEL_DIR if args.model is None else Path(args.model).expanduser()

@@ -1,4 +1,4 @@
-"""`logitloop explain`'s presentation of an `Explanation` (`logitloop.decoding.explain`):
+"""`logitloop explain`'s presentation of an `Explanation` (`logitloop.decoding.engine.explain`):
 the terminal table and the matplotlib figure.
 
     expl = explain_next_token(model, "Once upon a time", params)   # params: batch of 1
@@ -12,14 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from logitloop.decoding.explain import (
+from logitloop.decoding.engine.explain import (
     KEPT,
     STAGES,
     STEP_NAMES,
     Explanation,
     temperature_sweep,
 )
-from logitloop.decoding.sampler import STATUS_ALL_MASKED, STATUS_BAD_LOGITS, STATUS_OK
+from logitloop.decoding.sampling.sampler import STATUS_ALL_MASKED, STATUS_BAD_LOGITS, STATUS_OK
 
 STATUS_NAMES = {
     STATUS_OK: "ok",

@@ -5,7 +5,7 @@ checked against the model, and turned into one output record when done.
 A message about one prompt names it by where it came from ("prompts.jsonl line 4 (id
 "q1")", "prompt 1"), followed by the library's own message for that row, untouched: each
 prompt's settings are a `SamplingParams` of one row, whose messages name no row index
-("top_p = 1.5 ..."), and its prompt is checked by `logitloop.decoding.host`
+("top_p = 1.5 ..."), and its prompt is checked by `logitloop.decoding.engine.host`
 (`check_prompt`, `tokenize_prompt`, `check_context`).
 """
 
@@ -44,7 +44,7 @@ class Item:
 
 def param_defaults() -> dict[str, Any]:
     """SamplingParams.create's keyword arguments and their defaults (the per-line keys)."""
-    from logitloop.decoding.params import SamplingParams
+    from logitloop.decoding.sampling.params import SamplingParams
 
     sig = inspect.signature(SamplingParams.create)
     return {
@@ -117,7 +117,7 @@ def _row_value(name: str, value: Any) -> Any:
 def row_params(knobs: dict[str, Any], where: str | None = None):
     """`SamplingParams.create` of one row (which validates every setting); a bad setting is a
     CLIError naming `where` (nothing: a flag)."""
-    from logitloop.decoding.params import SamplingParams
+    from logitloop.decoding.sampling.params import SamplingParams
 
     kwargs = {
         name: [_row_value(name, value)]
@@ -144,7 +144,7 @@ def _row_error(where: str | None, error: Exception) -> CLIError:
 
 def check_prompt(where: str, prompt: str | list[int]) -> None:
     """The library's check of a prompt before the model is loaded (`host.check_prompt`)."""
-    from logitloop.decoding.host import check_prompt
+    from logitloop.decoding.engine.host import check_prompt
 
     try:
         check_prompt(_prompt_name(prompt), prompt)
@@ -220,7 +220,7 @@ def _conversation(value: Any, where: str) -> list[dict[str, Any]]:
             )
         content = message.get("content")
         if isinstance(content, str):  # the library's text check (no lone surrogates)
-            from logitloop.decoding.checks import check_text
+            from logitloop.decoding.sampling.checks import check_text
 
             try:
                 check_text("content", content)
@@ -303,7 +303,7 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
 def prompt_ids(where: str, prompt: str | list[int], max_tokens: int, info) -> list[int]:
     """The prompt's token ids, checked against the model's vocabulary and its context with
     room for `max_tokens` more (`host.tokenize_prompt`, `host.check_context`)."""
-    from logitloop.decoding.host import check_context, tokenize_prompt
+    from logitloop.decoding.engine.host import check_context, tokenize_prompt
 
     try:
         ids = tokenize_prompt(_prompt_name(prompt), prompt, info)

@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     params = row_params(dict(base_knobs(args), max_tokens=_EXPLAIN_MAX_TOKENS))
 
     from logitloop.cli.explain_view import explanation_figure, format_table
-    from logitloop.decoding.explain import draw_next_tokens, explain_next_token
-    from logitloop.decoding.model import model_info
+    from logitloop.decoding.engine.explain import draw_next_tokens, explain_next_token
+    from logitloop.decoding.loop.runner import model_info
 
     model = load_model(args.model, args.dtype)
     info = model_info(model)

@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started) -> int:
     """The job after its inputs, settings and output are settled: load, render the
     conversations, check, generate."""
-    from logitloop.decoding.compiles import CompileWatch
-    from logitloop.decoding.model import model_info
+    from logitloop.decoding.loop.runner import model_info
+    from logitloop.decoding.runtime.compiles import CompileWatch
 
     output = None if sink is None else sink.name
     t_load = time.perf_counter()
@@ -155,7 +155,7 @@ def _run_requests(
     Returns the number of tokens generated."""
     from tqdm import tqdm
 
-    from logitloop.decoding.batching import Request, iter_generate_many
+    from logitloop.decoding.engine.batching import Request, iter_generate_many
 
     bar = tqdm(
         total=len(todo),

@@ -1,7 +1,7 @@
 """The sampling settings a checkpoint recommends: its `generation_config.json`.
 
 `read_generation_config` reads them as `SamplingParams.create` arguments;
-`SamplingParams.from_model` and `logitloop.decoding.params.generation_defaults` check them.
+`SamplingParams.from_model` and `logitloop.decoding.sampling.params.generation_defaults` check them.
 """
 
 from __future__ import annotations

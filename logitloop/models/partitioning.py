@@ -8,7 +8,7 @@ axis whole, expert parallelism, when their number allows, else their "mlp" axis)
 everything else ("embed", "head_dim", unnamed axes) is replicated. A dimension that the
 model-axis size does not divide is replicated instead (`mesh_spec`), as is every weight
 of a pytree that carries no names. The decode loop's
-layout of rows and caches lives with the loop (`logitloop.decoding.sharding`).
+layout of rows and caches lives with the loop (`logitloop.decoding.loop.sharding`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from logitloop.ops.sampling.sharded import auto_axes
 
 MODEL_AXIS = "model"
-DATA_AXIS = "data"  # the rows (`logitloop.decoding.sharding`, `fixed_order.rowwise`)
+DATA_AXIS = "data"  # the rows (`logitloop.decoding.loop.sharding`, `fixed_order.rowwise`)
 # Logical parameter axes laid over the model axis; the rest are replicated.
 MODEL_PARALLEL_AXES = frozenset({"experts", "heads", "kv_heads", "mlp", "vocab"})
 

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding.history import History
-from logitloop.decoding.processors import Step
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.processors import Step
 
 
 def check_batch_size(batch_size: Any) -> int:

@@ -31,8 +31,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from logitloop.decoding.checks import _check_ids, _check_range, _id_lists, _pad_ids, _per_row
-from logitloop.decoding.processors import Step
+from logitloop.decoding.sampling.checks import (
+    _check_ids,
+    _check_range,
+    _id_lists,
+    _pad_ids,
+    _per_row,
+)
+from logitloop.decoding.sampling.processors import Step
 from logitloop.processors._matching import (
     check_batch_size,
     require_history,

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from logitloop.decoding.checks import _check_range, _per_row
-from logitloop.decoding.processors import Step
+from logitloop.decoding.sampling.checks import _check_range, _per_row
+from logitloop.decoding.sampling.processors import Step
 from logitloop.processors._matching import check_batch_size
 
 _INF_KEY = 0x7F800000  # float32 +inf as int32 bits

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import logitloop as ll
-from logitloop.decoding.batching import Request, generate_many, iter_generate_many
+from logitloop.decoding.engine.batching import Request, generate_many, iter_generate_many
 from logitloop.models import LlamaConfig, LlamaModel
 
 from .scripted import expected, make_model

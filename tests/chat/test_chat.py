@@ -14,7 +14,7 @@ import tokenizers
 
 import logitloop as ll
 from logitloop.conversation import chat_request, end_of_turn_ids
-from logitloop.decoding.params import generation_defaults
+from logitloop.decoding.sampling.params import generation_defaults
 
 from .conftest import EOT, GENERATION_CONFIG, IM_END
 

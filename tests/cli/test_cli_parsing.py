@@ -80,7 +80,7 @@ MESSAGES = [
      {"b.jsonl": '{"prompt": "a"}\n{"prompt": "b", "logit_bias": {"7": 500}}\n'},
      "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "
      "[-100, 100]"),
-    # Prompts: the library's own check (logitloop.decoding.host), named by the line.
+    # Prompts: the library's own check (logitloop.decoding.engine.host), named by the line.
     (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"prompt_token_ids": [1, 2.5]}\n'},
      "{tmp}/p.jsonl line 1: prompt_token_ids holds 2.5, which is not a token id (an int)"),
     (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"prompt": "a"}\n{"prompt_token_ids": []}\n'},

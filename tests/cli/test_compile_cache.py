@@ -1,5 +1,5 @@
 """The CLI keeps compiled programs between runs (JAX's persistent compilation cache) and the
-loop's own executables beside them (`logitloop.decoding.programs`)."""
+loop's own executables beside them (`logitloop.decoding.runtime.programs`)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import logitloop as ll
-from logitloop.decoding.model import model_info
+from logitloop.decoding.loop.runner import model_info
 
 EXTRA = 64  # logits columns past the tokenizer's vocabulary
 EXTRA_LOGIT = 12.0

@@ -23,7 +23,7 @@ from flax import struct
 from scipy import stats
 
 import logitloop as ll
-from logitloop.decoding import constraints
+from logitloop.decoding.sampling import constraints
 
 from .noise_model import EXTRA, noise_model, shipped_tokenizer
 

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import logitloop as ll
-from logitloop.decoding import host, loop
-from logitloop.decoding.model import model_info
-from logitloop.decoding.plan import Options, plan
+from logitloop.decoding.engine import host
+from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.loop import decode_loop as loop
+from logitloop.decoding.loop.runner import model_info
 from logitloop.models import fixed_order, layers
 
 from .random_llama import small_llama

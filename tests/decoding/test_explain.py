@@ -13,9 +13,9 @@ from scipy import stats
 
 import logitloop as ll
 from logitloop.cli import explain_view as view
-from logitloop.decoding import explain as ex
-from logitloop.decoding.generate import initial_state
-from logitloop.decoding.plan import plan
+from logitloop.decoding.engine import explain as ex
+from logitloop.decoding.engine.generate import initial_state
+from logitloop.decoding.engine.plan import plan
 
 from .test_sampler_distribution import _pooled
 

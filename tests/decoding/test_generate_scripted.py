@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import logitloop as ll
-from logitloop.decoding import generate as gen
-from logitloop.decoding.plan import plan
+from logitloop.decoding.engine import generate as gen
+from logitloop.decoding.engine.plan import plan
 
 from .scripted import expected, make_model
 

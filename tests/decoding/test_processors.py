@@ -1,4 +1,4 @@
-"""User processors in the sampler and the loop (`logitloop.decoding.processors`).
+"""User processors in the sampler and the loop (`logitloop.decoding.sampling.processors`).
 
 The model is scripted (`scripted.py`: the next token's logit is 10, every other 0), so the
 expected tokens of a greedy row come from a plain NumPy loop that applies each processor's
@@ -300,7 +300,7 @@ def test_requests_of_one_job_share_a_structure(model):
 
 
 def test_explain_shows_the_processors_stage(model):
-    from logitloop.decoding import explain as ex
+    from logitloop.decoding.engine import explain as ex
 
     params = ll.SamplingParams.create(1, temperature=1.0, seed=4)
     bias = NoImmediateRepeat(strength=jnp.asarray([0.0]))  # no effect: the stage equals "adjusted"

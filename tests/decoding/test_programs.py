@@ -1,4 +1,4 @@
-"""Stored programs (`logitloop.decoding.programs`, the CLI's second run): the same tokens as
+"""Stored programs (`logitloop.decoding.runtime.programs`, the CLI's second run): the same tokens as
 plain `jax.jit`, read back without tracing or compiling, and compiled again when a file is
 absent, corrupt or stale."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import logitloop as ll
-from logitloop.decoding import programs
+from logitloop.decoding.runtime import programs
 
 from .random_llama import small_llama
 

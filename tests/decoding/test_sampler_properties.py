@@ -182,7 +182,7 @@ def test_top_p_one_and_min_p_zero_are_exact_identities(x, top_k, temperature, se
     # With top_p = 1 and min_p = 0, the distribution and the draw are bit for bit those of
     # top-k alone: the library's final softmax and race run on thresholds made here, with the
     # top-k threshold read off a NumPy sort and top-p and min-p off (-inf).
-    from logitloop.decoding.sampler import kept_distribution
+    from logitloop.decoding.sampling.sampler import kept_distribution
     from logitloop.ops.sampling.noise import row_keys
     from logitloop.ops.sampling.xla import Thresholds, candidates, draw
 

@@ -13,9 +13,10 @@ from flax import struct
 from scipy import stats
 
 import logitloop as ll
-from logitloop.decoding import loop, speculative
-from logitloop.decoding.history import History
-from logitloop.decoding.model import model_info
+from logitloop.decoding.loop import decode_loop as loop
+from logitloop.decoding.loop import speculative
+from logitloop.decoding.loop.runner import model_info
+from logitloop.decoding.sampling.history import History
 
 COPY_PROMPT = (
     "Return the list of words. The for statement in Python differs a bit from what you may "
@@ -468,8 +469,8 @@ def test_default_cycle_cost_is_measured_on_cpu_and_one_elsewhere():
 
 def test_a_chunk_stops_at_max_steps():
     """Plain steps and cycles both count against max_steps; none runs past it."""
-    from logitloop.decoding.generate import _start
-    from logitloop.decoding.plan import Options, plan
+    from logitloop.decoding.engine.generate import _start
+    from logitloop.decoding.engine.plan import Options, plan
 
     target = _copier(PERIOD)
     params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=40)

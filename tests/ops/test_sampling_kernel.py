@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import logitloop as ll
-from logitloop.decoding.history import History
+from logitloop.decoding.sampling.history import History
 from logitloop.models import LlamaConfig, LlamaModel
 from logitloop.ops.sampling import dispatch, pallas, xla
 
@@ -342,8 +342,8 @@ def test_sample_lowers(backend, platform):
 
 def test_decode_loop_lowers_for_tpu():
     """Prefill and the decode loop of a tiny Llama, sampling with every filter on."""
-    from logitloop.decoding import loop
-    from logitloop.decoding.model import model_info
+    from logitloop.decoding.loop import decode_loop as loop
+    from logitloop.decoding.loop.runner import model_info
 
     config = LlamaConfig(
         vocab_size=96,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitloop.decoding.model import model_info
+from logitloop.decoding.loop.runner import model_info
 from logitloop.models import fixed_order
 from logitloop.ops.tile_matmul import BLOCK_K, BLOCK_M, BLOCK_N, tile_matmul
 from tests.decoding.random_llama import small_llama

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitloop.decoding.processors import Step
+from logitloop.decoding.sampling.processors import Step
 from logitloop.processors import NoRepeatNGram
 
 from .cases import apply_jit, assert_bits_equal, make_history, random_rows

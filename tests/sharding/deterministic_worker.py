@@ -17,8 +17,10 @@ import jax
 import numpy as np
 
 import logitloop as ll
-from logitloop.decoding import host, loop, sharding
-from logitloop.decoding.model import model_info, runner_jit
+from logitloop.decoding.engine import host
+from logitloop.decoding.loop import decode_loop as loop
+from logitloop.decoding.loop import sharding
+from logitloop.decoding.loop.runner import model_info, runner_jit
 from tests.decoding.random_llama import small_llama
 
 

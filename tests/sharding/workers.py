@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import logitloop as ll  # noqa: E402
-from logitloop.decoding import sharding  # noqa: E402
+from logitloop.decoding.loop import sharding  # noqa: E402
 from logitloop.models import (  # noqa: E402
     LlamaConfig,
     LlamaModel,
@@ -289,7 +289,7 @@ def _unambiguous_logits(rng, batch, vocab, top_k, top_p, min_p, greedy):
 
 def worker_sampler() -> None:
     """The vocabulary-sharded operator and sampling step against the unsharded ones."""
-    from logitloop.decoding import sampler
+    from logitloop.decoding.sampling import sampler
     from logitloop.ops.sampling import sharded, xla
     from logitloop.ops.sampling.noise import row_keys
 

@@ -1,6 +1,6 @@
 """Speculative decoding inside the decode loop: propose, verify in one forward pass, accept.
 
-`decode` (`logitloop.decoding.loop`) runs `cycle` as its `while_loop` body when given a
+`decode` (`logitloop.decoding.loop.decode_loop`) runs `cycle` as its `while_loop` body when given a
 `PromptLookup` or a `DraftModel`. One cycle, for every running row at once:
 
 1. propose up to K draft tokens d1..dK (`num` of them valid per row): copied from the row's
@@ -80,10 +80,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from logitloop.decoding import loop, sampler
-from logitloop.decoding.layout import Layout
-from logitloop.decoding.model import ModelRunner, model_info
-from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.loop import decode_loop as loop
+from logitloop.decoding.loop.layout import Layout
+from logitloop.decoding.loop.runner import ModelRunner, model_info
+from logitloop.decoding.sampling import sampler
+from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.layers import RING_SLACK
 from logitloop.ops.sampling import noise
 

@@ -22,7 +22,7 @@ width widens it (`SamplingParams.widen`, to the next power of two as `create` bu
 them) and that shape compiles once; a second job with the same bounds and settings of the
 same kind compiles nothing.
 
-Requests are checked by the same host helpers as `generate` (`logitloop.decoding.host`),
+Requests are checked by the same host helpers as `generate` (`logitloop.decoding.engine.host`),
 and each request's finished rows go through the same `collect`.
 
 Identity with `generate`: a slot's new request starts from a fresh state row (tokens -1,
@@ -48,13 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding import constraints, stop_strings
-from logitloop.decoding import processors as procs
-from logitloop.decoding import speculative as speculation
-from logitloop.decoding.checks import MIN_LIST_WIDTH, Widths
-from logitloop.decoding.constraints import HostAutomaton
-from logitloop.decoding.history import History
-from logitloop.decoding.host import (
+from logitloop.decoding.engine.host import (
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
     GenerationResult,
@@ -66,7 +60,10 @@ from logitloop.decoding.host import (
     stop_tables,
     tokenize_prompt,
 )
-from logitloop.decoding.loop import (
+from logitloop.decoding.engine.plan import Options, Plan, plan
+from logitloop.decoding.loop import speculative as speculation
+from logitloop.decoding.loop import stop_strings
+from logitloop.decoding.loop.decode_loop import (
     DecodeState,
     Outputs,
     Program,
@@ -75,14 +72,18 @@ from logitloop.decoding.loop import (
     decode,
     prefill,
 )
-from logitloop.decoding.model import (
+from logitloop.decoding.loop.runner import (
     ModelInfo,
     runner_jit,
 )
-from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.plan import Options, Plan, plan
-from logitloop.decoding.programs import stored_jit
-from logitloop.decoding.stop_strings import StopStrings
+from logitloop.decoding.loop.stop_strings import StopStrings
+from logitloop.decoding.runtime.programs import stored_jit
+from logitloop.decoding.sampling import constraints
+from logitloop.decoding.sampling import processors as procs
+from logitloop.decoding.sampling.checks import MIN_LIST_WIDTH, Widths
+from logitloop.decoding.sampling.constraints import HostAutomaton
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
 
@@ -649,7 +650,7 @@ def generate_many(
       the cache) for the whole job. Default: from the requests when they are a sequence,
       else the model's context (correct, but a larger cache than needed: pass bounds for
       a generator). A request over a bound raises ValueError.
-    options: the shared keywords of `generate` (`logitloop.decoding.plan.Options`):
+    options: the shared keywords of `generate` (`logitloop.decoding.engine.plan.Options`):
     n, ignore_eos, mesh: as in `generate`. On a mesh, `slots` and `prefill_batch` must be
       multiples of the data-axis size (the default `prefill_batch` is rounded up to one).
     processors: the job's processors (leaves with a row axis of 1), for requests that

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from logitloop.decoding.checks import Widths, bucket_width
+from logitloop.decoding.sampling.checks import Widths, bucket_width
 
 SENTINEL = 256  # not a byte: never equal to a stop-string byte
 

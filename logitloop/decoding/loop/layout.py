@@ -1,10 +1,10 @@
 """Where the decode loop's arrays live: one device, or a mesh (`sharding.MeshLayout`).
 
-The device loop (`logitloop.decoding.loop`) takes a layout as a static argument and asks it
-at a few fixed points to pin arrays to their places (`rows`, `cache`, `state`) and to run
-the sampling step (`sample`); the host side asks it to place the weights and pad the rows
-and pad the rows (`place`,
-`pad_rows`) and to make results readable (`host_view`). `ONE_DEVICE` does nothing at those
+The device loop (`logitloop.decoding.loop.decode_loop`) takes a layout as a static argument
+(in its `Program`) and asks it at a few fixed points to pin arrays to their places (`rows`,
+`cache`, `state`) and to run the sampling step (`sample`); the host side asks it to place
+the weights and pad the rows (`place`, `pad_rows`) and to make results readable
+(`host_view`). `ONE_DEVICE` does nothing at those
 points and runs `sampler.sample_step` as is, so the single-device path never consults the
 mesh code.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import jax
 
-from logitloop.decoding import sampler
-from logitloop.decoding.history import History
-from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.sampling import sampler
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

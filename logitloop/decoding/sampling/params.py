@@ -11,9 +11,9 @@ with -1 to a width rounded up to a power of two (at least `MIN_LIST_WIDTH`), so 
 list length recompiles only when it outgrows its bucket.
 
 Stop strings (`stop`) are host-side metadata: they are not a pytree leaf. `generate` and
-`stream` turn them into device tables (see `logitloop.decoding.stop_strings`). So are the
+`stream` turn them into device tables (see `logitloop.decoding.loop.stop_strings`). So are the
 constraints (`json_schema`, `regex`, `choice`): `generate` compiles them against the model's
-vocabulary into device automata (`logitloop.decoding.constraints`).
+vocabulary into device automata (`logitloop.decoding.sampling.constraints`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from logitloop.decoding import constraints
-from logitloop.decoding.checks import (
+from logitloop.decoding.sampling import constraints
+from logitloop.decoding.sampling.checks import (
     _F32_MAX,
     _MAX_INT32,
     _MIN_TEMPERATURE,
@@ -61,7 +61,7 @@ class SamplingParams:
     """Sampling settings for a batch, one row per request. Build with `SamplingParams.create`.
 
     Every array field has a leading batch axis `B`; the sampler reads row `r` of each one.
-    The order in which the knobs act is fixed (see `logitloop.decoding.sampler.sample`).
+    The order in which the knobs act is fixed (see `logitloop.decoding.sampling.sampler.sample`).
     """
 
     temperature: jax.Array  # [B] f32, 0 = greedy
@@ -82,8 +82,8 @@ class SamplingParams:
     stop_token_ids: jax.Array  # [B, Ns] i32, -1 = unused slot
     stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
     logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
-    # User processors (`logitloop.decoding.processors`): pytrees whose leaves have a leading
-    # row axis, so rows are taken, repeated and placed with the other fields.
+    # User processors (`logitloop.decoding.sampling.processors`): pytrees whose leaves have a
+    # leading row axis, so rows are taken, repeated and placed with the other fields.
     processors: tuple = ()
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
@@ -139,7 +139,7 @@ class SamplingParams:
         list of strings; each one for every row or a list of one (or None) per row. The
         sampler then draws only tokens that keep the text a prefix of an accepted document,
         EOS only where the document is complete, and a row whose document can only end
-        stops with finish_reason "stop" (`logitloop.decoding.constraints`).
+        stops with finish_reason "stop" (`logitloop.decoding.sampling.constraints`).
 
         `vocab_size`, when given, bounds every token id, and `sample` checks it against the
         logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);

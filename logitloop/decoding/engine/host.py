@@ -15,7 +15,7 @@ these helpers, so prompts are checked once, with one set of messages:
 - `collect`: a finished batch's `Outputs` (host arrays) to a `GenerationResult`.
 
 The device loop itself (state, prefill, decode, index bookkeeping) is
-`logitloop.decoding.loop`.
+`logitloop.decoding.loop.decode_loop`.
 """
 
 from __future__ import annotations
@@ -27,19 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from logitloop.decoding import constraints, stop_strings
-from logitloop.decoding import processors as procs
-from logitloop.decoding.checks import (
-    MAX_TOP_LOGPROBS,
-    Widths,
-    bucket_width,
-    check_text,
-    is_token_id,
-    row_name,
-)
-from logitloop.decoding.constraints import Automata
-from logitloop.decoding.history import History
-from logitloop.decoding.loop import (
+from logitloop.decoding.loop import stop_strings
+from logitloop.decoding.loop.decode_loop import (
     FINISH_CONSTRAINT,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -53,9 +42,21 @@ from logitloop.decoding.loop import (
     Tables,
     prefill,
 )
-from logitloop.decoding.model import ModelInfo
-from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.stop_strings import StopStrings
+from logitloop.decoding.loop.runner import ModelInfo
+from logitloop.decoding.loop.stop_strings import StopStrings
+from logitloop.decoding.sampling import constraints
+from logitloop.decoding.sampling import processors as procs
+from logitloop.decoding.sampling.checks import (
+    MAX_TOP_LOGPROBS,
+    Widths,
+    bucket_width,
+    check_text,
+    is_token_id,
+    row_name,
+)
+from logitloop.decoding.sampling.constraints import Automata
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 MIN_BUFFER_BUCKET = 16

@@ -50,7 +50,7 @@ import outlines_core
 from flax import struct
 from outlines_core.json_schema import build_regex_from_schema
 
-from logitloop.decoding.checks import bucket_width
+from logitloop.decoding.sampling.checks import bucket_width
 
 MIN_STATES = 64
 MIN_EDGES = 1024

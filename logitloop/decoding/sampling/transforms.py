@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from logitloop.decoding.history import DistinctTokens
+from logitloop.decoding.sampling.history import DistinctTokens
 from logitloop.ops.sampling.xla import F32_MAX, inverse_temperature
 
 NEG_INF = float("-inf")

@@ -1,8 +1,9 @@
 """`generate` and `stream`: one batch of prompts through the device loop.
 
-Both are thin users of the host side (`logitloop.decoding.host`: prompts, padding, the
-initial state, results) and of the device loop (`logitloop.decoding.loop`); `stream` runs
-the same compiled loop in chunks and detokenizes as it goes.
+Both start from one plan (`logitloop.decoding.engine.plan`), go through the host side
+(`logitloop.decoding.engine.host`: prompts, padding, the initial state, results) and run the
+device loop (`logitloop.decoding.loop.decode_loop`); `stream` runs the same compiled loop in
+chunks and detokenizes as it goes.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding import speculative as speculation
-from logitloop.decoding import stop_strings
-from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public host-side names
+from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the public host-side names
     FINISH_REASON,
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
@@ -31,9 +30,11 @@ from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public ho
     row_text,
     stop_reason,
 )
-from logitloop.decoding.loop import RUNNING, DecodeState, Tables, decode
-from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.plan import Options, Plan, plan
+from logitloop.decoding.engine.plan import Options, Plan, plan
+from logitloop.decoding.loop import speculative as speculation
+from logitloop.decoding.loop import stop_strings
+from logitloop.decoding.loop.decode_loop import RUNNING, DecodeState, Tables, decode
+from logitloop.decoding.sampling.params import SamplingParams
 
 
 def generate(
@@ -43,7 +44,7 @@ def generate(
 
     model: a logitloop NNX model or a `FunctionModel`; prompts: token-id lists or strings
     (with a tokenizer); params: `SamplingParams` with one row per prompt. `options`: the
-    shared keywords of `logitloop.decoding.plan.Options`, below. `n` samples per
+    shared keywords of `logitloop.decoding.engine.plan.Options`, below. `n` samples per
     prompt (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's).
     The model's EOS ids join every row's stop ids unless `ignore_eos`.
 
@@ -60,11 +61,11 @@ def generate(
     bucketed to powers of two, so a new prompt length or max_tokens rarely compiles.
 
     `mesh`: a `jax.sharding.Mesh` with axes "data" (rows) and "model" (weights, KV heads,
-    vocabulary) to run sharded, on one host or several (`logitloop.decoding.sharding`);
+    vocabulary) to run sharded, on one host or several (`logitloop.decoding.loop.sharding`);
     the tokens are those of the single-device run.
 
     `processors`: user transforms with per-row settings and state, composed into every
-    row's sampling step (`logitloop.decoding.processors`); their leaves have one row per
+    row's sampling step (`logitloop.decoding.sampling.processors`); their leaves have one row per
     prompt (repeated for `n > 1`).
 
     `deterministic=True` (logitloop's models): a row's logits, and so its tokens,
@@ -74,7 +75,7 @@ def generate(
     (`logitloop.models.fixed_order`; README, "Deterministic decoding").
 
     `speculative`: `ll.PromptLookup(...)` or `ll.DraftModel(...)` to decode speculatively
-    (`logitloop.decoding.speculative`): strict acceptance gives the same tokens, rejection
+    (`logitloop.decoding.loop.speculative`): strict acceptance gives the same tokens, rejection
     acceptance the same distribution; `result.speculation` counts drafts per row.
     """
     run = _start(plan(model, Options.of("generate", options)), prompts, params)

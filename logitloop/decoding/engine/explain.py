@@ -38,15 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding import processors as procs
-from logitloop.decoding import transforms
-from logitloop.decoding.history import History
-from logitloop.decoding.host import MIN_BUFFER_BUCKET, prompt_batch
-from logitloop.decoding.loop import forward_prompt
-from logitloop.decoding.model import ModelRunner
-from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.plan import Options, plan
-from logitloop.decoding.sampler import (
+from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, prompt_batch
+from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.loop.decode_loop import forward_prompt
+from logitloop.decoding.loop.runner import ModelRunner
+from logitloop.decoding.sampling import processors as procs
+from logitloop.decoding.sampling import transforms
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.decoding.sampling.sampler import (
     STATUS_BAD_LOGITS,
     STATUS_OK,
     adjust_logits,

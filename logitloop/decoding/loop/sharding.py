@@ -41,10 +41,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from logitloop.decoding import sampler
-from logitloop.decoding.history import History
-from logitloop.decoding.layout import ONE_DEVICE, Layout
-from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
+from logitloop.decoding.sampling import sampler
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mesh API in one place
     DATA_AXIS,
     MODEL_AXIS,

@@ -1,10 +1,10 @@
 """Host-side checks of the sampling knobs' values, and the power-of-two widths of per-row lists.
 
-`SamplingParams.create` (`logitloop.decoding.params`) validates every value with these before
-anything reaches the device: each raises `ValueError` naming the argument, the row and the
-allowed range. Lists whose length varies are padded to a width rounded up to a power of two
-(`bucket_width`, at least `MIN_LIST_WIDTH`), so that a new list length recompiles only when it
-outgrows its bucket; `Widths` holds a batch's widths.
+`SamplingParams.create` (`logitloop.decoding.sampling.params`) validates every value with
+these before anything reaches the device: each raises `ValueError` naming the argument, the
+row and the allowed range. Lists whose length varies are padded to a width rounded up to a
+power of two (`bucket_width`, at least `MIN_LIST_WIDTH`), so that a new list length
+recompiles only when it outgrows its bucket; `Widths` holds a batch's widths.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ three methods:
     apply(state, logits, step) -> logits       # [B, V] f32 -> [B, V] f32
     update(state, tokens, step) -> state       # after the row's token [B] i32 was drawn
 
-Where it runs in the sampling order (`logitloop.decoding.sampler`): after the built-in
+Where it runs in the sampling order (`logitloop.decoding.sampling.sampler`): after the built-in
 steps 1-3 (masks and bias, `min_tokens`, penalties) and before temperature, in list order.
 A processor whose class sets `after_temperature = True` runs after step 4 instead, on the
 temperature-scaled logits, before top-k, top-p and min-p (typical sampling needs that).
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from logitloop.decoding.history import History
+from logitloop.decoding.sampling.history import History
 
 
 @struct.dataclass

@@ -13,8 +13,8 @@ needs `P + N` slots. A row stops after the token that matches one of its stop co
 from then on the loop leaves its slots, cache and counters untouched.
 
 Everything here is traced once per shape and runs on device; the host side (prompts,
-padding, results) is `logitloop.decoding.host`. Where the arrays live is a static `layout`
-argument (`logitloop.decoding.layout`: one device by default, `sharding.MeshLayout` on a
+padding, results) is `logitloop.decoding.engine.host`. Where the arrays live is a static `layout`
+argument (`logitloop.decoding.loop.layout`: one device by default, `sharding.MeshLayout` on a
 mesh).
 """
 
@@ -29,16 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from logitloop.decoding import constraints, stop_strings
-from logitloop.decoding import processors as procs
-from logitloop.decoding.constraints import Automata
-from logitloop.decoding.history import History
-from logitloop.decoding.layout import ONE_DEVICE, Layout
-from logitloop.decoding.model import ModelRunner, runner_jit
-from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.programs import stored_jit
-from logitloop.decoding.sampler import STATUS_OK, SampleOutput
-from logitloop.decoding.stop_strings import StopStrings
+from logitloop.decoding.loop import stop_strings
+from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
+from logitloop.decoding.loop.runner import ModelRunner, runner_jit
+from logitloop.decoding.loop.stop_strings import StopStrings
+from logitloop.decoding.runtime.programs import stored_jit
+from logitloop.decoding.sampling import constraints
+from logitloop.decoding.sampling import processors as procs
+from logitloop.decoding.sampling.constraints import Automata
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.decoding.sampling.sampler import STATUS_OK, SampleOutput
 
 # finish codes, per row
 RUNNING = 0
@@ -437,7 +438,7 @@ def decode(
     Also stops once `state.step` reaches `max_steps` or every running row's buffer is full, so
     that `stream` and `generate_many` can run the same compiled loop in chunks.
 
-    With `program.speculative` (`logitloop.decoding.speculative`) each iteration is one
+    With `program.speculative` (`logitloop.decoding.loop.speculative`) each iteration is one
     propose-verify-accept cycle (`speculative.cycle`), which records one or more tokens per
     row, after the plain steps it takes while no row proposes (those count as iterations
     too, and neither runs once `max_steps` is reached).

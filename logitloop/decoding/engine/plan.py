@@ -24,19 +24,19 @@ from typing import Any
 
 import numpy as np
 
-from logitloop.decoding import sharding
-from logitloop.decoding import speculative as speculation
-from logitloop.decoding.constraints import Automata
-from logitloop.decoding.host import (
+from logitloop.decoding.engine.host import (
     check_count,
     constraint_tables,
     request_rows,
     stop_tables,
     tokenize_prompts,
 )
-from logitloop.decoding.loop import Program, Tables
-from logitloop.decoding.model import ModelInfo, is_model_parallel, model_info
-from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.loop import sharding
+from logitloop.decoding.loop import speculative as speculation
+from logitloop.decoding.loop.decode_loop import Program, Tables
+from logitloop.decoding.loop.runner import ModelInfo, is_model_parallel, model_info
+from logitloop.decoding.sampling.constraints import Automata
+from logitloop.decoding.sampling.params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,13 +47,13 @@ class Options:
       the row's).
     ignore_eos: leave the model's EOS ids out of the rows' stop ids.
     mesh: a `jax.sharding.Mesh` with axes "data" and "model" to run sharded
-      (`logitloop.decoding.sharding`).
+      (`logitloop.decoding.loop.sharding`).
     processors: user transforms composed into every row's sampling step
-      (`logitloop.decoding.processors`).
+      (`logitloop.decoding.sampling.processors`).
     deterministic: True or "model-parallel": a row's results do not depend on the batch
       (`logitloop.models.fixed_order`).
     speculative: `ll.PromptLookup(...)` or `ll.DraftModel(...)`
-      (`logitloop.decoding.speculative`).
+      (`logitloop.decoding.loop.speculative`).
     """
 
     n: int = 1

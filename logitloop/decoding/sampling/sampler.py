@@ -4,7 +4,7 @@ Per row, in this order (each step is one pure function in `transforms.py` or
 `logitloop.ops.sampling`):
 
 1. Token masks and bias: `allowed_token_ids` (everything else to -inf), a constraint's
-   allowed-token bitmask (`allowed_bits`, `logitloop.decoding.constraints`), `logit_bias`
+   allowed-token bitmask (`allowed_bits`, `logitloop.decoding.sampling.constraints`), `logit_bias`
    added, `banned_token_ids` to -inf. A banned or disallowed token stays -inf whatever its
    bias.
 2. `min_tokens`: while the row has generated fewer than `min_tokens` tokens
@@ -12,7 +12,7 @@ Per row, in this order (each step is one pure function in `transforms.py` or
 3. Penalties (need `history`): repetition penalty over prompt and generated tokens (positive
    logits divided, negative multiplied, once per distinct token); presence and frequency
    over generated tokens: `logit -= frequency * count + presence * (count > 0)`.
-   Then the user's processors (`params.processors`, `logitloop.decoding.processors`), in
+   Then the user's processors (`params.processors`, `logitloop.decoding.sampling.processors`), in
    list order, except those that run after temperature.
 4. Temperature: divide by T, as a product with the float32 reciprocal 1 / T (the same bits
    wherever a logit is scaled; `ops.sampling.xla.scale_logits`). `temperature == 0` is
@@ -42,11 +42,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from logitloop.decoding import processors as procs
-from logitloop.decoding import transforms
-from logitloop.decoding.checks import MAX_TOP_LOGPROBS
-from logitloop.decoding.history import History, distinct_tokens
-from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.sampling import processors as procs
+from logitloop.decoding.sampling import transforms
+from logitloop.decoding.sampling.checks import MAX_TOP_LOGPROBS
+from logitloop.decoding.sampling.history import History, distinct_tokens
+from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.ops.sampling import Thresholds, filter_and_sample, noise
 from logitloop.ops.sampling.dispatch import resolve_backend
 from logitloop.ops.sampling.noise import row_keys
@@ -240,10 +240,10 @@ def sample(
     penalties (without it the penalties are not applied). On a mesh the decode loop runs
     this same step under `shard_map` (`sample_step` with `axes`).
 
-    processors: user transforms (`logitloop.decoding.processors`), each a pytree with [B]
+    processors: user transforms (`logitloop.decoding.sampling.processors`), each a pytree with [B]
     leaves; states: their states (default: each one's `init`). The output's `states` are
     the states after the drawn tokens. allowed_bits: [B, ceil(V / 32)] u32 allowed-token
-    bitmasks (a constraint's, `logitloop.decoding.constraints.row_bits`), or None.
+    bitmasks (a constraint's, `logitloop.decoding.sampling.constraints.row_bits`), or None.
     """
     check_shapes("ll.sample", logits, params, positions, history)
     check_constraint_masks("ll.sample", params, allowed_bits)
@@ -314,7 +314,7 @@ def check_constraint_masks(name: str, params: SamplingParams, allowed_bits) -> N
     if params.constraints and allowed_bits is None:
         raise ValueError(
             f"{name}: params carry json_schema/regex/choice constraints, which act through "
-            "allowed_bits (the rows' masks, logitloop.decoding.constraints.row_bits); "
+            "allowed_bits (the rows' masks, logitloop.decoding.sampling.constraints.row_bits); "
             "generate, stream and generate_many build them"
         )
 
