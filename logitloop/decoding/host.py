@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from logitloop.decoding import constraints, stop_strings
+from logitloop.decoding import constraints, memory_check, stop_strings
 from logitloop.decoding import processors as procs
 from logitloop.decoding.constraints import Automata
 from logitloop.decoding.history import History
@@ -334,7 +334,10 @@ def initial_state(
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
     batch = prompt_batch(ids, buffer_len)
     num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
-    return prefill(
+    return memory_check.checked_call(
+        "prompts",
+        batch.prompt.size,
+        prefill,
         info.runner,
         info.weights,
         batch.prompt,
