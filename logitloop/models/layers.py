@@ -1,6 +1,7 @@
 """Building blocks shared by the model implementations.
 
-The KV cache, its masks and attention live here once, so every architecture follows the
+The KV cache and its masks live here once, and every layer attends through
+`logitloop.ops.attention.attention` (`cached_attention`), so every architecture follows the
 same protocol (see `logitloop.models.decoder.DecoderModel.__call__`):
 
 - The cache of one layer is `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`; slot `s` holds the
@@ -391,8 +392,8 @@ def attention_mask(
     return Mask(positions, None, window).dense(num_slots)
 
 
-# The decode step's prefix path and the dense-mask attention (fixed-order when a
-# deterministic mode is active) now live in `logitloop.ops.attention`.
+# The decode step's prefix path and the dense-mask attention (fixed-order while a
+# deterministic mode is active), by the names the model tests call them.
 attend = ops_attention.decode_attention
 _attend = ops_attention.dense_attention
 PREFIX_FRACTIONS = ops_attention.api.PREFIX_FRACTIONS
