@@ -14,7 +14,8 @@ faster).
 
 A process times `ll.sample` (batch 8 and 64 at V 32000 and 128256; greedy, top-p 0.9, every
 knob per row, and a wide top-p 0.99) and `ll.generate` on the llama-40m configuration
-(prompt 64, 128 new tokens; batch 1 and 8; greedy and top-p 0.9); `--part` picks one half.
+(prompt 64, 128 new tokens; batch 1 and 8; greedy and top-p 0.9), and its prefill alone (a
+512-token prompt and one new token, batch 1 and 8); `--part` picks one half.
 Used to check that a refactor costs nothing. A tree with user processors also times one
 trivial processor (one elementwise pass) against the same call without it.
 
@@ -64,6 +65,11 @@ for batch in (1, 8) if part in ("all", "generate") else ():
         p = ll.SamplingParams.create(batch_size=batch, max_tokens=128, seed=0, **extra)
         fn = lambda p=p, prompts=prompts: ll.generate(model, prompts, p, ignore_eos=True).token_ids
         out[f"generate b{batch} {name}"] = fn
+    # Prefill alone: a 512-token prompt and one new token (a prompt pass and a sample).
+    p = ll.SamplingParams.create(batch_size=batch, max_tokens=1, seed=0, temperature=0.0)
+    long_prompts = rng.integers(0, 32000, (batch, 512)).tolist()
+    fn = lambda p=p, prompts=long_prompts: ll.generate(model, prompts, p, ignore_eos=True).token_ids
+    out[f"generate b{batch} prefill 512"] = fn
 if hasattr(ll, "Step"):  # trees with user processors: one trivial processor's cost
     from flax import struct
 

@@ -25,7 +25,8 @@ the tokens per second those products allow each library: neither can decode fast
 Part 3 (`--buffers S ...`): the cost of a KV cache sized for long outputs while the rows
 are still short: the floor's 128 steps (batch 8, prompt 64, llama-40m) with caches of S
 slots, against the smallest S. A decode step reads only the prefix of the cache that
-holds every visible slot (`logitloop.models.layers.attend`), so the ratio should stay near 1.
+holds every visible slot (`logitloop.ops.attention.api.decode_attention`), so the ratio
+should stay near 1.
 
 Part 4 (`--deterministic`): `generate(..., deterministic=True)` and
 `deterministic="model-parallel"` against the default at batch 1 and 8 (greedy, prompt

@@ -10,7 +10,8 @@ parameters under the names its checkpoint map targets and puts its blocks in
   head_weight() -> [V, E]                  the LM head (the embedding when tied)
   output_logits(logits) -> logits          after the head, float32 (soft-capping, Gemma 2)
 
-Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`; what
+Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`
+(`mask`: a `layers.layer_mask`, positions, never a `[T, S]` array); what
 happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
 config supplies `num_layers`, `num_kv_heads`, `head_dim` and `sliding_windows` (one
 window or None per layer).
@@ -118,11 +119,7 @@ class DecoderModel(nnx.Module):
         for layer_cache, window in zip(cache, windows, strict=True):
             ring = "pos" in layer_cache
             if (ring, window) not in masks:
-                masks[ring, window] = (
-                    layers.ring_mask(positions, layer_cache["pos"], window)
-                    if ring
-                    else layers.attention_mask(positions, layer_cache["k"].shape[2], window)
-                )
+                masks[ring, window] = layers.layer_mask(positions, layer_cache, window)
         x = self.embed(tokens, positions)  # [B, T, E]
         new_cache = []
         for block, layer_cache, window in zip(self.layers, cache, windows, strict=True):

@@ -57,7 +57,7 @@ call, the cache length or the mesh:
   same for a row wherever it sits (with the library fusions off, below).
 
 Keys and values are read from the cache, where slot == position, so chunked prefill and
-one pass give the same sums. Sliding-window rings (`layers.ring_mask`) hold slots in
+one pass give the same sums. Sliding-window rings (`layers.ring_keys`) hold slots in
 `position % R` order plus this call's columns, so for a layer with a ring the order is
 fixed for a given call shape only (batch size and composition, not prefill chunking or
 the bucket); the mixture-of-experts MLP (`moe.py`) is not covered.

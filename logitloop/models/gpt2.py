@@ -55,7 +55,7 @@ class GPT2Block(nnx.Module):
         x: jax.Array,  # [B, T, E]
         positions: jax.Array,  # [B, T] int, -1 for padding
         cache: dict[str, jax.Array],  # k, v: [B, H, S, D]
-        mask: jax.Array,  # [B, T, S] bool
+        mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
         h = layers.layer_norm(x, self.ln_1_scale[...], self.ln_1_bias[...], c.layer_norm_eps)

@@ -1,6 +1,7 @@
 """Building blocks shared by the model implementations.
 
-The KV cache, its masks and attention live here once, so every architecture follows the
+The KV cache and its masks live here once, and every layer attends through
+`logitloop.ops.attention.attention` (`cached_attention`), so every architecture follows the
 same protocol (see `logitloop.models.decoder.DecoderModel.__call__`):
 
 - The cache of one layer is `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`; slot `s` holds the
@@ -20,7 +21,7 @@ local layers) keep a ring instead when the window is shorter than the cache: `R 
 RING_SLACK` slots (`ring_slots`), `dict(k=[B, Hkv, R, D], v=[B, Hkv, R, D], pos=[B, R])`,
 where slot `p % R` holds the token at position `p` and `pos` says which position each
 slot holds (-1: none). A call attends the ring *as it was before the call* together with
-its own columns (`ring_mask`), then writes them (`write_ring`), so a call may be longer
+its own columns (`ring_keys`), then writes them (`write_ring`), so a call may be longer
 than the window or the ring (a long prefill). Ring entries at or past a row's first
 position in the call are ignored: they are columns taken back (speculative drafts that
 were rejected), which the caller may rewrite; up to `RING_SLACK` columns may be taken
@@ -50,10 +51,8 @@ from flax import nnx
 
 from logitloop.models import fixed_order
 from logitloop.models.config import RopeConfig
-
-# Masked scores get this instead of -inf: a row with every slot masked (a padded query)
-# then softmaxes to a uniform distribution instead of 0/0 = NaN.
-MASK_VALUE = float(np.finfo(np.float32).min)
+from logitloop.ops import attention as ops_attention
+from logitloop.ops.attention import MASK_VALUE, Mask, soft_cap  # noqa: F401 - re-exported
 
 KVCache = list[dict[str, jax.Array]]
 
@@ -114,11 +113,6 @@ def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(fixed_order.mean(x32 * x32) + eps)
     return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
-    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping); identity when `cap` is None."""
-    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -316,6 +310,30 @@ def cache_slots(cache: KVCache) -> int:
     return full[0]["k"].shape[2]
 
 
+def ring_keys(
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    ring_pos: jax.Array,  # [B, R] int: the position each ring slot holds, -1 for none
+) -> jax.Array:
+    """`[B, R + T]`: the positions a call attends in a ring layer, the ring's slots (the
+    first R keys) then this call's columns; -1 for an empty slot, padding, and a ring
+    entry at or past the row's first position in the call (a column taken back)."""
+    real = jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max)
+    first = jnp.min(real, axis=1, keepdims=True)  # [B, 1]: the row's first position
+    return jnp.concatenate([jnp.where(ring_pos < first, ring_pos, -1), positions], axis=1)
+
+
+def layer_mask(
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    cache: dict[str, jax.Array],  # one layer's cache, full or a ring
+    window: int | None,
+) -> Mask:
+    """Which keys each query of a call sees in this layer, as positions (`Mask`): the
+    cache's slots (slot == position), or a ring's slots and the call's columns."""
+    if "pos" in cache:
+        return Mask(positions, ring_keys(positions, cache["pos"]), window)
+    return Mask(positions, None, window)
+
+
 def ring_mask(
     positions: jax.Array,  # [B, T] int, -1 for padding
     ring_pos: jax.Array,  # [B, R] int: the position each ring slot holds, -1 for none
@@ -323,14 +341,8 @@ def ring_mask(
 ) -> jax.Array:
     """`[B, T, R + T]` bool: may the query in column t see ring slot r (the first R keys)
     or column t' of this call (the last T), under causality and the window."""
-    q = positions[:, :, None]  # [B, T, 1]
-    real = jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max)
-    first = jnp.min(real, axis=1)[:, None, None]  # [B, 1, 1]: the row's first position
-    ring = ring_pos[:, None, :]  # [B, 1, R]
-    ring_ok = (ring >= 0) & (ring < first) & (ring > q - window)
-    new = positions[:, None, :]  # [B, 1, T]
-    new_ok = (new >= 0) & (new <= q) & (new > q - window)
-    return jnp.concatenate([ring_ok & (q >= 0), new_ok], axis=-1)
+    keys = ring_keys(positions, ring_pos)
+    return Mask(positions, keys, window).dense(keys.shape[1])
 
 
 def write_ring(
@@ -377,56 +389,14 @@ def attention_mask(
     window: int | None,
 ) -> jax.Array:
     """`[B, T, S]` bool: may the query in column t see cache slot s."""
-    q = positions[:, :, None]  # [B, T, 1]
-    s = jnp.arange(num_slots)[None, None, :]  # [1, 1, S]
-    mask = s <= q
-    if window is not None:
-        mask = mask & (s > q - window)
-    return mask
+    return Mask(positions, None, window).dense(num_slots)
 
 
-# A single query column attends only a prefix of the cache that holds every visible slot,
-# chosen among these fractions of the cache, once the cache has at least this many slots.
-# (Below it, one product over every slot costs about as much as the branch would save.)
-PREFIX_FRACTIONS = (8, 4, 2)
-MIN_PREFIX_SLOTS = 512
-
-
-def attend(
-    q: jax.Array,  # [B, T, H, D]
-    k: jax.Array,  # [B, Hkv, S, D]
-    v: jax.Array,  # [B, Hkv, S, D]
-    mask: jax.Array,  # [B, T, S] bool
-    scale: float,
-    softcap: float | None = None,
-) -> jax.Array:
-    """Grouped-query attention of T queries over S cache slots; returns `[B, T, H, D]`.
-
-    Each of the Hkv key/value heads serves H // Hkv consecutive query heads (HF's
-    `repeat_kv` layout). Scores and softmax are float32; the weighted sum runs in the
-    query dtype. With `softcap`, the scaled scores become `softcap * tanh(score / softcap)`
-    before masking (Gemma 2).
-
-    A decode step (T = 1) over a cache of `MIN_PREFIX_SLOTS` slots or more reads only the
-    shortest of S/8, S/4, S/2 or S slots that holds every slot some row may see: with a
-    buffer sized for long outputs, the first steps then read a fraction of the cache.
-    Slots past the prefix are masked for every row, so the result is the same up to the
-    order of float32 sums.
-    """
-    slots = k.shape[2]
-    if q.shape[1] != 1 or slots < MIN_PREFIX_SLOTS:
-        return _attend(q, k, v, mask, scale, softcap)
-    extents = sorted({-(-slots // f) for f in PREFIX_FRACTIONS} | {slots})
-    # One past the last slot any row may see (0 when no row sees any).
-    needed = jnp.max(jnp.where(mask, jnp.arange(1, slots + 1), 0))
-    branch = jnp.sum(jnp.asarray(extents[:-1]) < needed)  # the shortest extent >= needed
-
-    def prefix(e):
-        return lambda q, k, v, mask: _attend(
-            q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale, softcap
-        )
-
-    return jax.lax.switch(branch, [prefix(e) for e in extents], q, k, v, mask)
+# The decode step's prefix path and the dense-mask attention (fixed-order while a
+# deterministic mode is active), by the names the model tests call them.
+attend = ops_attention.decode_attention
+_attend = ops_attention.dense_attention
+PREFIX_FRACTIONS = ops_attention.api.PREFIX_FRACTIONS
 
 
 def cached_attention(
@@ -435,49 +405,27 @@ def cached_attention(
     v: jax.Array,  # [B, T, Hkv, D]
     positions: jax.Array,  # [B, T] int, -1 for padding
     cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
-    mask: jax.Array,  # [B, T, S] bool
+    mask: Mask,  # from `layer_mask`
     scale: float,
     softcap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Write this call's keys/values into one layer's cache, then `attend` over the cache
+    """Write this call's keys/values into one layer's cache, then attend over the cache
     (a full-layout cache), or attend the ring and this call's columns, then write (a
-    sliding-window ring, see the module docstring; `mask` from `ring_mask`).
+    sliding-window ring, see the module docstring); `logitloop.ops.attention.attention`
+    picks the implementation.
 
     Returns the attention output `[B, T, H, D]` and the updated cache.
     """
-    if "pos" in cache:  # a sliding-window ring: `mask` is `ring_mask`'s, [B, T, R + T]
+    if "pos" in cache:  # a sliding-window ring: `mask` holds `ring_keys`, [B, R + T]
         keys = jnp.concatenate([cache["k"], k.transpose(0, 2, 1, 3).astype(cache["k"].dtype)], 2)
-        values = jnp.concatenate(
-            [cache["v"], v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)], 2
-        )
-        out = _attend(q, keys, values, mask, scale, softcap)
+        values = jnp.concatenate([cache["v"], v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)], 2)
+        out = ops_attention.attention(q, keys, values, mask, scale, softcap)
         return out, write_ring(cache, k, v, positions)
     cache = {
         "k": write_cache(cache["k"], k, positions),
         "v": write_cache(cache["v"], v, positions),
     }
-    # Without a cap, the call `attend` has always had (tests/decoding spy on it).
-    capped = {} if softcap is None else {"softcap": softcap}
-    return attend(q, cache["k"], cache["v"], mask, scale=scale, **capped), cache
-
-
-def _attend(q, k, v, mask, scale, softcap=None):
-    b, t, h, d = q.shape
-    hkv = k.shape[1]
-    q = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
-    k = k.astype(q.dtype)
-    v = v.astype(q.dtype)
-
-    def masked_scores(scores, mask):  # [B, Hkv, G, T, S] f32, [B, 1, 1, T, S] bool
-        return jnp.where(mask, soft_cap(scores * scale, softcap), MASK_VALUE)
-
-    if fixed_order.active():
-        return fixed_order.attention(q, k, v, mask, masked_scores).reshape(b, t, h, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = masked_scores(scores, mask[:, None, None, :, :])
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)  # [B, T, Hkv, G, D]
-    return out.reshape(b, t, h, d)
+    return ops_attention.attention(q, cache["k"], cache["v"], mask, scale, softcap), cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,7 @@ class LlamaBlock(nnx.Module):
         h: jax.Array,  # [B, T, E], normalised
         positions: jax.Array,  # [B, T] int, -1 for padding
         cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
-        mask: jax.Array,  # [B, T, S] bool
+        mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
         q = layers.split_heads(h, self.wq[...])  # [B, T, H, D]
@@ -123,7 +123,7 @@ class LlamaBlock(nnx.Module):
         x: jax.Array,  # [B, T, E]
         positions: jax.Array,  # [B, T] int, -1 for padding
         cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
-        mask: jax.Array,  # [B, T, S] bool
+        mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         attn, cache = self.attention(self.norm(x, self.attn_norm[...]), positions, cache, mask)
         x = x + self.after_attention(attn)

@@ -1,7 +1,8 @@
 """generate() over a long KV cache, where each decode step attends only a prefix of it.
 
-`layers.attend` reads the shortest of S/8, S/4, S/2 or S slots that holds every visible slot
-once the cache has `layers.MIN_PREFIX_SLOTS` slots or more. The reference feeds the same
+A decode step (`logitloop.ops.attention.api.decode_attention`) reads the shortest of S/8,
+S/4, S/2 or S slots that holds every visible slot once the cache has `api.MIN_PREFIX_SLOTS`
+slots or more. The reference feeds the same
 tokens through the model protocol with that path turned off, so every step attends the full
 cache: each generated token's raw log-probability must be its log-softmax, and the greedy
 row's tokens its argmax, at every step. The positions cross every prefix boundary, so a
@@ -17,7 +18,7 @@ import pytest
 from flax import nnx
 
 import logitloop as ll
-from logitloop.models import layers
+from logitloop.ops.attention import api
 
 from .random_llama import small_llama
 
@@ -39,7 +40,7 @@ def full_cache_log_softmax(model, prompts, generated, monkeypatch) -> np.ndarray
     """`[B, N, V]`: log-softmax of the logits each generated token was drawn from, fed one
     column per step through the model protocol with the prefix path turned off (every
     decode step attends all slots)."""
-    monkeypatch.setattr(layers, "MIN_PREFIX_SLOTS", 10**9)
+    monkeypatch.setattr(api, "MIN_PREFIX_SLOTS", 10**9)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -67,24 +68,24 @@ def full_cache_log_softmax(model, prompts, generated, monkeypatch) -> np.ndarray
 
 def test_long_cache_generate_equals_full_cache_forward(model, monkeypatch):
     traced = []
-    attend = layers.attend
+    attend = api.decode_attention
 
-    def spy(q, k, v, mask, scale):
+    def spy(q, k, v, mask, scale, softcap):
         traced.append((q.shape[1], k.shape[2]))
-        return attend(q, k, v, mask, scale)
+        return attend(q, k, v, mask, scale, softcap)
 
-    monkeypatch.setattr(layers, "attend", spy)
+    monkeypatch.setattr(api, "decode_attention", spy)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
     params = ll.SamplingParams.create(
         batch_size=2, temperature=[0.0, 0.9], top_p=[1.0, 0.95], seed=[3, 4], max_tokens=MAX_TOKENS
     )
     out = ll.generate(model, prompts, params, ignore_eos=True)
-    assert SLOTS >= layers.MIN_PREFIX_SLOTS
+    assert SLOTS >= api.MIN_PREFIX_SLOTS
     assert (1, SLOTS) in traced  # the decode steps went through the prefix path
     assert out.num_tokens == [MAX_TOKENS] * 2
 
-    monkeypatch.setattr(layers, "attend", attend)
+    monkeypatch.setattr(api, "decode_attention", attend)
     generated = np.asarray(out.token_ids, np.int32)  # [B, N]
     logp = full_cache_log_softmax(model, prompts, generated, monkeypatch)  # [B, N, V]
     for row in range(2):

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from logitloop.decoding.engine import memory_check
 from logitloop.decoding.loop import stop_strings
 from logitloop.decoding.loop.decode_loop import (
     FINISH_CONSTRAINT,
@@ -294,8 +295,9 @@ def initial_state(
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
     num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
-    return prefill(
-        program, tables, prompt_batch(ids, buffer_len), fsm,
+    batch = prompt_batch(ids, buffer_len)
+    return memory_check.checked_call(
+        "prompts", batch.prompt.size, prefill, program, tables, batch, fsm,
         buffer_len=buffer_len, num_top=num_top, prefill_chunk=prefill_chunk,
     )  # fmt: skip
 

@@ -36,6 +36,7 @@ import jax
 from flax import nnx
 
 from logitloop.models import fixed_order
+from logitloop.ops.attention import describe as describe_attention
 
 # `deterministic=` values: off, invariant to the batch and a data axis, and also to a model
 # axis (`fixed_order.fixed_order(model_parallel=True)`).
@@ -168,6 +169,9 @@ class ModelInfo:
     max_length: int
     eos_token_ids: tuple[int, ...]
     tokenizer: Any
+    # The attention implementation of prompt passes and decode steps
+    # (`logitloop.ops.attention.describe`); a FunctionModel's is its own.
+    attention: str = "the model's own"
 
 
 def _eos_tuple(eos: Any) -> tuple[int, ...]:
@@ -215,6 +219,13 @@ def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
             )
         config = model.config
         graphdef, weights = nnx.split(model)
+        attention = describe_attention(
+            head_dim=config.head_dim,
+            dtype=model.dtype,
+            softcap=getattr(config, "attn_logit_softcapping", None),
+            windows=config.sliding_windows,
+            deterministic=bool(deterministic),
+        )
         return ModelInfo(
             runner=ModelRunner(
                 graphdef=graphdef,
@@ -226,6 +237,7 @@ def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
             max_length=int(config.max_position_embeddings),
             eos_token_ids=_eos_tuple(getattr(config, "eos_token_id", None)),
             tokenizer=getattr(model, "tokenizer", None),
+            attention=attention,
         )
     raise ValueError(
         f"model must be a logitloop NNX model or a logitloop.FunctionModel, got {type(model)!r}"

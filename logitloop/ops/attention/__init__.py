@@ -1,0 +1,33 @@
+"""Attention over a KV cache: one dispatch function, `attention`, and its implementations.
+
+- `reference.py`: the one-einsum attention (the tests' reference) and `Mask`, the mask as
+  positions that every implementation shares.
+- `blockwise.py`: key and query blocks with an online softmax; temporaries linear in T.
+- `api.py`: `attention(..., implementation="auto")` and the choice it makes (`choose`,
+  `describe`).
+"""
+
+from logitloop.ops.attention.api import (
+    IMPLEMENTATIONS,
+    attention,
+    choose,
+    decode_attention,
+    dense_attention,
+    describe,
+)
+from logitloop.ops.attention.blockwise import blockwise_attention
+from logitloop.ops.attention.reference import MASK_VALUE, Mask, reference_attention, soft_cap
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "MASK_VALUE",
+    "Mask",
+    "attention",
+    "blockwise_attention",
+    "choose",
+    "decode_attention",
+    "dense_attention",
+    "describe",
+    "reference_attention",
+    "soft_cap",
+]

@@ -1,0 +1,223 @@
+"""One entry point for attention over a KV cache: `attention(...)` picks the implementation.
+
+    out = attention(q, k, v, mask, scale, softcap)       # implementation="auto"
+
+The choice (`choose`), made here once per call shape and reported by `describe` (which
+`logitloop.decoding.loop.runner.model_info` shows as `ModelInfo.attention`):
+
+- "fixed-order": the deterministic modes (`logitloop.models.fixed_order.attention`: every
+  sum in 16-slot chunks at fixed boundaries; it builds the dense `[B, T, S]` mask).
+- "decode": a single query column (a decode step): the one-product reference over the
+  shortest prefix of the cache that holds every visible slot (`decode_attention`), dense
+  mask `[B, 1, S]`. Its scores are `[B, H, 1, S]`: nothing to gain from blocks.
+- "cudnn": on a GPU, a prompt of half-precision queries over the full cache layout without
+  soft-capping: cuDNN's fused flash attention through `jax.nn.dot_product_attention`.
+  It only expresses a causal mask whose query i sees keys 0..i, so it runs the calls in
+  which every row starts at position 0 (a whole prompt, left padding rolled to the end);
+  others (a later chunk of a chunked prefill, a speculative verification) take "blockwise"
+  (one `lax.cond`).
+- "blockwise": everything else with T > 1 (`blockwise.blockwise_attention`: key and
+  query blocks, online softmax, masks from positions; temporaries linear in T).
+- "reference": only when asked for (`implementation="reference"`): the one-einsum
+  attention that holds `[B, H, T, S]` float32 scores, the tests' reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from logitloop.ops.attention.blockwise import blockwise_attention
+from logitloop.ops.attention.reference import Mask, masked_scores, reference_attention
+
+IMPLEMENTATIONS = ("auto", "reference", "blockwise", "decode", "cudnn", "fixed-order")
+
+# A single query column attends only a prefix of the cache that holds every visible slot,
+# chosen among these fractions of the cache, once the cache has at least this many slots.
+# (Below it, one product over every slot costs about as much as the branch would save.)
+PREFIX_FRACTIONS = (8, 4, 2)
+MIN_PREFIX_SLOTS = 512
+
+# What cuDNN's fused attention takes (jax's `cudnn_dot_product_attention` checks).
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def choose(
+    *,
+    columns: int,
+    head_dim: int,
+    dtype,
+    softcap: float | None,
+    ring: bool,
+    deterministic: bool,
+    backend: str | None = None,
+) -> str:
+    """The implementation "auto" runs for a call of `columns` queries (see the module)."""
+    if deterministic:
+        return "fixed-order"
+    if columns == 1:
+        return "decode"
+    backend = jax.default_backend() if backend is None else backend
+    if (
+        backend == "gpu"
+        and softcap is None
+        and not ring
+        and jnp.dtype(dtype) in CUDNN_DTYPES
+        and head_dim <= CUDNN_MAX_HEAD_DIM
+        and head_dim % 8 == 0
+    ):
+        return "cudnn"
+    return "blockwise"
+
+
+def describe(
+    *, head_dim: int, dtype, softcap: float | None, windows, deterministic: bool, backend=None
+) -> str:
+    """What `choose` picks for a model's prompt passes and decode steps, in words, e.g.
+    "prompt: blockwise; decode: decode" (ring layers, which only a sliding window shorter
+    than the cache gets, are named when they would differ)."""
+    kw = dict(head_dim=head_dim, dtype=dtype, softcap=softcap, deterministic=deterministic)
+    prompt = choose(columns=2, ring=False, backend=backend, **kw)
+    ring = choose(columns=2, ring=True, backend=backend, **kw)
+    decode = choose(columns=1, ring=False, backend=backend, **kw)
+    text = f"prompt: {prompt}"
+    if ring != prompt and any(w is not None for w in windows):
+        text += f" ({ring} on sliding-window rings)"
+    return f"{text}; decode: {decode}"
+
+
+def attention(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, Hkv, S, D]
+    v: jax.Array,  # [B, Hkv, S, D]
+    mask: Mask,  # q_pos [B, T]; k_pos [B, S] or None
+    scale: float,
+    softcap: float | None = None,
+    *,
+    implementation: str = "auto",
+) -> jax.Array:
+    """Grouped-query attention of T queries over S keys; returns `[B, T, H, D]`.
+
+    Each of the Hkv key/value heads serves H // Hkv consecutive query heads. Scores and
+    softmax are float32; with `softcap` the scaled scores become `softcap * tanh(score /
+    softcap)` before masking (Gemma 2). Queries that see no key (padding) return finite
+    values that are never read.
+    """
+    # Imported here: logitloop.models imports this package (layers), not the other way.
+    from logitloop.models import fixed_order
+
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto":
+        implementation = choose(
+            columns=q.shape[1],
+            head_dim=q.shape[3],
+            dtype=q.dtype,
+            softcap=softcap,
+            ring=mask.k_pos is not None,
+            deterministic=fixed_order.active(),
+        )
+    slots = k.shape[2]
+    if implementation in ("fixed-order", "decode"):
+        # (dense_attention is the fixed-order path while a deterministic mode is active.)
+        if q.shape[1] == 1 and mask.k_pos is None:
+            return decode_attention(q, k, v, mask.dense(slots), scale, softcap)
+        return dense_attention(q, k, v, mask.dense(slots), scale, softcap)  # a ring: R + T
+    if implementation == "reference":
+        return reference_attention(q, k, v, mask.dense(slots), scale, softcap)
+    if implementation == "cudnn":
+        return cudnn_attention(q, k, v, mask, scale)
+    return blockwise_attention(q, k, v, mask, scale, softcap)
+
+
+def dense_attention(q, k, v, mask, scale, softcap=None):
+    """`reference_attention` over a dense `[B, T, S]` mask, or, in a deterministic mode,
+    the fixed-order attention (`logitloop.models.fixed_order`)."""
+    from logitloop.models import fixed_order
+
+    if not fixed_order.active():
+        return reference_attention(q, k, v, mask, scale, softcap)
+    b, t, h, d = q.shape
+    hkv = k.shape[1]
+    q5 = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
+    out = fixed_order.attention(
+        q5,
+        k.astype(q.dtype),
+        v.astype(q.dtype),
+        mask,
+        lambda scores, m: masked_scores(scores, m, scale, softcap),
+    )
+    return out.reshape(b, t, h, d)
+
+
+def decode_attention(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, Hkv, S, D]
+    v: jax.Array,  # [B, Hkv, S, D]
+    mask: jax.Array,  # [B, T, S] bool
+    scale: float,
+    softcap: float | None = None,
+) -> jax.Array:
+    """`dense_attention`; a decode step (T = 1) over a cache of `MIN_PREFIX_SLOTS` slots
+    or more reads only the shortest of S/8, S/4, S/2 or S slots that holds every slot some
+    row may see: with a buffer sized for long outputs, the first steps then read a fraction
+    of the cache. Slots past the prefix are masked for every row, so the result is the same
+    up to the order of float32 sums.
+    """
+    slots = k.shape[2]
+    if q.shape[1] != 1 or slots < MIN_PREFIX_SLOTS:
+        return dense_attention(q, k, v, mask, scale, softcap)
+    extents = sorted({-(-slots // f) for f in PREFIX_FRACTIONS} | {slots})
+    # One past the last slot any row may see (0 when no row sees any).
+    needed = jnp.max(jnp.where(mask, jnp.arange(1, slots + 1), 0))
+    branch = jnp.sum(jnp.asarray(extents[:-1]) < needed)  # the shortest extent >= needed
+
+    def prefix(e):
+        return lambda q, k, v, mask: dense_attention(
+            q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale, softcap
+        )
+
+    return jax.lax.switch(branch, [prefix(e) for e in extents], q, k, v, mask)
+
+
+def cudnn_attention(q, k, v, mask: Mask, scale: float, *, library: str = "cudnn"):
+    """A whole prompt through `jax.nn.dot_product_attention(implementation=library)`.
+
+    That kernel's causal mask lets query i see keys 0..i of each row's first
+    `query_seq_lengths` queries and keys. A call in which every row's first real column is
+    at position 0 fits it once each row's left padding is rolled to the end (its real
+    columns are then at the slot of their position); any other call (a later prefill
+    chunk, a verification, a cache shorter than the call) runs `blockwise_attention`.
+    `library="xla"` runs jax's own XLA implementation of the same call (for tests off GPU).
+    """
+    b, t, h, d = q.shape
+    if mask.k_pos is not None or k.shape[2] < t:
+        return blockwise_attention(q, k, v, mask, scale)
+    pad = jnp.sum(mask.q_pos < 0, axis=1)  # [B] left padding
+    lengths = (t - pad).astype(jnp.int32)
+    first = jnp.take_along_axis(mask.q_pos, jnp.minimum(pad, t - 1)[:, None], axis=1)[:, 0]
+
+    def fused(q, k, v):
+        cols = jnp.arange(t)[None, :]
+        rolled = jnp.take_along_axis(q, ((cols + pad[:, None]) % t)[:, :, None, None], axis=1)
+        keys, values = (a[:, :, :t].transpose(0, 2, 1, 3).astype(q.dtype) for a in (k, v))
+        window = None if mask.window is None else (mask.window - 1, 0)
+        out = jax.nn.dot_product_attention(
+            rolled,
+            keys,
+            values,
+            scale=scale,
+            is_causal=True,
+            query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths,
+            local_window_size=window,
+            implementation=library,
+        )
+        out = jnp.take_along_axis(out, ((cols - pad[:, None]) % t)[:, :, None, None], axis=1)
+        return jnp.where((mask.q_pos >= 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+    def blocks(q, k, v):
+        return blockwise_attention(q, k, v, mask, scale)
+
+    return jax.lax.cond(jnp.all((first == 0) | (lengths == 0)), fused, blocks, q, k, v)
