@@ -147,7 +147,7 @@ Output (--output FILE.jsonl): one line per prompt, in input order:
   plus "logprobs", "raw_logprobs", "top_logprobs" when logprobs > 0.
 An existing output file is resumed: ids already in it are skipped.
 Bad input exits with status 2 and one "logitloop: error: ..." line on stderr.
-Compiled programs, and the traced ones (in its programs/), are kept between runs in
+Compiled programs are kept between runs in
 ~/.cache/logitloop/jax (XDG_CACHE_HOME is honoured); LOGITLOOP_COMPILE_CACHE=DIR puts them
 elsewhere, LOGITLOOP_COMPILE_CACHE=off or --no-compile-cache compiles afresh every run.
 """

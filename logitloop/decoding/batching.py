@@ -40,6 +40,7 @@ from `generate_many`, in completion order from `iter_generate_many`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -76,7 +77,6 @@ from logitloop.decoding.model import (
     runner_jit,
 )
 from logitloop.decoding.params import MIN_LIST_WIDTH, SamplingParams, Widths
-from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.stop_strings import StopStrings
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
@@ -103,7 +103,8 @@ class Request:
 # --------------------------------------------------------------------------- device side
 
 
-@stored_jit(
+@functools.partial(
+    jax.jit,
     static_argnames=(
         "runner",
         "batch",
@@ -154,10 +155,10 @@ def _empty_state(
     return layout.state(state)
 
 
-@stored_jit(
+@functools.partial(
+    runner_jit,
     static_argnames=("runner", "buffer_len", "num_top", "layout", "speculative"),
     donate_argnames=("state",),
-    jit=runner_jit,
 )
 def _admit(
     runner: ModelRunner,

@@ -35,7 +35,6 @@ from logitloop.decoding.history import History
 from logitloop.decoding.layout import ONE_DEVICE, Layout
 from logitloop.decoding.model import ModelRunner, runner_jit
 from logitloop.decoding.params import SamplingParams
-from logitloop.decoding.programs import stored_jit
 from logitloop.decoding.sampler import STATUS_OK, SampleOutput
 from logitloop.decoding.stop_strings import StopStrings
 
@@ -397,10 +396,10 @@ def decode_step(
     return sample_state(layout, logits, s.replace(cache=cache), params, stops, automata)
 
 
-@stored_jit(
+@functools.partial(
+    runner_jit,
     static_argnames=("runner", "layout", "speculative"),
     donate_argnames=("state",),
-    jit=runner_jit,
 )
 def decode(
     runner: ModelRunner,
