@@ -377,8 +377,17 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
         "--deterministic",
         action="store_const",
         const=True,
-        default=False,
-        help="a prompt's output does not depend on the batch it runs in (slower)",
+        default=None,  # None: on with --output (a resumable job), off otherwise
+        help="a prompt's output does not depend on the batch it runs in (slower); the "
+        "default with --output, so that a resumed job writes what an uninterrupted one would",
+    )
+    s.add_argument(
+        "--no-deterministic",
+        dest="deterministic",
+        action="store_const",
+        const=False,
+        help="faster, also with --output; a prompt's output may then depend on its batch (a "
+        "near-tied draw can flip), so a job resumed in other batches can differ",
     )
     s.add_argument(
         "--deterministic-model-parallel",
