@@ -321,6 +321,8 @@ def _string(node: Mapping, path: str) -> None:
     fmt = node.get("format")
     if fmt is not None and fmt not in STRING_FORMATS:
         raise ValueError(f"{path}.format = {fmt!r}: supported: {sorted(STRING_FORMATS)}")
+    if fmt is not None and {"minLength", "maxLength"} & node.keys():
+        raise ValueError(f"{path}: format is supported alone, without minLength/maxLength")
     if "pattern" in node:
         if {"format", "minLength", "maxLength"} & node.keys():
             raise ValueError(f"{path}: pattern is supported alone, without format or lengths")

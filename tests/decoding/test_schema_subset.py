@@ -175,6 +175,7 @@ REFUSED = {
     "const-digits": ({"const": 4.894077948767008e-296}, "not written back exactly"),
     "enum-big-int": ({"enum": [2**64]}, "not written back exactly"),
     "format-time": ({"type": "string", "format": "time"}, "format = 'time'"),
+    "format-length": ({"type": "string", "format": "date", "maxLength": 3}, "format is supported"),
     "pattern-dot": ({"type": "string", "pattern": "a.b"}, "must escape"),
     "pattern-negated": ({"type": "string", "pattern": "[^a]"}, "must escape"),
     "lengths": ({"type": "string", "minLength": 3, "maxLength": 2}, "nothing satisfies"),
