@@ -5,6 +5,7 @@ params = ll.SamplingParams.create(batch_size=2, temperature=[0.0, 0.8], top_p=0.
 out = ll.sample(logits, params, positions)
 """
 
+from logitloop.compile_cache import CompileCache, enable_compile_cache
 from logitloop.conversation import chat, stream_chat
 from logitloop.decoding.engine.batching import Request, generate_many, iter_generate_many
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
@@ -31,6 +32,7 @@ __all__ = [
     "STATUS_BAD_LOGITS",
     "STATUS_OK",
     "DRY",
+    "CompileCache",
     "DecodeState",
     "DraftModel",
     "FunctionModel",
@@ -47,6 +49,7 @@ __all__ = [
     "TopLogprobs",
     "TypicalP",
     "chat",
+    "enable_compile_cache",
     "generate",
     "generate_many",
     "iter_generate_many",

@@ -35,12 +35,13 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.generation_config import checkpoint_dir
 from logitloop.models.loading import _read_json
+from logitloop.template_limits import BoundedSandbox, LimitExceeded, RenderLimits
+from logitloop.template_limits import render as render_bounded
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one .jinja file each
@@ -114,8 +115,8 @@ def _strftime_now(format: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -203,6 +204,8 @@ class ChatTemplate:
     source: str
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
     where: str = "chat template"  # the file it came from, for error messages
+    # How long one rendering may take and how much text it may make (template_limits.py).
+    limits: RenderLimits = RenderLimits()
 
     @classmethod
     def from_folder(cls, folder: str | Path, name: str | None = None) -> ChatTemplate:
@@ -239,8 +242,13 @@ class ChatTemplate:
         tokenize=False)` renders it. `variables` reach the template too (e.g. `tools`,
         `enable_thinking`) and override the special tokens of the same name.
 
-        Raises ValueError naming `where` (the conversation) and, when the template raised,
-        the first message it refuses (the shortest prefix that raises) and its reason.
+        The template renders once, within `self.limits` (`RenderLimits`: 2 s and 4 million
+        characters by default; `dataclasses.replace(template, limits=RenderLimits(...))`
+        to change them).
+
+        Raises ValueError naming `where` (the conversation) and this template's file: when
+        it goes past a limit, or when it raises (then with the last message it read, the
+        one it refused in templates that check messages in order, and its reason).
         """
         messages = _plain_messages(messages, where)
         template = _compile(self.source, self.where)
@@ -252,9 +260,14 @@ class ChatTemplate:
             "add_generation_prompt": bool(add_generation_prompt),
         }
         try:
-            return template.render(messages=messages, **context)
+            return render_bounded(template, messages, context, self.limits)
+        except LimitExceeded as e:
+            raise ValueError(
+                f"{where}: the chat template ({self.where}) was stopped: {e} (ChatTemplate's "
+                "limits=RenderLimits(time_s=..., max_chars=...) sets the limits)"
+            ) from None
         except Exception as e:  # the template is foreign code: any failure is its refusal
-            culprit = _first_refused(template, messages, context)
+            culprit = getattr(e, "message_index", None)
             at = ""
             if culprit is not None:
                 at = f", messages[{culprit}] (role {messages[culprit].get('role')!r})"
@@ -300,15 +313,6 @@ def _plain_messages(messages: Any, where: str) -> list[dict[str, Any]]:
             plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
         out.append(plain)
     return out
-
-
-def _first_refused(template: jinja2.Template, messages, context) -> int | None:
-    for k in range(1, len(messages) + 1):
-        try:
-            template.render(messages=messages[:k], **context)
-        except Exception:
-            return k - 1
-    return None
 
 
 # ------------------------------------------------------------------- model-level helpers

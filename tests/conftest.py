@@ -61,13 +61,11 @@ SLOW_CASES = (
     "tests/models/test_phi3.py::test_decoding_across_the_switch_matches_hf_forward_with_a_cache",
     "tests/decoding/test_processors.py::test_generate_stream_and_generate_many_agree",
     # The pseudo-terminal sessions (a whole `logitloop chat` each), two speculative cases
-    # that repeat strict-equals-plain on other entry points, and the stored programs of
-    # generate_many (generate's are pinned by default).
+    # that repeat strict-equals-plain on other entry points.
     "tests/cli/test_chat_cli.py::test_chat_on_a_terminal",
     "tests/cli/test_chat_cli.py::test_ctrl_c_ends_a_reply_not_the_chat",
     "tests/decoding/test_speculative.py::test_stream_and_generate_many_take_the_same_tokens",
     "tests/decoding/test_speculative.py::test_strict_rejection_and_plain_coincide_on_greedy_rows",
-    "tests/decoding/test_programs.py::test_continuous_batching_stores_its_three_programs",
     # The hypothesis stop-string property (30 s; the table-driven stop-string cases stay).
     # Twice in the full suite the worker running it died inside XLA:CPU, late in the
     # worker's life, most likely out of memory mappings (see `_bounded_executables`).

@@ -71,8 +71,8 @@ Where things live: `parser.py` (argparse: the flags and the settings they give),
 against the model; conversations rendered; result records), `sinks.py` (stdout text or the
 JSONL `--output`: resume, lock, fresh file put in place), `run_generate.py`,
 `run_explain.py` and `run_chat.py` (the three subcommands), `explain_view.py` (explain's
-table and figure), `cache.py` (the persistent compilation cache, and
-`logitloop.decoding.runtime.programs`' compiled programs beside it), `common.py` (the error type,
+table and figure), `cache.py` (the persistent compilation cache,
+`logitloop.compile_cache`), `common.py` (the error type,
 loading the model, the checkpoint's sampling defaults). Only what a subcommand needs is
 imported, when it runs.
 """

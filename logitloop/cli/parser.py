@@ -147,7 +147,7 @@ Output (--output FILE.jsonl): one line per prompt, in input order:
   plus "logprobs", "raw_logprobs", "top_logprobs" when logprobs > 0.
 An existing output file is resumed: ids already in it are skipped.
 Bad input exits with status 2 and one "logitloop: error: ..." line on stderr.
-Compiled programs, and the traced ones (in its programs/), are kept between runs in
+Compiled programs are kept between runs in
 ~/.cache/logitloop/jax (XDG_CACHE_HOME is honoured); LOGITLOOP_COMPILE_CACHE=DIR puts them
 elsewhere, LOGITLOOP_COMPILE_CACHE=off or --no-compile-cache compiles afresh every run.
 """
@@ -377,8 +377,17 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
         "--deterministic",
         action="store_const",
         const=True,
-        default=False,
-        help="a prompt's output does not depend on the batch it runs in (slower)",
+        default=None,  # None: on with --output (a resumable job), off otherwise
+        help="a prompt's output does not depend on the batch it runs in (slower); the "
+        "default with --output, so that a resumed job writes what an uninterrupted one would",
+    )
+    s.add_argument(
+        "--no-deterministic",
+        dest="deterministic",
+        action="store_const",
+        const=False,
+        help="faster, also with --output; a prompt's output may then depend on its batch (a "
+        "near-tied draw can flip), so a job resumed in other batches can differ",
     )
     s.add_argument(
         "--deterministic-model-parallel",

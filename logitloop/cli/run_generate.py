@@ -63,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--speculative draft:K needs --draft-model PATH")
     if args.speculative and args.speculative[0] == "ngram" and args.draft_model:
         raise CLIError("--speculative ngram:N:K and --draft-model exclude each other")
+    if args.deterministic is None:
+        # A job written to --output can be resumed, in other batches: only the deterministic
+        # mode makes each prompt's output independent of its batch (README, "The command line").
+        args.deterministic = bool(args.output)
     check_model_folder(args.model)
     if args.draft_model:
         check_model_folder(args.draft_model)

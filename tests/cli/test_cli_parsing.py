@@ -51,14 +51,36 @@ def test_stop_flag_rejects_unknown_escapes(given, message):
 @pytest.mark.parametrize(
     "argv, mode",
     [
-        ((), False),
+        ((), None),  # decided by run_generate: on with --output, off otherwise
         (("--deterministic",), True),
+        (("--no-deterministic",), False),
         (("--deterministic-model-parallel",), "model-parallel"),
     ],
 )
 def test_deterministic_flags_give_the_mode(argv, mode):
     got = _generate_args(*argv).deterministic
     assert got == mode and type(got) is type(mode)
+
+
+@pytest.mark.parametrize(
+    "argv, mode",
+    [
+        ((), False),
+        (("--output", "{out}"), True),
+        (("--output", "{out}", "--no-deterministic"), False),
+        (("--output", "{out}", "--deterministic-model-parallel"), "model-parallel"),
+    ],
+)
+def test_a_resumable_job_is_deterministic_by_default(argv, mode, tmp_path, monkeypatch):
+    # Only the deterministic mode makes a prompt's output independent of its batch, so that
+    # a job resumed in other batches writes what an uninterrupted one would (issue 47).
+    from logitloop.cli import run_generate
+
+    seen = []
+    monkeypatch.setattr(run_generate, "_run_job", lambda args, *rest: seen.append(args) or 0)
+    args = _generate_args(*[a.format(out=tmp_path / "out.jsonl") for a in argv], "-q")
+    assert run_generate.run(args) == 0
+    assert seen[0].deterministic == mode and type(seen[0].deterministic) is type(mode)
 
 
 def test_stop_flag_help_names_the_escapes():

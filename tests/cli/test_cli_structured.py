@@ -49,3 +49,11 @@ def test_constrained_lines_and_flags(model_args, tmp_path):
     assert rows["c"]["text"] in ("spam", "ham")
     assert re.fullmatch("[0-9]{4}-[0-9]{2}", rows["r"]["text"])
     jsonschema.validate(json.loads(rows["s"]["text"]), SCHEMA)
+
+
+def test_a_bad_regex_names_its_line_and_construct(model_args, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"prompt": "a", "regex": "[0-9]+"}\n\n{"prompt": "b", "regex": "(x)\\\\1"}\n')
+    proc = run_cli("generate", "-i", str(jobs), "--max-tokens", "2", *model_args)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{jobs} line 3: regex is not a supported regex: a backreference (\\1)" in proc.stderr

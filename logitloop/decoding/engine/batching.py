@@ -40,6 +40,7 @@ from `generate_many`, in completion order from `iter_generate_many`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -77,7 +78,6 @@ from logitloop.decoding.loop.runner import (
     runner_jit,
 )
 from logitloop.decoding.loop.stop_strings import StopStrings
-from logitloop.decoding.runtime.programs import stored_jit
 from logitloop.decoding.sampling import constraints
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.checks import MIN_LIST_WIDTH, Widths
@@ -109,7 +109,8 @@ class Request:
 # --------------------------------------------------------------------------- device side
 
 
-@stored_jit(
+@functools.partial(
+    jax.jit,
     static_argnames=(
         "program", "vocab", "batch", "prompt_len", "buffer_len", "num_top", "window", "text",
     ),
@@ -149,10 +150,10 @@ def _empty_state(
     return program.layout.state(state)
 
 
-@stored_jit(
+@functools.partial(
+    runner_jit,
     static_argnames=("program", "buffer_len", "num_top"),
     donate_argnames=("state",),
-    jit=runner_jit,
 )
 def _admit(
     program: Program,

@@ -33,7 +33,6 @@ from logitloop.decoding.loop import stop_strings
 from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.loop.stop_strings import StopStrings
-from logitloop.decoding.runtime.programs import stored_jit
 from logitloop.decoding.sampling import constraints
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.constraints import Automata
@@ -426,7 +425,7 @@ def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState
     return sample_state(program.layout, tables, logits, s.replace(cache=cache))
 
 
-@stored_jit(static_argnames=("program",), donate_argnames=("state",), jit=runner_jit)
+@functools.partial(runner_jit, static_argnames=("program",), donate_argnames=("state",))
 def decode(
     program: Program,
     tables: Tables,

@@ -28,9 +28,10 @@ Shapes are bucketed (S and E to powers of two), so a new constraint whose automa
 bucket compiles nothing; several constraints of a batch share the tables, each row starting
 at its automaton's initial state. Compiled automata are cached per (regex, tokenizer).
 
-JSON-schema keywords that `outlines-core` would drop silently (numeric bounds, `multipleOf`,
-`uniqueItems`, ...) are refused with a ValueError, except integer bounds with a finite range
-of at most `MAX_INTEGER_RANGE` values, which are honoured as an `enum`.
+JSON schemas are checked against the subset whose translation is exact
+(`schema_subset.py`: an allow-list of keywords and combinations; integer bounds with a finite
+range of at most `MAX_INTEGER_RANGE` values are honoured as an `enum`); anything else is
+refused with a ValueError naming its place, so an accepted schema's documents validate.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -51,36 +51,12 @@ from flax import struct
 from outlines_core.json_schema import build_regex_from_schema
 
 from logitloop.decoding.sampling.checks import bucket_width
+from logitloop.decoding.sampling.regex_errors import explain
+from logitloop.decoding.sampling.schema_subset import MAX_INTEGER_RANGE as MAX_INTEGER_RANGE
+from logitloop.decoding.sampling.schema_subset import checked_schema
 
 MIN_STATES = 64
 MIN_EDGES = 1024
-MAX_INTEGER_RANGE = 1024  # integer bounds spanning at most this many values become an enum
-
-# Keywords outlines-core 0.2 ignores without a word: honouring none of them would let a
-# document that breaks the schema through, so they are refused (integer bounds aside).
-_DROPPED_KEYWORDS = (
-    "minimum",
-    "maximum",
-    "exclusiveMinimum",
-    "exclusiveMaximum",
-    "multipleOf",
-    "uniqueItems",
-    "minProperties",
-    "maxProperties",
-    "contains",
-    "minContains",
-    "maxContains",
-    "patternProperties",
-    "propertyNames",
-    "dependentRequired",
-    "dependentSchemas",
-    "if",
-    "then",
-    "else",
-    "unevaluatedProperties",
-    "unevaluatedItems",
-)
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
 
@@ -101,53 +77,6 @@ def _escape(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-def _integer_bounds(node: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """An integer schema's bounds as an enum (finite, small ranges), else a ValueError."""
-    lo, hi = -math.inf, math.inf
-    for key in _BOUNDS:
-        if key not in node:
-            continue
-        v = node[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"{path}: {key} = {v!r} is not a finite number")
-        if key == "minimum":
-            lo = max(lo, math.ceil(v))
-        elif key == "exclusiveMinimum":
-            lo = max(lo, math.floor(v) + 1)
-        elif key == "maximum":
-            hi = min(hi, math.floor(v))
-        else:
-            hi = min(hi, math.ceil(v) - 1)
-    if math.isinf(lo) or math.isinf(hi) or hi - lo + 1 > MAX_INTEGER_RANGE:
-        raise ValueError(
-            f"{path}: integer bounds are supported only as a finite range of at most "
-            f"{MAX_INTEGER_RANGE} values (both a lower and an upper bound); outlines-core "
-            "would ignore them"
-        )
-    if hi < lo:
-        raise ValueError(f"{path}: no integer satisfies the bounds (empty range [{lo}, {hi}])")
-    rest = {k: v for k, v in node.items() if k not in _BOUNDS and k != "type"}
-    return {**rest, "enum": list(range(int(lo), int(hi) + 1))}
-
-
-def _checked_schema(node: Any, path: str) -> Any:
-    """The schema with integer bounds as enums; a ValueError for what would be dropped."""
-    if isinstance(node, list):
-        return [_checked_schema(x, f"{path}[{i}]") for i, x in enumerate(node)]
-    if not isinstance(node, dict):
-        return node
-    if node.get("type") == "integer" and any(k in node for k in _BOUNDS):
-        node = _integer_bounds(node, path)
-    for key in _DROPPED_KEYWORDS:
-        if key in node:
-            raise ValueError(
-                f"{path} uses {key!r}, which outlines-core does not enforce: refused rather "
-                "than ignored"
-            )
-    # "properties", "$defs", ... map names to schemas: walk their values, not their keys.
-    return {k: _checked_schema(v, f"{path}.{k}") for k, v in node.items()}
-
-
 def _schema_constraint(value: Any, where: str) -> Constraint:
     if isinstance(value, str):
         try:
@@ -156,7 +85,7 @@ def _schema_constraint(value: Any, where: str) -> Constraint:
             raise ValueError(f"{where} is not valid JSON: {e}") from None
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"{where} must be a JSON schema (a dict or JSON text), got {value!r}")
-    schema = _checked_schema(value, where)
+    schema = checked_schema(value, where)
     try:  # property order is document order: the JSON keeps the schema's own
         regex = build_regex_from_schema(json.dumps(schema))
     except (ValueError, TypeError) as e:
@@ -230,7 +159,7 @@ def parse(json_schema: Any, regex: Any, choice: Any, batch: int) -> tuple[Constr
             out.append(None)
             continue
         name, v = given[0]
-        where = f"{name}[{row}]"
+        where = name if batch == 1 else f"{name}[{row}]"  # one row: its caller names it
         make = {
             "json_schema": _schema_constraint,
             "regex": _regex_constraint,
@@ -240,7 +169,8 @@ def parse(json_schema: Any, regex: Any, choice: Any, batch: int) -> tuple[Constr
         try:
             _byte_index(c.regex)
         except ValueError as e:
-            raise ValueError(f"{where} is not a supported regex: {_reason(e)}") from None
+            reason = explain(c.regex, e) if c.kind == "regex" else _reason(e)
+            raise ValueError(f"{where} is not a supported regex: {reason}") from None
         out.append(c)
     return tuple(out) if any(c is not None for c in out) else ()
 

@@ -139,7 +139,12 @@ class SamplingParams:
         list of strings; each one for every row or a list of one (or None) per row. The
         sampler then draws only tokens that keep the text a prefix of an accepted document,
         EOS only where the document is complete, and a row whose document can only end
-        stops with finish_reason "stop" (`logitloop.decoding.sampling.constraints`).
+        stops with finish_reason "stop" (`logitloop.decoding.sampling.constraints`). A constrained
+        row takes no `min_tokens`, `stop` or `stop_sequences` (ValueError): it ends when its
+        document is complete and only then. (A `stop_token_ids` entry that is an ordinary
+        token the constraint allows would end it early: give special tokens there.) JSON
+        schemas outside the subset translated exactly are refused
+        (`logitloop.decoding.sampling.schema_subset`).
 
         `vocab_size`, when given, bounds every token id, and `sample` checks it against the
         logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);
@@ -245,6 +250,24 @@ class SamplingParams:
                 )
 
         constrained = constraints.parse(json_schema, regex, choice, b)
+        stop_seqs = _stop_sequences(stop_sequences, b, vocab_size)
+        for row, c in enumerate(constrained):
+            # A constrained row ends when its document is complete; ending it earlier (a stop
+            # string or sequence) or forcing it on (min_tokens) would break the document.
+            clash = [
+                name
+                for name, given in (
+                    ("min_tokens", min_t[row] > 0),
+                    ("stop", bool(stop_strs[row])),
+                    ("stop_sequences", bool(np.any(stop_seqs[row] >= 0))),
+                )
+                if given
+            ]
+            if c is not None and clash:
+                raise ValueError(
+                    f"row {row} has {c.kind} and {' and '.join(clash)}: a constrained row ends "
+                    "when its document is complete, and only then, so it takes neither"
+                )
 
         nb = bucket_width(max(len(r) for r in bias_ids))
         bias_val_arr = np.zeros((b, nb), np.float32)
@@ -267,7 +290,7 @@ class SamplingParams:
             max_tokens=jnp.asarray(max_t, jnp.int32),
             min_tokens=jnp.asarray(min_t, jnp.int32),
             stop_token_ids=jnp.asarray(_pad_ids(stops)),
-            stop_sequences=jnp.asarray(_stop_sequences(stop_sequences, b, vocab_size)),
+            stop_sequences=jnp.asarray(stop_seqs),
             logprobs=jnp.asarray(n_logprobs, jnp.int32),
             stop=stop_strs,
             include_stop_str_in_output=tuple(bool(x) for x in include),

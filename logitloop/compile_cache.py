@@ -1,0 +1,141 @@
+"""An opt-in persistent compilation cache: compiled programs kept on disk between processes,
+so that a second process neither compiles the decode loop nor its prefill again.
+
+    import logitloop as ll
+    cache = ll.enable_compile_cache()        # or enable_compile_cache("path/to/folder")
+    model = ll.load_pretrained()
+    ll.generate(model, ...)                  # compiles once, in the first process only
+    cache.disable()                          # back to the settings before (optional)
+
+It is JAX's own persistent compilation cache (`jax_compilation_cache_dir`), with every
+program kept however quick it was to compile, the mechanism the `logitloop` command line
+uses (`LOGITLOOP_COMPILE_CACHE`). Nothing is written anywhere until it is enabled.
+
+Entries are keyed by JAX on the lowered program, the compile options, the backend and the
+jax/jaxlib versions, so an entry written by another version is never read; an entry that
+cannot be read back (truncated, corrupt) is compiled again and replaced, with a warning
+from JAX. Nothing read from the folder is unpickled.
+
+A compiled program is machine code, and JAX's documentation says so: "the compilation cache
+is considered trusted". So a folder that other users can write to (the folder itself
+group- or world-writable or owned by someone else, or inside a group- or world-writable
+folder without the sticky bit) is refused with one warning, and no cache is used. A new
+folder is created readable and writable by its owner only.
+
+(Until 2026-12 the CLI also kept its own store of serialized executables beside JAX's
+cache. It unpickled what it read, and a program written back from an executable JAX had
+loaded from its cache could not run; its gain over JAX's cache alone was measured at about
+0.3 s of a first `generate` call on the CPU, see BENCHMARKS.md, and it is gone.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+COMPILE_CACHE_ENV = "LOGITLOOP_COMPILE_CACHE"
+_OFF = ("0", "off", "false", "no")
+# The JAX settings `enable_compile_cache` sets (and `CompileCache.disable` restores).
+_SETTINGS = (
+    "jax_compilation_cache_dir",
+    "jax_enable_compilation_cache",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+_warned: set[str] = set()  # folders refused already in this process: one warning each
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCache:
+    """The persistent compilation cache in use: `folder`, and the JAX settings it replaced
+    (restored by `disable`)."""
+
+    folder: Path
+    previous: tuple[tuple[str, Any], ...]
+
+    def disable(self) -> None:
+        """Stop keeping programs on disk: JAX's settings as they were before."""
+        for name, value in self.previous:
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def default_folder() -> Path | None:
+    """The folder `enable_compile_cache()` uses: `LOGITLOOP_COMPILE_CACHE` when it names one,
+    None when it is "0"/"off"/"false"/"no", else the per-user cache folder
+    (`$XDG_CACHE_HOME/logitloop/jax`, `~/.cache/logitloop/jax`)."""
+    value = os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    if value.lower() in _OFF:
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "logitloop" / "jax"
+
+
+def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCache | None:
+    """Keep compiled programs in `folder` (default: `default_folder()`) from now on, in this
+    process and for the next ones that enable the same folder.
+
+    Returns the `CompileCache` (its `disable()` undoes this), or None when no cache is used:
+    `LOGITLOOP_COMPILE_CACHE` is off (and no folder was given), or the folder is refused
+    because other users can write to it or it cannot be created (one warning per folder).
+    """
+    chosen = default_folder() if folder is None else Path(folder).expanduser()
+    if chosen is None:
+        return None
+    refused = _unsafe(chosen)
+    if refused is not None:
+        key = str(chosen)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"logitloop: compile cache {chosen} not used: {refused}", stacklevel=2
+            )
+        return None
+    previous = tuple((name, getattr(jax.config, name)) for name in _SETTINGS)
+    jax.config.update("jax_compilation_cache_dir", str(chosen))
+    jax.config.update("jax_enable_compilation_cache", True)
+    # Every program, however quick to compile: the loop's small ones add up to seconds.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # JAX reads its settings when it first compiles; a process that compiled before this
+    # call would otherwise keep running without the cache.
+    compilation_cache.reset_cache()
+    return CompileCache(chosen, previous)
+
+
+def _unsafe(folder: Path) -> str | None:
+    """Why `folder` must not hold compiled programs (created owner-only when absent), or
+    None when it is this user's (or root's) and no other user can write to it, nor to a
+    folder above it that lacks the sticky bit."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not folder.is_dir():
+            return "it is not a folder"
+        if not hasattr(os, "getuid"):  # no POSIX owners (Windows): the folder's ACLs rule
+            return None
+        me = os.getuid()
+        path = folder.resolve()
+        for place in (path, *path.parents):
+            st = place.stat()
+            writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            if place == path and st.st_uid not in (me, 0):
+                return f"{place} belongs to another user (uid {st.st_uid})"
+            # Above the folder, the sticky bit (/tmp) keeps others from renaming our entries;
+            # in the folder itself, others could still add entries.
+            if writable and (place == path or not st.st_mode & stat.S_ISVTX):
+                return (
+                    f"other users can write to {place} (mode {stat.filemode(st.st_mode)}); "
+                    f"a compiled program is code this process runs (chmod go-w {place})"
+                )
+    except OSError as e:
+        return f"it cannot be created or read ({e.strerror or e})"
+    return None
