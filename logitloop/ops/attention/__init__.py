@@ -1,0 +1,1 @@
+"""Attention operators: one dispatch over interchangeable implementations."""
