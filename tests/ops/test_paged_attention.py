@@ -54,7 +54,9 @@ def _inputs(case: str, shape, dtype="float32"):
     return (*arrays, jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32))
 
 
-def _numpy_attention(q, k_pages, v_pages, tables, lengths, *, scale, softcap=None, window=None):
+def _numpy_attention(
+    q, k_pages, v_pages, tables, lengths, starts=None, *, scale, softcap=None, window=None
+):
     """Float64, one row and one head at a time, keys collected token by token."""
     q, k_pages, v_pages = (
         np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (q, k_pages, v_pages)
@@ -64,7 +66,8 @@ def _numpy_attention(q, k_pages, v_pages, tables, lengths, *, scale, softcap=Non
     out = np.zeros((b, h, d))
     for row in range(b):
         n = int(lengths[row])
-        seen = [s for s in range(n) if window is None or s >= n - window]
+        first = 0 if starts is None else max(int(starts[row]), 0)
+        seen = [s for s in range(first, n) if window is None or s >= n - window]
         if not seen:
             continue
         for head in range(h):
@@ -98,12 +101,28 @@ def test_reference_in_bfloat16_stays_close():
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2, rtol=2e-2)
 
 
+def _starts(args):
+    """Random first keys per row, some before the row's start, some at or past its end."""
+    lengths = np.asarray(args[-1])
+    rng = np.random.default_rng(int(lengths.sum()))
+    return jnp.asarray(rng.integers(-2, lengths + 2), jnp.int32)
+
+
+def test_starts_cut_each_row():
+    """Per-row first keys (the layer's mask), with a window on top: the larger wins."""
+    args = _inputs("starts", SHAPES["long_pages"])
+    starts = _starts(args)
+    got = paged.paged_attention_reference(*args, starts, scale=0.3, window=30)
+    want = _numpy_attention(*args, starts, scale=0.3, window=30)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-6, rtol=2e-6)
+
+
 def test_unread_table_entries_do_not_matter():
     """Entries past a row's live pages, and before its window, may name any page."""
     args = _inputs("unread", SHAPES["mqa"])
     q, k, v, tables, lengths = args
     want = paged.paged_attention_reference(*args, scale=0.3, window=3)
-    first, end = paged.live_page_range(lengths, k.shape[2], 3)
+    first, end = paged.live_page_range(jnp.maximum(lengths - 3, 0), lengths, k.shape[2])
     i = jnp.arange(tables.shape[1])
     outside = (i < first[:, None]) | (i >= end[:, None])
     assert outside.any() and (i < first[:, None]).any()
@@ -143,6 +162,10 @@ class TestPagedKernel:
         split, splits that read nothing, and a window that starts mid-table."""
         args = _inputs("splits", SHAPES["long_pages"])
         self.check(args, window=21, knobs=dict(pages_per_block=1, max_splits=4))
+
+    def test_starts(self):
+        args = _inputs("kernel-starts", SHAPES["long_pages"])
+        self.check((*args, _starts(args)), knobs=dict(pages_per_block=2, max_splits=2))
 
     def test_bfloat16(self):
         self.check(_inputs("kernel-bf16", SHAPES["gqa"], "bfloat16"), atol=2e-2)

@@ -13,12 +13,13 @@ pages (after jax's `jax/experimental/pallas/ops/gpu/paged_attention.py`):
 - `lengths: [B] int32`: row b holds tokens 0 .. lengths[b] - 1; its query is the token at
   position lengths[b] - 1, whose key and value are already written.
 
-The query sees key s when `s < length` and, with a sliding `window`, `s >= length - window`
-(the contiguous cache's rule `s <= q`, `s > q - window` at q = length - 1). Scores are
-`softcap * tanh(scale * q.k / softcap)` (no cap when `softcap` is None) in float32. A row
-with length 0 sees nothing and gets zeros. Table entries outside a row's live pages (past
-`cdiv(length, page_size)`, or wholly before its window) are never read and may hold
-anything, -1 included: both paths replace them with page 0 (`live_tables`).
+The query sees the keys `start <= s < length`: `start` is 0, or `length - window` with a
+sliding `window` (the contiguous cache's rule `s <= q`, `s > q - window` at q = length - 1),
+or given per row (`starts: [B] int32`, the first key a row's mask lets it see), whichever
+is largest. Scores are `softcap * tanh(scale * q.k / softcap)` (no cap when `softcap` is
+None) in float32. A row that sees no key (length 0) gets zeros. Table entries outside a
+row's live pages (from the page of `start` to `cdiv(length, page_size)`) are never read
+and may hold anything, -1 included: both paths replace them with page 0 (`live_tables`).
 
 Example: page_size = 4, lengths = [6, 3], block_tables = [[7, 2, 0], [2, 5, 9]]: row 0's
 tokens 0-3 are page 7, tokens 4-5 the first two slots of page 2; row 1's tokens 0-2 are
@@ -56,41 +57,39 @@ BLOCK_H = 16
 MIN_BLOCK_KEYS = 16
 
 
+def first_keys(
+    lengths: jax.Array,  # [B] int32
+    window: int | None = None,
+    starts: jax.Array | None = None,  # [B] int32
+) -> jax.Array:
+    """`[B]` int32: the first key each row sees, `max(starts, length - window, 0)` (the
+    terms that are given)."""
+    first = jnp.zeros_like(lengths) if starts is None else jnp.maximum(starts, 0)
+    return first if window is None else jnp.maximum(first, lengths - window)
+
+
 def live_page_range(
+    starts: jax.Array,  # [...] int32: first visible key
     lengths: jax.Array,  # [...] int32
     page_size: int,
-    window: int | None,
 ) -> tuple[jax.Array, jax.Array]:
     """`(first, end)`, each like `lengths`: the table entries a row reads, `first <= i <
-    end`. `end = cdiv(length, page_size)`; `first` is the page of the row's oldest visible
-    key under the window (0 without one)."""
-    end = (lengths + page_size - 1) // page_size
-    if window is None:
-        return jnp.zeros_like(lengths), end
-    return jnp.maximum(lengths - window, 0) // page_size, end
+    end`, from the page of its first visible key to `cdiv(length, page_size)`."""
+    return starts // page_size, (lengths + page_size - 1) // page_size
 
 
 def live_tables(
     block_tables: jax.Array,  # [B, P] int32
+    starts: jax.Array,  # [B] int32
     lengths: jax.Array,  # [B] int32
     page_size: int,
-    window: int | None = None,
 ) -> jax.Array:
     """`block_tables` with every entry outside a row's live pages replaced by page 0, so
     that a read of it stays inside the pool (the kernel's last block of pages may run past
     a row's end; the reference gathers every entry)."""
-    first, end = live_page_range(lengths, page_size, window)
+    first, end = live_page_range(starts, lengths, page_size)
     i = jnp.arange(block_tables.shape[1])[None, :]  # [1, P]
     return jnp.where((i >= first[:, None]) & (i < end[:, None]), block_tables, 0)
-
-
-def _visible(
-    slots: jax.Array,  # [...] int32: key positions
-    length: jax.Array,  # broadcasts against slots
-    window: int | None,
-) -> jax.Array:
-    ok = slots < length
-    return ok if window is None else ok & (slots >= length - window)
 
 
 def _scores(raw: jax.Array, scale: float, softcap: float | None) -> jax.Array:
@@ -98,7 +97,7 @@ def _scores(raw: jax.Array, scale: float, softcap: float | None) -> jax.Array:
     return s if softcap is None else jnp.tanh(s / softcap) * softcap
 
 
-def _check(q, k_pages, v_pages, block_tables, lengths, window):
+def _check(q, k_pages, v_pages, block_tables, lengths, window, starts):
     """Shapes and dtypes, with the argument named (the values are traced: not checked)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [B, H, D], got shape {q.shape}")
@@ -120,6 +119,8 @@ def _check(q, k_pages, v_pages, block_tables, lengths, window):
         )
     if lengths.shape != (b,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths must be int32 [B={b}], got {lengths.dtype} {lengths.shape}")
+    if starts is not None and (starts.shape != (b,) or starts.dtype != jnp.int32):
+        raise ValueError(f"starts must be int32 [B={b}], got {starts.dtype} {starts.shape}")
     if window is not None and window < 1:
         raise ValueError(f"window = {window} must be a positive number of keys, or None")
 
@@ -131,6 +132,7 @@ def paged_attention_reference(
     v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
     block_tables: jax.Array,  # [B, P] int32
     lengths: jax.Array,  # [B] int32
+    starts: jax.Array | None = None,  # [B] int32
     *,
     scale: float,
     softcap: float | None = None,
@@ -138,11 +140,12 @@ def paged_attention_reference(
 ) -> jax.Array:
     """`[B, H, D]`: the module's attention, by gathering each row's pages into one
     contiguous `[B, Hkv, P * page_size, D]` and one masked softmax in float32."""
-    _check(q, k_pages, v_pages, block_tables, lengths, window)
+    _check(q, k_pages, v_pages, block_tables, lengths, window, starts)
     b, h, d = q.shape
     hkv, _, page_size, _ = k_pages.shape
     slots = block_tables.shape[1] * page_size
-    tables = live_tables(block_tables, lengths, page_size, window)
+    starts = first_keys(lengths, window, starts)
+    tables = live_tables(block_tables, starts, lengths, page_size)
 
     def gather(pages):  # [Hkv, N, ps, D] -> [B, Hkv, P * ps, D]
         return pages[:, tables].reshape(hkv, b, slots, d).transpose(1, 0, 2, 3)
@@ -150,11 +153,12 @@ def paged_attention_reference(
     k, v = gather(k_pages), gather(v_pages)
     qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     raw = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
-    visible = _visible(jnp.arange(slots), lengths[:, None], window)  # [B, S]
+    s = jnp.arange(slots)[None, :]
+    visible = (s >= starts[:, None]) & (s < lengths[:, None])  # [B, S]
     scores = jnp.where(visible[:, None, None, :], _scores(raw, scale, softcap), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgs,bksd->bkgd", probs, v.astype(jnp.float32))
-    out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
+    out = jnp.where(visible.any(axis=1)[:, None, None, None], out, 0.0)
     return out.reshape(b, h, d).astype(q.dtype)
 
 
@@ -163,14 +167,13 @@ def _kernel(
     k_pages_ref,  # [num_pages, page_size, D]: one KV head's pool
     v_pages_ref,  # [num_pages, page_size, D]
     tables_ref,  # [pages_per_split] int32: this split's entries of the row's table
-    lengths_ref,  # [1] int32
+    bounds_ref,  # [2] int32: the row's first visible key and its length
     o_ref,  # [BLOCK_H, D] f32: unnormalised output of this split
     l_ref,  # [BLOCK_H] f32: softmax denominator of this split
     m_ref,  # [BLOCK_H] f32: running maximum of this split
     *,
     scale: float,
     softcap: float | None,
-    window: int | None,
     pages_per_block: int,
 ):
     """One (row, KV head, split): an online softmax over the split's live pages, block of
@@ -179,8 +182,8 @@ def _kernel(
     page_size, d = k_pages_ref.shape[1:]
     pages_per_split = tables_ref.shape[0]
     block_keys = pages_per_block * page_size
-    length = lengths_ref[0]
-    first, end = live_page_range(length, page_size, window)
+    start, length = bounds_ref[0], bounds_ref[1]
+    first, end = live_page_range(start, length, page_size)
     split_start = split * pages_per_split  # the split's first table entry
     start_block = jnp.maximum(first - split_start, 0) // pages_per_block
     end_block = pl.cdiv(jnp.clip(end - split_start, 0, pages_per_split), pages_per_block)
@@ -197,7 +200,7 @@ def _kernel(
         slots = (split_start + i * pages_per_block) * page_size + jax.lax.iota(
             jnp.int32, block_keys
         )
-        visible = _visible(slots, length, window)[None, :]  # [1, block_keys]
+        visible = ((slots >= start) & (slots < length))[None, :]  # [1, block_keys]
         s = jnp.where(visible, _scores(raw, scale, softcap), MASK_VALUE)
         m_next = jnp.maximum(row_max, s.max(axis=1))
         correction = jnp.exp(row_max - m_next)
@@ -226,11 +229,10 @@ def _row(
     k_pages,  # [Hkv, num_pages, page_size, D]
     v_pages,  # [Hkv, num_pages, page_size, D]
     tables,  # [splits, pages_per_split]
-    length,  # [1]
+    bounds,  # [2]: first visible key, length
     *,
     scale,
     softcap,
-    window,
     pages_per_block,
     interpret,
 ):
@@ -241,7 +243,7 @@ def _row(
     splits, pages_per_split = tables.shape
     pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda h, j, s: (h, 0, 0, 0))
     kernel = functools.partial(
-        _kernel, scale=scale, softcap=softcap, window=window, pages_per_block=pages_per_block
+        _kernel, scale=scale, softcap=softcap, pages_per_block=pages_per_block
     )
     return pl.pallas_call(
         kernel,
@@ -251,7 +253,7 @@ def _row(
             pool_spec,
             pool_spec,
             pl.BlockSpec((None, pages_per_split), lambda h, j, s: (s, 0)),
-            pl.BlockSpec((1,), lambda h, j, s: (0,)),
+            pl.BlockSpec((2,), lambda h, j, s: (0,)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, BLOCK_H, d), lambda h, j, s: (s, h, j, 0)),
@@ -266,7 +268,7 @@ def _row(
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
         name="paged_attention",
-    )(q, k_pages, v_pages, tables, length)
+    )(q, k_pages, v_pages, tables, bounds)
 
 
 @functools.partial(
@@ -279,6 +281,7 @@ def paged_attention_pallas(
     v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
     block_tables: jax.Array,  # [B, P] int32
     lengths: jax.Array,  # [B] int32
+    starts: jax.Array | None = None,  # [B] int32
     *,
     scale: float,
     softcap: float | None = None,
@@ -293,7 +296,7 @@ def paged_attention_pallas(
     16 keys, capped at the table); the table is cut into at most `max_splits` splits of
     whole blocks, run as separate programs and combined here.
     """
-    _check(q, k_pages, v_pages, block_tables, lengths, window)
+    _check(q, k_pages, v_pages, block_tables, lengths, window, starts)
     for name, value in (("pages_per_block", pages_per_block), ("max_splits", max_splits)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} = {value} must be a positive power of two")
@@ -305,7 +308,8 @@ def paged_attention_pallas(
     blocks = -(-num_entries // pages_per_block)
     splits = min(max_splits, blocks)
     pages_per_split = -(-blocks // splits) * pages_per_block
-    tables = live_tables(block_tables, lengths, page_size, window)
+    starts = first_keys(lengths, window, starts)
+    tables = live_tables(block_tables, starts, lengths, page_size)
     tables = jnp.pad(tables, ((0, 0), (0, splits * pages_per_split - num_entries)))
     tables = tables.reshape(b, splits, pages_per_split)
 
@@ -314,15 +318,10 @@ def paged_attention_pallas(
     qg = q.reshape(b, hkv, group, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, heads - group), (0, 0)))  # [B, Hkv, G', D]
     row = functools.partial(
-        _row,
-        scale=scale,
-        softcap=softcap,
-        window=window,
-        pages_per_block=pages_per_block,
-        interpret=interpret,
+        _row, scale=scale, softcap=softcap, pages_per_block=pages_per_block, interpret=interpret
     )
     o, denom, row_max = jax.vmap(row, in_axes=(0, None, None, 0, 0))(
-        qg, k_pages, v_pages, tables, lengths[:, None]
+        qg, k_pages, v_pages, tables, jnp.stack([starts, lengths], axis=1)
     )  # [B, splits, Hkv, G', D], [B, splits, Hkv, G'] twice
     top = row_max.max(axis=1, keepdims=True)
     correction = jnp.exp(row_max - top)  # 0 for a split that read nothing
@@ -348,6 +347,7 @@ def paged_attention(
     v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
     block_tables: jax.Array,  # [B, P] int32
     lengths: jax.Array,  # [B] int32
+    starts: jax.Array | None = None,  # [B] int32
     *,
     scale: float | None = None,
     softcap: float | None = None,
@@ -360,7 +360,7 @@ def paged_attention(
     platform), `"pallas"` the kernel (`interpret=True` runs it on any platform, slowly),
     `"auto"` the kernel on a GPU and the reference elsewhere; chosen while tracing."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (q, k_pages, v_pages, block_tables, lengths)
+    args = (q, k_pages, v_pages, block_tables, lengths, starts)
     kw = dict(scale=scale, softcap=softcap, window=window)
     if resolve_backend(backend) == "xla":
         return paged_attention_reference(*args, **kw)
