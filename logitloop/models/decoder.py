@@ -121,7 +121,7 @@ class DecoderModel(nnx.Module):
                 masks[ring, window] = (
                     layers.ring_mask(positions, layer_cache["pos"], window)
                     if ring
-                    else layers.attention_mask(positions, layer_cache["k"].shape[2], window)
+                    else layers.attention_mask(positions, layers.layer_slots(layer_cache), window)
                 )
         x = self.embed(tokens, positions)  # [B, T, E]
         new_cache = []

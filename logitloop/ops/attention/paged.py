@@ -125,6 +125,17 @@ def _check(q, k_pages, v_pages, block_tables, lengths, window, starts):
         raise ValueError(f"window = {window} must be a positive number of keys, or None")
 
 
+def gather_pages(
+    pages: jax.Array,  # [Hkv, num_pages, page_size, D]
+    tables: jax.Array,  # [B, P] int32, every entry a page of the pool
+) -> jax.Array:
+    """`[B, Hkv, P * page_size, D]`: each row's pages laid end to end, the contiguous
+    cache's layout (slot s holds the row's token at position s)."""
+    hkv, _, page_size, d = pages.shape
+    b, p = tables.shape
+    return pages[:, tables].reshape(hkv, b, p * page_size, d).transpose(1, 0, 2, 3)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "window"))
 def paged_attention_reference(
     q: jax.Array,  # [B, H, D]
@@ -146,11 +157,7 @@ def paged_attention_reference(
     slots = block_tables.shape[1] * page_size
     starts = first_keys(lengths, window, starts)
     tables = live_tables(block_tables, starts, lengths, page_size)
-
-    def gather(pages):  # [Hkv, N, ps, D] -> [B, Hkv, P * ps, D]
-        return pages[:, tables].reshape(hkv, b, slots, d).transpose(1, 0, 2, 3)
-
-    k, v = gather(k_pages), gather(v_pages)
+    k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)
     qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     raw = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
     s = jnp.arange(slots)[None, :]

@@ -1,0 +1,97 @@
+"""A paged KV cache in the model layer (`layers.init_paged_caches`, `write_pages`, the paged
+branch of `cached_attention`) against today's contiguous cache.
+
+A small random Llama (one full layer, one sliding-window layer, which the contiguous
+cache keeps as a ring) runs a left-padded prefill and decode steps with both caches; the
+paged rows take their pages from `logitloop.decoding.pages` as they grow, so their pages
+are interleaved across rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from logitloop.decoding import pages
+from logitloop.decoding.model import model_info
+from logitloop.models import LlamaModel, layers
+from tests.decoding.random_llama import small_llama
+
+VOCAB, ROWS, PAGE_SIZE, ENTRIES = 64, 3, 2, 16  # a paged row spans 32 slots, as the buffer
+
+
+def _model() -> LlamaModel:
+    """`small_llama` with a window of 5 on its second layer (the window changes no weight)."""
+    model = small_llama(VOCAB, 32, 0)
+    model.config = dataclasses.replace(model.config, sliding_windows=(None, 5))
+    return model
+
+
+# The deterministic case repeats the gathered layout, which the prefill already takes.
+@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_paged_cache_logits_equal_the_contiguous_cache(deterministic):
+    """Prefill (rows of 5, 1 and 9 tokens) and four decode steps: the same logits within
+    float32 rounding. With `deterministic=True` every call takes the gathered layout (the
+    fixed-order sums)."""
+    model = _model()
+    c = model.config
+    info = model_info(model, deterministic=deterministic)
+    step = jax.jit(lambda w, t, p, cache: info.runner.forward(w, t, p, cache))
+    allocate = jax.jit(pages.allocate)
+    rng = np.random.default_rng(11)
+
+    contiguous = info.runner.init_cache(info.weights, ROWS, ENTRIES * PAGE_SIZE)
+    state = pages.init_pages(ROWS * ENTRIES, ROWS, ENTRIES, PAGE_SIZE)
+    paged = layers.init_paged_caches(
+        c.num_layers,
+        ROWS * ENTRIES,
+        PAGE_SIZE,
+        state.tables,
+        c.num_kv_heads,
+        c.head_dim,
+        jnp.float32,
+    )
+
+    def run(tokens, positions, grow_order):
+        nonlocal contiguous, paged, state
+        lengths = np.array(state.lengths)
+        for row in grow_order:  # one row at a time: pages interleave across rows
+            lengths[row] = max(lengths[row], positions[row].max() + 1)
+            state, granted = allocate(state, jnp.asarray(lengths, jnp.int32))
+            assert bool(granted.all())
+        paged = [dict(layer, tables=state.tables) for layer in paged]
+        tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+        want, contiguous = step(info.weights, tokens, positions, contiguous)
+        got, paged = step(info.weights, tokens, positions, paged)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+    prompt_lengths = np.array([5, 1, 9])
+    positions = np.arange(9)[None, :] - (9 - prompt_lengths)[:, None]
+    positions = np.where(positions >= 0, positions, -1)
+    run(rng.integers(0, VOCAB, (ROWS, 9)), positions, [2, 0, 1])
+    for _ in range(4):
+        lengths = np.array(state.lengths)
+        run(rng.integers(0, VOCAB, (ROWS, 1)), lengths[:, None], rng.permutation(ROWS))
+    assert not np.array_equal(np.sort(np.asarray(state.tables[0, :3])), [0, 1, 2])
+
+
+def test_write_pages_puts_each_token_in_its_rows_page():
+    """Against a loop over tokens; padding and positions past the table are dropped."""
+    rng = np.random.default_rng(4)
+    hkv, num_pages, ps, d = 2, 7, 4, 3
+    pool = rng.standard_normal((hkv, num_pages, ps, d)).astype(np.float32)
+    tables = np.array([[5, 1], [2, 6]], np.int32)
+    positions = np.array([[-1, 0, 1, 2, 3, 4, 8], [3, 4, 5, 6, 7, -1, -1]], np.int32)
+    values = rng.standard_normal((2, 7, hkv, d)).astype(np.float32)
+    got = layers.write_pages(jnp.asarray(pool), jnp.asarray(values), positions, tables)
+    want = pool.copy()
+    for b in range(2):
+        for t in range(7):
+            p = positions[b, t]
+            if 0 <= p < 2 * ps:
+                want[:, tables[b, p // ps], p % ps] = values[b, t]
+    np.testing.assert_array_equal(got, want)
