@@ -95,3 +95,25 @@ def test_write_pages_puts_each_token_in_its_rows_page():
             if 0 <= p < 2 * ps:
                 want[:, tables[b, p // ps], p % ps] = values[b, t]
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_paged_decode_step_lowers_for_cuda_with_the_kernel(monkeypatch):
+    """On a GPU ("auto") a decode step's attention is the Pallas kernel."""
+    model = _model()
+    c = model.config
+    info = model_info(model)
+    state = pages.init_pages(ROWS * ENTRIES, ROWS, ENTRIES, PAGE_SIZE)
+    cache = layers.init_paged_caches(
+        c.num_layers,
+        ROWS * ENTRIES,
+        PAGE_SIZE,
+        state.tables,
+        c.num_kv_heads,
+        c.head_dim,
+        jnp.float32,
+    )
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    step = jax.jit(lambda w, t, p, cache: info.runner.forward(w, t, p, cache))
+    tokens = jnp.zeros((ROWS, 1), jnp.int32)
+    text = step.trace(info.weights, tokens, tokens, cache).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in text.as_text()

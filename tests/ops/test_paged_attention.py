@@ -188,6 +188,21 @@ def test_dispatch_picks_the_backend(monkeypatch):
         paged.paged_attention(*args, backend="triton")
 
 
+@pytest.mark.parametrize("longest", [3, 16, 17, 40, 64])
+def test_xla_path_reads_a_prefix_of_the_table(longest):
+    """A 32-entry table whose longest row holds `longest` tokens (pages of 2): each
+    prefix the XLA path may pick, against float64; garbage past the live pages."""
+    q, k, v, tables, lengths = _inputs(f"prefix-{longest}", (3, 4, 2, 16, 2, 32))
+    lengths = jnp.int32([longest, min(longest, 5), 1])
+    past = jnp.arange(32)[None, :] >= (lengths[:, None] + 1) // 2
+    tables = jnp.where(past, -1, tables)  # unread entries
+    args = (q, k, v, tables, lengths)
+    got = paged.paged_attention(*args, backend="xla", scale=0.3)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), _numpy_attention(*args, scale=0.3), atol=2e-6, rtol=2e-6
+    )
+
+
 def test_bad_input_names_the_argument():
     q, k, v, tables, lengths = _inputs("bad", SHAPES["gqa"])
     call = lambda *a, **kw: paged.paged_attention(*a, backend="xla", **kw)

@@ -28,7 +28,9 @@ keys for both: sharing is only safe for full pages, `logitloop.decoding.pages`).
 entries 5 and 9 are past its live pages and are not read.
 
 `paged_attention_reference` gathers every page of the table into a contiguous `[B, Hkv,
-pages_per_row * page_size, D]` and runs one masked softmax (any platform; the XLA path).
+pages_per_row * page_size, D]` and runs one masked softmax (any platform); the XLA path
+(`backend="xla"`) runs it over the shortest prefix of the tables that holds every row's
+live pages, one of P/8, P/4, P/2 or P entries.
 `paged_attention_pallas` runs a program per (row, KV head, split of the table) that walks
 only the row's live pages, `pages_per_block` pages per step with an online softmax, all
 the query heads of the KV head at once (grouped-query attention reads each page once); the
@@ -55,6 +57,10 @@ MASK_VALUE = float(np.finfo(np.float32).min)
 # padded up to a multiple of BLOCK_H, and a block of pages holds at least 16 keys.
 BLOCK_H = 16
 MIN_BLOCK_KEYS = 16
+# The XLA path gathers only a prefix of the table (`_table_prefix`), one of these fractions
+# of it, once the table has at least this many entries.
+PREFIX_FRACTIONS = (8, 4, 2)
+MIN_PREFIX_ENTRIES = 16
 
 
 def first_keys(
@@ -363,12 +369,33 @@ def paged_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of one query per row over its pages (the module docstring), `[B, H,
-    D]`. `scale` defaults to `D ** -0.5`. `backend="xla"` is the gather reference (any
-    platform), `"pallas"` the kernel (`interpret=True` runs it on any platform, slowly),
-    `"auto"` the kernel on a GPU and the reference elsewhere; chosen while tracing."""
+    D]`. `scale` defaults to `D ** -0.5`. `backend="xla"` is the gather reference over the
+    live prefix of the tables (any platform), `"pallas"` the kernel (`interpret=True` runs
+    it on any platform, slowly), `"auto"` the kernel on a GPU and the XLA path elsewhere;
+    chosen while tracing."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k_pages, v_pages, block_tables, lengths, starts)
     kw = dict(scale=scale, softcap=softcap, window=window)
     if resolve_backend(backend) == "xla":
-        return paged_attention_reference(*args, **kw)
+        return _table_prefix(*args, **kw)
     return paged_attention_pallas(*args, **kw, interpret=interpret)
+
+
+def _table_prefix(q, k_pages, v_pages, block_tables, lengths, starts, **kw):
+    """The reference over the shortest of P/8, P/4, P/2 or all P table entries that holds
+    every row's live pages, picked at run time (tables of `MIN_PREFIX_ENTRIES` entries or
+    more): the gather then reads what the rows hold, not what the table could hold. The
+    entries left out are past every row's end, so only the order of float32 sums changes."""
+    entries = block_tables.shape[1]
+    if entries < MIN_PREFIX_ENTRIES:
+        return paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, starts, **kw)
+    extents = sorted({-(-entries // f) for f in PREFIX_FRACTIONS} | {entries})
+    needed = jnp.max(live_page_range(lengths, lengths, k_pages.shape[2])[1])
+    branch = jnp.sum(jnp.asarray(extents[:-1]) < needed)  # the shortest extent >= needed
+
+    def prefix(e):
+        return lambda t: paged_attention_reference(
+            q, k_pages, v_pages, t[:, :e], lengths, starts, **kw
+        )
+
+    return jax.lax.switch(branch, [prefix(e) for e in extents], block_tables)
