@@ -24,20 +24,23 @@ from tests.decoding.random_llama import small_llama
 VOCAB, ROWS, PAGE_SIZE, ENTRIES = 64, 3, 2, 16  # a paged row spans 32 slots, as the buffer
 
 
-def _model() -> LlamaModel:
-    """`small_llama` with a window of 5 on its second layer (the window changes no weight)."""
+def _model(window: int | None = 5) -> LlamaModel:
+    """`small_llama` with a window on its second layer (the window changes no weight)."""
     model = small_llama(VOCAB, 32, 0)
-    model.config = dataclasses.replace(model.config, sliding_windows=(None, 5))
+    model.config = dataclasses.replace(model.config, sliding_windows=(None, window))
     return model
 
 
-# The deterministic case repeats the gathered layout, which the prefill already takes.
-@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_paged_cache_logits_equal_the_contiguous_cache(deterministic):
+# The deterministic case (slow: it repeats the gathered layout the prefill already takes)
+# has no window: the contiguous cache keeps a window layer as a ring, whose sums differ.
+@pytest.mark.parametrize(
+    ("deterministic", "window"), [(False, 5), pytest.param(True, None, marks=pytest.mark.slow)]
+)
+def test_paged_cache_logits_equal_the_contiguous_cache(deterministic, window):
     """Prefill (rows of 5, 1 and 9 tokens) and four decode steps: the same logits within
-    float32 rounding. With `deterministic=True` every call takes the gathered layout (the
-    fixed-order sums)."""
-    model = _model()
+    float32 rounding; with `deterministic=True` (every call then takes the gathered layout
+    and the fixed-order sums) bit for bit."""
+    model = _model(window)
     c = model.config
     info = model_info(model, deterministic=deterministic)
     step = jax.jit(lambda w, t, p, cache: info.runner.forward(w, t, p, cache))
@@ -67,7 +70,10 @@ def test_paged_cache_logits_equal_the_contiguous_cache(deterministic):
         tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
         want, contiguous = step(info.weights, tokens, positions, contiguous)
         got, paged = step(info.weights, tokens, positions, paged)
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        if deterministic:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
     prompt_lengths = np.array([5, 1, 9])
     positions = np.arange(9)[None, :] - (9 - prompt_lengths)[:, None]
