@@ -89,15 +89,26 @@ def _add_refs(ref_counts: jax.Array, pages: jax.Array, where: jax.Array, delta: 
     return ref_counts.at[jnp.where(where, pages, n)].add(delta, mode="drop")
 
 
-def allocate(state: PageState, lengths: jax.Array) -> tuple[PageState, jax.Array]:
+def allocate(
+    state: PageState, lengths: jax.Array, order: jax.Array | None = None
+) -> tuple[PageState, jax.Array]:
     """Grow rows to hold `lengths` ([B] int32) tokens; returns the state and `granted` [B].
 
     A row whose `lengths` entry is at most its current length keeps its pages and is
     granted. A row that would need more than its P table entries is refused. The others
-    take the lowest-numbered free pages in row order until the first that does not fit:
-    it, and every later row that needs a page, is refused (a refused row is unchanged),
-    so that a caller that orders its rows by priority refuses the last ones.
+    take the lowest-numbered free pages, served in `order` ([B] int32, a permutation of
+    the rows, e.g. by arrival; default row order), until the first that does not fit: it,
+    and every row served after it that needs a page, is refused (a refused row is
+    unchanged), so the rows served last are the ones refused.
     """
+    if order is not None:
+        back = jnp.argsort(order)
+        served, granted = allocate(
+            state.replace(tables=state.tables[order], lengths=state.lengths[order]),
+            lengths[order],
+        )
+        rows = served.replace(tables=served.tables[back], lengths=served.lengths[back])
+        return rows, granted[back]
     num_pages = state.ref_counts.shape[0]
     entries = state.tables.shape[1]
     lengths = jnp.maximum(lengths.astype(jnp.int32), state.lengths)

@@ -35,11 +35,11 @@ class PoolModel:
     def refs(self) -> list[int]:
         return [sum(row.count(p) for row in self.rows) for p in range(NUM_PAGES)]
 
-    def allocate(self, lengths) -> list[bool]:
+    def allocate(self, lengths, order) -> list[bool]:
         free = [p for p, n in enumerate(self.refs()) if n == 0]
-        granted, stopped = [], False
-        for b, length in enumerate(lengths):
-            length = max(length, self.lengths[b])
+        granted, stopped = [False] * ROWS, False
+        for b in order:
+            length = max(lengths[b], self.lengths[b])
             want = -(-length // PAGE_SIZE)
             need = want - len(self.rows[b])
             ok = want <= ENTRIES and (need == 0 or (not stopped and need <= len(free)))
@@ -49,7 +49,7 @@ class PoolModel:
                 self.rows[b] += free[:need]
                 free = free[need:]
                 self.lengths[b] = length
-            granted.append(ok)
+            granted[b] = ok
         return granted
 
     def free(self, rows):
@@ -82,6 +82,7 @@ _ops = st.lists(
         st.tuples(
             st.just("allocate"),
             st.lists(st.integers(0, 5), min_size=ROWS, max_size=ROWS),
+            st.one_of(st.none(), st.permutations(range(ROWS))),
         ),
         st.tuples(st.just("free"), _rows),
         st.tuples(
@@ -103,14 +104,19 @@ _ops = st.lists(
 )
 @given(ops=_ops)
 def test_random_operations_match_the_pool_model(ops):
-    """`allocate` grows each row by 0-5 tokens; `free` and `fork` take random rows."""
+    """`allocate` grows each row by 0-5 tokens, rows in row order or a random order; `free`
+    and `fork` take random rows."""
     state = pages.init_pages(NUM_PAGES, ROWS, ENTRIES, PAGE_SIZE)
     model = PoolModel()
     for op in ops:
         if op[0] == "allocate":
             lengths = [n + g for n, g in zip(model.lengths, op[1], strict=True)]
-            state, granted = _allocate(state, jnp.asarray(lengths, jnp.int32))
-            assert np.asarray(granted).tolist() == model.allocate(lengths)
+            if op[2] is None:
+                state, granted = _allocate(state, jnp.asarray(lengths, jnp.int32))
+            else:
+                order = jnp.asarray(op[2], jnp.int32)
+                state, granted = _allocate(state, jnp.asarray(lengths, jnp.int32), order)
+            assert np.asarray(granted).tolist() == model.allocate(lengths, op[2] or range(ROWS))
         elif op[0] == "free":
             state = _free(state, jnp.asarray(op[1]))
             model.free(op[1])

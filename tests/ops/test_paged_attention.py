@@ -163,6 +163,10 @@ class TestPagedKernel:
         args = _inputs("splits", SHAPES["long_pages"])
         self.check(args, window=21, knobs=dict(pages_per_block=1, max_splits=4))
 
+    def test_default_blocks_on_a_long_table(self):
+        """64 entries of 16-token pages: 8 pages a block, 8 splits, rows up to 1024 keys."""
+        self.check(_inputs("long-table", (2, 2, 1, 16, 16, 64)), window=300)
+
     def test_starts(self):
         args = _inputs("kernel-starts", SHAPES["long_pages"])
         self.check((*args, _starts(args)), knobs=dict(pages_per_block=2, max_splits=2))
