@@ -339,6 +339,21 @@ def init_paged_caches(
     ]
 
 
+def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
+    """Every paged layer with page `source[i]` copied onto page `target[i]` (`[R]` int32; a
+    target outside the pool is skipped): the copy-on-write of a forked row's partial last
+    page (`logitloop.decoding.pages.fork`)."""
+
+    def copy(pages):  # [Hkv, N, page_size, D]
+        rows = pages[:, jnp.clip(source, 0, pages.shape[1] - 1)]
+        return pages.at[:, target].set(rows, mode="drop")
+
+    return [
+        dict(layer, k_pages=copy(layer["k_pages"]), v_pages=copy(layer["v_pages"]))
+        for layer in cache
+    ]
+
+
 def layer_slots(layer: dict[str, jax.Array]) -> int:
     """The slots S one layer's masks span: the full layout's S, a ring's R, or for a paged
     layer its table's P * page_size."""

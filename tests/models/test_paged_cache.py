@@ -123,3 +123,42 @@ def test_a_paged_decode_step_lowers_for_cuda_with_the_kernel(monkeypatch):
     tokens = jnp.zeros((ROWS, 1), jnp.int32)
     text = step.trace(info.weights, tokens, tokens, cache).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in text.as_text()
+
+
+def test_a_forked_row_continues_as_its_parent():
+    """n > 1 with shared pages: row 0 prefills 7 tokens (pages of 2: three full, one
+    partial); row 1 forks it, sharing the three full pages, takes a page of its own for
+    the partial one and copies it (`copy_pages`). Fed the same tokens, both rows give the
+    same logits, and the shared pages stay shared."""
+    model = _model()
+    c = model.config
+    info = model_info(model)
+    step = jax.jit(lambda w, t, p, cache: info.runner.forward(w, t, p, cache))
+    allocate = jax.jit(pages.allocate)
+    rng = np.random.default_rng(5)
+    state = pages.init_pages(2 * ENTRIES, 2, ENTRIES, PAGE_SIZE)
+    state, _ = allocate(state, jnp.int32([7, 0]))
+    cache = layers.init_paged_caches(
+        c.num_layers,
+        2 * ENTRIES,
+        PAGE_SIZE,
+        state.tables,
+        c.num_kv_heads,
+        c.head_dim,
+        jnp.float32,
+    )
+    prompt = jnp.asarray(rng.integers(0, VOCAB, (2, 7)), jnp.int32)
+    positions = jnp.stack([jnp.arange(7), jnp.full(7, -1)]).astype(jnp.int32)
+    _, cache = step(info.weights, prompt, positions, cache)
+
+    state = pages.fork(state, jnp.int32([0, 0]), jnp.array([False, True]))
+    state, granted = allocate(state, jnp.int32([7, 7]))
+    assert bool(granted.all()) and state.tables[0, :3].tolist() == state.tables[1, :3].tolist()
+    cache = layers.copy_pages(cache, state.tables[0, 3:4], state.tables[1, 3:4])
+    for _ in range(3):
+        state, _ = allocate(state, state.lengths + 1)
+        cache = [dict(layer, tables=state.tables) for layer in cache]
+        token = jnp.full((2, 1), int(rng.integers(0, VOCAB)), jnp.int32)
+        logits, cache = step(info.weights, token, state.lengths[:, None] - 1, cache)
+        np.testing.assert_allclose(logits[1], logits[0], rtol=1e-6, atol=1e-6)
+    assert (state.ref_counts[state.tables[0, :3]] == 2).all()
