@@ -188,6 +188,18 @@ def test_dispatch_picks_the_backend(monkeypatch):
     assert paged.resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert paged.resolve_backend("auto") == "pallas"
+    # Shapes Triton cannot load take the XLA path ("auto") or are refused ("pallas").
+    assert paged.resolve_backend("auto", head_dim=80) == "xla"
+    assert paged.resolve_backend("auto", head_dim=128, page_size=12) == "xla"
+    with pytest.raises(ValueError, match="got 80 and 16"):
+        paged.paged_attention_pallas(
+            jnp.zeros((1, 2, 80)),
+            jnp.zeros((1, 4, 16, 80)),
+            jnp.zeros((1, 4, 16, 80)),
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.ones(1, jnp.int32),
+            scale=1.0,
+        )
     with pytest.raises(ValueError, match="backend = 'triton' is not one of"):
         paged.paged_attention(*args, backend="triton")
 

@@ -37,6 +37,9 @@ the query heads of the KV head at once (grouped-query attention reads each page 
 splits of a long row are combined afterwards (flash decoding). On a CPU it runs in
 interpret mode; it lowers for CUDA from a CPU-only jaxlib through the Triton backend that
 `logitloop.ops.sampling.pallas.COMPILER_PARAMS` chooses (tests/ops/test_paged_attention.py).
+Triton loads only arrays whose sizes are powers of two, so the compiled kernel takes
+power-of-two head dimensions (16 or more) and page sizes (`kernel_fits`); `backend="auto"`
+runs the XLA path for other shapes.
 """
 
 from __future__ import annotations
@@ -315,6 +318,11 @@ def paged_attention_pallas(
             raise ValueError(f"{name} = {value} must be a positive power of two")
     b, h, d = q.shape
     hkv, _, page_size, _ = k_pages.shape
+    if not interpret and not kernel_fits(d, page_size):
+        raise ValueError(
+            f"the compiled kernel needs a power-of-two head dimension of at least 16 and a "
+            f"power-of-two page_size, got {d} and {page_size} (backend='xla' takes any)"
+        )
     num_entries = block_tables.shape[1]
     pages_per_block = min(pages_per_block, 1 << (num_entries - 1).bit_length())
     pages_per_block = max(pages_per_block, 1 << (-(-MIN_BLOCK_KEYS // page_size) - 1).bit_length())
@@ -345,12 +353,20 @@ def paged_attention_pallas(
     return out[:, :, :group].reshape(b, h, d).astype(q.dtype)
 
 
-def resolve_backend(backend: str) -> str:
-    """ "auto" -> "pallas" on a GPU, else "xla"; other names are checked and returned."""
+def kernel_fits(head_dim: int, page_size: int) -> bool:
+    """Can the compiled kernel take these shapes: Triton loads arrays whose sizes are
+    powers of two, and its dot takes at least 16 in each dimension."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1) and not page_size & (page_size - 1)
+
+
+def resolve_backend(backend: str, head_dim: int = 128, page_size: int = 16) -> str:
+    """ "auto" -> "pallas" on a GPU when `kernel_fits`, else "xla"; other names are checked
+    and returned."""
     if backend not in BACKENDS:
         raise ValueError(f"backend = {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        gpu = jax.default_backend() == "gpu"
+        return "pallas" if gpu and kernel_fits(head_dim, page_size) else "xla"
     return backend
 
 
@@ -376,7 +392,7 @@ def paged_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k_pages, v_pages, block_tables, lengths, starts)
     kw = dict(scale=scale, softcap=softcap, window=window)
-    if resolve_backend(backend) == "xla":
+    if resolve_backend(backend, q.shape[-1], k_pages.shape[2]) == "xla":
         return _table_prefix(*args, **kw)
     return paged_attention_pallas(*args, **kw, interpret=interpret)
 
