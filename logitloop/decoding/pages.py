@@ -8,7 +8,8 @@ the decode loop can allocate and free inside its compiled body with no host roun
 
 - A row holds `pages_held(lengths) = cdiv(lengths, page_size)` pages: the first entries
   of its `tables` row. Its token at position s is in page `tables[b, s // page_size]`,
-  slot `s % page_size`. Entries past the held pages are 0 and are never read.
+  slot `s % page_size`. Entries past the held pages are -1 (`NO_PAGE`): attention never
+  reads them, and `layers.write_pages` drops a write that lands there.
 - `ref_counts[p]` is the number of held table entries that name page p (0: free). Two
   rows name one page after `fork`, which shares only full pages: a row writes only at
   positions >= its length, which lie in its last, partial page or in pages not yet
@@ -31,13 +32,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+NO_PAGE = -1  # a table entry that names no page
+
 
 @struct.dataclass
 class PageState:
     """Who holds which page. Fields (B rows, P table entries per row, N pages):
 
     ref_counts: Int[N] - table entries naming each page; 0 for a free page.
-    tables: Int[B, P] - row b's pages in token order; entries past its held pages are 0.
+    tables: Int[B, P] - row b's pages in token order; entries past its held pages -1.
     lengths: Int[B] - tokens each row holds (it holds cdiv(lengths, page_size) pages).
     page_size: int (static) - tokens per page.
     """
@@ -61,7 +64,7 @@ def init_pages(num_pages: int, batch_size: int, pages_per_row: int, page_size: i
             raise ValueError(f"{name} = {value} must be at least 1")
     return PageState(
         ref_counts=jnp.zeros(num_pages, jnp.int32),
-        tables=jnp.zeros((batch_size, pages_per_row), jnp.int32),
+        tables=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32),
         lengths=jnp.zeros(batch_size, jnp.int32),
         page_size=page_size,
     )
@@ -141,7 +144,7 @@ def free(state: PageState, rows: jax.Array) -> PageState:
     held = _held_entries(state) & rows[:, None]
     return state.replace(
         ref_counts=_add_refs(state.ref_counts, state.tables, held, -1),
-        tables=jnp.where(rows[:, None], 0, state.tables),
+        tables=jnp.where(rows[:, None], NO_PAGE, state.tables),
         lengths=jnp.where(rows, 0, state.lengths),
     )
 

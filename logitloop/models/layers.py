@@ -430,13 +430,14 @@ def write_pages(
     tables: jax.Array,  # [B, P] int32
 ) -> jax.Array:
     """Scatter each real token's values into its row's page (the module docstring); drop
-    padding and positions past the table. Two rows never write one slot: a shared page is
-    a full one, below both rows' positions (`logitloop.decoding.pages`)."""
+    padding, positions past the table and positions whose entry names no page (-1, a row
+    that was not given the page). Two rows never write one slot: a shared page is a full
+    one, below both rows' positions (`logitloop.decoding.pages`)."""
     hkv, num_pages, page_size, d = pages.shape
     entries = tables.shape[1]
     entry = jnp.clip(positions // page_size, 0, entries - 1)
     page = jnp.take_along_axis(tables, entry, axis=1)  # [B, T]
-    real = (positions >= 0) & (positions < entries * page_size)
+    real = (positions >= 0) & (positions < entries * page_size) & (page >= 0)
     slot = jnp.where(real, page * page_size + positions % page_size, num_pages * page_size)
     values = values.astype(pages.dtype).transpose(2, 0, 1, 3).reshape(hkv, -1, d)
     flat = pages.reshape(hkv, num_pages * page_size, d)

@@ -71,7 +71,7 @@ def _assert_same(state: pages.PageState, model: PoolModel):
     assert lengths.tolist() == model.lengths
     for b, row in enumerate(model.rows):
         assert tables[b, : len(row)].tolist() == row
-        assert not tables[b, len(row) :].any()
+        assert (tables[b, len(row) :] == pages.NO_PAGE).all()
     assert np.asarray(state.ref_counts).tolist() == model.refs()
     assert int(pages.free_pages(state)) == model.refs().count(0)
 
@@ -143,7 +143,7 @@ def test_fork_shares_full_pages_only():
     state = pages.init_pages(6, 2, 3, 4)
     state, _ = _allocate(state, jnp.int32([6, 3]))
     state = _fork(state, jnp.int32([0, 0]), jnp.array([False, True]))
-    assert state.tables.tolist() == [[0, 1, 0], [0, 0, 0]]
+    assert state.tables.tolist() == [[0, 1, -1], [0, -1, -1]]
     assert state.lengths.tolist() == [6, 4] and state.ref_counts.tolist() == [2, 1, 0, 0, 0, 0]
     state, granted = _allocate(state, jnp.int32([6, 6]))
     assert granted.all() and state.tables[1, :2].tolist() == [0, 2]
