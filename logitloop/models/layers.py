@@ -30,6 +30,16 @@ is then fixed by its window, not by the context (Gemma 3: five layers in six). O
 longer than the ring only each row's last R positions are written, so no slot is written
 twice in one scatter (whose order XLA leaves unspecified off CPU).
 
+A paged cache (`init_paged_caches`) keeps each layer's keys and values in a pool of pages
+shared by the rows, `dict(k_pages=[Hkv, N, page_size, D], v_pages=..., tables=[B, P])`:
+row b's token at position p is slot `p % page_size` of page `tables[b, p // page_size]`
+(`logitloop.ops.attention.paged`; which row holds which page is
+`logitloop.decoding.loop.pages`). It reads as a full-layout cache of S = P * page_size slots,
+with the same masks: a call writes its columns into the pages (`write_pages`), then a
+decode step (T = 1) runs paged decode attention over the row's live pages, and a longer
+call attends the row's pages gathered into the full layout. Sliding windows are masks
+there, not rings.
+
 Example: S = 8, two rows, a prefill of T = 4 with row 0 holding 2 real tokens:
 
     positions = [[-1, -1, 0, 1],
@@ -304,6 +314,48 @@ def init_layer_caches(
     return out
 
 
+def init_paged_caches(
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    tables: jax.Array,  # [B, P] int32
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+) -> KVCache:
+    """Zeros: per layer a pool `dict(k_pages=[Hkv, N, page_size, D], v_pages=..., tables)`
+    of N = `num_pages` pages, every layer with the same page tables (the caller replaces
+    `tables` in every layer when rows gain or lose pages)."""
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    return [
+        {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype), "tables": tables}
+        for _ in range(num_layers)
+    ]
+
+
+def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
+    """Every paged layer with page `source[i]` copied onto page `target[i]` (`[R]` int32; a
+    target outside the pool is skipped): the copy-on-write of a forked row's partial last
+    page (`logitloop.decoding.loop.pages.fork`)."""
+
+    def copy(pages):  # [Hkv, N, page_size, D]
+        rows = pages[:, jnp.clip(source, 0, pages.shape[1] - 1)]
+        return pages.at[:, target].set(rows, mode="drop")
+
+    return [
+        dict(layer, k_pages=copy(layer["k_pages"]), v_pages=copy(layer["v_pages"]))
+        for layer in cache
+    ]
+
+
+def layer_slots(layer: dict[str, jax.Array]) -> int:
+    """The slots S one layer's masks span: the full layout's S, a ring's R, or for a paged
+    layer its table's P * page_size."""
+    if "tables" in layer:
+        return layer["tables"].shape[1] * layer["k_pages"].shape[2]
+    return layer["k"].shape[2]
+
+
 def cache_slots(cache: KVCache) -> int:
     """The number of slots S of a full-layout cache (its first full layer's)."""
     full = [layer for layer in cache if "pos" not in layer] or cache
@@ -383,6 +435,27 @@ def write_cache(
     return jax.vmap(lambda c, v, s: c.at[:, s].set(v, mode="drop"))(cache, values, slot)
 
 
+def write_pages(
+    pages: jax.Array,  # [Hkv, N, page_size, D]
+    values: jax.Array,  # [B, T, Hkv, D]
+    positions: jax.Array,  # [B, T] int, -1 for padding
+    tables: jax.Array,  # [B, P] int32
+) -> jax.Array:
+    """Scatter each real token's values into its row's page (the module docstring); drop
+    padding, positions past the table and positions whose entry names no page (-1, a row
+    that was not given the page). Two rows never write one slot: a shared page is a full
+    one, below both rows' positions (`logitloop.decoding.loop.pages`)."""
+    hkv, num_pages, page_size, d = pages.shape
+    entries = tables.shape[1]
+    entry = jnp.clip(positions // page_size, 0, entries - 1)
+    page = jnp.take_along_axis(tables, entry, axis=1)  # [B, T]
+    real = (positions >= 0) & (positions < entries * page_size) & (page >= 0)
+    slot = jnp.where(real, page * page_size + positions % page_size, num_pages * page_size)
+    values = values.astype(pages.dtype).transpose(2, 0, 1, 3).reshape(hkv, -1, d)
+    flat = pages.reshape(hkv, num_pages * page_size, d)
+    return flat.at[:, slot.reshape(-1)].set(values, mode="drop").reshape(pages.shape)
+
+
 def attention_mask(
     positions: jax.Array,  # [B, T] int, -1 for padding
     num_slots: int,
@@ -416,6 +489,8 @@ def cached_attention(
 
     Returns the attention output `[B, T, H, D]` and the updated cache.
     """
+    if "tables" in cache:  # a paged layer
+        return _paged_cached_attention(q, k, v, positions, cache, mask, scale, softcap)
     if "pos" in cache:  # a sliding-window ring: `mask` holds `ring_keys`, [B, R + T]
         keys = jnp.concatenate([cache["k"], k.transpose(0, 2, 1, 3).astype(cache["k"].dtype)], 2)
         values = jnp.concatenate([cache["v"], v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)], 2)
@@ -426,6 +501,43 @@ def cached_attention(
         "v": write_cache(cache["v"], v, positions),
     }
     return ops_attention.attention(q, cache["k"], cache["v"], mask, scale, softcap), cache
+
+
+def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softcap):
+    """`cached_attention` for a paged layer: write, then a decode step (T = 1) runs paged
+    decode attention over each row's live pages, from the first position its window shows
+    to its own; a longer call, or a fixed-order one, attends the pages gathered into the
+    full layout (slot == position, so `mask` applies as it is)."""
+    # Imported here: Pallas takes a tenth of a second to import, and only paged caches
+    # need it.
+    from logitloop.ops.attention import paged
+
+    tables = cache["tables"]
+    cache = {
+        "k_pages": write_pages(cache["k_pages"], k, positions, tables),
+        "v_pages": write_pages(cache["v_pages"], v, positions, tables),
+        "tables": tables,
+    }
+    if q.shape[1] == 1 and not fixed_order.active():
+        pos = positions[:, 0]  # [B], -1 for a row that feeds nothing
+        lengths = jnp.maximum(pos + 1, 0).astype(jnp.int32)  # [B]
+        starts = jnp.zeros_like(lengths)
+        if mask.window is not None:
+            starts = jnp.maximum(pos - mask.window + 1, 0).astype(jnp.int32)
+        out = paged.paged_attention(
+            q[:, 0],
+            cache["k_pages"],
+            cache["v_pages"],
+            tables,
+            lengths,
+            starts,
+            scale=scale,
+            softcap=softcap,
+        )  # [B, H, D]
+        return out[:, None], cache
+    keys = paged.gather_pages(cache["k_pages"], tables)  # [B, Hkv, S, D]
+    values = paged.gather_pages(cache["v_pages"], tables)
+    return ops_attention.attention(q, keys, values, mask, scale, softcap), cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,163 @@
+"""Page bookkeeping (`logitloop.decoding.loop.pages`) against a plain-Python model of the pool.
+
+Random sequences of allocate / free / fork run through the jitted functions and through
+`PoolModel`, which keeps each row's list of pages and derives everything else from them:
+after every operation the tables, lengths and grants must be the model's, and the
+reference counts must be the number of rows' entries naming each page (so no page is held
+by two rows unless a fork shared it, and a freed page is free at once).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from logitloop.decoding.loop import pages
+
+NUM_PAGES, ROWS, ENTRIES, PAGE_SIZE = 10, 4, 4, 2
+
+_allocate = jax.jit(pages.allocate)
+_free = jax.jit(pages.free)
+_fork = jax.jit(pages.fork)
+
+
+class PoolModel:
+    """Each row's pages as a Python list; the lowest free pages go first, rows in order."""
+
+    def __init__(self):
+        self.rows = [[] for _ in range(ROWS)]
+        self.lengths = [0] * ROWS
+
+    def refs(self) -> list[int]:
+        return [sum(row.count(p) for row in self.rows) for p in range(NUM_PAGES)]
+
+    def allocate(self, lengths, order) -> list[bool]:
+        free = [p for p, n in enumerate(self.refs()) if n == 0]
+        granted, stopped = [False] * ROWS, False
+        for b in order:
+            length = max(lengths[b], self.lengths[b])
+            want = -(-length // PAGE_SIZE)
+            need = want - len(self.rows[b])
+            ok = want <= ENTRIES and (need == 0 or (not stopped and need <= len(free)))
+            if want <= ENTRIES and need > 0 and not ok:
+                stopped = True
+            if ok:
+                self.rows[b] += free[:need]
+                free = free[need:]
+                self.lengths[b] = length
+            granted[b] = ok
+        return granted
+
+    def free(self, rows):
+        for b, drop in enumerate(rows):
+            if drop:
+                self.rows[b], self.lengths[b] = [], 0
+
+    def fork(self, parents, children):
+        before = [list(r) for r in self.rows], list(self.lengths)
+        for b, child in enumerate(children):
+            if child:
+                full = before[1][parents[b]] // PAGE_SIZE
+                self.rows[b] = before[0][parents[b]][:full]
+                self.lengths[b] = full * PAGE_SIZE
+
+
+def _assert_same(state: pages.PageState, model: PoolModel):
+    tables, lengths = np.asarray(state.tables), np.asarray(state.lengths)
+    assert lengths.tolist() == model.lengths
+    for b, row in enumerate(model.rows):
+        assert tables[b, : len(row)].tolist() == row
+        assert (tables[b, len(row) :] == pages.NO_PAGE).all()
+    assert np.asarray(state.ref_counts).tolist() == model.refs()
+    assert int(pages.free_pages(state)) == model.refs().count(0)
+
+
+_rows = st.lists(st.booleans(), min_size=ROWS, max_size=ROWS)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("allocate"),
+            st.lists(st.integers(0, 5), min_size=ROWS, max_size=ROWS),
+            st.one_of(st.none(), st.permutations(range(ROWS))),
+        ),
+        st.tuples(st.just("free"), _rows),
+        st.tuples(
+            st.just("fork"),
+            st.lists(st.integers(0, ROWS - 1), min_size=ROWS, max_size=ROWS),
+            _rows,
+        ),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(ops=_ops)
+def test_random_operations_match_the_pool_model(ops):
+    """`allocate` grows each row by 0-5 tokens, rows in row order or a random order; `free`
+    and `fork` take random rows."""
+    state = pages.init_pages(NUM_PAGES, ROWS, ENTRIES, PAGE_SIZE)
+    model = PoolModel()
+    for op in ops:
+        if op[0] == "allocate":
+            lengths = [n + g for n, g in zip(model.lengths, op[1], strict=True)]
+            if op[2] is None:
+                state, granted = _allocate(state, jnp.asarray(lengths, jnp.int32))
+            else:
+                order = jnp.asarray(op[2], jnp.int32)
+                state, granted = _allocate(state, jnp.asarray(lengths, jnp.int32), order)
+            assert np.asarray(granted).tolist() == model.allocate(lengths, op[2] or range(ROWS))
+        elif op[0] == "free":
+            state = _free(state, jnp.asarray(op[1]))
+            model.free(op[1])
+        else:
+            state = _fork(state, jnp.asarray(op[1], jnp.int32), jnp.asarray(op[2]))
+            model.fork(op[1], op[2])
+        _assert_same(state, model)
+
+
+def test_freed_pages_go_to_the_next_request_at_once():
+    state = pages.init_pages(4, 2, 4, 4)
+    state, granted = _allocate(state, jnp.int32([16, 0]))
+    assert granted.tolist() == [True, True] and int(pages.free_pages(state)) == 0
+    state, granted = _allocate(state, jnp.int32([16, 1]))
+    assert granted.tolist() == [True, False]  # the pool is dry: row 1 is refused, unchanged
+    state = _free(state, jnp.array([True, False]))
+    state, granted = _allocate(state, jnp.int32([0, 9]))
+    assert granted.tolist() == [True, True]
+    assert state.tables[1, :3].tolist() == [0, 1, 2] and state.ref_counts.tolist() == [1, 1, 1, 0]
+
+
+def test_fork_shares_full_pages_only():
+    """The module docstring's example."""
+    state = pages.init_pages(6, 2, 3, 4)
+    state, _ = _allocate(state, jnp.int32([6, 3]))
+    state = _fork(state, jnp.int32([0, 0]), jnp.array([False, True]))
+    assert state.tables.tolist() == [[0, 1, -1], [0, -1, -1]]
+    assert state.lengths.tolist() == [6, 4] and state.ref_counts.tolist() == [2, 1, 0, 0, 0, 0]
+    state, granted = _allocate(state, jnp.int32([6, 6]))
+    assert granted.all() and state.tables[1, :2].tolist() == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((8, 2, 4, 3), "page_size = 3 must be a positive power of two"),
+        ((8, 2, 4, 0), "page_size = 0 must be a positive power of two"),
+        ((0, 2, 4, 4), "num_pages = 0 must be at least 1"),
+        ((8, 2, 0, 4), "pages_per_row = 0 must be at least 1"),
+    ],
+)
+def test_bad_sizes_name_the_argument(args, message):
+    with pytest.raises(ValueError, match=message):
+        pages.init_pages(*args)
