@@ -95,7 +95,7 @@ def test_damaged_entries_never_crash_a_run_nor_run_code(tmp_path, damage, data):
         jax.clear_caches()
 
 
-@pytest.mark.slow  # three generate calls traced and compiled afresh: about 25 s
+@pytest.mark.slow  # three generate calls traced and compiled afresh: 25-60 s
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
 def test_generate_runs_after_runs_and_planted_entries(tmp_path):
     # The old program store failed on the third run (NOT_FOUND: a program written back from

@@ -240,3 +240,22 @@ def test_settings_that_would_break_a_constrained_document_are_refused(kwargs):
         ll.SamplingParams.create(2, **kwargs)
     unconstrained = {k: v for k, v in kwargs.items() if k not in ("choice", "regex", "json_schema")}
     ll.SamplingParams.create(2, **unconstrained)  # alone they are fine
+
+
+def test_a_stop_token_the_constraint_can_write_is_refused():
+    from logitloop.decoding.host import constraint_tables
+    from logitloop.decoding.model import model_info
+
+    from .noise_model import noise_model, shipped_tokenizer
+
+    model, tok = noise_model(), shipped_tokenizer()
+    n_id = next(i for i, b in enumerate(tok.all_token_bytes()) if b == b"n")
+    params = ll.SamplingParams.create(1, choice=["yes", "no"], stop_token_ids=[n_id])
+    with pytest.raises(ValueError, match=f"row 0: stop token id {n_id} is a token its choice"):
+        ll.generate(model, [[1, 2]], params)
+    with pytest.raises(ValueError, match=f"stop token id {n_id}"):
+        ll.generate_many(model, [ll.Request([1, 2], dict(choice=["yes", "no"],
+                                                         stop_token_ids=[n_id]))])
+    far = next(i for i, b in enumerate(tok.all_token_bytes()) if b == b"z")
+    ok = ll.SamplingParams.create(1, choice=["yes", "no"], stop_token_ids=[far])
+    assert constraint_tables(model_info(model), ok)[0] is not None  # never written: fine

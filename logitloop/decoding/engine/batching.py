@@ -322,6 +322,8 @@ class _Batcher:
             if params.constraints:
                 vocab = constraint_vocabulary(self.info)
                 compiled = constraints.compile_rows(params.constraints, vocab)
+                stop_ids = np.asarray(params.stop_token_ids)
+                constraints.refuse_stop_ids(params.constraints, stop_ids, vocab)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{_describe(index, request.id)}: {e}") from None
         widths = params.widths()

@@ -234,7 +234,9 @@ def constraint_tables(
     the row when the vocabulary cannot spell any document its constraint accepts."""
     if not params.constraints:
         return None, None
-    return constraints.tables(params.constraints, constraint_vocabulary(info))
+    vocab = constraint_vocabulary(info)
+    constraints.refuse_stop_ids(params.constraints, np.asarray(params.stop_token_ids), vocab)
+    return constraints.tables(params.constraints, vocab)
 
 
 def pad_prompts(

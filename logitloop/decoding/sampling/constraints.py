@@ -341,6 +341,28 @@ def compile_rows(
     return out
 
 
+def refuse_stop_ids(
+    constraints: Sequence[Constraint | None], stop_token_ids: np.ndarray, vocab: TokenVocabulary
+) -> None:
+    """ValueError when a constrained row has a stop token id (`stop_token_ids` [B, Ns], -1
+    unused) that its automaton allows in some state: the row would end there, mid-document.
+    The model's EOS ids are left out: they are allowed only where the document is complete."""
+    for row, a in enumerate(compile_rows(constraints, vocab)):
+        if a is None:
+            continue
+        ids = np.asarray([t for t in stop_token_ids[row] if t >= 0 and t not in vocab.eos_ids])
+        if not ids.size:
+            continue
+        seen = np.bitwise_or.reduce(a.bits, axis=0)  # [S, W] -> [W]: allowed in any state
+        hit = ids[((seen[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
+        if hit.size:
+            raise ValueError(
+                f"row {row}: stop token id {int(hit[0])} is a token its {constraints[row].kind} "
+                "can write mid-document; a constrained row ends when its document is complete "
+                "(give special tokens as stop ids)"
+            )
+
+
 def tables(
     constraints: Sequence[Constraint | None], vocab: TokenVocabulary
 ) -> tuple[Automata | None, np.ndarray]:

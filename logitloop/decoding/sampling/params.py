@@ -141,8 +141,8 @@ class SamplingParams:
         EOS only where the document is complete, and a row whose document can only end
         stops with finish_reason "stop" (`logitloop.decoding.sampling.constraints`). A constrained
         row takes no `min_tokens`, `stop` or `stop_sequences` (ValueError): it ends when its
-        document is complete and only then. (A `stop_token_ids` entry that is an ordinary
-        token the constraint allows would end it early: give special tokens there.) JSON
+        document is complete and only then; a `stop_token_ids` entry that the constraint can
+        write is refused too, when the model's vocabulary is known (`generate`). JSON
         schemas outside the subset translated exactly are refused
         (`logitloop.decoding.sampling.schema_subset`).
 
