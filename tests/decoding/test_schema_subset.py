@@ -243,8 +243,8 @@ def test_settings_that_would_break_a_constrained_document_are_refused(kwargs):
 
 
 def test_a_stop_token_the_constraint_can_write_is_refused():
-    from logitloop.decoding.host import constraint_tables
-    from logitloop.decoding.model import model_info
+    from logitloop.decoding.engine.host import constraint_tables
+    from logitloop.decoding.loop.runner import model_info
 
     from .noise_model import noise_model, shipped_tokenizer
 
