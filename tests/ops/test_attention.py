@@ -270,3 +270,25 @@ def test_prompt_pass_temporaries_grow_linearly(monkeypatch):
     monkeypatch.setattr(api, "choose", lambda **kw: "reference")
     one_einsum = prompt_pass_temp_bytes(model, 2048) / prompt_pass_temp_bytes(model, 512)
     assert one_einsum > 10, one_einsum
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama", "gemma2"])
+def test_models_at_long_prompts_with_the_default_blocks(case, monkeypatch):
+    """A prompt of 1100 columns (3 query and key blocks of the default 512) with left
+    padding, in one pass and in chunks of 512, against the one-einsum attention."""
+    model = _logitloop_model(case)
+    rng = np.random.default_rng(1)
+    width, slots = 1100, 1200
+    tokens = jnp.asarray(rng.integers(0, 150, (2, width)), jnp.int32)
+    positions = np.full((2, width), -1, np.int32)
+    positions[0, 300:] = np.arange(width - 300)
+    positions[1] = np.arange(width)
+    positions = jnp.asarray(positions)
+    got = _forward_columns(model, tokens, positions, slots)
+    chunked = _forward_columns(model, tokens, positions, slots, chunk=512)
+    monkeypatch.setattr(api, "choose", lambda **kw: "reference" if kw["columns"] > 1 else "decode")
+    want = _forward_columns(model, tokens, positions, slots)
+    real = np.asarray(positions) >= 0
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(chunked[real], want[real], rtol=1e-4, atol=1e-4)
