@@ -22,6 +22,7 @@ from logitloop.decoding.sampler import (
     sample,
     sampling_distribution,
 )
+from logitloop.decoding.score import ScoreResult, score
 from logitloop.decoding.speculative import DraftModel, PromptLookup
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
@@ -42,6 +43,7 @@ __all__ = [
     "Request",
     "SampleOutput",
     "SamplingParams",
+    "ScoreResult",
     "Step",
     "StreamEvent",
     "TopLogprobs",
@@ -55,5 +57,6 @@ __all__ = [
     "stream_chat",
     "sample",
     "sampling_distribution",
+    "score",
 ]
 __version__ = "0.1.0"

@@ -36,7 +36,8 @@ from logitloop.decoding.host import (  # noqa: F401 - re-exported: the public ho
 )
 from logitloop.decoding.loop import RUNNING, decode
 from logitloop.decoding.model import is_model_parallel
-from logitloop.decoding.params import SamplingParams
+from logitloop.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
+from logitloop.decoding.score import prompt_scores
 
 
 def generate(
@@ -50,6 +51,7 @@ def generate(
     processors: Sequence[Any] | None = None,
     deterministic: bool | str = False,
     speculative: Any = None,
+    prompt_logprobs: int | None = None,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -87,7 +89,13 @@ def generate(
     `speculative`: `ll.PromptLookup(...)` or `ll.DraftModel(...)` to decode speculatively
     (`logitloop.decoding.speculative`): strict acceptance gives the same tokens, rejection
     acceptance the same distribution; `result.speculation` counts drafts per row.
+
+    `prompt_logprobs=n` (0..20): `result.prompt_logprobs[i]`, the `ll.score` of row i's
+    prompt tokens after its first (raw log-probabilities, argmax flags and n raw
+    alternatives per position: exactly `ll.score(model, [p[:1]], [p[1:]], top_logprobs=n)`).
     """
+    if prompt_logprobs is not None:
+        check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     run = _start(
         model, prompts, params, n, ignore_eos, mesh, processors, deterministic, speculative
     )
@@ -103,6 +111,9 @@ def generate(
     result = collect(run.layout.host_view(state).outputs(), run.ids, run.params, run.info)
     if run.spec is not None:
         result.speculation = speculation.stats(state.speculation, len(run.ids))
+    if prompt_logprobs is not None:
+        scores = prompt_scores(model, run.ids[::n], prompt_logprobs, mesh, deterministic)
+        result.prompt_logprobs = [s for s in scores for _ in range(n)]
     return result
 
 
