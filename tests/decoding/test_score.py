@@ -52,6 +52,29 @@ def test_raw_logprobs_match_transformers(hf_pair):
         assert s.raw_logprob_sum == pytest.approx(float(np.sum(got_tok)), abs=1e-4)
 
 
+def test_shipped_model_strings_in_context():
+    from transformers import AutoModelForCausalLM
+
+    from logitloop.models.loading import SHIPPED_MODEL_DIR
+
+    model = ll.load_pretrained(dtype=jnp.float32)
+    tok = model.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL_DIR, dtype=torch.float32).eval()
+    pairs = [("The quick brown fox ", "jumps over the lazy dog."), ("Question: 2+2=", " 4")]
+    out = ll.score(model, [p for p, _ in pairs], [c for _, c in pairs])
+    for (ctx, cont), s in zip(pairs, out, strict=True):
+        # lm-evaluation-harness's split: the context's trailing space moves to the
+        # continuation, whose ids are those of the whole text after the context's.
+        p_ids = tok.encode(ctx.rstrip())
+        c_ids = tok.encode(ctx + cont)[len(p_ids) :]
+        assert s.prompt_token_ids == p_ids and s.token_ids == c_ids
+        want = hf_scores(hf, p_ids, c_ids)
+        np.testing.assert_allclose(
+            s.raw_logprobs, want[np.arange(len(c_ids)), c_ids], rtol=0, atol=1e-5
+        )
+        assert s.text == tok.decode(c_ids)
+
+
 def _table_apply(table, tokens, positions, cache):
     """Logits = table[token fed] for every column: a model whose logits are known."""
     del positions
