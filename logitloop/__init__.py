@@ -7,6 +7,7 @@ out = ll.sample(logits, params, positions)
 
 from logitloop.conversation import chat, stream_chat
 from logitloop.decoding.batching import Request, generate_many, iter_generate_many
+from logitloop.decoding.beam import Beam, beam_search
 from logitloop.decoding.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.history import History
 from logitloop.decoding.loop import DecodeState
@@ -28,6 +29,7 @@ from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
 __all__ = [
+    "Beam",
     "STATUS_ALL_MASKED",
     "STATUS_BAD_LOGITS",
     "STATUS_OK",
@@ -48,6 +50,7 @@ __all__ = [
     "StreamEvent",
     "TopLogprobs",
     "TypicalP",
+    "beam_search",
     "chat",
     "generate",
     "generate_many",
