@@ -108,7 +108,7 @@ def test_matches_transformers_matrix(pair, num_beams, length_penalty, early_stop
 def test_one_beam_is_greedy_generate(pair):
     case, _, model, stop = pair
     if case != "llama":
-        pytest.skip("one model suffices: the rule is the model's business")
+        pytest.skip("a property of the rule, not of the model: the Llama case checks it")
     prompts = random_prompts(model.config.vocab_size, [6, 2, 4], seed=14)
     params = ll.SamplingParams.create(
         3, temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], logprobs=0
