@@ -190,22 +190,18 @@ def test_score_what_generate_drew_is_identical(llama):
 
 def test_score_what_generate_drew(llama):
     """The default mode: other shapes, so float32 rounding apart (the deterministic test
-    above, `-m slow`, checks bit identity)."""
+    above, `-m slow`, checks bit identity). And `prompt_logprobs`: the prompts' scores."""
     params = _gen_params()
-    gen = ll.generate(llama, GEN_PROMPTS, params, ignore_eos=True)
+    gen = ll.generate(llama, GEN_PROMPTS, params, ignore_eos=True, prompt_logprobs=2)
     out = ll.score(llama, GEN_PROMPTS, gen.token_ids, params)
     for r, s in enumerate(out):
         np.testing.assert_allclose(s.raw_logprobs, gen.raw_logprobs[r], rtol=0, atol=1e-5)
         np.testing.assert_allclose(s.logprobs, gen.logprobs[r], rtol=0, atol=1e-5)
-
-
-def test_generate_prompt_logprobs_are_the_prompts_scores(llama):
-    prompts = [[3, 4, 5, 6], [9]]
-    params = ll.SamplingParams.create(2, temperature=0.0, max_tokens=2)
-    gen = ll.generate(llama, prompts, params, prompt_logprobs=2, n=1)
-    direct = ll.score(llama, [[3]], [[4, 5, 6]], top_logprobs=2)[0]
-    assert gen.prompt_logprobs[0] == direct
-    assert gen.prompt_logprobs[1].token_ids == [] and gen.prompt_logprobs[1].top_logprobs == []
+    direct = ll.score(llama, [p[:1] for p in GEN_PROMPTS[:2]], [p[1:] for p in GEN_PROMPTS[:2]],
+                      top_logprobs=2)  # fmt: skip
+    assert gen.prompt_logprobs[:2] == direct
+    assert len(direct[1].top_logprobs[0]) == 2
+    assert gen.prompt_logprobs[2].token_ids == [] and gen.prompt_logprobs[2].top_logprobs == []
 
 
 def test_batches_and_progress_do_not_change_scores(llama):
