@@ -95,6 +95,8 @@ class BeamState:
     pool_len: jax.Array  # [n, K] i32
     pool_finished: jax.Array  # [n, K] bool, the slot holds a hypothesis
     open: jax.Array  # [n] bool, the prompt may still take hypotheses (heuristic)
+    beams: jax.Array  # [n] i32, the prompt's own beam count b <= K (rows and slots past it
+    # are dead: sums -inf, pool slots never read)
 
 
 def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -113,7 +115,10 @@ def _select(
     positive_penalty: jax.Array,  # [] bool
 ) -> tuple[BeamState, jax.Array, jax.Array]:
     """One step of the rule (module docstring) on the logits in `s`: the new running beams
-    and pool, and each new row's parent row [R] and token [R]."""
+    and pool, and each new row's parent row [R] and token [R].
+
+    A prompt with b < K beams sees what a search of b beams would: its first
+    `num_candidates * b / K` candidates, its first b pool slots; its other rows stay dead."""
     n, k, buf = s.tokens.shape
     rows, vocab = s.logits.shape
     raw_max, raw_norm, _ = raw_normalizer(s.logits)
@@ -129,17 +134,22 @@ def _select(
     seqs = seqs.at[:, :, s.step].set(tok)
     stop_ids = params.stop_token_ids.reshape(n, k, -1)[:, 0]  # [n, Ns]
     ends = jnp.any(tok[:, :, None] == stop_ids[:, None, :], axis=2) | (s.step + 1 >= max_tokens)
+    rank = jnp.arange(num_candidates)[None, :]  # [1, C]
+    cand_ok = rank < (num_candidates // k) * s.beams[:, None]  # [n, C]
+    slot_ok = jnp.arange(k)[None, :] < s.beams[:, None]  # [n, K]
 
-    # Running beams: the best K candidates that do not end.
-    run_vals, run_idx = jax.lax.top_k(vals + ends.astype(jnp.float32) * MASK, k)
+    # Running beams: the best b candidates that do not end.
+    running = jnp.where(cand_ok, vals + ends.astype(jnp.float32) * MASK, -jnp.inf)
+    run_vals, run_idx = jax.lax.top_k(running, k)
+    run_vals = jnp.where(slot_ok, run_vals, -jnp.inf)
     new_parent = jnp.take_along_axis(parent, run_idx, axis=1)  # [n, K]
     new_tok = jnp.take_along_axis(tok, run_idx, axis=1)
 
     # The pool: the first K candidates that end, length-normalised.
-    first_k = jnp.arange(num_candidates) < k
-    just_done = ends & first_k[None, :]
+    just_done = ends & (rank < s.beams[:, None])
     cand = vals / penalty[s.step + 1]
-    full = jnp.all(s.pool_finished, axis=1, keepdims=True) & (early_stopping is True)
+    pool_full = jnp.all(s.pool_finished | ~slot_ok, axis=1, keepdims=True)
+    full = pool_full & (early_stopping is True)
     cand = cand + full.astype(jnp.float32) * MASK
     cand = cand + (~s.open)[:, None].astype(jnp.float32) * MASK
     cand = cand + (~just_done).astype(jnp.float32) * MASK
@@ -153,11 +163,12 @@ def _select(
     step = s.step + 1
     best_len = jnp.where((early_stopping == "never") & positive_penalty, max_tokens, step)
     best = run_vals[:, 0] / penalty[best_len]
-    worst = jnp.where(pool_finished, jnp.min(pool_scores, axis=1, keepdims=True), MASK)
-    still_open = s.open & jnp.any(best[:, None] > worst, axis=1)
-    going = jnp.any(still_open) & ~jnp.all(ends)
+    lowest = jnp.min(jnp.where(slot_ok, pool_scores, jnp.inf), axis=1, keepdims=True)
+    worst = jnp.where(pool_finished, lowest, MASK)
+    still_open = s.open & jnp.any((best[:, None] > worst) & slot_ok, axis=1)
+    going = jnp.any(still_open) & ~jnp.all(ends | ~cand_ok)
     if early_stopping is True:
-        going = going & ~jnp.all(pool_finished)
+        going = going & ~jnp.all(pool_finished | ~slot_ok)
     s = s.replace(
         step=step,
         going=going,
@@ -187,6 +198,7 @@ def search(
     penalty: jax.Array,  # [N + 1] f32
     max_tokens: jax.Array,  # [] i32
     positive_penalty: jax.Array,  # [] bool
+    beams: jax.Array,  # [n] i32, each prompt's beam count, at most num_beams
     *,
     num_beams: int,
     num_candidates: int,
@@ -198,26 +210,31 @@ def search(
     k = num_beams
     logits, cache = forward_prompt(runner, weights, prompt, positions, plen + buf)
 
-    def beams(x):  # [n, ...] -> [n * K, ...], each prompt's row K times
+    def per_beam(x):  # [n, ...] -> [n * K, ...], each prompt's row K times
         return jnp.repeat(x, k, axis=0)
 
     rows = n * k
-    row_prompt_len = beams(prompt_len)
+    row_prompt_len = per_beam(prompt_len)
     state = BeamState(
         step=jnp.zeros((), jnp.int32),
         going=jnp.ones((), bool),
-        logits=beams(logits.astype(jnp.float32)),
-        cache=jax.tree.map(beams, cache),
-        history=jax.tree.map(beams, history),
+        logits=per_beam(logits.astype(jnp.float32)),
+        cache=jax.tree.map(per_beam, cache),
+        history=jax.tree.map(per_beam, history),
         processor_states=procs.init_states(params.processors, rows, logits.shape[1]),
         tokens=jnp.full((n, k, buf), -1, jnp.int32),
         # Only the first beam is live at first, so that the K copies give distinct beams.
-        sums=jnp.where(jnp.arange(k) == 0, 0.0, MASK)[None, :].repeat(n, axis=0),
+        sums=jnp.where(
+            jnp.arange(k)[None, :] < beams[:, None],
+            jnp.where(jnp.arange(k) == 0, 0.0, MASK)[None, :],
+            -jnp.inf,
+        ),
         pool_tokens=jnp.full((n, k, buf), -1, jnp.int32),
         pool_scores=jnp.full((n, k), MASK, jnp.float32),
         pool_len=jnp.zeros((n, k), jnp.int32),
         pool_finished=jnp.zeros((n, k), bool),
         open=jnp.ones((n,), bool),
+        beams=beams.astype(jnp.int32),
     )
 
     def body(s: BeamState) -> BeamState:
@@ -260,7 +277,7 @@ def beam_search(
     model: Any,
     prompts: Sequence[Any],
     *,
-    num_beams: int,
+    num_beams: int | Sequence[int],
     max_tokens: int,
     length_penalty: float = 1.0,
     early_stopping: bool | str = True,
@@ -292,12 +309,23 @@ def beam_search(
     `processors` user processors, all applied to the log-probabilities as transformers
     applies logits processors in beam search. The whole search is one compiled
     `lax.while_loop` over n * num_beams rows.
+
+    `num_beams` may be a list, one count per prompt: each prompt then gets what a search
+    with its own count gives (rows past it stay idle in the batch of `max(num_beams)`).
     """
     info = model_info(model, deterministic=deterministic)
     ids = tokenize_prompts(prompts, info)
     n = len(ids)
-    k = check_count("num_beams", num_beams, 1, info.vocab_size)
-    check_count("num_return_sequences", num_return_sequences, 1, k)
+    if isinstance(num_beams, (list, tuple, np.ndarray)):
+        if len(num_beams) != n:
+            raise ValueError(f"num_beams has {len(num_beams)} entries but there are {n} prompts")
+        beams = [
+            check_count(f"num_beams[{r}]", b, 1, info.vocab_size) for r, b in enumerate(num_beams)
+        ]
+    else:
+        beams = [check_count("num_beams", num_beams, 1, info.vocab_size)] * n
+    k = max(beams)
+    check_count("num_return_sequences", num_return_sequences, 1, min(beams))
     check_count("max_tokens", max_tokens, 1)
     check_count("min_tokens", min_tokens, 0, max_tokens)
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
@@ -323,7 +351,7 @@ def beam_search(
     state = search(
         info.runner, info.weights, batch.prompt, batch.positions, batch.lengths, batch.history,
         params.samples(k).device_only(), _length_penalties(buf, float(length_penalty)),
-        np.int32(max_tokens), np.bool_(length_penalty > 0),
+        np.int32(max_tokens), np.bool_(length_penalty > 0), np.asarray(beams, np.int32),
         num_beams=k, num_candidates=num_candidates,
         early_stopping=early_stopping if isinstance(early_stopping, str) else bool(early_stopping),
     )  # fmt: skip

@@ -107,6 +107,27 @@ def test_matches_transformers_matrix(pair, num_beams, length_penalty, early_stop
     check_against_hf(pair, num_beams, length_penalty, early_stopping)
 
 
+def test_beam_count_per_prompt(pair):
+    """Each prompt's own count: what transformers' search with that count gives."""
+    case, hf, model, stop = pair
+    if case != "llama":
+        pytest.skip("a property of the rule, not of the model: the Llama case checks it")
+    prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS, seed=12)
+    counts = [2, 4, 3]
+    ours = ll.beam_search(
+        model, prompts, num_beams=counts, max_tokens=MAX_TOKENS, length_penalty=0.5,
+        num_return_sequences=2, stop_token_ids=[stop], ignore_eos=True,
+    )  # fmt: skip
+    for prompt, count, beams in zip(prompts, counts, ours, strict=True):
+        seqs, scores = hf_beams(
+            hf, prompt, stop=stop, num_beams=count, length_penalty=0.5, early_stopping=True,
+            num_return=2,
+        )  # fmt: skip
+        for beam, seq, score in zip(beams, seqs, scores, strict=True):
+            assert beam.token_ids == seq[: len(beam.token_ids)]
+            assert beam.score == pytest.approx(score, abs=1e-4)
+
+
 def test_one_beam_is_greedy_generate(pair):
     case, _, model, stop = pair
     if case != "llama":
@@ -138,6 +159,8 @@ def small():
         (dict(num_beams=0), r"num_beams = 0 is outside the allowed range \[1, 160\]"),
         (dict(num_beams=161), r"num_beams = 161 is outside the allowed range \[1, 160\]"),
         (dict(num_beams=2, num_return_sequences=3), r"num_return_sequences = 3 .* \[1, 2\]"),
+        (dict(num_beams=[2, 3]), r"num_beams has 2 entries but there are 1 prompts"),
+        (dict(num_beams=[0]), r"num_beams\[0\] = 0 is outside the allowed range \[1, 160\]"),
         (dict(num_beams=2, length_penalty=float("nan")), r"length_penalty = nan is not finite"),
         (dict(num_beams=2, early_stopping="sometimes"), r"early_stopping must be True, False"),
         (dict(num_beams=2, max_tokens=0), r"max_tokens = 0 is outside the allowed range"),
