@@ -8,7 +8,9 @@ out = ll.sample(logits, params, positions)
 from logitloop.compile_cache import CompileCache, enable_compile_cache
 from logitloop.conversation import chat, stream_chat
 from logitloop.decoding.engine.batching import Request, generate_many, iter_generate_many
+from logitloop.decoding.engine.beam import Beam, beam_search
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
+from logitloop.decoding.engine.score import ScoreResult, score
 from logitloop.decoding.loop.decode_loop import DecodeState
 from logitloop.decoding.loop.runner import FunctionModel
 from logitloop.decoding.loop.speculative import DraftModel, PromptLookup
@@ -28,6 +30,7 @@ from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
 __all__ = [
+    "Beam",
     "STATUS_ALL_MASKED",
     "STATUS_BAD_LOGITS",
     "STATUS_OK",
@@ -44,10 +47,12 @@ __all__ = [
     "Request",
     "SampleOutput",
     "SamplingParams",
+    "ScoreResult",
     "Step",
     "StreamEvent",
     "TopLogprobs",
     "TypicalP",
+    "beam_search",
     "chat",
     "enable_compile_cache",
     "generate",
@@ -58,5 +63,6 @@ __all__ = [
     "stream_chat",
     "sample",
     "sampling_distribution",
+    "score",
 ]
 __version__ = "0.1.0"

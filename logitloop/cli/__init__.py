@@ -5,6 +5,8 @@
     python -m logitloop generate --stream "Hello"
     logitloop explain "Once upon a time" --temperature 0.8 --top-p 0.9 --plot knobs.png
     logitloop chat --system "Answer briefly." --temperature 0.7
+    logitloop score --input pairs.jsonl --output scores.jsonl   (`run_score.py`)
+    logitloop generate "Translate:" --num-beams 4 --max-tokens 32   (`ll.beam_search`)
 
 `generate` takes prompts as arguments or from `--input FILE`:
 
@@ -148,6 +150,8 @@ def _run(argv: list[str]) -> int:
             from logitloop.cli import run_explain as command
         elif args.command == "chat":
             from logitloop.cli import run_chat as command
+        elif args.command == "score":
+            from logitloop.cli import run_score as command
         else:
             from logitloop.cli import run_generate as command
         return command.run(args)

@@ -57,12 +57,10 @@ def _parse_stop(text: str) -> str:
         if code[:1] in ("x", "u", "U") and len(code) > 1:
             value = int(code[1:], 16)
             if value > 0x10FFFF or 0xD800 <= value <= 0xDFFF:
-                raise argparse.ArgumentTypeError(
-                    f"{text!r}: \\{code} is not a Unicode character"
-                )
+                raise argparse.ArgumentTypeError(f"{text!r}: \\{code} is not a Unicode character")
             return chr(value)
         raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown escape \\{code}; the escapes are \\n \\t \\r \\0 \\\\ \\\" "
+            f'{text!r}: unknown escape \\{code}; the escapes are \\n \\t \\r \\0 \\\\ \\" '
             "\\' \\xHH \\uHHHH \\UHHHHHHHH (write \\\\ for a backslash)"
         )
 
@@ -209,9 +207,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling_flags(s, generation=True)
 
+    beams = gen.add_argument_group("beam search (ll.beam_search, transformers' rule)")
+    beams.add_argument(
+        "--num-beams",
+        type=int,
+        metavar="K",
+        help="beam search with K beams instead of sampling: each output line holds the best "
+        'beam (-n N: the N best) and its "score"; takes --max-tokens, --min-tokens, '
+        "--stop-token-id, --ban, --allow, --logit-bias and the penalties",
+    )
+    beams.add_argument(
+        "--length-penalty", type=float, default=1.0, metavar="X",
+        help="beam score = sum of logprobs / length ** X (default: 1.0)",
+    )  # fmt: skip
+    beams.add_argument(
+        "--early-stopping", choices=("true", "false", "never"), default="true",
+        help="when a prompt's beam search ends, as transformers' early_stopping (default: true)",
+    )  # fmt: skip
+
     _add_explain_parser(sub)
     _add_chat_parser(sub)
+    _add_score_parser(sub)
     return parser
+
+
+def _add_score_parser(sub) -> None:
+    sc = sub.add_parser(
+        "score",
+        help="log-probabilities of given continuations (ll.score)",
+        description="Score continuations given prompts: JSONL in, JSONL out (resumed).",
+        epilog=(
+            'Input lines: {"id", "prompt" or "prompt_token_ids", "continuation" '
+            'or "continuation_token_ids"}.\nOutput lines: {"id", "token_ids", '
+            '"raw_logprobs", "sum", "is_greedy", "is_argmax"} (+ "text", '
+            '"top_logprobs").\nAn existing output file is resumed: ids already in it are '
+            "skipped."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    io = sc.add_argument_group("input and output")
+    io.add_argument("-i", "--input", metavar="FILE", required=True, help="JSONL pairs; '-' = stdin")
+    io.add_argument(
+        "-o", "--output", metavar="FILE", help="JSONL results (default: stdout); resumed"
+    )
+    io.add_argument(
+        "--overwrite", action="store_true", help="start --output afresh instead of resuming"
+    )
+    io.add_argument(
+        "--batch-size", type=int, default=16, metavar="N", help="pairs per forward pass (16)"
+    )
+    io.add_argument(
+        "--top-logprobs", type=int, default=0, metavar="N", help="top-N raw alternatives (0)"
+    )
+    io.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    io.add_argument("--deterministic", action="store_true", help="batch-invariant scores (slower)")
+    _add_model_flags(sc)
 
 
 def _add_generation_config_flag(parser: argparse.ArgumentParser) -> None:

@@ -67,12 +67,16 @@ def run(args: argparse.Namespace) -> int:
         # A job written to --output can be resumed, in other batches: only the deterministic
         # mode makes each prompt's output independent of its batch (README, "The command line").
         args.deterministic = bool(args.output)
+    if args.num_beams is not None:
+        _check_beam_flags(args)
     check_model_folder(args.model)
     if args.draft_model:
         check_model_folder(args.draft_model)
 
     defaults = param_defaults()
-    base = {**checkpoint_defaults(args, show=not args.quiet), **base_knobs(args)}
+    # generation_config.json's settings are sampling settings, which beam search has none of.
+    recommended = {} if args.num_beams else checkpoint_defaults(args, show=not args.quiet)
+    base = {**recommended, **base_knobs(args)}
     base_params = row_params(base)
     if args.input is not None:
         items = read_items(args.input, base, defaults)
@@ -125,7 +129,9 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
         sink = TextOutput(headers=len(items) * args.n > 1)
     gen_started = time.perf_counter()
     with CompileWatch() as timer:
-        if args.stream:
+        if args.num_beams is not None:
+            tokens = _run_beams(args, model, todo, sink.write)
+        elif args.stream:
             tokens = _stream_one(model, todo[0], args.ignore_eos, args.deterministic, speculative)
         else:
             shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
@@ -201,6 +207,73 @@ def _run_requests(
         raise CLIError(f"{span(todo)}: {e}") from None
     finally:
         bar.close()
+    return tokens
+
+
+def _check_beam_flags(args) -> None:
+    """--num-beams with the flags it takes: no sampling, streaming or speculation."""
+    if args.num_beams < 1:
+        raise CLIError(f"--num-beams = {args.num_beams} is outside the allowed range [1, inf)")
+    if args.n > args.num_beams:
+        raise CLIError(f"-n = {args.n} is outside the allowed range [1, {args.num_beams}]")
+    if args.stream or args.speculative or args.draft_model:
+        raise CLIError("--num-beams takes no --stream, --speculative or --draft-model")
+    knobs = base_knobs(args)
+    for name in ("temperature", "top_k", "top_p", "min_p", "stop", "stop_sequences", "logprobs",
+                 "json_schema", "regex", "choice"):  # fmt: skip
+        if name in knobs:
+            raise CLIError(
+                f"--num-beams is deterministic: --{name.replace('_', '-')} does not apply"
+            )
+
+
+def _run_beams(args, model, todo: Sequence[Item], write) -> int:
+    """Beam search, `--batch-size` prompts at a time (consecutive prompts with the same
+    max_tokens); records in input order with each beam's "score". Returns the tokens."""
+    import numpy as np
+
+    import logitloop as ll
+    from logitloop.decoding.engine.host import GenerationResult
+
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+    tokens = 0
+    start = 0
+    while start < len(todo):
+        first = int(np.asarray(todo[start].params.max_tokens)[0])
+        end = start + 1
+        while (
+            end < len(todo)
+            and end - start < args.batch_size
+            and int(np.asarray(todo[end].params.max_tokens)[0]) == first
+        ):
+            end += 1
+        part = todo[start:end]
+        try:
+            beams = ll.beam_search(
+                model, [it.token_ids for it in part], num_beams=args.num_beams,
+                max_tokens=first, length_penalty=args.length_penalty, early_stopping=early,
+                num_return_sequences=args.n, ignore_eos=args.ignore_eos,
+                params=ll.SamplingParams.concat([it.params for it in part]),
+                deterministic=args.deterministic,
+            )  # fmt: skip
+        except ValueError as e:
+            raise CLIError(f"{span(part)}: {e}") from None
+        records = []
+        for item, found in zip(part, beams, strict=True):
+            result = GenerationResult(
+                token_ids=[b.token_ids for b in found],
+                finish_reason=[b.finish_reason for b in found],
+                stop_reason=[b.token_ids[-1] if b.finish_reason == "stop" else None for b in found],
+                num_tokens=[len(b.token_ids) for b in found],
+                prompt_token_ids=[item.token_ids] * len(found),
+                text=None if found[0].text is None else [b.text for b in found],
+            )
+            rec = record(item, result, args.n)
+            rec["score"] = found[0].score if args.n == 1 else [b.score for b in found]
+            records.append(rec)
+            tokens += sum(result.num_tokens)
+        write(records, args.n)
+        start = end
     return tokens
 
 

@@ -31,14 +31,21 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     stop_reason,
 )
 from logitloop.decoding.engine.plan import Options, Plan, plan
+from logitloop.decoding.engine.score import prompt_scores
 from logitloop.decoding.loop import speculative as speculation
 from logitloop.decoding.loop import stop_strings
 from logitloop.decoding.loop.decode_loop import RUNNING, DecodeState, Tables, decode
+from logitloop.decoding.sampling.checks import MAX_TOP_LOGPROBS
 from logitloop.decoding.sampling.params import SamplingParams
 
 
 def generate(
-    model: Any, prompts: Sequence[Any], params: SamplingParams, **options: Any
+    model: Any,
+    prompts: Sequence[Any],
+    params: SamplingParams,
+    *,
+    prompt_logprobs: int | None = None,
+    **options: Any,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
@@ -77,12 +84,22 @@ def generate(
     `speculative`: `ll.PromptLookup(...)` or `ll.DraftModel(...)` to decode speculatively
     (`logitloop.decoding.loop.speculative`): strict acceptance gives the same tokens, rejection
     acceptance the same distribution; `result.speculation` counts drafts per row.
+
+    `prompt_logprobs=n` (0..20): `result.prompt_logprobs[i]`, the `ll.score` of row i's
+    prompt tokens after its first (raw log-probabilities, argmax flags and n raw
+    alternatives per position: exactly `ll.score(model, [p[:1]], [p[1:]], top_logprobs=n)`).
     """
+    if prompt_logprobs is not None:
+        check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     run = _start(plan(model, Options.of("generate", options)), prompts, params)
     state = decode(run.plan.program, run.tables, run.state, jnp.asarray(2**30, jnp.int32))
     result = collect(run.plan.layout.host_view(state).outputs(), run.ids, run.params, run.info)
     if run.plan.program.speculative is not None:
         result.speculation = speculation.stats(state.speculation, len(run.ids))
+    if prompt_logprobs is not None:
+        o = run.plan.options
+        scores = prompt_scores(model, run.ids[:: o.n], prompt_logprobs, o.mesh, o.deterministic)
+        result.prompt_logprobs = [s for s in scores for _ in range(o.n)]
     return result
 
 

@@ -84,6 +84,8 @@ class GenerationResult:
     error: list[str | None] | None = None
     # with `speculative=`: per row {"cycles", "proposed", "drafted", "accepted"} (`stats`)
     speculation: list[dict[str, int]] | None = None
+    # with `prompt_logprobs=`: per row the `ll.score` (`ScoreResult`) of its prompt tokens
+    prompt_logprobs: list[Any] | None = None
 
 
 # ----------------------------------------------------------------------------- host side

@@ -118,6 +118,23 @@ class Processed:
         return status.astype(jnp.int32)
 
 
+def raw_normalizer(raw: jax.Array, axes: Axes = SINGLE) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The raw log-softmax's parts over the last axis of float32 logits `raw` [..., V]:
+    (max, log-sum, bad), each [...]; `log_softmax(raw)[t] = (raw[t] - max) - log_sum`.
+
+    bad: the row holds NaN or +inf (its max is then 0). `adjust_logits` and `ll.score` take
+    a token's raw log-probability from these, so the two agree bit for bit."""
+    raw_max = axes.max(jnp.max(raw, axis=-1))
+    shift = jnp.where(jnp.isfinite(raw_max), raw_max, 0.0)
+    # Kept relative to the max: at |logits| ~ 1e4 an absolute logsumexp loses ~1e-3.
+    raw_sum = axes.sum(jnp.sum(jnp.exp(raw - shift[..., None]), axis=-1))
+    # Bad rows, found without a pass of their own: a sum propagates NaN (a vectorised max on
+    # XLA:CPU may skip it), and +inf is the max or, where a NaN hid it, a NaN in the sum.
+    # Finite rows sum to >= 1 and all -inf rows to 0, so neither looks bad.
+    bad = jnp.isnan(raw_sum) | (raw_max == jnp.inf)
+    return jnp.where(bad, 0.0, shift), jnp.log(raw_sum), bad
+
+
 def adjust_logits(
     logits: jax.Array,
     params: SamplingParams,
@@ -139,16 +156,7 @@ def adjust_logits(
     """
     raw = logits.astype(jnp.float32)
     width = raw.shape[1]
-    raw_max = axes.max(jnp.max(raw, axis=1))  # [B]
-    shift = jnp.where(jnp.isfinite(raw_max), raw_max, 0.0)
-    # Kept relative to the max: at |logits| ~ 1e4 an absolute logsumexp loses ~1e-3.
-    raw_sum = axes.sum(jnp.sum(jnp.exp(raw - shift[:, None]), axis=1))
-    # Bad rows, found without a pass of their own: a sum propagates NaN (a vectorised max on
-    # XLA:CPU may skip it), and +inf is the max or, where a NaN hid it, a NaN in the sum.
-    # Finite rows sum to >= 1 and all -inf rows to 0, so neither looks bad.
-    bad = jnp.isnan(raw_sum) | (raw_max == jnp.inf)
-    raw_max = jnp.where(bad, 0.0, shift)
-    raw_norm = jnp.log(raw_sum)
+    raw_max, raw_norm, bad = raw_normalizer(raw, axes)
 
     def local(ids):
         return axes.local_ids(ids, width)
