@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import inspect
 import os
 import platform
 import statistics
@@ -516,18 +517,17 @@ def paged(ck: Check, row: Row) -> None:
         row.add("logitloop/ops/attention/paged.py does not exist in this checkout")
         return
     paged_kernel(ck, row, paged_ops)
+    if "kv_cache_tokens" not in inspect.signature(ll.generate_many).parameters:
+        row.add("generate_many(kv_cache_tokens=): not landed")
 
 
 def paged_kernel(ck: Check, row: Row, paged_ops) -> None:
-    """The paged decode kernel against its gather reference at one decode shape (jax's
-    layout: q [B, H, D], pages [Hkv, P, page, D], tables [B, pages per row], lengths [B])."""
+    """One decode step's attention over a paged cache (the layout of `paged.py`: q [B, H,
+    D], pages [Hkv, pages, page_size, D], tables [B, pages per row], lengths [B]), pages
+    in random order, lengths uniform in 1 .. pages per row * page_size: the Pallas kernel
+    (a GPU's; interpreted on a CPU; not on a TPU) and the XLA path (`backend="xla"`)
+    against the gather reference, timed, and the floor: the live keys and values once."""
     p = ck.shapes.paged
-    kernel = getattr(paged_ops, "paged_attention", None)
-    reference = getattr(paged_ops, "paged_attention_reference", None)
-    if kernel is None or reference is None:
-        row.status = "error"
-        row.add(f"paged.py has no paged_attention/paged_attention_reference: {dir(paged_ops)}")
-        return
     b, h, hkv, d = p["batch"], p["heads"], p["kv_heads"], p["head_dim"]
     page, per_row = p["page_size"], p["pages_per_row"]
     pages = b * per_row
@@ -540,21 +540,30 @@ def paged_kernel(ck: Check, row: Row, paged_ops) -> None:
     tables = jnp.asarray(rng.permutation(pages).reshape(b, per_row), jnp.int32)
     lengths = jnp.asarray(rng.integers(1, per_row * page + 1, b), jnp.int32)
     args = (q, k_pages, v_pages, tables, lengths)
-    run_kernel = lambda: kernel(*args, interpret=ck.interpret)  # noqa: E731
-    run_ref = jax.jit(reference)
-    err = float(
-        jnp.max(jnp.abs(run_kernel().astype(jnp.float32) - run_ref(*args).astype(jnp.float32)))
-    )
-    t_kernel = median_time(run_kernel, ck.shapes.repeats, warmup=1)
-    t_ref = median_time(lambda: run_ref(*args), ck.shapes.repeats, warmup=1)
+    want = paged_ops.paged_attention_reference(*args, scale=d**-0.5)
+    runs = {"reference": lambda: paged_ops.paged_attention_reference(*args, scale=d**-0.5)}
+    runs["xla"] = jax.jit(lambda *a: paged_ops.paged_attention(*a, backend="xla"))
+    if ck.backend in ("gpu", "cpu"):
+        runs["kernel"] = jax.jit(
+            lambda *a: paged_ops.paged_attention(*a, backend="pallas", interpret=ck.interpret)
+        )
     bw, _ = ck.floor_bandwidth()
-    floor = int(jnp.sum(lengths)) * hkv * d * 2 * 2 / bw  # the live keys and values, once
-    row.add(
-        f"kernel {t_kernel * 1e6:.0f} us, reference {t_ref * 1e6:.0f} us, "
-        f"floor {floor * 1e6:.1f} us; max |kernel - reference| {err:.1e}"
-    )
-    if not err <= 2e-2:
-        row.fail("kernel differs from the reference by more than 2e-2 (bf16)")
+    floor = int(jnp.sum(lengths)) * hkv * d * 2 * 2 / bw  # keys and values, bfloat16
+    times = []
+    for name, run in runs.items():
+        ck.check_time()
+        got = run() if name == "reference" else run(*args)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        call = run if name == "reference" else (lambda run=run: run(*args))
+        seconds = median_time(call, ck.shapes.repeats, warmup=1)
+        times.append(f"{name} {seconds * 1e6:.0f} us ({seconds / floor:.1f}x floor)")
+        if name != "reference" and not err <= 2e-2:
+            row.fail(f"{name} differs from the reference by {err:.1e} (> 2e-2, bfloat16)")
+    row.add(", ".join(times) + f"; floor {floor * 1e6:.1f} us")
+    if row.status == "ok":
+        row.add(f"{' and '.join(n for n in runs if n != 'reference')} = reference within 2e-2")
+    if "kernel" not in runs:
+        row.add("kernel: n/a on TPU (a Triton kernel)")
 
 
 RUN = dict(
