@@ -142,6 +142,9 @@ SMOKE = Shapes(
 )
 
 
+# Where full runs keep their compiled programs (JAX's persistent cache), unless
+# JAX_COMPILATION_CACHE_DIR names another folder.
+COMPILE_CACHE = Path.home() / ".cache" / "logitloop" / "device_check"
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
@@ -273,6 +276,8 @@ def environment(ck: Check, row: Row) -> None:
         f"deterministic products -> {fixed_order.tile_kernel(True) or 'XLA dots in fixed tiles'}"
     )
     row.add(f"attention -> {attention_choice(model_info(ck.model('tiny')))}")
+    cache = jax.config.jax_compilation_cache_dir
+    row.add(f"compile cache {cache}" if cache else "no compile cache")
     if not ck.smoke and ck.backend == "cpu":
         row.fail("no accelerator: jax runs on its CPU backend (run --smoke here)")
 
@@ -652,6 +657,10 @@ def main(argv=None) -> int:
         if jax.default_backend() != "gpu":
             os.environ.setdefault("LOGITLOOP_TILE_KERNEL", "interpret")
     shapes = SMOKE if args.smoke else FULL
+    if not args.smoke and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        # A rerun in the same window (after a fix, or a run cut short) reads its programs
+        # back instead of compiling them again.
+        jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
     budget = args.budget_s or (80.0 if args.smoke else float(sum(ESTIMATE_S.values())))
 
     ck = Check(shapes, args.smoke)

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.subprocess_env import jax_cache_env
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -21,7 +19,7 @@ import device_check  # noqa: E402 - a script, importable once scripts/ is on the
 
 def test_smoke_run_writes_every_sections_row(tmp_path):
     out = tmp_path / "check.md"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **jax_cache_env(str(tmp_path / "jax_cache")))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run(
         # A budget no loaded machine exhausts: this test is about every row, and the
