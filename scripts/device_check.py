@@ -217,7 +217,7 @@ class Check:
                 import bench_gpu_sampler  # noqa: PLC0415 - a sibling script
 
                 mib = self.shapes.copy_mib
-                self.bandwidth = bench_gpu_sampler.copy_bandwidth(mib, self.shapes.repeats)
+                self.bandwidth = bench_gpu_sampler.copy_bandwidth(mib, 5)
                 self.bandwidth_source = f"{mib} MiB copy measured"
         return self.bandwidth, self.bandwidth_source
 
@@ -249,7 +249,8 @@ def _draw(leaves: list[jax.Array]) -> list[jax.Array]:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes in GiB, or MiB below one GiB (the smoke's sizes)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
 
 
 def nbytes(tree) -> int:
@@ -270,7 +271,7 @@ def environment(ck: Check, row: Row) -> None:
     mem = ck.memory()
     row.add(f"memory {gib(mem['bytes_limit'])}" if "bytes_limit" in mem else "memory: not reported")
     bw, source = ck.floor_bandwidth()
-    row.add(f"floor bandwidth {bw / 1e9:.0f} GB/s ({source})")
+    row.add(f"floor bandwidth {bw / 1e9:.3g} GB/s ({source})")
     row.add(f"sampling auto -> {dispatch.resolve_backend('auto')}")
     row.add(
         f"deterministic products -> {fixed_order.tile_kernel(True) or 'XLA dots in fixed tiles'}"
@@ -405,7 +406,7 @@ def prefill(ck: Check, row: Row) -> None:
     logits = compiled(info.weights, prompt, positions)
     row.add(f"{seconds:.2f} s ({tokens / seconds:.0f} tok/s; first run {first:.2f} s)")
     if flops:
-        row.add(f"{flops / seconds / 1e12:.1f} TFLOP/s of XLA's {flops / 1e12:.1f} TFLOP")
+        row.add(f"{flops / seconds / 1e12:.3g} TFLOP/s of XLA's {flops / 1e12:.3g} TFLOP")
     peak = ck.memory().get("peak_bytes_in_use")
     row.add(f"device peak {gib(peak)} (process so far)" if peak else "device peak: not reported")
     if not np.isfinite(np.asarray(logits, np.float32)).all():
