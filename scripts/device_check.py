@@ -94,6 +94,12 @@ HBM_BANDWIDTH = (
 )
 
 
+def hbm_bandwidth(device_kind: str) -> float | None:
+    """Bytes/s of a device kind's HBM (`HBM_BANDWIDTH`), or None for a kind not there."""
+    known = [bw for name, bw in HBM_BANDWIDTH if name.lower() in device_kind.lower()]
+    return known[0] if known else None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Shapes:
     """Every size the sections use: `FULL` on an accelerator, `SMOKE` on a CPU."""
@@ -210,9 +216,9 @@ class Check:
         device-to-device copy measured here."""
         if self.bandwidth is None:
             kind = self.device.device_kind
-            known = [bw for name, bw in HBM_BANDWIDTH if name.lower() in kind.lower()]
+            known = hbm_bandwidth(kind)
             if known and self.backend != "cpu":
-                self.bandwidth, self.bandwidth_source = known[0], f"{kind} HBM"
+                self.bandwidth, self.bandwidth_source = known, f"{kind} HBM"
             else:
                 import bench_gpu_sampler  # noqa: PLC0415 - a sibling script
 

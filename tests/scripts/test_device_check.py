@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,3 +70,33 @@ def test_sections_by_name_or_number_in_table_order():
     assert device_check.parse_sections(["7,1", "decode"]) == ["environment", "decode", "paged"]
     with pytest.raises(SystemExit, match="'8' is not one of"):
         device_check.parse_sections(["8"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "bandwidth"),
+    [
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA H100 80GB HBM3", 3.35e12),
+        ("NVIDIA H100 PCIe", 2.0e12),
+        ("NVIDIA A100-SXM4-80GB", 2.0e12),
+        ("TPU v5 lite", 0.82e12),
+        ("TPU v5", 2.76e12),
+        ("TPU v6 lite", 1.64e12),
+        ("NVIDIA L4", None),
+    ],
+)
+def test_bandwidth_by_device_kind(kind, bandwidth):
+    assert device_check.hbm_bandwidth(kind) == bandwidth
+
+
+def test_a_prompt_pass_the_device_cannot_hold_is_reported_not_run(monkeypatch):
+    """What a CPU never reaches: the table's bandwidth on a known GPU, and a prompt pass
+    whose XLA memory analysis exceeds the device's memory (here 1 MiB), not run."""
+    ck = device_check.Check(device_check.SMOKE, smoke=True)
+    gpu = SimpleNamespace(device_kind="NVIDIA H200", memory_stats=lambda: {"bytes_limit": 2**20})
+    monkeypatch.setattr(ck, "device", gpu)
+    monkeypatch.setattr(ck, "backend", "gpu")
+    assert ck.floor_bandwidth() == (4.8e12, "NVIDIA H200 HBM")
+    row = device_check.run_section(ck, 4, "prefill", 600.0)
+    assert row.status == "n/a", row.markdown()
+    assert "not run: needs" in row.parts[-1] and "MiB > 1 MiB on the device" in row.parts[-1]
