@@ -58,6 +58,8 @@ MODELS = {
     # ~41.7M parameters with tied embeddings.
     "llama-40m": dict(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1376, vocab=32000),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512),
+    # Llama 3.2 1B's shapes (tied embeddings): ~1.24B parameters.
+    "llama-1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
 }
 
 
@@ -409,6 +411,28 @@ def long_buffers(buffers: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+def mode_rates(model, prompts, new_tokens: int, repeats: int, modes) -> tuple[dict, dict, bool]:
+    """Greedy `generate` under each `deterministic=` value of `modes` (the first is the
+    baseline), alternating, repeat by repeat: the median tokens per second of each, the
+    seconds of each one's first call (compilation included), and whether every mode's
+    tokens equal the first's."""
+    batch = len(prompts)
+    params = ll.SamplingParams.create(batch_size=batch, temperature=0.0, max_tokens=new_tokens)
+
+    def run(det):
+        return ll.generate(model, prompts, params, ignore_eos=True, deterministic=det)
+
+    compile_s = {det: first_call(lambda det=det: run(det).num_tokens) for det in modes}
+    times = {det: [] for det in modes}
+    for _ in range(repeats):
+        for det in modes:
+            times[det].append(first_call(lambda det=det: run(det).num_tokens))
+    rate = {det: batch * new_tokens / statistics.median(t) for det, t in times.items()}
+    first = run(modes[0]).token_ids
+    same = all(run(det).token_ids == first for det in modes[1:])
+    return rate, compile_s, same
+
+
 def deterministic_cost(prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
     """Tokens per second of deterministic and default `generate`, alternating."""
     rows = []
@@ -421,22 +445,8 @@ def deterministic_cost(prompt_len: int, new_tokens: int, repeats: int) -> list[d
         for batch in (1, 8):
             rng = np.random.default_rng(batch)
             prompts = rng.integers(1, vocab, (batch, prompt_len)).tolist()
-            params = ll.SamplingParams.create(
-                batch_size=batch, temperature=0.0, max_tokens=new_tokens
-            )
-
-            def run(det, prompts=prompts, params=params, model=model):
-                return ll.generate(model, prompts, params, ignore_eos=True, deterministic=det)
-
             modes = (False, True, "model-parallel")
-            compile_s = {det: first_call(lambda det=det: run(det).num_tokens) for det in modes}
-            times = {det: [] for det in modes}
-            for _ in range(repeats):
-                for det in modes:
-                    times[det].append(first_call(lambda det=det: run(det).num_tokens))
-            rate = {det: batch * new_tokens / statistics.median(t) for det, t in times.items()}
-            default = run(False).token_ids
-            same = all(run(det).token_ids == default for det in modes[1:])
+            rate, compile_s, same = mode_rates(model, prompts, new_tokens, repeats, modes)
             rows.append(
                 {
                     "model": name,

@@ -79,11 +79,10 @@ def inputs(batch: int, vocab: int, kind: str = "normal", seed: int = 0):
     return tuple(jnp.asarray(a) for a in args)
 
 
-def compare(args) -> dict:
+def compare(args, interpret: bool = False) -> dict:
     """Mismatches between the kernel and the XLA path on one batch."""
-    (got, got_thr), (want, want_thr) = jax.tree.map(
-        np.asarray, (pallas.filter_and_sample_pallas(*args), xla_path(*args))
-    )
+    kernel = pallas.filter_and_sample_pallas(*args, interpret=interpret)
+    (got, got_thr), (want, want_thr) = jax.tree.map(np.asarray, (kernel, xla_path(*args)))
     x, sampled = np.asarray(args[0]), ~np.asarray(args[4])
     kept_rows = 0
     for name in ("top_k", "top_p", "min_p"):
@@ -126,6 +125,29 @@ def copy_bandwidth(mib: int, repeats: int) -> float:
     return 2 * a.nbytes / median_time(lambda: copy(a), repeats)
 
 
+def time_batch(
+    batch: int,
+    vocab: int,
+    repeats: int,
+    bandwidth: float,
+    *,
+    kernel: bool = True,
+    interpret: bool = False,
+) -> dict:
+    """Median seconds of the kernel (None when `kernel` is False: no GPU) and of the XLA
+    path on the mixed rows of one [batch, vocab] float32 batch, and the floor: one read of
+    the logits, batch * vocab * 4 bytes / `bandwidth` (bytes/s)."""
+    args = inputs(batch, vocab)
+    run = lambda: pallas.filter_and_sample_pallas(*args, interpret=interpret)  # noqa: E731
+    return dict(
+        batch=batch,
+        vocab=vocab,
+        kernel_s=median_time(run, repeats) if kernel else None,
+        xla_s=median_time(lambda: xla_path(*args), repeats),
+        floor_s=batch * vocab * 4 / bandwidth,
+    )
+
+
 def bench(batches, repeats: int, bandwidth: float, sweep: bool) -> list[dict]:
     rows = []
     print(
@@ -133,11 +155,9 @@ def bench(batches, repeats: int, bandwidth: float, sweep: bool) -> list[dict]:
         f"{'kernel/floor':>13}"
     )
     for batch in batches:
-        args = inputs(batch, VOCAB)
-        floor = batch * VOCAB * 4 / bandwidth
-        kernel = median_time(lambda a=args: pallas.filter_and_sample_pallas(*a), repeats)
-        ref = median_time(lambda a=args: xla_path(*a), repeats)
-        rows.append(dict(batch=batch, vocab=VOCAB, kernel_s=kernel, xla_s=ref, floor_s=floor))
+        row = time_batch(batch, VOCAB, repeats, bandwidth)
+        rows.append(row)
+        kernel, ref, floor = row["kernel_s"], row["xla_s"], row["floor_s"]
         print(
             f"{batch:>6} {kernel * 1e6:>10.1f} {ref * 1e6:>9.1f} {floor * 1e6:>9.1f} "
             f"{ref / kernel:>11.2f} {kernel / floor:>13.1f}"

@@ -93,8 +93,22 @@ def load(name: str, task: str = "doc"):
     from logitloop.models import LlamaModel
 
     model = LlamaModel(config(name), rngs=nnx.Rngs(0))
-    prompt = [int(t) for t in jax.random.randint(jax.random.key(1), (48,), 0, 32000)]
-    return model, prompt + prompt[:8]
+    return model, repeating_prompt(model.config.vocab_size)
+
+
+def repeating_prompt(vocab: int) -> list[int]:
+    """48 random token ids, then their first 8 again: a random model's copy-heavy task."""
+    prompt = [int(t) for t in jax.random.randint(jax.random.key(1), (48,), 0, vocab)]
+    return prompt + prompt[:8]
+
+
+def cycle_cost(seconds: float, plain_seconds: float, tokens: int, loop: tuple[int, int]) -> float:
+    """What one propose-verify cycle costs in plain steps: plain takes `tokens` - 1 steps
+    in `plain_seconds`; the speculative run took `seconds` for L loop iterations, S of them
+    cycles (`loop` = (L, S), from `run`), so seconds = step * (L - S + S * cost)."""
+    step = plain_seconds / (tokens - 1)
+    iterations, wide = loop
+    return 1 + (seconds / step - iterations) / max(wide, 1)
 
 
 def variants(draft, **switch):
@@ -194,11 +208,7 @@ def main(argv=None) -> None:
                 )
                 rows.append(row)
                 if args.cycle_cost and cyc is not None:
-                    # plain takes --tokens - 1 steps; the variant L iterations, S of them
-                    # cycles: cpu = step * (L - S + S * cost)
-                    step = plain_cpu / (args.tokens - 1)
-                    iterations, wide = loop
-                    row["cycle_cost"] = 1 + (cpu / step - iterations) / max(wide, 1)
+                    row["cycle_cost"] = cycle_cost(cpu, plain_cpu, args.tokens, loop)
                     print(
                         f"batch {batch} T={temp:<4} {name:<16} cycle cost "
                         f"{row['cycle_cost']:.2f} plain steps (CPU time), "

@@ -138,8 +138,8 @@ class TestSamplingKernel:
     def _needs_gpu(self):
         if not self.INTERPRET and jax.default_backend() != "gpu":
             pytest.skip(
-                "the compiled Pallas kernel needs a GPU: runs in scripts/gpu_check.sh on a GPU "
-                "machine (here, the Interpret subclass runs the same tests)"
+                "the compiled Pallas kernel needs a GPU: run on a GPU machine as "
+                "docs/device_check.md says (here, the Interpret subclass runs the same tests)"
             )
 
     def run(self, *args, **kwargs):
@@ -308,8 +308,8 @@ def test_kernel_compiles_for_h100_without_a_gpu():
     """XLA's Triton pipeline turns the kernel into sm_90 code for every block size."""
     if importlib.util.find_spec("jax_cuda12_plugin") is None:
         pytest.skip(
-            "compiling for CUDA needs jax-cuda12-plugin and ptxas: runs in scripts/gpu_check.sh "
-            "on a GPU machine"
+            "compiling for CUDA needs jax-cuda12-plugin and ptxas: run on a GPU machine as "
+            "docs/device_check.md says"
         )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(

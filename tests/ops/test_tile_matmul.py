@@ -4,7 +4,7 @@ On this CPU the kernel runs in interpret mode: its products against a float64 Nu
 reference, a row's bits alone against the same row at random places among random other
 rows (the property the kernel exists for), and lowering for CUDA, for the kernel and for a
 whole deterministic forward pass, whose every product must then be the kernel. The
-compiled kernel runs in `scripts/gpu_check.sh` on a GPU.
+compiled kernel runs on a GPU machine (docs/device_check.md).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_a_row_alone_equals_the_row_among_others(transposed, dtype):
 
 @pytest.mark.skipif(
     jax.default_backend() != "gpu",
-    reason="the compiled kernel needs a GPU: runs in scripts/gpu_check.sh on a GPU machine",
+    reason="the compiled kernel needs a GPU: run on a GPU machine (docs/device_check.md)",
 )
 class TestCompiledOnGPU:
     """The same checks with the kernel compiled, and generation with `deterministic=True`,
