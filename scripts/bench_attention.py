@@ -5,6 +5,7 @@
     python scripts/bench_attention.py prefill --tokens 512 2048 8192 32768
     python scripts/bench_attention.py generate --tokens 32768     # peak RSS, wall time
     python scripts/bench_attention.py cost --model llama-40m --batch 8 --tokens 64 512
+    python scripts/bench_attention.py short --batch 8 --tokens 64 512 --repeats 50
 
 `temp`: XLA's `memory_analysis().temp_size_in_bytes` of a compiled prompt pass (batch 1, a
 cache of as many slots as the prompt), compiled only, never run: the score matrices of the
@@ -20,6 +21,11 @@ resident memory (`resource.getrusage`) and the wall time, compilation included.
 prompt pass of `--tokens` columns and of one decode step, both over a cache of the prompt
 plus 128 slots, batch `--batch`: what the program does, which CPU wall time on shared
 cores does not show reliably.
+
+`short`: one layer's attention alone at llama-40m's heads (8 of 64), batch `--batch`, a
+cache of T + 128 slots: the dispatch's choice against the one-einsum reference, both in
+this process, call after call alternating (`--repeats` pairs; the median of the per-pair
+ratios), so the machine's drifts fall on both.
 
 Models: "issue" is issue 43's 2-layer Llama (hidden 512, 8 heads); "small" a 2-layer
 Llama with hidden 256, 8 query and 2 key/value heads; "llama-40m" bench_generate's
@@ -127,6 +133,49 @@ def run_cost(args) -> list[dict]:
     return rows
 
 
+def run_short(args) -> list[dict]:
+    from logitloop.ops import attention
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in args.tokens:
+        b, h, d, slots = args.batch, 8, 64, t + 128
+        q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+        k, v = (jnp.asarray(rng.standard_normal((b, h, slots, d)), jnp.float32) for _ in "kv")
+        mask = attention.Mask(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+        calls = {
+            name: functools.partial(
+                jax.jit(functools.partial(attention.attention, implementation=name)),
+                q,
+                k,
+                v,
+                mask,
+                d**-0.5,
+            )
+            for name in ("auto", "reference")
+        }
+        times = {name: [] for name in calls}
+        for _ in range(args.repeats + 1):  # the first pair compiles
+            for name, call in calls.items():
+                times[name].append(median_time(call, 1))
+        ratios = [a / r for a, r in zip(times["auto"][1:], times["reference"][1:], strict=True)]
+        row = dict(
+            tokens=t,
+            auto_ms=1e3 * float(np.median(times["auto"][1:])),
+            reference_ms=1e3 * float(np.median(times["reference"][1:])),
+            ratio=float(np.median(ratios)),
+            ratio_quartiles=[float(x) for x in np.quantile(ratios, [0.25, 0.75])],
+        )
+        rows.append(row)
+        print(
+            f"T={t:>5} auto {row['auto_ms']:8.3f} ms  reference {row['reference_ms']:8.3f} ms"
+            f"  auto/reference {row['ratio']:.3f} ({row['ratio_quartiles'][0]:.3f}-"
+            f"{row['ratio_quartiles'][1]:.3f})",
+            flush=True,
+        )
+    return rows
+
+
 def run_prefill(args) -> list[dict]:
     model = model_for("small")
     forward, state = prompt_pass(model)
@@ -165,7 +214,7 @@ def run_generate(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("temp", "prefill", "generate", "cost"))
+    parser.add_argument("mode", choices=("temp", "prefill", "generate", "cost", "short"))
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -173,7 +222,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
-    modes = dict(temp=run_temp, prefill=run_prefill, generate=run_generate, cost=run_cost)
+    modes = dict(
+        temp=run_temp, prefill=run_prefill, generate=run_generate, cost=run_cost, short=run_short
+    )
     rows = modes[args.mode](args)
     if args.out:
         with open(args.out, "w") as f:
