@@ -128,6 +128,47 @@ def test_cudnn_path_rolls_padding_and_falls_back_for_offsets():
             np.testing.assert_allclose(np.asarray(got)[real], want[real], atol=2e-5)
 
 
+def test_gradients_through_blockwise_equal_the_reference():
+    """Training (`scripts/train_tiny.py`) differentiates through the model's prompt pass:
+    through the loops and the skipped blocks' conditionals."""
+    rng = np.random.default_rng(5)
+    b, t, h, hkv, d = 2, 70, 4, 2, 8
+    q, k, v = (jnp.asarray(a) for a in _qkv(rng, b, t, h, hkv, t, d))
+    mask = ops.Mask(jnp.asarray(_positions(rng, b, t, t, fresh=True)))
+
+    real = np.asarray(mask.q_pos) >= 0
+
+    def loss(attend):  # over the real queries: padding's output is never read
+        return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)) * real[:, :, None, None])
+
+    got = jax.grad(
+        loss(lambda q, k, v: ops.blockwise_attention(q, k, v, mask, 0.3, q_block=16, k_block=16)),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    want = jax.grad(
+        loss(lambda q, k, v: ops.reference_attention(q, k, v, mask.dense(t), 0.3)),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    np.testing.assert_allclose(np.asarray(got[0])[real], np.asarray(want[0])[real], atol=1e-5)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on a GPU only")
+def test_cudnn_on_a_gpu_matches_float64():
+    rng = np.random.default_rng(4)
+    b, t, h, hkv, s, d = 3, 96, 8, 2, 160, 64
+    q, k, v = _qkv(rng, b, t, h, hkv, s, d)
+    for window in (None, 17):
+        pos = _positions(rng, b, t, s, fresh=True)
+        mask = ops.Mask(jnp.asarray(pos), None, window)
+        args = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)]
+        got = jax.jit(lambda q, k, v, m: ops.attention(q, k, v, m, 0.125))(*args, mask)
+        want = _float64(q, k, v, np.asarray(mask.dense(s)), 0.125)
+        real = pos >= 0
+        np.testing.assert_allclose(np.asarray(got, np.float32)[real], want[real], atol=3e-2)
+
+
 def test_dispatch_picks_one_implementation_per_call():
     kw = dict(head_dim=64, softcap=None, ring=False, deterministic=False)
     assert api.choose(columns=1, dtype=jnp.float32, backend="cpu", **kw) == "decode"

@@ -33,6 +33,17 @@ K_BLOCK = 512
 Q_BLOCK = 512
 
 
+def _blocks(length: int, most: int) -> tuple[int, int]:
+    """`(size, count)`: the fewest blocks of at most `most` that cover `length`, as even as
+    multiples of 8 allow (576 slots: two of 288, not 512 and a second 512 that mostly
+    repeats the first)."""
+    count = -(-length // most)
+    size = -(-length // count)
+    if count > 1 and -(-size // 8) * 8 <= most:
+        size = -(-size // 8) * 8
+    return size, -(-length // size)
+
+
 def blockwise_attention(
     q: jax.Array,  # [B, T, H, D]
     k: jax.Array,  # [B, Hkv, S, D]
@@ -53,10 +64,8 @@ def blockwise_attention(
     hkv, slots = k.shape[1], k.shape[2]
     g = h // hkv
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    bk = min(k_block or K_BLOCK, slots)
-    num_k = -(-slots // bk)
-    bq = min(q_block or Q_BLOCK, t)
-    num_q = -(-t // bq)
+    bk, num_k = _blocks(slots, k_block or K_BLOCK)
+    bq, num_q = _blocks(t, q_block or Q_BLOCK)
     pad = num_q * bq - t  # padded queries (position -1) see nothing
     q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, num_q, bq, hkv, g, d)
     q_pos = jnp.pad(mask.q_pos, ((0, 0), (0, pad)), constant_values=-1).reshape(b, num_q, bq)
