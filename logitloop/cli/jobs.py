@@ -414,9 +414,9 @@ def _completion(result, row: int, want_logprobs: bool, tokenizer=None) -> dict[s
 
 
 def _token_text(tokenizer, token: int) -> str | None:
-    """One token's text (None without a tokenizer); a token holding part of a UTF-8
-    character shows U+FFFD, as in vLLM's logprobs."""
-    return None if tokenizer is None else tokenizer.decode([token])
+    """One token's text, special tokens spelled out (None without a tokenizer); a token
+    holding part of a UTF-8 character shows U+FFFD, as in vLLM's logprobs."""
+    return None if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
 
 
 def record(item: Item, result, n: int, tokenizer=None) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from `generate_many`, in completion order from `iter_generate_many`.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -576,6 +577,19 @@ def _bounds_from(
     return longest, most
 
 
+def _all_set_max_tokens(requests: Any) -> bool:
+    """Whether `requests` is a non-empty sequence whose every request sets its max_tokens."""
+    if not isinstance(requests, Sequence) or not requests:
+        return False
+    for item in requests:
+        knobs = _split_request(item).params
+        if not isinstance(knobs, SamplingParams) and not (
+            isinstance(knobs, Mapping) and ({"max_tokens", "max_new_tokens"} & set(knobs))
+        ):
+            return False
+    return True
+
+
 def iter_generate_many(
     model: Any,
     requests: Iterable[Any],
@@ -595,7 +609,29 @@ def iter_generate_many(
     device runs a chunk). A bad request raises `ValueError` naming its index when it is
     read; results that completed before have been yielded by then.
     """
-    options, settings = Options.split("iter_generate_many", keywords)
+    return _job(
+        "iter_generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
+        prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
+        max_tokens_bound=max_tokens_bound, keywords=keywords,
+    )  # fmt: skip
+
+
+def _job(
+    caller: str,
+    model: Any,
+    requests: Iterable[Any],
+    params: Mapping[str, Any] | None,
+    *,
+    slots: int,
+    chunk_steps: int,
+    prefill_batch: int | None,
+    max_prompt_len: int | None,
+    max_tokens_bound: int | None,
+    keywords: Mapping[str, Any],
+) -> Iterator[tuple[int, GenerationResult]]:
+    """`iter_generate_many`'s job for the public function `caller` (named in errors): its
+    arguments checked, its defaults and bounds settled, the batcher started."""
+    options, settings = Options.split(caller, keywords)
     job = plan(model, options)
     info, layout = job.info, job.layout
     slots = check_count("slots", slots, 1)
@@ -617,6 +653,14 @@ def iter_generate_many(
     }
     if isinstance(requests, (str, bytes)):
         raise ValueError("requests must be an iterable of requests, not a string")
+    if "max_tokens" in settings and max_tokens_bound is None and _all_set_max_tokens(requests):
+        warnings.warn(
+            "max_tokens= is the default max_tokens of requests that give none, and every "
+            "request gives its own: to bound them (what max_tokens= did before), pass "
+            "max_tokens_bound=",
+            DeprecationWarning,
+            stacklevel=3,  # the user's call of generate_many or iter_generate_many
+        )
     if isinstance(requests, Sequence) and (max_prompt_len is None or max_tokens_bound is None):
         longest, most = _bounds_from(info, requests, defaults)
         max_prompt_len = longest if max_prompt_len is None else max_prompt_len
@@ -687,16 +731,10 @@ def generate_many(
     (`GenerationResult.texts` is always the list).
     """
     out: dict[int, GenerationResult] = {}
-    for index, result in iter_generate_many(
-        model,
-        requests,
-        params,
-        slots=slots,
-        chunk_steps=chunk_steps,
-        prefill_batch=prefill_batch,
-        max_prompt_len=max_prompt_len,
-        max_tokens_bound=max_tokens_bound,
-        **keywords,
-    ):
+    for index, result in _job(
+        "generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
+        prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
+        max_tokens_bound=max_tokens_bound, keywords=keywords,
+    ):  # fmt: skip
         out[index] = result
     return [out[i] for i in range(len(out))]
