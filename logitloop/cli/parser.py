@@ -333,7 +333,9 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
         "each record; explain and chat use 0)",
     )
     if generation:
-        s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
+        s.add_argument(
+            "--max-tokens", "--max-new-tokens", type=int, metavar="N", help="(default: 16)"
+        )
     s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
     if generation:
         s.add_argument(

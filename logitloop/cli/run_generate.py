@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
 
     defaults = param_defaults()
     base = {**checkpoint_defaults(args, show=not args.quiet), **base_knobs(args)}
-    if "seed" not in base:  # a fresh draw each run, written into every record
+    drawn = "seed" not in base
+    if drawn:  # a fresh draw each run, written into every record
         base["seed"] = secrets.randbelow(2**31)
-        note(f"seed {base['seed']} (drawn for this run; --seed {base['seed']} repeats it)")
     base_params = row_params(base)
     if args.input is not None:
         items = read_items(args.input, base, defaults)
@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         if not todo:
             note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
             return 0
+        if drawn:
+            note(f"seed {base['seed']} (drawn for this run; --seed {base['seed']} repeats it)")
         return _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started)
     finally:
         if sink is not None:

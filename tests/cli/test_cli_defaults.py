@@ -1,14 +1,121 @@
-"""`logitloop generate` in process, on the shipped model: a fresh seed per run written into
-every record, top logprobs with their token text, `max_new_tokens` in JSONL, `--stream` with
-several prompts and `-n`."""
+"""`logitloop generate`'s defaults: a fresh seed per run written into every record, top
+logprobs with their token text, `max_new_tokens` as a flag and a JSONL key, `--stream`
+with several prompts and `-n`. In process; the runs on the shipped model are `-m slow`."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from logitloop.cli import main
+import logitloop as ll
+from logitloop.cli import main, run_generate
+from logitloop.cli.common import CLIError
+from logitloop.cli.jobs import Item, read_items, record, row_params
+from logitloop.cli.parser import build_parser
+from logitloop.cli.run_stream import stream_items
+from logitloop.cli.sinks import TextOutput
+from logitloop.models.loading import SHIPPED_MODEL_DIR
+from logitloop.models.tokenizer import Tokenizer
+from tests.decoding.scripted import make_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_file(SHIPPED_MODEL_DIR / "tokenizer.json")
+
+
+def _job(monkeypatch, capsys, *flags):
+    """`generate`'s settings for `flags`, up to the model: its items and stderr."""
+    got = {}
+
+    def stop_before_the_model(args, items, todo, *rest):
+        got["items"] = items
+        return 0
+
+    monkeypatch.setattr(run_generate, "_run_job", stop_before_the_model)
+    assert run_generate.run(build_parser().parse_args(["generate", "a", "b", *flags])) == 0
+    return got["items"], capsys.readouterr().err
+
+
+def test_each_run_draws_its_seed_and_names_it(monkeypatch, capsys):
+    first, err = _job(monkeypatch, capsys)
+    seed = first[0].knobs["seed"]
+    assert isinstance(seed, int) and [it.knobs["seed"] for it in first] == [seed, seed]
+    assert f"seed {seed} (drawn for this run; --seed {seed} repeats it)" in err
+    second, _ = _job(monkeypatch, capsys)
+    assert second[0].knobs["seed"] != seed  # equal once in 2**31 runs
+    given, err = _job(monkeypatch, capsys, "--seed", "7")
+    assert [it.knobs["seed"] for it in given] == [7, 7] and "drawn" not in err
+
+
+def _result(text, top):
+    return ll.GenerationResult(
+        token_ids=[[int(t) for t in top]],
+        finish_reason=["length"],
+        stop_reason=[None],
+        num_tokens=[len(top)],
+        prompt_token_ids=[[1]],
+        logprobs=[[-1.0] * len(top)],
+        raw_logprobs=[[-1.0] * len(top)],
+        top_logprobs=[[{int(t): -0.5, int(t) + 1: -1.5} for t in top]],
+        text=text,
+        error=[None],
+    )
+
+
+def test_records_hold_the_seed_and_top_logprobs_with_token_text(tokenizer):
+    top = np.random.default_rng().integers(0, tokenizer.vocab_size - 1, size=3)
+    item = Item(0, "prompt 0", "a", {"seed": 11, "logprobs": 2}, 0)
+    rec = record(item, _result("xyz", top), 1, tokenizer)
+    assert rec["seed"] == 11 and rec["text"] == "xyz"
+    for t, alternatives in zip(top, rec["top_logprobs"], strict=True):
+        assert alternatives == [
+            [int(t), -0.5, tokenizer.decode([int(t)], skip_special_tokens=False)],
+            [int(t) + 1, -1.5, tokenizer.decode([int(t) + 1], skip_special_tokens=False)],
+        ]
+
+
+def test_jsonl_lines_take_max_new_tokens(tmp_path):
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "a", "max_new_tokens": 2}\n{"prompt": "b"}\n')
+    items = read_items(str(lines), {"max_tokens": 5}, run_generate.param_defaults())
+    assert [it.knobs["max_tokens"] for it in items] == [2, 5]  # the line's replaces the flag's
+    assert "max_new_tokens" not in items[0].knobs
+    lines.write_text('{"prompt": "a", "max_new_tokens": 2, "max_tokens": 4}\n')
+    with pytest.raises(CLIError, match="line 1: max_tokens = 4 and its alias max_new_tokens"):
+        read_items(str(lines), {}, run_generate.param_defaults())
+
+
+def test_max_new_tokens_flag_is_max_tokens():
+    for command, prompt in (("generate", ["a"]), ("chat", [])):
+        assert build_parser().parse_args([command, *prompt]).max_tokens is None
+        args = build_parser().parse_args([command, "--max-new-tokens", "5", *prompt])
+        assert args.max_tokens == 5
+
+
+def test_stream_prints_what_the_batch_run_prints(tokenizer, capsys):
+    """Two prompts, n = 2, a batch each: the streamed blocks equal the printed records."""
+    vocab = tokenizer.vocab_size
+    model = make_model(np.random.default_rng().integers(0, vocab, size=(vocab, 64)))
+    model = ll.FunctionModel(**{**vars(model), "tokenizer": tokenizer})
+    rng = np.random.default_rng()
+    items = []
+    for i in range(2):
+        knobs = {"temperature": 1.5, "seed": int(rng.integers(100)), "max_tokens": 6}
+        item = Item(f"p{i}", f"prompt {i}", None, knobs, i, params=row_params(knobs))
+        item.token_ids = rng.integers(0, vocab, size=int(rng.integers(1, 5))).tolist()
+        items.append(item)
+    stream_items(model, items, TextOutput(headers=True), n=2, batch_size=1, ignore_eos=True)
+    streamed = capsys.readouterr().out
+    # ll.generate runs the programs ll.stream ran: nothing compiles again
+    results = [ll.generate(model, [it.token_ids], it.params, n=2, ignore_eos=True) for it in items]
+    records = [record(it, r, 2) for it, r in zip(items, results, strict=True)]
+    TextOutput(headers=True).write(records, 2)
+    assert streamed == capsys.readouterr().out
+    assert streamed.count("==> ") == 4
+
 
 FLAGS = ["--max-tokens", "3", "--no-compile-cache", "-q"]
 
@@ -23,63 +130,23 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def test_each_run_draws_a_seed_and_records_it(tmp_path, capsys):
-    runs = []
-    for k in range(2):
-        out = tmp_path / f"run{k}.jsonl"
-        status, _, err = _generate(capsys, "The for", "x =", "-o", str(out))
-        assert status == 0, err
-        runs.append(_records(out))
-    seeds = [[r["seed"] for r in records] for records in runs]
-    assert all(isinstance(s, int) for row in seeds for s in row)
-    assert seeds[0][0] == seeds[0][1] and seeds[0][0] != seeds[1][0]  # one per run
-    again = tmp_path / "again.jsonl"
-    status, _, err = _generate(
-        capsys, "The for", "x =", "-o", str(again), "--seed", str(seeds[0][0])
-    )
+@pytest.mark.slow
+def test_a_recorded_seed_reproduces_the_run(tmp_path, capsys):
+    first, again = tmp_path / "first.jsonl", tmp_path / "again.jsonl"
+    status, _, err = _generate(capsys, "The for", "x =", "-o", str(first))
     assert status == 0, err
-    assert [r["token_ids"] for r in _records(again)] == [r["token_ids"] for r in runs[0]]
-
-
-def test_a_drawn_seed_is_named_on_stderr(capsys):
-    status = main(["generate", "a", "--max-tokens", "1", "--no-compile-cache"])
-    _, err = capsys.readouterr()
+    seed = _records(first)[0]["seed"]
+    status, _, err = _generate(capsys, "The for", "x =", "-o", str(again), "--seed", str(seed))
     assert status == 0, err
-    assert "(drawn for this run; --seed" in err
+    assert _records(again) == _records(first)
 
 
-def test_top_logprobs_carry_the_token_text(tmp_path, capsys):
-    from logitloop.models.loading import load_pretrained
-
-    out = tmp_path / "out.jsonl"
-    status, _, err = _generate(capsys, "The for", "--logprobs", "3", "-o", str(out))
-    assert status == 0, err
-    (record,) = _records(out)
-    tokenizer = load_pretrained().tokenizer
-    for alternatives in record["top_logprobs"]:
-        assert len(alternatives) == 3
-        for token, _, text in alternatives:
-            assert text == tokenizer.decode([token], skip_special_tokens=False)
-
-
-def test_jsonl_lines_take_max_new_tokens(tmp_path, capsys):
-    lines = tmp_path / "in.jsonl"
-    lines.write_text('{"prompt": "a", "max_new_tokens": 2}\n{"prompt": "b"}\n')
-    out = tmp_path / "out.jsonl"
-    status, _, err = _generate(capsys, "-i", str(lines), "-o", str(out), "--ignore-eos")
-    assert status == 0, err
-    assert [r["num_tokens"] for r in _records(out)] == [2, 3]
-    lines.write_text('{"prompt": "a", "max_new_tokens": 2, "max_tokens": 4}\n')
-    status, _, err = _generate(capsys, "-i", str(lines), "--ignore-eos")
-    assert status == 2 and "line 1" in err and "max_new_tokens" in err, err
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2])
-def test_stream_prints_what_the_plain_run_prints(capsys, n):
+def test_stream_prints_what_the_plain_run_prints_on_the_shipped_model(capsys, n):
     args = ["The for", "x =", "-n", str(n), "--seed", "5", "--temperature", "1.5"]
     status, plain, err = _generate(capsys, *args)
     assert status == 0, err
     status, streamed, err = _generate(capsys, *args, "--stream")
     assert status == 0, err
-    assert streamed == plain
-    assert plain.count("==> ") == 2 * n
+    assert streamed == plain and plain.count("==> ") == 2 * n

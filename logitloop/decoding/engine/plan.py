@@ -2,11 +2,10 @@
 
 `generate`, `stream`, `generate_many`, `explain` and `chat` take the same six options
 (`Options`: `n`, `ignore_eos`, `mesh`, `processors`, `deterministic`, `speculative`) as
-keywords, and all start with `plan(model, options)`. The entry points that sample also take
-sampling settings as keywords (`SamplingParams.create`'s arguments, `max_new_tokens` for
-`max_tokens`): `Options.split` tells the two sets apart, `sampling_params` turns settings
-into params over the checkpoint's defaults.
-
+keywords (the entry points that sample take sampling settings as keywords too:
+`SamplingParams.create`'s arguments, `max_new_tokens` among them; `Options.split` tells the
+two sets apart and `sampling_params` turns settings into params over the checkpoint's
+defaults), and all start with `plan(model, options)`:
 
 - the static part, `Plan.program` (`loop.Program`): the model's runner (with its numerics:
   `deterministic=` fixes the reduction order), the layout (one device, or a mesh) and the
@@ -117,8 +116,8 @@ def option_names() -> frozenset[str]:
 
 @functools.cache
 def sampling_names() -> frozenset[str]:
-    """The sampling settings' keywords: `SamplingParams.create`'s (but `vocab_size`, which
-    the model gives) and their aliases (`params.ALIASES`)."""
+    """The sampling settings' keywords: `SamplingParams.create`'s, aliases (`max_new_tokens`)
+    included, but `vocab_size`, which the model gives."""
     create = inspect.signature(SamplingParams.create).parameters
     names = {n for n, p in create.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     return frozenset(names - {"vocab_size"})
@@ -134,8 +133,8 @@ def sampling_params(
     """The params of a batch of `batch_size` prompts from what a user gave: a
     `SamplingParams` as it is (then `settings` must be empty), or a dict of `create`
     arguments and keyword `settings` (these win), over the checkpoint's recommended
-    settings (`SamplingParams.from_model`), over `fallback` (e.g. chat's 256 tokens).
-    Scalars apply to every prompt."""
+    settings (`generation_config.json`, as `SamplingParams.from_model` reads them), over
+    `fallback` (e.g. chat's 256 tokens). Scalars apply to every prompt."""
     if isinstance(params, SamplingParams):
         if settings:
             raise TypeError(
