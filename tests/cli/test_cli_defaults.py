@@ -98,8 +98,8 @@ def test_max_new_tokens_flag_is_max_tokens():
 def test_stream_prints_what_the_batch_run_prints(tokenizer, capsys):
     """Two prompts, n = 2, a batch each: the streamed blocks equal the printed records."""
     vocab = tokenizer.vocab_size
-    model = make_model(np.random.default_rng().integers(0, vocab, size=(vocab, 64)))
-    model = ll.FunctionModel(**{**vars(model), "tokenizer": tokenizer})
+    table = np.random.default_rng().integers(0, vocab, size=(vocab, 64))
+    model = make_model(table, tokenizer=tokenizer)
     rng = np.random.default_rng()
     items = []
     for i in range(2):

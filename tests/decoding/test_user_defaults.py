@@ -14,6 +14,8 @@ import pytest
 import logitloop as ll
 from logitloop.conversation import CHAT_MAX_TOKENS, chat_params
 from logitloop.decoding.engine.plan import sampling_params
+from logitloop.models.loading import SHIPPED_MODEL_DIR
+from logitloop.models.tokenizer import Tokenizer
 
 from .scripted import expected, make_model
 
@@ -105,36 +107,52 @@ def test_chat_defaults_are_the_checkpoints_else_256_tokens(tmp_path):
     assert np.asarray(chat_params(without, 1).top_k).tolist() == [3]
 
 
-def test_generate_many_max_tokens_is_the_default_of_requests_without_one(table, prompts):
-    model = make_model(table)
+@pytest.fixture(scope="module")
+def text_model():
+    """A scripted model over the shipped tokenizer's vocabulary: results with text."""
+    tokenizer = Tokenizer.from_file(SHIPPED_MODEL_DIR / "tokenizer.json")
+    vocab = tokenizer.vocab_size
+    table = np.random.default_rng().integers(0, vocab, size=(vocab, 64))
+    return make_model(table, tokenizer=tokenizer), table
+
+
+# One job shape for every generate_many call below (slots, buffer and prompt buckets): it
+# compiles once.
+JOB = dict(slots=2, max_tokens_bound=8, max_prompt_len=5)
+
+
+def test_generate_many_max_tokens_is_the_default_of_requests_without_one(text_model):
+    model, table = text_model
+    prompts = [np.random.default_rng().integers(0, len(table), size=3).tolist() for _ in range(3)]
     requests = [prompts[0], (prompts[1], {"max_tokens": 7}), (prompts[2], {"max_new_tokens": 2})]
-    got = ll.generate_many(model, requests, max_tokens=4, temperature=0.0, slots=2)
-    assert [r.num_tokens for r in got] == [[4], [7], [2]]  # the bound: 7, from the requests
+    job = {k: v for k, v in JOB.items() if k != "max_tokens_bound"}  # the bound: 7, from them
+    got = ll.generate_many(model, requests, max_tokens=4, temperature=0.0, **job)
+    assert [r.num_tokens for r in got] == [[4], [7], [2]]
     for r, p, m in zip(got, prompts, [4, 7, 2], strict=True):
         assert r.token_ids == [expected(table, p, m)[0]]
     with pytest.raises(ValueError, match="over the job's max_tokens_bound = 3"):
-        ll.generate_many(model, requests, max_tokens=4, max_tokens_bound=3, slots=2)
+        ll.generate_many(model, requests, max_tokens=4, slots=2, max_tokens_bound=3)
 
 
-def test_max_tokens_over_requests_that_all_set_their_own_warns(table):
-    model = make_model(table)
+def test_max_tokens_over_requests_that_all_set_their_own_warns(text_model):
+    model, _ = text_model
     with pytest.warns(DeprecationWarning, match="max_tokens_bound"):
         ll.generate_many(model, [([1], {"max_tokens": 2})], max_tokens=8, slots=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ll.generate_many(model, [[1], ([2], {"max_tokens": 2})], max_tokens=3, slots=2)
+        ll.generate_many(model, [[1], ([2], {"max_tokens": 2})], max_tokens=3, **JOB)
 
 
-def test_per_request_text_is_a_string_when_n_is_1_and_a_list_when_n_is_more():
-    model = ll.load_pretrained()
-    knobs = dict(temperature=0.0, max_tokens=2)
-    one = ll.generate_many(model, ["The for", ("x =", {"seed": 3})], n=1, **knobs)
-    alone = ll.generate(model, ["The for"], **knobs)
-    assert isinstance(one[0].text, str) and one[0].text == alone.text[0]
-    assert one[0].texts == alone.text
-    two = ll.generate_many(model, ["The for"], n=2, temperature=1.0, max_tokens=2)
-    assert isinstance(two[0].text, list) and len(two[0].text) == 2
-    assert two[0].texts == two[0].text
+def test_per_request_text_is_a_string_when_n_is_1_and_a_list_when_n_is_more(text_model):
+    model, _ = text_model
+    tokenizer = model.tokenizer
+    one = ll.generate_many(model, [[5, 6], [7]], max_tokens=4, **JOB)
+    for r in one:
+        assert isinstance(r.text, str) and r.text == tokenizer.decode(r.token_ids[0])
+        assert r.texts == [r.text]
+    (two,) = ll.generate_many(model, [[5, 6]], n=2, max_tokens=4, **JOB)
+    assert isinstance(two.text, list) and len(two.text) == 2 and two.texts == two.text
+    assert two.text == [tokenizer.decode(ids) for ids in two.token_ids]
 
 
 def _top_reference(logits: np.ndarray, n: int) -> np.ndarray:
@@ -156,16 +174,8 @@ def test_sample_top_logprobs_are_as_wide_as_the_largest_n():
     for r, n in enumerate(ns):
         assert ids[r, :n].tolist() == _top_reference(logits[r], n).tolist()
         assert np.all(ids[r, n:] == -1) and np.all(values[r, n:] == -np.inf)
-    same = ll.SamplingParams.create(3, logprobs=5)
-    assert ll.sample(jnp.asarray(logits), same, jnp.zeros(3, jnp.int32)).top_logprobs.ids.shape == (
-        3,
-        5,
-    )
-    none = ll.SamplingParams.create(3)
-    assert ll.sample(jnp.asarray(logits), none, jnp.zeros(3, jnp.int32)).top_logprobs.ids.shape == (
-        3,
-        0,
-    )
+    none = ll.sample(jnp.asarray(logits), ll.SamplingParams.create(3), jnp.zeros(3, jnp.int32))
+    assert none.top_logprobs.ids.shape == (3, 0)  # no row asked for any
     # rows taken from a batch have their own largest n
     one = ll.SamplingParams.create(3, logprobs=ns).take([int(np.argmin(ns))])
     assert one.top_logprobs_width == min(ns)
