@@ -196,7 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prompts decoded together (continuous batching slots; default: 32)",
     )
-    io.add_argument("--stream", action="store_true", help="print text as it is generated")
+    io.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the PROMPTs' text as it is generated (-n and --batch-size apply)",
+    )
     io.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar and no final summary"
     )
