@@ -16,8 +16,8 @@
   the template writes right after an assistant message); a matched stop token is not part
   of the reply text.
 - The sampling settings the checkpoint recommends (`generation_config.json`) are read by
-  `logitloop.decoding.sampling.params.generation_defaults`; `SamplingParams.from_model` puts the
-  user's settings over them.
+  `logitloop.decoding.sampling.params.generation_defaults`; `chat_params` puts the user's
+  settings over them, and them over `CHAT_MAX_TOKENS` (the same defaults as `logitloop chat`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ import jinja2.nodes
 import numpy as np
 
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
+from logitloop.decoding.engine.plan import sampling_names, sampling_params
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.generation_config import checkpoint_dir
 from logitloop.models.loading import _read_json
 from logitloop.template_limits import BoundedSandbox, LimitExceeded, RenderLimits
 from logitloop.template_limits import render as render_bounded
 
+# A reply's max_tokens where the checkpoint's generation_config.json sets none: a chat reply
+# needs more room than generate's 16 tokens.
+CHAT_MAX_TOKENS = 256
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one .jinja file each
 # The special-token names transformers hands every template (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -417,6 +421,20 @@ def chat_request(
 # ------------------------------------------------------------------------ conversations
 
 
+def chat_params(
+    model: Any,
+    batch_size: int,
+    params: SamplingParams | Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> SamplingParams:
+    """The params of `batch_size` replies: `params` and `settings` as `ll.generate` reads
+    them (`logitloop.decoding.engine.plan.sampling_params`), over the checkpoint's
+    `generation_config.json`, over `CHAT_MAX_TOKENS` tokens (`ll.chat`, `ll.stream_chat`,
+    `repl` and `logitloop chat` all start from these defaults)."""
+    fallback = {"max_tokens": CHAT_MAX_TOKENS}
+    return sampling_params(model, batch_size, params, settings or {}, fallback)
+
+
 def _chat_inputs(
     model,
     conversations,
@@ -425,9 +443,10 @@ def _chat_inputs(
     chat_template: ChatTemplate | None = None,
     template_variables: Mapping[str, Any] | None = None,
     ignore_eos: bool = False,
+    settings: Mapping[str, Any] | None = None,
 ) -> tuple[list[list[int]], SamplingParams]:
-    """The conversations' prompt ids, and params that stop at the end of a turn (unless
-    `ignore_eos`: then neither EOS nor the end-of-turn token stops a row)."""
+    """The conversations' prompt ids, and params (`chat_params`) that stop at the end of a
+    turn (unless `ignore_eos`: then neither EOS nor the end-of-turn token stops a row)."""
     if (
         isinstance(conversations, (str, Mapping))
         or not isinstance(conversations, Sequence)
@@ -451,10 +470,7 @@ def _chat_inputs(
         )
         for i, messages in enumerate(conversations)
     ]
-    if params is None:
-        params = SamplingParams.from_model(model, len(prompts))
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams or None, got {type(params)!r}")
+    params = chat_params(model, len(prompts), params, settings)
     if ignore_eos:
         return prompts, params
     return prompts, params.with_stop_token_ids(end_of_turn_ids(model, template))
@@ -463,7 +479,7 @@ def _chat_inputs(
 def chat(
     model: Any,
     conversations: Sequence[Sequence[Mapping[str, Any]]],
-    params: SamplingParams | None = None,
+    params: SamplingParams | Mapping[str, Any] | None = None,
     *,
     n: int = 1,
     add_generation_prompt: bool = True,
@@ -476,13 +492,18 @@ def chat(
 
     Each conversation is rendered with the checkpoint's chat template (or `chat_template`)
     and generated from like any prompt, one row per conversation (`n` replies each,
-    prompt-major). `params` default to `SamplingParams.from_model(model, len(conversations))`.
-    Every row also stops at `end_of_turn_ids(model)`; `result.text[i]` is the reply without
-    the end-of-turn token, `result.prompt_token_ids[i]` the rendered conversation.
+    prompt-major). `params`: as in `ll.generate` (a `SamplingParams`, a dict of
+    `SamplingParams.create` arguments, or those as keywords: `temperature=0.7`), over the
+    checkpoint's `generation_config.json`, over `CHAT_MAX_TOKENS` = 256 tokens: the
+    defaults of `logitloop chat` too (`chat_params`). Seeds are explicit (default 0).
+    Every row also stops at `end_of_turn_ids(model)`. Like `ll.generate`, it returns one
+    `GenerationResult` for the batch: `result.text[i]` is row i's reply without the
+    end-of-turn token, `result.prompt_token_ids[i]` the rendered conversation.
     `template_variables` reach the template (e.g. `{"enable_thinking": False}`);
     `ignore_eos=True`: neither EOS nor the end-of-turn token stops a row (`max_tokens` and
-    the params' own stops do); `generate_kwargs` reach `ll.generate`.
+    the params' own stops do); the other keywords (the shared options) reach `ll.generate`.
     """
+    settings = _pop_settings(generate_kwargs)
     prompts, params = _chat_inputs(
         model,
         conversations,
@@ -491,25 +512,33 @@ def chat(
         chat_template,
         template_variables,
         ignore_eos,
+        settings,
     )
     return generate(model, prompts, params, n=n, ignore_eos=ignore_eos, **generate_kwargs)
+
+
+def _pop_settings(keywords: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings among `keywords`, taken out (the rest are options)."""
+    return {name: keywords.pop(name) for name in list(keywords) if name in sampling_names()}
 
 
 def stream_chat(
     model: Any,
     conversations: Sequence[Sequence[Mapping[str, Any]]],
-    params: SamplingParams | None = None,
+    params: SamplingParams | Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Iterator[StreamEvent]:
     """`chat` through `ll.stream`: per-row text deltas of the replies as they are generated.
 
     Takes `chat`'s keyword arguments (`n`, `add_generation_prompt`, `chat_template`,
-    `template_variables`) and `stream`'s (`chunk_steps`, ...). The conversations are
-    rendered and checked when it is called, before the first event.
+    `template_variables`, sampling settings) and `stream`'s (`chunk_steps`, ...), with
+    `chat`'s defaults. The conversations are rendered and checked when it is called,
+    before the first event.
     """
     names = ("add_generation_prompt", "chat_template", "template_variables")
     options = {name: kwargs.pop(name) for name in names if name in kwargs}
     options["ignore_eos"] = kwargs.get("ignore_eos", False)
+    options["settings"] = _pop_settings(kwargs)
     prompts, params = _chat_inputs(model, conversations, params, **options)
     return stream(model, prompts, params, **kwargs)
 
@@ -537,15 +566,16 @@ def repl(
 ) -> None:
     """An interactive conversation: read a line, stream the reply, keep the conversation.
 
-    `params_kwargs` are `SamplingParams.create` arguments for one row, over the checkpoint's
-    `generation_config.json` defaults (`SamplingParams.from_model`) unless
-    `checkpoint_defaults=False`; turn t uses seed `seed + t` so that replies differ but a
-    session replays exactly. `/reset` forgets the conversation (keeping the `system`
-    message); `/exit`, end of input (Ctrl-D) or Ctrl-C (KeyboardInterrupt) at the prompt
-    leave. Ctrl-C during a reply ends that reply, which stays in the conversation as far as
-    it was shown (what the user saw is what the model is told it said), marked
-    `INTERRUPTED` on the screen only. A turn the model cannot take (e.g. past its context)
-    prints the error and leaves the conversation as it was. `ignore_eos`: as in `chat`.
+    `params_kwargs` are `SamplingParams.create` arguments for one row, over `chat`'s
+    defaults (`chat_params`: the checkpoint's `generation_config.json`, else 256 tokens)
+    unless `checkpoint_defaults=False` (then over `create`'s); turn t uses seed `seed + t`
+    so that replies differ but a session replays exactly. `/reset` forgets the conversation
+    (keeping the `system` message); `/exit`, end of input (Ctrl-D) or Ctrl-C
+    (KeyboardInterrupt) at the prompt leave. Ctrl-C during a reply ends that reply, which
+    stays in the conversation as far as it was shown (what the user saw is what the model is
+    told it said), marked `INTERRUPTED` on the screen only. A turn the model cannot take
+    (e.g. past its context) prints the error and leaves the conversation as it was.
+    `ignore_eos`: as in `chat`.
     """
     template = model_template(model) if chat_template is None else chat_template
     knobs = dict(params_kwargs or {})
@@ -596,8 +626,10 @@ def _reply(
     shown: list[str] = []
     events = None
     try:
-        make = SamplingParams.from_model if checkpoint_defaults else _create
-        params = make(model, 1, **knobs)
+        if checkpoint_defaults:
+            params = chat_params(model, 1, knobs)
+        else:
+            params = SamplingParams.create(1, **knobs)
         events = stream_chat(
             model, [messages], params, chat_template=template, ignore_eos=ignore_eos
         )
@@ -615,7 +647,3 @@ def _reply(
             events.close()
     output.write("\n")
     return "".join(shown)
-
-
-def _create(model: Any, batch_size: int, **kwargs: Any) -> SamplingParams:
-    return SamplingParams.create(batch_size, **kwargs)

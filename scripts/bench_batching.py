@@ -148,7 +148,7 @@ def main() -> None:
     jobs = workload(args, vocab)
     bounds = dict(
         max_prompt_len=max(len(p) for p, _ in jobs),
-        max_tokens=max(k["max_tokens"] for _, k in jobs),
+        max_tokens_bound=max(k["max_tokens"] for _, k in jobs),
     )
     print(f"model: {name}; {len(jobs)} prompts, slots {args.slots}, chunk {args.chunk_steps}")
     print(f"backend: {jax.default_backend()}, {jax.device_count()} device(s)")

@@ -18,8 +18,8 @@
   end of the turn, as `ll.chat` does; its output line holds `"messages"`, not `"prompt"`), an
   optional `"id"` (a string or an integer; default: the 0-based line number) and optional
   per-line sampling settings under `SamplingParams.create`'s argument names (`temperature`,
-  `top_p`, `max_tokens`, `seed`, `stop`, `logit_bias`, ...). A line's setting replaces the
-  command-line value for that line. Unknown keys are an error.
+  `top_p`, `max_tokens` (or its alias `max_new_tokens`), `seed`, `stop`, `logit_bias`, ...).
+  A line's setting replaces the command-line value for that line. Unknown keys are an error.
 
 Prompts run with continuous batching (`logitloop.decoding.engine.batching`): `--batch-size` rows
 decode together, and between chunks of decode steps each row that finished takes the next
@@ -31,11 +31,15 @@ Without `--output` the completions are printed to stdout (one block per completi
 `==> ID <==` when there is more than one). With `--output FILE` every prompt gets one JSON
 line, in input order:
 
-    {"id", "prompt", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
+    {"id", "prompt", "seed", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
 
 plus `"logprobs"` (per token, under the final sampling distribution), `"raw_logprobs"`
 (per token, log-softmax of the model's logits) and `"top_logprobs"` (per token, the top-n
-raw alternatives as `[token_id, logprob]` pairs) for prompts whose `logprobs` is above 0.
+raw alternatives as `[token_id, logprob, token_text]`) for prompts whose `logprobs` is
+above 0. `"seed"` is the seed the line was drawn with: `--seed S` (or the line's own
+`seed`), else one drawn afresh for the run (named on stderr), so that every line can be
+reproduced; `"stop_reason"` is an int (stop token id), a string (stop string), a list of
+ids (stop sequence) or null (`ll.GenerationResult`).
 With `-n N` > 1 each completion field holds a list of N values, one per sample. A line is
 written (and fsync'ed) as soon as it and every line before it are done.
 
@@ -54,7 +58,8 @@ Sampling settings that neither a flag nor a line sets come from the checkpoint's
 stderr when it sets any; `--generation-config none` ignores the file.
 
 `chat` runs `logitloop.conversation.repl` on the terminal (`run_chat.py`): replies streamed,
-the conversation kept, `/reset`, `/exit`; Ctrl-C ends a reply (the part shown is kept), and
+the conversation kept, `/reset`, `/exit`, with `ll.chat`'s defaults (the checkpoint's
+`generation_config.json`, else 256 tokens); Ctrl-C ends a reply (the part shown is kept), and
 at the prompt, like Ctrl-D, leaves.
 
 `explain` prints, for the token after one PROMPT, the top candidates with their probability
@@ -166,4 +171,3 @@ def _run(argv: list[str]) -> int:
         # Output piped into a reader that went away (`... | head`): stop quietly.
         discard_stdout()
         return 1
-

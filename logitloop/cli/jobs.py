@@ -43,7 +43,8 @@ class Item:
 
 
 def param_defaults() -> dict[str, Any]:
-    """SamplingParams.create's keyword arguments and their defaults (the per-line keys)."""
+    """SamplingParams.create's keyword arguments and their defaults (the per-line keys,
+    `max_new_tokens` included: `read_items` stores it as `max_tokens`)."""
     from logitloop.decoding.sampling.params import SamplingParams
 
     sig = inspect.signature(SamplingParams.create)
@@ -275,6 +276,12 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
         knobs = dict(base)
         if any(key in obj for key in _CONSTRAINT_KNOBS):  # the line's replaces the flags'
             knobs = {k: v for k, v in knobs.items() if k not in _CONSTRAINT_KNOBS}
+        try:  # aliases (max_new_tokens) under their own names, so they replace the flags'
+            from logitloop.decoding.sampling.params import canonical_knobs
+
+            obj = canonical_knobs(obj)
+        except ValueError as e:
+            raise CLIError(f"{where}: {e}") from None
         for key, value in obj.items():
             if key == "id" or key in PROMPT_KEYS:
                 continue
@@ -358,6 +365,8 @@ def prepare_tokens(items: Sequence[Item], info) -> None:
 def job_bounds(items: Sequence[Item], info, defaults) -> dict[str, int]:
     """Longest prompt and largest max_tokens over every input line, done ones included, so
     that a resumed run decodes with the same shapes as an uninterrupted one."""
+    from logitloop.decoding.sampling.params import DEFAULT_MAX_TOKENS
+
     longest, most = 1, 1
     for item in items:
         if item.token_ids is not None:
@@ -367,9 +376,10 @@ def job_bounds(items: Sequence[Item], info, defaults) -> dict[str, int]:
         else:
             length = len(item.prompt)
         longest = max(longest, length)
-        most = max(most, int(float(item.knobs.get("max_tokens", defaults["max_tokens"]))))
+        value = item.knobs.get("max_tokens")
+        most = max(most, int(float(DEFAULT_MAX_TOKENS if value is None else value)))
     cap = info.max_length - 1
-    return {"max_prompt_len": min(longest, cap), "max_tokens": min(most, cap)}
+    return {"max_prompt_len": min(longest, cap), "max_tokens_bound": min(most, cap)}
 
 
 # --------------------------------------------------------------------------- results
@@ -379,9 +389,9 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _completion(result, row: int, want_logprobs: bool) -> dict[str, Any]:
+def _completion(result, row: int, want_logprobs: bool, tokenizer=None) -> dict[str, Any]:
     out = {
-        "text": result.text[row] if result.text is not None else None,
+        "text": result.texts[row] if result.text is not None else None,
         "token_ids": result.token_ids[row],
         "num_tokens": result.num_tokens[row],
         "finish_reason": result.finish_reason[row],
@@ -394,20 +404,32 @@ def _completion(result, row: int, want_logprobs: bool) -> dict[str, Any]:
         out["raw_logprobs"] = [_finite(x) for x in result.raw_logprobs[row]]
         if result.top_logprobs is not None:
             out["top_logprobs"] = [
-                [[int(t), _finite(v)] for t, v in sorted(d.items(), key=lambda kv: -kv[1])]
+                [
+                    [int(t), _finite(v), _token_text(tokenizer, int(t))]
+                    for t, v in sorted(d.items(), key=lambda kv: -kv[1])
+                ]
                 for d in result.top_logprobs[row]
             ]
     return out
 
 
-def record(item: Item, result, n: int) -> dict[str, Any]:
-    """The output line of a done prompt: its `n` completions (a list per field when n > 1)."""
+def _token_text(tokenizer, token: int) -> str | None:
+    """One token's text, special tokens spelled out (None without a tokenizer); a token
+    holding part of a UTF-8 character shows U+FFFD, as in vLLM's logprobs."""
+    return None if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+
+
+def record(item: Item, result, n: int, tokenizer=None) -> dict[str, Any]:
+    """The output line of a done prompt: its `n` completions (a list per field when n > 1),
+    and the seed it was drawn with (with `n`, that seed reproduces the line). Top logprobs
+    are [token id, logprob, token text] (the text None without `tokenizer`)."""
     want = int(float(item.knobs.get("logprobs") or 0)) > 0
-    outs = [_completion(result, k, want) for k in range(n)]
+    outs = [_completion(result, k, want, tokenizer) for k in range(n)]
     if item.messages is not None:
         rec: dict[str, Any] = {"id": item.id, "messages": item.messages}
     else:
         rec = {"id": item.id, "prompt": item.prompt}
+    rec["seed"] = item.knobs.get("seed", 0)
     if n == 1:
         rec.update(outs[0])
     else:

@@ -138,11 +138,13 @@ JSONL input: one object per line, e.g.
   {"id": "q1", "prompt": "Once upon a time", "temperature": 0.8, "seed": 3, "max_tokens": 64}
   {"prompt_token_ids": [1, 415, 2936], "stop": ["\\n\\n"], "logprobs": 5}
   {"prompt": "Label:", "choice": ["yes", "no"]}   (also "json_schema": {...}, "regex": "...")
-Per-line keys are SamplingParams.create's arguments and replace the flags for that line.
+Per-line keys are SamplingParams.create's arguments (max_new_tokens = max_tokens) and
+replace the flags for that line.
 
 Output (--output FILE.jsonl): one line per prompt, in input order:
-  {"id", "prompt", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
-  plus "logprobs", "raw_logprobs", "top_logprobs" when logprobs > 0.
+  {"id", "prompt", "seed", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
+  plus "logprobs", "raw_logprobs", "top_logprobs" ([id, logprob, text]) when logprobs > 0.
+  "seed": --seed, the line's own, or one drawn afresh for the run (named on stderr).
 An existing output file is resumed: ids already in it are skipped.
 Bad input exits with status 2 and one "logitloop: error: ..." line on stderr.
 Compiled programs are kept between runs in
@@ -192,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prompts decoded together (continuous batching slots; default: 32)",
     )
-    io.add_argument("--stream", action="store_true", help="print text as it is generated")
+    io.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the PROMPTs' text as it is generated (-n and --batch-size apply)",
+    )
     io.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar and no final summary"
     )
@@ -373,9 +379,17 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
         metavar="TOKEN",
         help="allow only these token ids (repeatable)",
     )
-    s.add_argument("--seed", type=int, metavar="S", help="per-row random seed (default: 0)")
+    s.add_argument(
+        "--seed",
+        type=int,
+        metavar="S",
+        help="per-row random seed (default: generate draws one per run and writes it in "
+        "each record; explain and chat use 0)",
+    )
     if generation:
-        s.add_argument("--max-tokens", type=int, metavar="N", help="(default: 16)")
+        s.add_argument(
+            "--max-tokens", "--max-new-tokens", type=int, metavar="N", help="(default: 16)"
+        )
     s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
     if generation:
         s.add_argument(

@@ -11,10 +11,6 @@ from logitloop.cli.common import CLIError, check_model_folder, checkpoint_defaul
 from logitloop.cli.jobs import row_params
 from logitloop.cli.parser import base_knobs
 
-# A chat reply needs more room than generate's 16 tokens; the checkpoint's max_new_tokens or
-# --max-tokens replace it.
-CHAT_MAX_TOKENS = 256
-
 
 class TerminalInput:
     """`readline()` through `input()`, so that a terminal gets line editing and history
@@ -35,7 +31,7 @@ class TerminalInput:
 
 def run(args: argparse.Namespace) -> int:
     """The `chat` subcommand; returns the exit status."""
-    from logitloop.conversation import model_template, repl
+    from logitloop.conversation import CHAT_MAX_TOKENS, model_template, repl
 
     check_model_folder(args.model)
     if args.system is not None and not args.system.strip():

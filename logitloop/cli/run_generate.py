@@ -1,10 +1,12 @@
 """`logitloop generate`: settle the job (prompts, settings, output), load the model, then
-generate with continuous batching (`ll.iter_generate_many`) or stream one prompt
-(`ll.stream`), writing each result as soon as every one before it is written."""
+generate with continuous batching (`ll.iter_generate_many`) or stream the prompts
+(`ll.stream`, `run_stream.py`), writing each result as soon as every one before it is
+written. Without `--seed`, each run draws its seed and writes it into every record."""
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +34,7 @@ from logitloop.cli.jobs import (
     validate_params,
 )
 from logitloop.cli.parser import base_knobs
+from logitloop.cli.run_stream import stream_items
 from logitloop.cli.sinks import JsonlOutput, TextOutput, check_not_input, id_key
 
 
@@ -54,9 +57,10 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--batch-size = {args.batch_size} is outside the allowed range [1, inf)")
     if args.n < 1:
         raise CLIError(f"-n = {args.n} is outside the allowed range [1, inf)")
-    if args.stream:
-        if args.input is not None or len(args.prompts) != 1 or args.output or args.n != 1:
-            raise CLIError("--stream takes exactly one PROMPT, with -n 1 and no --input/--output")
+    if args.stream and (args.input is not None or args.output):
+        raise CLIError(
+            "--stream prints PROMPT arguments as they are generated: no --input/--output"
+        )
     if args.overwrite and not args.output:
         raise CLIError("--overwrite needs --output FILE")
     if args.speculative and args.speculative[0] == "draft" and not args.draft_model:
@@ -77,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     # generation_config.json's settings are sampling settings, which beam search has none of.
     recommended = {} if args.num_beams else checkpoint_defaults(args, show=not args.quiet)
     base = {**recommended, **base_knobs(args)}
+    drawn = "seed" not in base
+    if drawn:  # a fresh draw each run, written into every record
+        base["seed"] = secrets.randbelow(2**31)
     base_params = row_params(base)
     if args.input is not None:
         items = read_items(args.input, base, defaults)
@@ -100,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         if not todo:
             note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
             return 0
+        if drawn:
+            note(f"seed {base['seed']} (drawn for this run; --seed {base['seed']} repeats it)")
         return _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started)
     finally:
         if sink is not None:
@@ -132,11 +141,15 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
         if args.num_beams is not None:
             tokens = _run_beams(args, model, todo, sink.write)
         elif args.stream:
-            tokens = _stream_one(model, todo[0], args.ignore_eos, args.deterministic, speculative)
+            tokens = stream_items(
+                model, todo, sink, n=args.n, batch_size=args.batch_size,
+                ignore_eos=args.ignore_eos, deterministic=args.deterministic,
+                speculative=speculative,
+            )  # fmt: skip
         else:
             shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
             shapes["speculative"] = speculative
-            tokens = _run_requests(args, model, todo, shapes, sink.write)
+            tokens = _run_requests(args, model, todo, shapes, sink.write, info.tokenizer)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds
 
@@ -160,6 +173,7 @@ def _run_requests(
     todo: Sequence[Item],
     shapes: dict[str, int],
     write: Callable[[list[dict[str, Any]], int], None],
+    tokenizer=None,
 ) -> int:
     """Generate every prompt with continuous batching; write records in input order.
     Returns the number of tokens generated."""
@@ -190,7 +204,7 @@ def _run_requests(
             model, requests(), n=args.n, ignore_eos=args.ignore_eos,
             deterministic=args.deterministic, **shapes,
         ):  # fmt: skip
-            finished[index] = record(todo[index], result, args.n)
+            finished[index] = record(todo[index], result, args.n, tokenizer)
             tokens += sum(result.num_tokens)
             ready = []
             while written in finished:
@@ -288,31 +302,6 @@ def _speculation(args):
     if kind == "draft":
         return ll.DraftModel(model=load_model(args.draft_model, args.dtype), **common)
     return None
-
-
-def _stream_one(
-    model, item: Item, ignore_eos: bool, deterministic: bool | str = False, speculative=None
-) -> int:
-    """Print one prompt's text deltas as they come; returns the number of tokens generated."""
-    import logitloop as ll
-
-    out = sys.stdout
-    tokens = 0
-    try:
-        events = ll.stream(
-            model, [item.token_ids], item.params, ignore_eos=ignore_eos,
-            deterministic=deterministic, speculative=speculative,
-        )  # fmt: skip
-        for event in events:
-            if event.text:
-                out.write(event.text)
-                out.flush()
-            tokens += len(event.token_ids)
-    except ValueError as e:
-        raise CLIError(f"{item.where}: {e}") from None
-    out.write("\n")
-    out.flush()
-    return tokens
 
 
 def _plural(count: int, noun: str) -> str:

@@ -39,7 +39,7 @@ def assert_same(got, want, exact=True):
     assert got.stop_reason == want.stop_reason
     assert got.num_tokens == want.num_tokens
     assert got.prompt_token_ids == want.prompt_token_ids
-    assert got.text == want.text
+    assert got.texts == want.text  # generate_many: a str for one row, generate: a list
     assert got.error == want.error
     tol = {} if exact else {"rel": 1e-4, "abs": 1e-4}
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
@@ -55,7 +55,7 @@ def assert_same(got, want, exact=True):
 
 
 # Every job shares these bounds (and so its compiled programs): P = 16, N = 32.
-BOUNDS = dict(slots=4, chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens=32)
+BOUNDS = dict(slots=4, chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens_bound=32)
 
 # A mix of settings, cycled over the requests: greedy and seeded sampling, truncation,
 # penalties, masks, min_tokens, several stop ids. Every request also has one two-token stop
@@ -139,7 +139,7 @@ def test_generator_input_and_completion_order(model, table):
 def test_zero_requests(model):
     assert generate_many(model, [], **BOUNDS) == []
     assert generate_many(model, iter(()), **BOUNDS) == []
-    assert list(iter_generate_many(model, (r for r in []), max_tokens=8)) == []
+    assert list(iter_generate_many(model, (r for r in []), max_tokens_bound=8)) == []
 
 
 def test_more_slots_than_requests(model, table):
@@ -219,7 +219,7 @@ def test_stop_strings_added_mid_job(table):
             ids = model.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
             want = expected(table % len(pieces), ids, req.params["max_tokens"], stop_ids=(EOS,))
             assert got.token_ids == [want[0]]
-            assert got.text == [model.tokenizer.decode([t for t in want[0] if t != EOS])]
+            assert got.text == model.tokenizer.decode([t for t in want[0] if t != EOS])
         hits += isinstance(got.stop_reason[0], str)
     assert hits >= 3
 
@@ -263,7 +263,9 @@ def test_llama_identity_float32(llama):
     for i in range(10):
         prompt = [int(t) for t in rng.integers(4, 96, size=int(rng.integers(1, 14)))]
         reqs.append(Request(prompt, dict(settings[i % 4], max_tokens=int(rng.integers(1, 17)))))
-    results = generate_many(llama, reqs, slots=3, chunk_steps=4, max_prompt_len=15, max_tokens=16)
+    results = generate_many(
+        llama, reqs, slots=3, chunk_steps=4, max_prompt_len=15, max_tokens_bound=16
+    )
     for req, got in zip(reqs, results, strict=True):
         assert_same(got, alone(llama, req.prompt, req.params), exact=False)
     assert len({r.num_tokens[0] for r in results}) > 4

@@ -17,7 +17,7 @@ from tests.subprocess_env import jax_cache_env
 
 TIMEOUT_S = 300
 A, B = 100, 200  # two ordinary token ids for the forced-stop lines
-BASE_FLAGS = ["--max-tokens", "10", "--top-p", "0.95", "--batch-size", "4"]
+BASE_FLAGS = ["--max-tokens", "10", "--top-p", "0.95", "--batch-size", "4", "--seed", "0"]
 
 
 _CACHE_VARS = (

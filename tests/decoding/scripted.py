@@ -30,7 +30,11 @@ def _init_cache(batch, length):
     return jnp.full((batch, length), -1, jnp.int32)
 
 
-def make_model(table: np.ndarray, *, eos: tuple[int, ...] = (), max_length: int = 512):
+def make_model(
+    table: np.ndarray, *, eos: tuple[int, ...] = (), max_length: int = 512, tokenizer=None
+):
+    """The scripted model of `table` ([V, positions]); with `tokenizer` (of V tokens) its
+    results carry text."""
     return ll.FunctionModel(
         apply_fn=_apply,
         params=jnp.asarray(table, jnp.int32),
@@ -38,6 +42,7 @@ def make_model(table: np.ndarray, *, eos: tuple[int, ...] = (), max_length: int 
         vocab_size=table.shape[0],
         max_length=max_length,
         eos_token_ids=eos,
+        tokenizer=tokenizer,
     )
 
 

@@ -394,7 +394,7 @@ def test_generate_many_refills_slots_with_the_rows_automaton_state():
     want = ll.generate(model, PROMPTS, params)
     requests = [ll.Request(p, params.take([r])) for r, p in enumerate(PROMPTS)]
     requests += requests[1:]
-    many = ll.generate_many(model, requests[::-1], slots=4, chunk_steps=2, max_tokens=40)
+    many = ll.generate_many(model, requests[::-1], slots=4, chunk_steps=2, max_tokens_bound=40)
     got = [m.token_ids[0] for m in many[::-1]]
     assert got == want.token_ids + want.token_ids[1:]
 

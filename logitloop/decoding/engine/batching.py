@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -83,7 +84,12 @@ from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.checks import MIN_LIST_WIDTH, Widths
 from logitloop.decoding.sampling.constraints import HostAutomaton
 from logitloop.decoding.sampling.history import History
-from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.decoding.sampling.params import (
+    DEFAULT_MAX_TOKENS,
+    SamplingParams,
+    canonical_knobs,
+    generation_defaults,
+)
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
 
@@ -94,7 +100,8 @@ class Request:
 
     prompt: a string (needs a model with a tokenizer) or a list of token ids.
     params: `SamplingParams.create` keyword arguments for this prompt (they replace the
-      job's `params` defaults key by key), or a `SamplingParams` of batch size 1, or None.
+      job's defaults key by key; `max_new_tokens` is `max_tokens`), or a `SamplingParams`
+      of batch size 1, or None.
     id: anything; only used to name the request in error messages.
     processors: this request's processors (leaves with a row axis of 1), instead of the
       job's; every request of a job has processors of the same tree structure.
@@ -292,7 +299,9 @@ class _Batcher:
                         f"params has batch_size {params.batch_size}; a request needs batch_size 1"
                     )
             elif knobs is None or isinstance(knobs, Mapping):
-                params = SamplingParams.create(1, **{**self.defaults, **(knobs or {})})
+                params = SamplingParams.create(
+                    1, **{**self.defaults, **canonical_knobs(knobs or {})}
+                )
             else:
                 raise ValueError(f"params must be a dict or a SamplingParams, got {knobs!r}")
             name = "the prompt"
@@ -314,7 +323,8 @@ class _Batcher:
             most = int(np.asarray(params.max_tokens)[0])
             if most > self.max_tokens:
                 raise ValueError(
-                    f"max_tokens = {most} is over the job's max_tokens bound {self.max_tokens}"
+                    f"max_tokens = {most} is over the job's max_tokens_bound = "
+                    f"{self.max_tokens} (pass a larger max_tokens_bound=)"
                 )
             if any(params.stop) and self.info.tokenizer is None:
                 raise ValueError("stop strings need a model that carries a tokenizer")
@@ -478,7 +488,7 @@ class _Batcher:
         result = collect(outputs, pending.ids, pending.params, self.info)
         if self.plan.program.speculative is not None:
             result.speculation = list(pending.speculation)
-        return result
+        return result.per_request()
 
     # ------------------------------------------------------------------ the loop
 
@@ -561,13 +571,26 @@ def _bounds_from(
         if isinstance(knobs, SamplingParams):
             mt = int(np.max(np.asarray(knobs.max_tokens)))
         else:
-            mt = {**defaults, **(knobs or {})}.get("max_tokens", 16)
             try:
-                mt = int(np.max(np.asarray(mt)))
+                mt = {**defaults, **canonical_knobs(knobs or {})}.get("max_tokens")
+                mt = int(np.max(np.asarray(DEFAULT_MAX_TOKENS if mt is None else mt)))
             except (TypeError, ValueError):
-                continue
+                continue  # reported with the request's index later
         longest, most = max(longest, length), max(most, mt)
     return longest, most
+
+
+def _all_set_max_tokens(requests: Any) -> bool:
+    """Whether `requests` is a non-empty sequence whose every request sets its max_tokens."""
+    if not isinstance(requests, Sequence) or not requests:
+        return False
+    for item in requests:
+        knobs = _split_request(item).params
+        if not isinstance(knobs, SamplingParams) and not (
+            isinstance(knobs, Mapping) and ({"max_tokens", "max_new_tokens"} & set(knobs))
+        ):
+            return False
+    return True
 
 
 def iter_generate_many(
@@ -579,8 +602,8 @@ def iter_generate_many(
     chunk_steps: int = 8,
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
-    max_tokens: int | None = None,
-    **options: Any,
+    max_tokens_bound: int | None = None,
+    **keywords: Any,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
 
@@ -589,7 +612,30 @@ def iter_generate_many(
     device runs a chunk). A bad request raises `ValueError` naming its index when it is
     read; results that completed before have been yielded by then.
     """
-    job = plan(model, Options.of("iter_generate_many", options))
+    return _job(
+        "iter_generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
+        prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
+        max_tokens_bound=max_tokens_bound, keywords=keywords,
+    )  # fmt: skip
+
+
+def _job(
+    caller: str,
+    model: Any,
+    requests: Iterable[Any],
+    params: Mapping[str, Any] | None,
+    *,
+    slots: int,
+    chunk_steps: int,
+    prefill_batch: int | None,
+    max_prompt_len: int | None,
+    max_tokens_bound: int | None,
+    keywords: Mapping[str, Any],
+) -> Iterator[tuple[int, GenerationResult]]:
+    """`iter_generate_many`'s job for the public function `caller` (named in errors): its
+    arguments checked, its defaults and bounds settled, the batcher started."""
+    options, settings = Options.split(caller, keywords)
+    job = plan(model, options)
     info, layout = job.info, job.layout
     slots = check_count("slots", slots, 1)
     layout.check_rows("slots", slots)
@@ -603,24 +649,36 @@ def iter_generate_many(
         raise ValueError(
             f"params must be a dict of SamplingParams.create arguments, got {params!r}"
         )
-    defaults = dict(params or {})
+    defaults = {
+        **generation_defaults(model),
+        **canonical_knobs(params or {}, "params: "),
+        **canonical_knobs(settings),
+    }
     if isinstance(requests, (str, bytes)):
         raise ValueError("requests must be an iterable of requests, not a string")
-    if isinstance(requests, Sequence) and (max_prompt_len is None or max_tokens is None):
+    if "max_tokens" in settings and max_tokens_bound is None and _all_set_max_tokens(requests):
+        warnings.warn(
+            "max_tokens= is the default max_tokens of requests that give none, and every "
+            "request gives its own: to bound them (what max_tokens= did before), pass "
+            "max_tokens_bound=",
+            DeprecationWarning,
+            stacklevel=3,  # the user's call of generate_many or iter_generate_many
+        )
+    if isinstance(requests, Sequence) and (max_prompt_len is None or max_tokens_bound is None):
         longest, most = _bounds_from(info, requests, defaults)
         max_prompt_len = longest if max_prompt_len is None else max_prompt_len
-        max_tokens = most if max_tokens is None else max_tokens
-    if max_tokens is None:
-        max_tokens = info.max_length - 1
+        max_tokens_bound = most if max_tokens_bound is None else max_tokens_bound
+    if max_tokens_bound is None:
+        max_tokens_bound = info.max_length - 1
     if max_prompt_len is None:
         max_prompt_len = info.max_length - 1
     max_prompt_len = check_count("max_prompt_len", max_prompt_len, 1, info.max_length - 1)
-    max_tokens = check_count("max_tokens", max_tokens, 1, info.max_length - 1)
+    max_tokens_bound = check_count("max_tokens_bound", max_tokens_bound, 1, info.max_length - 1)
     batcher = _Batcher(
         job,
         slots=slots,
         max_prompt_len=max_prompt_len,
-        max_tokens=max_tokens,
+        max_tokens=max_tokens_bound,
         chunk_steps=chunk_steps,
         prefill_batch=group,
         defaults=defaults,
@@ -637,8 +695,8 @@ def generate_many(
     chunk_steps: int = 8,
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
-    max_tokens: int | None = None,
-    **options: Any,
+    max_tokens_bound: int | None = None,
+    **keywords: Any,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
 
@@ -649,11 +707,18 @@ def generate_many(
     slots: rows decoded together. chunk_steps: decode steps between admissions.
     prefill_batch: prompts prefilled per admission call (a fixed shape; default
       `ceil(slots / 8)`, at most 4); a call with fewer waiting prompts pads with dummy rows.
-    max_prompt_len, max_tokens: bounds that fix the prompt bucket and the buffer (and so
-      the cache) for the whole job. Default: from the requests when they are a sequence,
+    params and sampling keywords (`max_tokens=64`, `temperature=0.7`, `max_new_tokens`
+      for `max_tokens`): the job's defaults, for every setting a request gives none of:
+      a dict of `SamplingParams.create` arguments, and keywords over it, over the
+      checkpoint's `generation_config.json` (as in `generate`). Seeds are explicit (JAX's
+      convention): requests without a `seed` all use the job's (default 0).
+    max_prompt_len, max_tokens_bound: bounds that fix the prompt bucket and the buffer (and
+      so the cache) for the whole job. Default: from the requests when they are a sequence,
       else the model's context (correct, but a larger cache than needed: pass bounds for
-      a generator). A request over a bound raises ValueError.
-    options: the shared keywords of `generate` (`logitloop.decoding.engine.plan.Options`):
+      a generator). A request over a bound raises ValueError. (`max_tokens_bound` was
+      called `max_tokens` before `max_tokens=` became the requests' default.)
+    The other keywords are the shared options of `generate`
+    (`logitloop.decoding.engine.plan.Options`):
     n, ignore_eos, mesh: as in `generate`. On a mesh, `slots` and `prefill_batch` must be
       multiples of the data-axis size (the default `prefill_batch` is rounded up to one).
     processors: the job's processors (leaves with a row axis of 1), for requests that
@@ -664,19 +729,15 @@ def generate_many(
       plain steps), and each result's `speculation` counts its rows' drafts.
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
-    `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)`.
+    `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:
+    the request's text (a str) when `n = 1`, a list of `n` strings when `n > 1`
+    (`GenerationResult.texts` is always the list).
     """
     out: dict[int, GenerationResult] = {}
-    for index, result in iter_generate_many(
-        model,
-        requests,
-        params,
-        slots=slots,
-        chunk_steps=chunk_steps,
-        prefill_batch=prefill_batch,
-        max_prompt_len=max_prompt_len,
-        max_tokens=max_tokens,
-        **options,
-    ):
+    for index, result in _job(
+        "generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
+        prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
+        max_tokens_bound=max_tokens_bound, keywords=keywords,
+    ):  # fmt: skip
         out[index] = result
     return [out[i] for i in range(len(out))]

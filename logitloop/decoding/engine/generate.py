@@ -9,7 +9,7 @@ chunks and detokenizes as it goes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,6 +21,7 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
     GenerationResult,
+    StopReason,
     bucket,
     check_count,
     collect,
@@ -29,8 +30,9 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     row_stops,
     row_text,
     stop_reason,
+    tokenize_prompts,
 )
-from logitloop.decoding.engine.plan import Options, Plan, plan
+from logitloop.decoding.engine.plan import Options, Plan, plan, sampling_params
 from logitloop.decoding.engine.score import prompt_scores
 from logitloop.decoding.loop import speculative as speculation
 from logitloop.decoding.loop import stop_strings
@@ -42,18 +44,31 @@ from logitloop.decoding.sampling.params import SamplingParams
 def generate(
     model: Any,
     prompts: Sequence[Any],
-    params: SamplingParams,
+    params: SamplingParams | Mapping[str, Any] | None = None,
     *,
     prompt_logprobs: int | None = None,
-    **options: Any,
+    **keywords: Any,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
 
+        ll.generate(model, ["The for statement"])                    # the checkpoint's defaults
+        ll.generate(model, prompts, temperature=0.7, max_new_tokens=20)
+        ll.generate(model, prompts, {"temperature": [0.0, 0.8], "seed": [1, 2]})
+
     model: a logitloop NNX model or a `FunctionModel`; prompts: token-id lists or strings
-    (with a tokenizer); params: `SamplingParams` with one row per prompt. `options`: the
-    shared keywords of `logitloop.decoding.engine.plan.Options`, below. `n` samples per
-    prompt (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's).
+    (with a tokenizer). params: a `SamplingParams` with one row per prompt, used as it is;
+    or a dict of `SamplingParams.create` arguments, and/or those arguments as keywords
+    (`max_new_tokens` is `max_tokens`' alias): each a scalar for every prompt or one value
+    per prompt, over the checkpoint's `generation_config.json` (`SamplingParams.from_model`),
+    over `create`'s defaults (16 tokens, temperature 1, seed 0). Seeds are explicit, as in
+    JAX: the same call gives the same tokens; pass `seed=` to draw differently.
+    The other keywords are the shared options of `logitloop.decoding.engine.plan.Options`,
+    below (an unknown keyword raises TypeError listing both sets). `n` samples per prompt
+    (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's).
     The model's EOS ids join every row's stop ids unless `ignore_eos`.
+
+    Returns one `GenerationResult` for the batch: every field, `text` included, a list
+    with one entry per row (`B * n` rows).
 
     A row ends with finish_reason "stop" (a stop token id, stop sequence or stop string
     matched, `stop_reason` says which; or its constraint's document is complete and can
@@ -91,7 +106,8 @@ def generate(
     """
     if prompt_logprobs is not None:
         check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
-    run = _start(plan(model, Options.of("generate", options)), prompts, params)
+    options, settings = Options.split("generate", keywords)
+    run = _start(model, plan(model, options), prompts, params, settings)
     state = decode(run.plan.program, run.tables, run.state, jnp.asarray(2**30, jnp.int32))
     result = collect(run.plan.layout.host_view(state).outputs(), run.ids, run.params, run.info)
     if run.plan.program.speculative is not None:
@@ -119,8 +135,12 @@ class _Run:
         return self.plan.info
 
 
-def _start(plan: Plan, prompts: Sequence[Any], params: SamplingParams) -> _Run:
-    ids, params = plan.rows(prompts, params)
+def _start(
+    model: Any, plan: Plan, prompts: Sequence[Any], params: Any, settings: Mapping[str, Any]
+) -> _Run:
+    ids = tokenize_prompts(prompts, plan.info)
+    params = sampling_params(model, len(ids), params, settings)
+    ids, params = plan.rows(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params)
     state = initial_state(plan.program, tables, ids, fsm=fsm)
     return _Run(plan, ids, params, tables, state)
@@ -134,16 +154,16 @@ class StreamEvent:
     text: str  # text delta (empty without a tokenizer)
     token_ids: list[int]  # tokens generated since the previous event
     finish_reason: str | None = None  # set on the row's last event
-    stop_reason: Any = None
+    stop_reason: StopReason = None  # set on the row's last event, as in `GenerationResult`
 
 
 def stream(
     model: Any,
     prompts: Sequence[Any],
-    params: SamplingParams,
+    params: SamplingParams | Mapping[str, Any] | None = None,
     *,
     chunk_steps: int = 8,
-    **options: Any,
+    **keywords: Any,
 ) -> Iterator[StreamEvent]:
     """Generate like `generate`, yielding per-row deltas every `chunk_steps` decode steps.
 
@@ -151,11 +171,13 @@ def stream(
     host detokenises incrementally. A delta never holds an incomplete UTF-8 sequence, nor
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
-    exactly `generate(...).text` for that row. `options`: as in `generate`. With
-    `speculative` a chunk is `chunk_steps` propose-verify cycles.
+    exactly `generate(...).text` for that row. `params` and `keywords` (sampling settings
+    and options): as in `generate`. With `speculative` a chunk is `chunk_steps`
+    propose-verify cycles.
     """
     check_count("chunk_steps", chunk_steps, 1)
-    run = _start(plan(model, Options.of("stream", options)), prompts, params)
+    options, settings = Options.split("stream", keywords)
+    run = _start(model, plan(model, options), prompts, params, settings)
     info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer

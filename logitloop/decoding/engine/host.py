@@ -68,24 +68,54 @@ def bucket(n: int, minimum: int) -> int:
     return bucket_width(n, minimum)
 
 
+# What ended a row that finished with "stop", as vLLM's `stop_reason` (`int | str | None`),
+# plus logitloop's stop sequences of token ids:
+#   int        the stop token id it ended on (one of `stop_token_ids` or the model's EOS ids;
+#              vLLM reports None for EOS, logitloop the id),
+#   str        the stop string (`stop`) it was cut at,
+#   list[int]  the stop sequence (`stop_sequences`) it ended with,
+#   None       every other finish: "length", "error", or a constraint's complete document.
+StopReason = int | str | list[int] | None
+
+
 @dataclasses.dataclass
 class GenerationResult:
-    """Host-side results, one entry per row (prompt-major when n > 1)."""
+    """Host-side results, one entry per row (prompt-major when n > 1).
+
+    `generate`, `stream` (whose events add up to it) and `chat` return one result for the
+    batch: each field a list with one entry per row. `generate_many` and
+    `iter_generate_many` return one result per request, holding that prompt's `n` rows:
+    each field a list of `n` entries, except `text`, which is the request's text itself
+    (a str) when `n = 1` and a list of `n` strings when `n > 1`, as in vLLM's outputs;
+    `texts` is always the list.
+    """
 
     token_ids: list[list[int]]
     finish_reason: list[str]  # "stop", "length" or "error"
-    stop_reason: list[Any]  # the stop token id, stop sequence (list of ids) or stop string
+    stop_reason: list[StopReason]  # see `StopReason`: an int, str, list of ids or None
     num_tokens: list[int]
     prompt_token_ids: list[list[int]]
     logprobs: list[list[float]] | None = None  # per token, under the final distribution
     raw_logprobs: list[list[float]] | None = None
+    # per token {token id: raw logprob} of the row's `logprobs` most likely tokens
     top_logprobs: list[list[dict[int, float]]] | None = None
-    text: list[str] | None = None
+    text: list[str] | str | None = None  # None without a tokenizer
     error: list[str | None] | None = None
     # with `speculative=`: per row {"cycles", "proposed", "drafted", "accepted"} (`stats`)
     speculation: list[dict[str, int]] | None = None
     # with `prompt_logprobs=`: per row the `ll.score` (`ScoreResult`) of its prompt tokens
     prompt_logprobs: list[Any] | None = None
+
+    @property
+    def texts(self) -> list[str] | None:
+        """`text` as a list with one entry per row, whichever entry point made the result."""
+        return [self.text] if isinstance(self.text, str) else self.text
+
+    def per_request(self) -> GenerationResult:
+        """This result of one request with `text` as the request's own: a str for one row."""
+        if isinstance(self.text, list) and len(self.text) == 1:
+            return dataclasses.replace(self, text=self.text[0])
+        return self
 
 
 # ----------------------------------------------------------------------------- host side

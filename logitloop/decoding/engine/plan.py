@@ -2,7 +2,10 @@
 
 `generate`, `stream`, `generate_many`, `explain` and `chat` take the same six options
 (`Options`: `n`, `ignore_eos`, `mesh`, `processors`, `deterministic`, `speculative`) as
-keywords, and all start with `plan(model, options)`:
+keywords (the entry points that sample take sampling settings as keywords too:
+`SamplingParams.create`'s arguments, `max_new_tokens` among them; `Options.split` tells the
+two sets apart and `sampling_params` turns settings into params over the checkpoint's
+defaults), and all start with `plan(model, options)`:
 
 - the static part, `Plan.program` (`loop.Program`): the model's runner (with its numerics:
   `deterministic=` fixes the reduction order), the layout (one device, or a mesh) and the
@@ -19,6 +22,8 @@ So a new entry point (a scorer, a beam search) writes none of this again.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,7 +41,11 @@ from logitloop.decoding.loop import speculative as speculation
 from logitloop.decoding.loop.decode_loop import Program, Tables
 from logitloop.decoding.loop.runner import ModelInfo, is_model_parallel, model_info
 from logitloop.decoding.sampling.constraints import Automata
-from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.decoding.sampling.params import (
+    SamplingParams,
+    canonical_knobs,
+    generation_defaults,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +79,7 @@ class Options:
     def of(cls, caller: str, options: Mapping[str, Any]) -> Options:
         """The options from a public function's keywords (`caller` names it in the
         TypeError an unknown keyword raises, as Python's own would)."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = option_names()
         for name in options:
             if name not in known:
                 raise TypeError(
@@ -78,6 +87,69 @@ class Options:
                     f"options are {', '.join(sorted(known))})"
                 )
         return cls(**options)
+
+    @classmethod
+    def split(cls, caller: str, keywords: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
+        """A public function's keywords as its options and its sampling settings
+        (`SamplingParams.create` arguments, aliases such as `max_new_tokens` included).
+        A keyword that is neither raises TypeError naming it and listing both sets."""
+        options, settings = {}, {}
+        for name, value in keywords.items():
+            if name in option_names():
+                options[name] = value
+            elif name in sampling_names():
+                settings[name] = value
+            else:
+                raise TypeError(
+                    f"{caller}() got an unexpected keyword argument {name!r} (the shared "
+                    f"options are {', '.join(sorted(option_names()))}; the sampling settings "
+                    f"are {', '.join(sorted(sampling_names()))})"
+                )
+        return cls(**options), settings
+
+
+@functools.cache
+def option_names() -> frozenset[str]:
+    """The shared options' keywords (`Options`)."""
+    return frozenset(f.name for f in dataclasses.fields(Options))
+
+
+@functools.cache
+def sampling_names() -> frozenset[str]:
+    """The sampling settings' keywords: `SamplingParams.create`'s, aliases (`max_new_tokens`)
+    included, but `vocab_size`, which the model gives."""
+    create = inspect.signature(SamplingParams.create).parameters
+    names = {n for n, p in create.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return frozenset(names - {"vocab_size"})
+
+
+def sampling_params(
+    model: Any,
+    batch_size: int,
+    params: SamplingParams | Mapping[str, Any] | None,
+    settings: Mapping[str, Any],
+    fallback: Mapping[str, Any] | None = None,
+) -> SamplingParams:
+    """The params of a batch of `batch_size` prompts from what a user gave: a
+    `SamplingParams` as it is (then `settings` must be empty), or a dict of `create`
+    arguments and keyword `settings` (these win), over the checkpoint's recommended
+    settings (`generation_config.json`, as `SamplingParams.from_model` reads them), over
+    `fallback` (e.g. chat's 256 tokens). Scalars apply to every prompt."""
+    if isinstance(params, SamplingParams):
+        if settings:
+            raise TypeError(
+                f"sampling settings {', '.join(sorted(settings))} given as keywords beside a "
+                "SamplingParams: give them in SamplingParams.create, or pass params as a dict"
+            )
+        return params
+    if params is not None and not isinstance(params, Mapping):
+        raise ValueError(
+            "params must be a SamplingParams, a dict of SamplingParams.create arguments or "
+            f"None, got {type(params).__name__}"
+        )
+    given = {**canonical_knobs(params or {}, "params: "), **canonical_knobs(settings)}
+    knobs = {**(fallback or {}), **generation_defaults(model), **given}
+    return SamplingParams.create(batch_size, **knobs)
 
 
 @dataclasses.dataclass(frozen=True)

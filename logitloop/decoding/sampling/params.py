@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -89,6 +89,10 @@ class SamplingParams:
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
     # Each row's `constraints.Constraint` or None; () when no row has one.
     constraints: tuple = struct.field(pytree_node=False, default=())
+    # The width of `sample`'s top_logprobs: the rows' largest `logprobs` (create, take and
+    # concat set it from the arrays), or None (device_only: the loop keeps its own width).
+    # Static, so `sample` knows it when it traces.
+    top_logprobs_width: int | None = struct.field(pytree_node=False, default=None)
     # The vocabulary size every token id was checked against (create's `vocab_size`), or
     # None. Static: `sample` checks it against the logits' V when it traces, without
     # reading an id back from the device.
@@ -114,7 +118,7 @@ class SamplingParams:
         banned_token_ids: Any = None,
         allowed_token_ids: Any = None,
         seed: Any = 0,
-        max_tokens: Any = 16,
+        max_tokens: Any = None,
         min_tokens: Any = 0,
         stop_token_ids: Any = None,
         stop_sequences: Any = None,
@@ -125,8 +129,15 @@ class SamplingParams:
         regex: Any = None,
         choice: Any = None,
         vocab_size: int | None = None,
+        max_new_tokens: Any = None,
     ) -> SamplingParams:
         """Validate the knobs on the host and build the per-row device pytree.
+
+        `max_tokens` (default `DEFAULT_MAX_TOKENS` = 16) bounds the generated tokens of a
+        row; `max_new_tokens` is its alias (transformers' name): give one or the other.
+        `seed` (default 0 for every row): the library takes explicit seeds, as JAX does, so
+        the same call gives the same tokens; pass a different seed per call (or row) for
+        different draws.
 
         Each scalar knob takes a scalar (every row) or a sequence of `batch_size` values.
         List knobs (`banned_token_ids`, `allowed_token_ids`, `stop_token_ids`) take one list
@@ -161,6 +172,11 @@ class SamplingParams:
         ):
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         inf = math.inf
+        max_tokens = canonical_knobs({"max_tokens": max_tokens, "max_new_tokens": max_new_tokens})[
+            "max_tokens"
+        ]
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
 
         def rows(name: str, value: Any, lo: float, hi: float, **kind: bool) -> np.ndarray:
             return _check_range(name, _per_row(name, value, b), lo, hi, **kind)
@@ -295,6 +311,7 @@ class SamplingParams:
             stop=stop_strs,
             include_stop_str_in_output=tuple(bool(x) for x in include),
             constraints=constrained,
+            top_logprobs_width=int(np.max(n_logprobs)),
             vocab_size=None if vocab_size is None else int(vocab_size),
         )
 
@@ -314,7 +331,12 @@ class SamplingParams:
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
         return dataclasses.replace(
-            self, stop=(), include_stop_str_in_output=(), constraints=(), vocab_size=None
+            self,
+            stop=(),
+            include_stop_str_in_output=(),
+            constraints=(),
+            top_logprobs_width=None,
+            vocab_size=None,
         )
 
     # ------------------------------------------------------------------ rows and widths
@@ -397,6 +419,7 @@ class SamplingParams:
                 if any(p.constraints for p in parts)
                 else ()
             ),
+            top_logprobs_width=_top_width(arrays.logprobs),
             vocab_size=vocab.pop() if len(vocab) == 1 else None,
         )
 
@@ -425,6 +448,7 @@ class SamplingParams:
             stop=self.stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
             constraints=self.constraints,
+            top_logprobs_width=self.top_logprobs_width,
             vocab_size=self.vocab_size,
         )
 
@@ -441,6 +465,7 @@ class SamplingParams:
             if self.include_stop_str_in_output
             else (),
             constraints=tuple(self.constraints[i] for i in idx) if self.constraints else (),
+            top_logprobs_width=_top_width(host.logprobs[idx]),
             vocab_size=self.vocab_size,
         )
 
@@ -449,6 +474,34 @@ class SamplingParams:
         """`create` with the checkpoint's recommended settings (`generation_config.json`, see
         `generation_defaults`) wherever `overrides` set none."""
         return cls.create(batch_size, **{**generation_defaults(model), **overrides})
+
+
+DEFAULT_MAX_TOKENS = 16  # create's max_tokens when neither it nor max_new_tokens is given
+# Other names users type for a `create` argument (transformers' `max_new_tokens`).
+ALIASES = {"max_new_tokens": "max_tokens"}
+
+
+def canonical_knobs(knobs: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """`create` keyword arguments with every alias under its own name (`ALIASES`), None
+    values of an alias dropped; so dicts of settings merge key by key. Raises ValueError
+    (prefixed by `where`) when a dict gives a name and its alias both."""
+    out = {k: v for k, v in knobs.items() if k not in ALIASES}
+    for alias, name in ALIASES.items():
+        value = knobs.get(alias)
+        if value is None:
+            continue
+        if out.get(name) is not None:
+            raise ValueError(
+                f"{where}{name} = {out[name]!r} and its alias {alias} = {value!r} are both "
+                "given: give one of them"
+            )
+        out[name] = value
+    return out
+
+
+def _top_width(logprobs: Any) -> int:
+    """`sample`'s top_logprobs width for rows `logprobs` ([B] host ints): their largest."""
+    return int(np.max(np.asarray(logprobs), initial=0))
 
 
 def generation_defaults(model: Any) -> dict[str, Any]:

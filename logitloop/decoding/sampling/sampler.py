@@ -68,10 +68,15 @@ NEG_INF = float("-inf")
 
 @struct.dataclass
 class TopLogprobs:
-    """The top-n alternatives under the model's own logits (raw log-softmax)."""
+    """The top-n alternatives under the model's own logits (raw log-softmax).
 
-    ids: jax.Array  # [B, MAX_TOP_LOGPROBS] i32; -1 past the row's n
-    values: jax.Array  # [B, MAX_TOP_LOGPROBS] f32; -inf past the row's n
+    From `sample`, K is the largest `logprobs` n of the batch's rows (0 when no row asks
+    for any): exactly n wide when every row asks for the same n; a row that asks for fewer
+    is padded with id -1 and value -inf. Inside the decode loop K is `MAX_TOP_LOGPROBS`.
+    """
+
+    ids: jax.Array  # [B, K] i32, best first; -1 past the row's n
+    values: jax.Array  # [B, K] f32; -inf past the row's n
 
 
 @struct.dataclass
@@ -205,25 +210,25 @@ def adjust_logits(
     )
 
 
-def _top_logprobs(raw_logp: jax.Array, n: jax.Array, axes: Axes) -> TopLogprobs:
-    k = min(MAX_TOP_LOGPROBS, axes.vocab_size(raw_logp))
+def _top_logprobs(raw_logp: jax.Array, n: jax.Array, axes: Axes, width: int) -> TopLogprobs:
+    k = min(width, axes.vocab_size(raw_logp))
     if axes.vocab is None:
         vals, ids = jax.lax.top_k(raw_logp, k)
     else:
         vals, ids = candidates(raw_logp, k, axes)
-    pad = ((0, 0), (0, MAX_TOP_LOGPROBS - k))  # vocabularies smaller than the maximum n
+    pad = ((0, 0), (0, width - k))  # vocabularies smaller than the width
     vals = jnp.pad(vals, pad, constant_values=NEG_INF)
     ids = jnp.pad(ids, pad, constant_values=-1)
-    keep = jnp.arange(MAX_TOP_LOGPROBS)[None, :] < n[:, None]
+    keep = jnp.arange(width)[None, :] < n[:, None]
     return TopLogprobs(
         ids=jnp.where(keep, ids, -1).astype(jnp.int32), values=jnp.where(keep, vals, NEG_INF)
     )
 
 
-def _no_top_logprobs(batch: int) -> TopLogprobs:
+def _no_top_logprobs(batch: int, width: int) -> TopLogprobs:
     return TopLogprobs(
-        ids=jnp.full((batch, MAX_TOP_LOGPROBS), -1, jnp.int32),
-        values=jnp.full((batch, MAX_TOP_LOGPROBS), NEG_INF, jnp.float32),
+        ids=jnp.full((batch, width), -1, jnp.int32),
+        values=jnp.full((batch, width), NEG_INF, jnp.float32),
     )
 
 
@@ -252,10 +257,15 @@ def sample(
     leaves; states: their states (default: each one's `init`). The output's `states` are
     the states after the drawn tokens. allowed_bits: [B, ceil(V / 32)] u32 allowed-token
     bitmasks (a constraint's, `logitloop.decoding.sampling.constraints.row_bits`), or None.
+
+    The output's `top_logprobs` are `params.top_logprobs_width` wide: the largest
+    `logprobs` of the rows (`TopLogprobs`). Randomness comes from each row's explicit
+    `seed` and `positions` only (JAX's convention): the same inputs give the same tokens.
     """
     check_shapes("ll.sample", logits, params, positions, history)
     check_constraint_masks("ll.sample", params, allowed_bits)
     params, states = with_processors("ll.sample", logits, params, processors, states)
+    width = params.top_logprobs_width
     return sample_step(
         logits,
         params,
@@ -264,6 +274,7 @@ def sample(
         states=states,
         allowed_bits=allowed_bits,
         backend=backend,
+        num_top=MAX_TOP_LOGPROBS if width is None else width,
     )
 
 
@@ -339,6 +350,7 @@ def sample_step(
     backend: str = "auto",
     axes: Axes = SINGLE,
     choose=None,
+    num_top: int = MAX_TOP_LOGPROBS,
 ) -> SampleOutput:
     """The sampling step, traceable anywhere: `sample` is this under `jit` on one device;
     inside `shard_map`, `axes` says how the rows and the vocabulary lie on the mesh (the
@@ -348,7 +360,8 @@ def sample_step(
 
     `choose(probs [B, V], drawn [B] i32, key [B, 2] u32) -> tokens [B]`: picks the token
     instead of the row's draw, from the final distribution (speculative decoding's
-    rejection acceptance, `rejection_choice`); logprobs and processor updates follow it."""
+    rejection acceptance, `rejection_choice`); logprobs and processor updates follow it.
+    `num_top`: the width of the top logprobs (static; at least every row's `logprobs`)."""
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history, axes, states, done, allowed_bits)
@@ -386,14 +399,19 @@ def sample_step(
     # The raw log-softmax at one token per row; the full [B, V] array only when top-n is asked.
     norm = jnp.where(ok, proc.raw_norm, 0.0)
     raw_tok = (axes.at(proc.raw, tokens) - proc.raw_max) - norm
-    top = jax.lax.cond(
-        axes.any(params.logprobs > 0),
-        lambda: _top_logprobs(
-            jnp.where(ok[:, None], proc.raw - proc.raw_max[:, None], 0.0) - norm[:, None],
-            jnp.where(ok, params.logprobs, 0),
-            axes,
-        ),
-        lambda: _no_top_logprobs(batch),
+    top = (
+        _no_top_logprobs(batch, 0)
+        if num_top == 0
+        else jax.lax.cond(
+            axes.any(params.logprobs > 0),
+            lambda: _top_logprobs(
+                jnp.where(ok[:, None], proc.raw - proc.raw_max[:, None], 0.0) - norm[:, None],
+                jnp.where(ok, params.logprobs, 0),
+                axes,
+                num_top,
+            ),
+            lambda: _no_top_logprobs(batch, num_top),
+        )
     )
     tokens = tokens.astype(jnp.int32)
     if params.processors:
