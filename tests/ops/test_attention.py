@@ -175,7 +175,13 @@ def test_dispatch_picks_one_implementation_per_call():
     assert api.choose(columns=9, dtype=jnp.float32, backend="cpu", **kw) == "blockwise"
     assert api.choose(columns=9, dtype=jnp.bfloat16, backend="gpu", **kw) == "cudnn"
     assert api.choose(columns=9, dtype=jnp.float32, backend="gpu", **kw) == "blockwise"
-    assert api.choose(columns=9, dtype=jnp.bfloat16, backend="tpu", **kw) == "blockwise"
+    assert api.choose(columns=9, dtype=jnp.float32, backend="tpu", **kw) == "splash"
+    assert api.choose(columns=9, dtype=jnp.bfloat16, backend="tpu", **{**kw, "softcap": 50.0}) == (
+        "splash"
+    )
+    assert api.choose(columns=9, dtype=jnp.bfloat16, backend="tpu", **{**kw, "ring": True}) == (
+        "blockwise"
+    )
     for change in (dict(softcap=50.0), dict(ring=True)):
         assert api.choose(columns=9, dtype=jnp.bfloat16, backend="gpu", **{**kw, **change}) == (
             "blockwise"
@@ -202,6 +208,9 @@ def test_model_info_reports_the_choice():
     llama = dict(head_dim=128, dtype=jnp.bfloat16, softcap=None, windows=(4096, None))
     assert api.describe(deterministic=False, backend="gpu", **llama) == (
         "prompt: cudnn (blockwise on sliding-window rings); decode: decode"
+    )
+    assert api.describe(deterministic=False, backend="tpu", **gemma) == (
+        "prompt: splash (blockwise on sliding-window rings); decode: decode"
     )
     assert api.describe(deterministic=True, backend="gpu", **llama) == (
         "prompt: fixed-order; decode: fixed-order"
@@ -288,17 +297,22 @@ def _llama_config(hidden, context, layers=2, heads=4, kv_heads=2):
     )
 
 
-def prompt_pass_temp_bytes(model, columns: int) -> int:
-    """XLA's temporaries of a compiled prompt pass of `columns` tokens (batch 1, a cache of
-    as many slots), from `memory_analysis()`: compiled only, never run."""
+def prompt_pass(model, columns: int, batch: int = 1):
+    """A traced prompt pass of `columns` tokens (a cache of as many slots), never run."""
     graphdef, state = nnx.split(model)
 
     def forward(state, tokens, positions):
         m = nnx.merge(graphdef, state)
-        return m(tokens, positions, m.init_cache(1, columns))[0]
+        return m(tokens, positions, m.init_cache(batch, columns))[0]
 
-    tokens = jax.ShapeDtypeStruct((1, columns), jnp.int32)
-    compiled = jax.jit(forward).lower(state, tokens, tokens).compile()
+    tokens = jax.ShapeDtypeStruct((batch, columns), jnp.int32)
+    return jax.jit(forward).trace(state, tokens, tokens)
+
+
+def prompt_pass_temp_bytes(model, columns: int) -> int:
+    """XLA's temporaries of a compiled prompt pass of `columns` tokens (batch 1), from
+    `memory_analysis()`: compiled only, never run."""
+    compiled = prompt_pass(model, columns).lower().compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

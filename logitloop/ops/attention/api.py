@@ -16,6 +16,8 @@ The choice (`choose`), made here once per call shape and reported by `describe` 
   which every row starts at position 0 (a whole prompt, left padding rolled to the end);
   others (a later chunk of a chunked prefill, a speculative verification) take "blockwise"
   (one `lax.cond`).
+- "splash": the same on a TPU, any dtype, soft-capped or not: jax's splash attention
+  Pallas kernel (`splash.py`), with the same rolled padding and fallback.
 - "blockwise": everything else with T > 1 (`blockwise.blockwise_attention`: key and
   query blocks, online softmax, masks from positions; temporaries linear in T).
 - "reference": only when asked for (`implementation="reference"`): the one-einsum
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from logitloop.ops.attention.blockwise import blockwise_attention
 from logitloop.ops.attention.reference import Mask, masked_scores, reference_attention
 
-IMPLEMENTATIONS = ("auto", "reference", "blockwise", "decode", "cudnn", "fixed-order")
+IMPLEMENTATIONS = ("auto", "reference", "blockwise", "decode", "cudnn", "splash", "fixed-order")
 
 # A single query column attends only a prefix of the cache that holds every visible slot,
 # chosen among these fractions of the cache, once the cache has at least this many slots.
@@ -41,6 +43,11 @@ MIN_PREFIX_SLOTS = 512
 # What cuDNN's fused attention takes (jax's `cudnn_dot_product_attention` checks).
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 128
+
+
+def default_backend() -> str:
+    """The backend "auto" chooses for (a test that lowers for a TPU on CPU replaces it)."""
+    return jax.default_backend()
 
 
 def choose(
@@ -58,7 +65,7 @@ def choose(
         return "fixed-order"
     if columns == 1:
         return "decode"
-    backend = jax.default_backend() if backend is None else backend
+    backend = default_backend() if backend is None else backend
     if (
         backend == "gpu"
         and softcap is None
@@ -68,6 +75,8 @@ def choose(
         and head_dim % 8 == 0
     ):
         return "cudnn"
+    if backend == "tpu" and not ring and head_dim % 8 == 0:
+        return "splash"
     return "blockwise"
 
 
@@ -128,6 +137,10 @@ def attention(
         return reference_attention(q, k, v, mask.dense(slots), scale, softcap)
     if implementation == "cudnn":
         return cudnn_attention(q, k, v, mask, scale)
+    if implementation == "splash":
+        from logitloop.ops.attention.splash import splash_attention
+
+        return splash_attention(q, k, v, mask, scale, softcap)
     return blockwise_attention(q, k, v, mask, scale, softcap)
 
 
