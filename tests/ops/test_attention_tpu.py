@@ -3,6 +3,7 @@ Pallas's interpreter on CPU against float64, and a prompt pass lowered for a TPU
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,3 +60,24 @@ def test_a_prompt_pass_lowers_to_the_kernel_for_tpu(monkeypatch, head_dim, windo
     traced = prompt_pass(LlamaModel(config, rngs=nnx.Rngs(0)), 200, batch=2)
     text = traced.lower(lowering_platforms=("tpu",)).as_text()
     assert ("tpu_custom_call" in text) == kernel
+
+
+@pytest.mark.slow  # 20-35 s on 2 cores: the backward kernels in the interpreter
+def test_gradients_through_splash_equal_the_reference():
+    """Training on a TPU would differentiate through the kernel's own backward pass."""
+    rng = np.random.default_rng(5)
+    b, t, h, hkv, d = 2, 40, 4, 2, 8
+    q, k, v = (jnp.asarray(a) for a in _qkv(rng, b, t, h, hkv, t, d))
+    mask = ops.Mask(jnp.asarray(_positions(rng, b, t, t, fresh=True)))
+    real = np.asarray(mask.q_pos) >= 0
+
+    def loss(attend):  # over the real queries: padding's output is never read
+        return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)) * real[:, :, None, None])
+
+    kernel = lambda q, k, v: splash.splash_attention(q, k, v, mask, 0.3, 2.0, interpret=True)
+    got = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
+    reference = lambda q, k, v: ops.reference_attention(q, k, v, mask.dense(t), 0.3, 2.0)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(np.asarray(got[0])[real], np.asarray(want[0])[real], atol=1e-5)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
