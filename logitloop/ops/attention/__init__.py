@@ -5,6 +5,8 @@
 - `blockwise.py`: key and query blocks with an online softmax; temporaries linear in T.
 - `api.py`: `attention(..., implementation="auto")` and the choice it makes (`choose`,
   `describe`).
+- `splash.py`: a whole prompt on a TPU through jax's splash attention Pallas kernel
+  (imported by `attention` when it runs "splash").
 - `paged.py`: decode attention over a paged KV cache (a gather reference, a Pallas kernel
   that reads each row's live pages only, `paged_attention`'s dispatch); imported by whoever
   uses it, since Pallas is slow to import.

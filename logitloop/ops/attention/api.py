@@ -16,8 +16,9 @@ The choice (`choose`), made here once per call shape and reported by `describe` 
   which every row starts at position 0 (a whole prompt, left padding rolled to the end);
   others (a later chunk of a chunked prefill, a speculative verification) take "blockwise"
   (one `lax.cond`).
-- "splash": the same on a TPU, any dtype, soft-capped or not: jax's splash attention
-  Pallas kernel (`splash.py`), with the same rolled padding and fallback.
+- "splash": the same on a TPU, any dtype, head dim a multiple of 8, soft-capped or
+  not: jax's splash attention Pallas kernel (`splash.py`), with the same rolled padding
+  and fallback.
 - "blockwise": everything else with T > 1 (`blockwise.blockwise_attention`: key and
   query blocks, online softmax, masks from positions; temporaries linear in T).
 - "reference": only when asked for (`implementation="reference"`): the one-einsum
