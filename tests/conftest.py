@@ -53,6 +53,10 @@ def compile_counter() -> CompileWatch:
 # the families whose logits parity (default) already covers every layer; the processor
 # agreement test across generate/stream/generate_many (the mesh worker covers the loop).
 SLOW_CASES = (
+    # Beam search against transformers on GPT-2 (the Llama case stays), and the CLI's
+    # --num-beams against ll.beam_search (the score CLI's cases stay).
+    "tests/decoding/test_beam.py::test_matches_transformers[gpt2]",
+    "tests/cli/test_score_cli.py::test_generate_num_beams_is_beam_search",
     "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[gemma2]",
     "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[phi3]",
     "tests/models/test_model_parity.py::test_greedy_32_tokens_match_hf_generate[qwen3_moe]",
