@@ -62,8 +62,8 @@ from logitloop.decoding.engine.host import (
     tokenize_prompt,
 )
 from logitloop.decoding.engine.plan import Options, Plan, plan
+from logitloop.decoding.loop import pool, stop_strings
 from logitloop.decoding.loop import speculative as speculation
-from logitloop.decoding.loop import stop_strings
 from logitloop.decoding.loop.decode_loop import (
     DecodeState,
     Outputs,
@@ -130,8 +130,13 @@ def _empty_state(
     """A state whose every row is an empty, finished slot (the loop never touches it)."""
     cap = prompt_len + buffer_len
     zeros = jnp.zeros((batch,), jnp.int32)
+    pages = None
+    if program.pool is None:
+        cache = program.runner.init_cache(tables.weights, batch, cap)
+    else:  # one paged pool shared by the slots (`kv_cache_tokens`)
+        cache, pages = pool.init(program.runner, tables.weights, program.pool, batch)
     state = DecodeState.empty(
-        cache=program.runner.init_cache(tables.weights, batch, cap),
+        cache=cache,
         history=History(jnp.full((batch, cap), -1, jnp.int32), zeros, zeros),
         prompt_len=zeros,
         buffer_len=buffer_len,
@@ -140,7 +145,7 @@ def _empty_state(
         text=text,
         processor_states=procs.init_states(tables.params.processors, batch, vocab),
         done=True,
-    )
+    ).replace(pages=pages)
     if program.speculative is not None:  # a one-column "prompt" of padding: nothing is written
         pad = jnp.full((batch, 1), -1, jnp.int32)
         spec = program.speculative.init(
@@ -170,14 +175,20 @@ def _admit(
     """Prefill G prompts and write their fresh rows (state, params, stop strings, automaton
     states) into slots."""
     rows = tables.replace(params=new.params, stops=new.stops)
-    fresh = prefill(program, rows, prompts, fsm, buffer_len=buffer_len, num_top=num_top)
+    cache = None
+    if state.pages is not None:  # the new rows' prefill writes into the shared pool
+        state, cache = pool.admit(state, slot, prompts.lengths)
+    fresh = prefill(program, rows, prompts, fsm, cache, buffer_len=buffer_len, num_top=num_top)
 
     def put(big, small):
         if big.ndim == 0:  # the loop's step counter is shared, not per row
             return big
         return big.at[slot].set(small.astype(big.dtype), mode="drop")
 
-    state = program.layout.state(jax.tree.map(put, state, fresh))
+    if state.pages is None:
+        state = program.layout.state(jax.tree.map(put, state, fresh))
+    else:
+        state = program.layout.state(pool.admitted(state, fresh, put))
     stops = tables.stops
     if stops is not None:
         stops = stops.replace(
@@ -445,13 +456,22 @@ class _Batcher:
             )
         return used
 
+    def admissible(self, waiting: Sequence[_Row], free: int, occupant: dict) -> int:
+        """How many of the `waiting` rows to admit into `free` slots now (with a paged pool,
+        `paged_batching`: as many as its free pages hold)."""
+        return min(len(waiting), free)
+
+    def resume(self, occupant: dict) -> None:
+        """Resume preempted rows (a paged pool's, `paged_batching`); nothing here."""
+
     def dispatch(self) -> None:
         """Start one chunk of decode steps (asynchronously: the host carries on)."""
         state = self.state.replace(step=np.int32(0))
         self.state = decode(self.plan.program, self.tables, state, np.int32(self.chunk_steps))
 
-    def done(self) -> np.ndarray:
-        """Wait for the chunk; the host copy of every slot's `done`."""
+    def done(self, occupant: dict) -> np.ndarray:
+        """Wait for the chunk; the host copy of every slot's `done` (`occupant`: the slots'
+        rows, which a paged pool's preemption reads)."""
         return np.asarray(jax.device_get(self.plan.layout.host_view(self.state.done)))
 
     def fetch(self, slots: Sequence[int]) -> list[tuple[Outputs, dict[str, int] | None]]:
@@ -508,9 +528,11 @@ class _Batcher:
 
         while True:
             read(len(free))
+            self.resume(occupant)
             if waiting and free:
-                take = [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
-                for slot, row in zip(self.admit(take, free), take, strict=True):
+                count = self.admissible(waiting, len(free), occupant)
+                take = [waiting.popleft() for _ in range(count)]
+                for slot, row in zip(self.admit(take, free) if take else [], take, strict=True):
                     occupant[slot] = row
             if occupant:
                 self.dispatch()
@@ -520,7 +542,7 @@ class _Batcher:
             if not occupant:
                 return
             read(self.group)
-            done = self.done()
+            done = self.done(occupant)
             finished = sorted(slot for slot in occupant if done[slot])
             if not finished:
                 continue
@@ -578,6 +600,9 @@ def iter_generate_many(
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
     max_tokens: int | None = None,
+    kv_cache_tokens: int | None = None,
+    page_size: int = 16,
+    stats: dict | None = None,
     **options: Any,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
@@ -614,14 +639,20 @@ def iter_generate_many(
         max_prompt_len = info.max_length - 1
     max_prompt_len = check_count("max_prompt_len", max_prompt_len, 1, info.max_length - 1)
     max_tokens = check_count("max_tokens", max_tokens, 1, info.max_length - 1)
-    batcher = _Batcher(
-        job,
+    bounds = dict(
         slots=slots,
         max_prompt_len=max_prompt_len,
         max_tokens=max_tokens,
         chunk_steps=chunk_steps,
         prefill_batch=group,
         defaults=defaults,
+    )
+    if kv_cache_tokens is None:
+        return _Batcher(job, **bounds).run(requests)
+    from logitloop.decoding.engine import paged_batching  # it builds on this module
+
+    batcher = paged_batching.batcher(
+        job, requests, kv_cache_tokens, page_size, {} if stats is None else stats, **bounds
     )
     return batcher.run(requests)
 
@@ -636,6 +667,9 @@ def generate_many(
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
     max_tokens: int | None = None,
+    kv_cache_tokens: int | None = None,
+    page_size: int = 16,
+    stats: dict | None = None,
     **options: Any,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
@@ -660,6 +694,11 @@ def generate_many(
       slots, the other requests or `prefill_batch`.
     speculative: as in `generate`; a chunk is then `chunk_steps` propose-verify cycles (or
       plain steps), and each result's `speculation` counts its rows' drafts.
+    kv_cache_tokens, page_size: the slots share one paged pool of `kv_cache_tokens` tokens
+      of keys and values in pages of `page_size` (a power of two), whatever `slots` is
+      (`logitloop.decoding.engine.paged_batching`: admission by free pages, pages freed as
+      rows finish, preemption); default: a contiguous cache per slot. `stats`: a dict the
+      paged job fills with its counts (preemptions, rows in flight).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)`.
@@ -674,6 +713,9 @@ def generate_many(
         prefill_batch=prefill_batch,
         max_prompt_len=max_prompt_len,
         max_tokens=max_tokens,
+        kv_cache_tokens=kv_cache_tokens,
+        page_size=page_size,
+        stats=stats,
         **options,
     ):
         out[index] = result
