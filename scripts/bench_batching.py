@@ -49,9 +49,9 @@ from logitloop.decoding.runtime.compiles import CompileWatch
 from logitloop.models import LlamaModel, load_pretrained
 
 
-def random_model(seed: int = 0) -> LlamaModel:
-    """bench_generate's "tiny" Llama (vocabulary 512, 2 layers of 64), random, float32."""
-    return LlamaModel(config("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+def random_model(seed: int = 0, size: str = "tiny") -> LlamaModel:
+    """A bench_generate Llama, random, float32 ("tiny": vocabulary 512, 2 layers of 64)."""
+    return LlamaModel(config(size), dtype=jnp.float32, rngs=nnx.Rngs(seed))
 
 
 def workload(args, vocab: int) -> list[tuple[list[int], dict]]:
@@ -135,7 +135,13 @@ def warm_up(model, jobs, args, bounds):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
-    ap.add_argument("--random-model", action="store_true", help="a random tiny LlamaModel")
+    ap.add_argument(
+        "--random-model",
+        nargs="?",
+        const="tiny",
+        default=None,
+        help="a random LlamaModel of bench_generate's sizes (default tiny; or llama-40m)",
+    )
     ap.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--slots", type=int, default=32)
@@ -157,7 +163,8 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.random_model:
-        model, name = random_model(), "random tiny LlamaModel (float32)"
+        model = random_model(size=args.random_model)
+        name = f"random {args.random_model} LlamaModel (float32)"
     else:
         model, name = (
             load_pretrained(args.model, dtype=args.dtype),

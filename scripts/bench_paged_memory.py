@@ -1,6 +1,7 @@
 """Device memory a `generate_many` job holds: contiguous slots against one paged pool.
 
-    python scripts/bench_paged_memory.py                 # the random tiny Llama, 64 prompts
+    python scripts/bench_paged_memory.py                 # a random tiny Llama, 64 prompts
+    python scripts/bench_paged_memory.py --size llama-40m  # a random 40M Llama (32 kB KV/token)
 
 Output lengths follow a long-tailed distribution (lognormal, median `--median` tokens,
 clipped to `--max-tokens`). Two jobs over the same requests:
@@ -21,11 +22,14 @@ import argparse
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from bench_batching import random_model  # scripts/ is on the path when run as a script
+from bench_generate import MODELS, config  # scripts/ is on the path when run as a script
+from flax import nnx
 
 from logitloop.decoding.engine.batching import Request, iter_generate_many
 from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
+from logitloop.models import LlamaModel
 
 
 def live_bytes() -> int:
@@ -56,9 +60,10 @@ def main() -> None:
     ap.add_argument("--median", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", default="tiny", choices=sorted(MODELS), help="random Llama's size")
     args = ap.parse_args()
 
-    model = random_model()
+    model = LlamaModel(config(args.size), dtype=jnp.float32, rngs=nnx.Rngs(0))
     c = model.config
     rng = np.random.default_rng(args.seed)
     lengths = np.clip(

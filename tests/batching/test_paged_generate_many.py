@@ -133,3 +133,27 @@ def test_bad_pool(model, kwargs, match):
     reqs = [Request([1, 2], dict(max_tokens=3)), Request([1] * 10, dict(max_tokens=17), "long")]
     with pytest.raises(ValueError, match=match):
         generate_many(model, reqs, slots=2, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_tokens", [1024, 64])
+def test_deterministic_paged_job(model, kv_cache_tokens):
+    """`deterministic=True`: tokens equal; raw logprobs bit for bit while no row is
+    preempted (a pool of 1024 tokens); a preempted row's keys are recomputed by a prompt
+    pass, whose sums are not the decode steps', so with a pool of 64 tokens only within
+    float32 rounding."""
+    reqs = _requests(12, 2)
+    want = generate_many(model, reqs, slots=4, n=2, deterministic=True, **BOUNDS)
+    stats = {}
+    got = generate_many(
+        model, reqs, slots=8, n=2, deterministic=True, kv_cache_tokens=kv_cache_tokens,
+        page_size=PAGE, stats=stats, **BOUNDS,
+    )  # fmt: skip
+    assert _tokens(got) == _tokens(want)
+    assert (stats["preemptions"] == 0) == (kv_cache_tokens == 1024)
+    for a, b in zip(got, want, strict=True):
+        if stats["preemptions"] == 0:
+            assert a.raw_logprobs == b.raw_logprobs
+        else:
+            for x, y in zip(a.raw_logprobs, b.raw_logprobs, strict=True):
+                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
