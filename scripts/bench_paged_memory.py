@@ -8,10 +8,12 @@ clipped to `--max-tokens`). Two jobs over the same requests:
 
 - contiguous: `--slots` rows, each a cache of `P + N` slots (today's default);
 - paged: `--paged-slots` rows sharing `kv_cache_tokens` (default: what the contiguous job's
-  cache holds) in pages of `--page-size`.
+  cache holds) in pages of `--page-size`;
+- paged/4: `--slots` rows sharing a quarter of that.
 
 For each: the device bytes held while the job runs (the sum of `jax.live_arrays()` sizes,
-sampled as each request completes, less what was live before the job: the weights), the
+sampled as each request completes, less what was live before the job and less the job's
+own copy of the weights, which `generate_many` places on the device), the
 KV cache's own bytes, generated tokens, tokens/s (after a warm-up run), and held KV bytes
 per token in flight. The tokens of the two jobs are compared (expected equal).
 """
@@ -36,7 +38,7 @@ def live_bytes() -> int:
     return sum(x.nbytes for x in jax.live_arrays())
 
 
-def run(model, requests, bounds, **kwargs):
+def run(model, weights, requests, bounds, **kwargs):
     """Token ids per request, peak live bytes above the start, seconds, stats."""
     stats: dict = {}
     start = live_bytes()
@@ -45,7 +47,7 @@ def run(model, requests, bounds, **kwargs):
     t = time.perf_counter()
     for index, result in iter_generate_many(model, requests, **bounds, **kwargs, stats=stats):
         out[index] = result.token_ids[0]
-        peak = max(peak, live_bytes() - start)
+        peak = max(peak, live_bytes() - start - weights)
     seconds = time.perf_counter() - t
     return [out[i] for i in range(len(out))], peak, seconds, stats
 
@@ -64,6 +66,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = LlamaModel(config(args.size), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     c = model.config
     rng = np.random.default_rng(args.seed)
     lengths = np.clip(
@@ -83,27 +86,28 @@ def main() -> None:
     jobs = {
         "contiguous": dict(slots=args.slots),
         "paged": dict(slots=args.paged_slots, kv_cache_tokens=kv_tokens, page_size=args.page_size),
+        "paged/4": dict(slots=args.slots, kv_cache_tokens=kv_tokens // 4, page_size=args.page_size),
     }
     print(
         f"{args.prompts} prompts of 4-32 tokens, output lengths lognormal (median "
         f"{args.median}, mean {lengths.mean():.1f}, max {lengths.max()}); "
-        f"KV {token_bytes} bytes per token"
+        f"KV {token_bytes} bytes per token; weights {weights / 1e6:.1f} MB"
     )
     results = {}
     for name, kwargs in jobs.items():
-        run(model, requests[: 2 * args.slots], bounds, **kwargs)  # compiles
-        results[name] = run(model, requests, bounds, **kwargs)
+        run(model, weights, requests[: 2 * args.slots], bounds, **kwargs)  # compiles
+        results[name] = run(model, weights, requests, bounds, **kwargs)
     print(
         f"\n{'job':<12}{'slots':>6}{'KV tokens':>10}{'KV MB':>8}{'held MB':>9}"
-        f"{'tokens':>8}{'tokens/s':>10}{'in flight':>10}{'preempted':>10}"
+        f"{'tokens':>8}{'B/token':>9}{'tokens/s':>10}{'in flight':>10}{'preempted':>10}"
     )
     for name, kwargs in jobs.items():
         ids, peak, seconds, stats = results[name]
-        kv = kv_tokens if name == "paged" else args.slots * cap
+        kv = kwargs.get("kv_cache_tokens", args.slots * cap)
         tokens = sum(len(x) for x in ids)
         print(
             f"{name:<12}{kwargs['slots']:>6}{kv:>10}{kv * token_bytes / 1e6:>8.2f}"
-            f"{peak / 1e6:>9.2f}{tokens:>8}{tokens / seconds:>10.1f}"
+            f"{peak / 1e6:>9.2f}{tokens:>8}{peak / tokens:>9.0f}{tokens / seconds:>10.1f}"
             f"{stats.get('most_rows_in_flight', kwargs['slots']):>10}"
             f"{stats.get('preemptions', 0):>10}"
         )
