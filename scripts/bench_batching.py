@@ -11,6 +11,11 @@ One job, the same model, prompts, settings and slot count for both, in one run:
 - `generate`: `logitloop.generate` over fixed consecutive groups of `--slots` prompts; each
   group runs until its longest row stops.
 
+- with `--paged-slots S`, `generate_many (paged)`: `--paged-slots` slots sharing one paged
+  pool (`kv_cache_tokens`) of the memory the `--slots` contiguous rows hold (`slots * (P +
+  N)` tokens, or `--kv-cache-tokens`) in pages of `--page-size`: more rows in flight at
+  equal KV memory.
+
 With `--repeats K` each is timed K times, alternating, and the best time is reported (the
 other runs are in the JSON).
 
@@ -44,9 +49,9 @@ from logitloop.decoding.runtime.compiles import CompileWatch
 from logitloop.models import LlamaModel, load_pretrained
 
 
-def random_model(seed: int = 0) -> LlamaModel:
-    """bench_generate's "tiny" Llama (vocabulary 512, 2 layers of 64), random, float32."""
-    return LlamaModel(config("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+def random_model(seed: int = 0, size: str = "tiny") -> LlamaModel:
+    """A bench_generate Llama, random, float32 ("tiny": vocabulary 512, 2 layers of 64)."""
+    return LlamaModel(config(size), dtype=jnp.float32, rngs=nnx.Rngs(seed))
 
 
 def workload(args, vocab: int) -> list[tuple[list[int], dict]]:
@@ -83,17 +88,26 @@ def run_groups(model, jobs, slots, ignore_eos):
     return out
 
 
-def run_many(model, jobs, args, bounds):
+def run_many(model, jobs, args, bounds, **paged):
+    """`generate_many`; `paged`: its `slots`, `kv_cache_tokens`, `page_size`, `stats`."""
     results = generate_many(
         model,
         (Request(p, k) for p, k in jobs),  # a generator, as a job reading a file would pass
-        slots=args.slots,
+        **{"slots": args.slots, **paged},
         chunk_steps=args.chunk_steps,
         prefill_batch=args.prefill_batch,
         ignore_eos=not args.respect_eos,
         **bounds,
     )
     return [r.token_ids[0] for r in results]
+
+
+def paged_options(args, bounds) -> dict:
+    """The paged run's `generate_many` keywords: the contiguous slots' KV memory in a pool."""
+    cap = bucket(bounds["max_prompt_len"], MIN_PROMPT_BUCKET)
+    cap += bucket(bounds["max_tokens"], MIN_BUFFER_BUCKET)
+    tokens = args.kv_cache_tokens or args.slots * cap
+    return dict(slots=args.paged_slots, kv_cache_tokens=tokens, page_size=args.page_size)
 
 
 def warm_up(model, jobs, args, bounds):
@@ -113,13 +127,21 @@ def warm_up(model, jobs, args, bounds):
         run_groups(model, group, size, ignore_eos)
     few = [(p, dict(k, max_tokens=min(k["max_tokens"], 4))) for p, k in jobs[: 2 * slots]]
     run_many(model, few, args, bounds)
+    if args.paged_slots:
+        run_many(model, few, args, bounds, **paged_options(args, bounds), stats={})
     return sorted(shapes)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
-    ap.add_argument("--random-model", action="store_true", help="a random tiny LlamaModel")
+    ap.add_argument(
+        "--random-model",
+        nargs="?",
+        const="tiny",
+        default=None,
+        help="a random LlamaModel of bench_generate's sizes (default tiny; or llama-40m)",
+    )
     ap.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--slots", type=int, default=32)
@@ -134,11 +156,15 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=1, help="timed runs of each (alternating); best is kept"
     )
+    ap.add_argument("--paged-slots", type=int, default=0, help="also run a paged pool's job")
+    ap.add_argument("--kv-cache-tokens", type=int, default=0, help="its pool (default: equal)")
+    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--out", default=None, help="write the results here as JSON")
     args = ap.parse_args()
 
     if args.random_model:
-        model, name = random_model(), "random tiny LlamaModel (float32)"
+        model = random_model(size=args.random_model)
+        name = f"random {args.random_model} LlamaModel (float32)"
     else:
         model, name = (
             load_pretrained(args.model, dtype=args.dtype),
@@ -160,6 +186,9 @@ def main() -> None:
     print(f"warm-up (compiles) {warm_s:.1f} s; generate group shapes {shapes}")
 
     times: dict[str, list[float]] = {"generate_many": [], "generate": []}
+    stats: dict = {}
+    if args.paged_slots:
+        times["generate_many (paged)"] = []
     tokens_by = {}
     compiled = dict.fromkeys(times, 0)
     for _ in range(args.repeats):
@@ -168,6 +197,9 @@ def main() -> None:
                 t = time.perf_counter()
                 if method == "generate":
                     ids = run_groups(model, jobs, args.slots, not args.respect_eos)
+                elif method == "generate_many (paged)":
+                    paged = paged_options(args, bounds)
+                    ids = run_many(model, jobs, args, bounds, **paged, stats=stats)
                 else:
                     ids = run_many(model, jobs, args, bounds)
                 times[method].append(time.perf_counter() - t)
@@ -195,14 +227,26 @@ def main() -> None:
 
     print()
     print(
-        f"{'method':<15}{'prompts':>8}{'tokens':>9}{'seconds':>10}{'tokens/s':>11}{'compiles':>10}"
+        f"{'method':<22}{'prompts':>8}{'tokens':>9}{'seconds':>10}{'tokens/s':>11}{'compiles':>10}"
     )
     for r in rows:
         print(
-            f"{r['method']:<15}{r['prompts']:>8}{r['tokens']:>9}{r['seconds']:>10.2f}"
+            f"{r['method']:<22}{r['prompts']:>8}{r['tokens']:>9}{r['seconds']:>10.2f}"
             f"{r['tokens_per_s']:>11.1f}{r['compiles']:>10}"
         )
     print(f"\ngenerate_many / generate: {ratio:.2f}x tokens/s (goal >= 1.5x)")
+    if args.paged_slots:
+        paged = paged_options(args, bounds)
+        print(
+            f"paged / contiguous generate_many at equal KV memory ({paged['kv_cache_tokens']} "
+            f"tokens; {args.slots} contiguous slots, {args.paged_slots} paged slots): "
+            f"{rows[2]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x tokens/s; paged rows "
+            f"in flight at most {stats['most_rows_in_flight']}, preemptions "
+            f"{stats['preemptions']}"
+        )
+        paged_ids, ids = tokens_by["generate_many (paged)"], tokens_by["generate_many"]
+        differ = sum(a != b for a, b in zip(paged_ids, ids, strict=True))
+        print(f"prompts whose tokens differ, paged against contiguous: {differ} of {len(jobs)}")
     compiles = sum(compiled.values())
     if compiles:
         print(f"warning: the timed runs compiled {compiles} programs")
@@ -223,6 +267,7 @@ def main() -> None:
             ratio=ratio,
             timed_compiles=compiles,
             mismatched_prompts=mismatched,
+            paged_stats=stats,
         )
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {out}")

@@ -195,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts decoded together (continuous batching slots; default: 32)",
     )
     io.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the slots share one paged KV cache of N tokens (default: a cache per slot)",
+    )
+    io.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="tokens per page of --kv-cache-tokens (a power of two; default: 16)",
+    )
+    io.add_argument(
         "--stream",
         action="store_true",
         help="print the PROMPTs' text as it is generated (-n and --batch-size apply)",

@@ -149,6 +149,8 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
         else:
             shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
             shapes["speculative"] = speculative
+            if args.kv_cache_tokens is not None:  # one paged pool (`paged_batching`)
+                shapes.update(kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
             tokens = _run_requests(args, model, todo, shapes, sink.write, info.tokenizer)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds

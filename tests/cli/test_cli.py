@@ -479,3 +479,15 @@ def test_a_resumed_job_writes_what_an_uninterrupted_one_does(model_args, tmp_pat
     proc = run_cli("generate", "-i", str(jobs), "-o", str(resumed), "--batch-size", "16", *flags)
     assert proc.returncode == 0, proc.stderr
     assert read_jsonl(resumed) == read_jsonl(whole)
+
+
+@pytest.mark.slow
+def test_kv_cache_tokens_writes_what_the_contiguous_job_does(jobs, clean_run, model_args, tmp_path):
+    """`--kv-cache-tokens`: the slots share one paged pool (small enough that rows wait for
+    pages); every line gets the tokens of the run without it."""
+    out = tmp_path / "paged.jsonl"
+    flags = ["--kv-cache-tokens", "96", "--page-size", "16"]
+    proc = run_cli("generate", "-i", str(jobs), "-o", str(out), *BASE_FLAGS, *flags, *model_args)
+    assert proc.returncode == 0, proc.stderr
+    want, _ = clean_run
+    assert [r["token_ids"] for r in read_jsonl(out)] == [r["token_ids"] for r in want]

@@ -1,596 +1,26 @@
-"""Continuous batching: keep a fixed set of rows busy over a long list (or stream) of prompts.
-
-`generate` runs one batch until its slowest row stops, so rows that finish early sit idle.
-`generate_many` instead owns `slots` rows of one long-lived `DecodeState` and:
-
-1. prefills waiting requests into free slots (`_admit`: `prefill` from `loop.py` on a
-   group of `prefill_batch` prompts, then a scatter of every per-row field of the fresh
-   state, the per-slot `SamplingParams` rows and the stop-string rows into the slots);
-2. decodes every slot for `chunk_steps` steps with the same `decode` while loop as
-   `generate` (finished and empty slots are `done` and stay untouched);
-3. copies the rows that stopped to the host, frees their slots, and goes back to 1.
-
-Dispatch is asynchronous, so while the device runs a chunk the host returns the results of
-the previous one and reads (tokenizes, validates) the next requests. Empty slots hold greedy
-params, so they never send the sampler down its whole-vocabulary paths.
-
-Every shape is fixed up front: the slot count, the prompt bucket `P` and the generation
-buffer `N` (from `max_prompt_len` / `max_tokens`), hence the cache (`P + N` slots per row),
-and the widths of the per-row lists in the params (`checks.Widths`: bias, banned, allowed
-and stop ids, stop sequences, stop strings, top logprobs). A request whose lists outgrow a
-width widens it (`SamplingParams.widen`, to the next power of two as `create` buckets
-them) and that shape compiles once; a second job with the same bounds and settings of the
-same kind compiles nothing.
-
-Requests are checked by the same host helpers as `generate` (`logitloop.decoding.engine.host`),
-and each request's finished rows go through the same `collect`.
-
-Identity with `generate`: a slot's new request starts from a fresh state row (tokens -1,
-counters 0, a zeroed cache row, its own history, stop windows and params), its prompt sits
-at positions `0 .. len - 1` and its generated token `i` is drawn with the random stream
-`(seed, i)` and fed back at position `len + i`, exactly as `generate` does for that prompt
-alone. So each request's tokens are those of `ll.generate(model, [prompt], params)` with
-the same settings (the model sees other shapes: identical for exact arithmetic, and up to
-float rounding of the attention reductions otherwise).
-
-Results are `GenerationResult`s with one prompt each (`n` rows when `n > 1`), in input order
-from `generate_many`, in completion order from `iter_generate_many`.
+"""`generate_many` and `iter_generate_many`: a job's arguments checked, its defaults and
+bounds settled, and its requests run by the slots' batcher (`batcher._Batcher`), or by the
+paged one when the job gives `kv_cache_tokens` (`paged_batching`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import warnings
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from logitloop.decoding.engine.host import (
-    MIN_BUFFER_BUCKET,
-    MIN_PROMPT_BUCKET,
-    GenerationResult,
-    bucket,
-    check_count,
-    collect,
-    constraint_vocabulary,
-    prompt_batch,
-    stop_tables,
-    tokenize_prompt,
+from logitloop.decoding.engine import paged_batching
+from logitloop.decoding.engine.batcher import (
+    Request,
+    _all_set_max_tokens,
+    _Batcher,
+    _bounds_from,
 )
-from logitloop.decoding.engine.plan import Options, Plan, plan
-from logitloop.decoding.loop import speculative as speculation
-from logitloop.decoding.loop import stop_strings
-from logitloop.decoding.loop.decode_loop import (
-    DecodeState,
-    Outputs,
-    Program,
-    PromptBatch,
-    Tables,
-    decode,
-    prefill,
-)
-from logitloop.decoding.loop.runner import (
-    ModelInfo,
-    runner_jit,
-)
-from logitloop.decoding.loop.stop_strings import StopStrings
-from logitloop.decoding.sampling import constraints
-from logitloop.decoding.sampling import processors as procs
-from logitloop.decoding.sampling.checks import MIN_LIST_WIDTH, Widths
-from logitloop.decoding.sampling.constraints import HostAutomaton
-from logitloop.decoding.sampling.history import History
-from logitloop.decoding.sampling.params import (
-    DEFAULT_MAX_TOKENS,
-    SamplingParams,
-    canonical_knobs,
-    generation_defaults,
-)
+from logitloop.decoding.engine.host import GenerationResult, check_count
+from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.sampling.params import canonical_knobs, generation_defaults
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
-
-
-@dataclasses.dataclass
-class Request:
-    """One prompt with its own settings.
-
-    prompt: a string (needs a model with a tokenizer) or a list of token ids.
-    params: `SamplingParams.create` keyword arguments for this prompt (they replace the
-      job's defaults key by key; `max_new_tokens` is `max_tokens`), or a `SamplingParams`
-      of batch size 1, or None.
-    id: anything; only used to name the request in error messages.
-    processors: this request's processors (leaves with a row axis of 1), instead of the
-      job's; every request of a job has processors of the same tree structure.
-    """
-
-    prompt: Any
-    params: Mapping[str, Any] | SamplingParams | None = None
-    id: Any = None
-    processors: Sequence[Any] | None = None
-
-
-# --------------------------------------------------------------------------- device side
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "program", "vocab", "batch", "prompt_len", "buffer_len", "num_top", "window", "text",
-    ),
-)  # fmt: skip
-def _empty_state(
-    program: Program,
-    tables: Tables,
-    *,
-    vocab: int,
-    batch: int,
-    prompt_len: int,
-    buffer_len: int,
-    num_top: int,
-    window: int,
-    text: int,
-) -> DecodeState:
-    """A state whose every row is an empty, finished slot (the loop never touches it)."""
-    cap = prompt_len + buffer_len
-    zeros = jnp.zeros((batch,), jnp.int32)
-    state = DecodeState.empty(
-        cache=program.runner.init_cache(tables.weights, batch, cap),
-        history=History(jnp.full((batch, cap), -1, jnp.int32), zeros, zeros),
-        prompt_len=zeros,
-        buffer_len=buffer_len,
-        num_top=num_top,
-        window=window,
-        text=text,
-        processor_states=procs.init_states(tables.params.processors, batch, vocab),
-        done=True,
-    )
-    if program.speculative is not None:  # a one-column "prompt" of padding: nothing is written
-        pad = jnp.full((batch, 1), -1, jnp.int32)
-        spec = program.speculative.init(
-            tables.draft_weights, jnp.maximum(pad, 0), pad, cap, program.layout
-        )
-        state = state.replace(speculation=spec)
-    return program.layout.state(state)
-
-
-@functools.partial(
-    runner_jit,
-    static_argnames=("program", "buffer_len", "num_top"),
-    donate_argnames=("state",),
-)
-def _admit(
-    program: Program,
-    tables: Tables,  # [S slots]
-    state: DecodeState,  # [S]
-    slot: jax.Array,  # [G] i32, the slot of each new row; S (out of range) = dummy row
-    prompts: PromptBatch,  # [G] new rows
-    new: Tables,  # [G] the new rows' params and stop strings (no weights, no automata)
-    fsm: jax.Array,  # [G] i32, the new rows' initial automaton states
-    *,
-    buffer_len: int,
-    num_top: int,
-) -> tuple[DecodeState, Tables]:
-    """Prefill G prompts and write their fresh rows (state, params, stop strings, automaton
-    states) into slots."""
-    rows = tables.replace(params=new.params, stops=new.stops)
-    fresh = prefill(program, rows, prompts, fsm, buffer_len=buffer_len, num_top=num_top)
-
-    def put(big, small):
-        if big.ndim == 0:  # the loop's step counter is shared, not per row
-            return big
-        return big.at[slot].set(small.astype(big.dtype), mode="drop")
-
-    state = program.layout.state(jax.tree.map(put, state, fresh))
-    stops = tables.stops
-    if stops is not None:
-        stops = stops.replace(
-            strings=put(stops.strings, new.stops.strings),
-            lengths=put(stops.lengths, new.stops.lengths),
-        )
-    return state, tables.replace(params=jax.tree.map(put, tables.params, new.params), stops=stops)
-
-
-# --------------------------------------------------------------------------- host side
-
-
-@dataclasses.dataclass
-class _Row:
-    """One generated sequence: a request's prompt under one row of its params."""
-
-    request: int  # index of the request in the input
-    child: int  # sample index within the request (n > 1)
-    ids: list[int]
-    params: SamplingParams  # batch size 1
-    widths: Widths
-    automaton: HostAutomaton | None = None  # its constraint's, compiled
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A request admitted from the input and not yet returned."""
-
-    index: int
-    ids: list[list[int]]  # per row
-    params: SamplingParams  # n rows, EOS ids added (as `generate` has them)
-    outputs: list[Outputs | None]  # per row, once it finished: host arrays [1, ...]
-    # per row, with `speculative=`: {"cycles", "proposed", "drafted", "accepted"} once it finished
-    speculation: list[dict[str, int] | None] | None = None
-
-
-def _describe(index: int, request_id: Any) -> str:
-    return f"requests[{index}]" + ("" if request_id is None else f" (id {request_id!r})")
-
-
-def _split_request(item: Any) -> Request:
-    """Request | (prompt, params) | prompt -> Request."""
-    if isinstance(item, Request):
-        return item
-    if (
-        isinstance(item, tuple)
-        and len(item) == 2
-        and (item[1] is None or isinstance(item[1], (Mapping, SamplingParams)))
-    ):
-        return Request(item[0], item[1])
-    return Request(item)
-
-
-class _Batcher:
-    """The slot state and the scheduling loop behind `iter_generate_many`."""
-
-    def __init__(
-        self,
-        plan: Plan,
-        *,
-        slots: int,
-        max_prompt_len: int,
-        max_tokens: int,
-        chunk_steps: int,
-        prefill_batch: int,
-        defaults: Mapping[str, Any],
-    ):
-        self.plan = plan
-        self.info = plan.info
-        self.n = plan.options.n
-        self.slots = slots
-        self.max_prompt_len = max_prompt_len
-        self.max_tokens = max_tokens
-        self.prompt_len = bucket(max_prompt_len, MIN_PROMPT_BUCKET)
-        self.buffer_len = bucket(max_tokens, MIN_BUFFER_BUCKET)
-        self.chunk_steps = chunk_steps
-        self.group = prefill_batch
-        self.defaults = dict(defaults)
-        self.structure = None  # the processors' tree structure, fixed by the first request
-        # Room for a few stop sequences from the start, so most jobs never widen them.
-        self.widths = Widths(sequences=MIN_LIST_WIDTH, sequence_len=MIN_LIST_WIDTH)
-        self.state: DecodeState | None = None
-        # What the loop reads for the slots: params [S] at self.widths, the stop-string
-        # tables (None while no slot had one) and the automata seen so far.
-        self.tables: Tables | None = None
-        self.slot_stops: list[tuple[str, ...]] = [()] * slots  # each slot's stop strings
-        # The constraints' automata seen so far, packed in this order (appended only, so a
-        # running row's state stays valid when the tables grow).
-        self.automata_seen: list[HostAutomaton] = []
-        self.initial: dict[int, int] = {}  # id(automaton) -> its initial state in the tables
-
-    # ------------------------------------------------------------------ requests
-
-    def prepare(self, index: int, item: Any) -> tuple[_Pending, list[_Row]]:
-        """Tokenize and validate one request; returns its record and its `n` rows.
-
-        One request at a time (`SamplingParams.create` of batch 1): the shapes of the small
-        host-side arrays then depend only on the request's own settings, so a second job
-        with settings of the same kinds compiles nothing at all.
-        """
-        request = _split_request(item)
-        prompt, knobs = request.prompt, request.params
-        plan = self.plan
-        if request.processors is not None:
-            options = dataclasses.replace(plan.options, processors=request.processors)
-            plan = dataclasses.replace(plan, options=options)
-        try:
-            if isinstance(knobs, SamplingParams):
-                params = knobs
-                if params.batch_size != 1:
-                    raise ValueError(
-                        f"params has batch_size {params.batch_size}; a request needs batch_size 1"
-                    )
-            elif knobs is None or isinstance(knobs, Mapping):
-                params = SamplingParams.create(
-                    1, **{**self.defaults, **canonical_knobs(knobs or {})}
-                )
-            else:
-                raise ValueError(f"params must be a dict or a SamplingParams, got {knobs!r}")
-            name = "the prompt"
-            ids = [tokenize_prompt(name, prompt, self.info)]
-            if len(ids[0]) > self.max_prompt_len:
-                raise ValueError(
-                    f"{name} has {len(ids[0])} tokens, over max_prompt_len = {self.max_prompt_len}"
-                )
-            ids, params = plan.rows(None, params, ids=ids, names=[name])
-            structure = jax.tree.structure(params.processors)
-            if self.structure is None:
-                self.structure = structure
-            elif structure != self.structure:
-                raise ValueError(
-                    f"its processors have the tree structure {structure}, but the job's "
-                    f"first request's have {self.structure}: every request of a job needs "
-                    "processors of the same structure"
-                )
-            most = int(np.asarray(params.max_tokens)[0])
-            if most > self.max_tokens:
-                raise ValueError(
-                    f"max_tokens = {most} is over the job's max_tokens_bound = "
-                    f"{self.max_tokens} (pass a larger max_tokens_bound=)"
-                )
-            if any(params.stop) and self.info.tokenizer is None:
-                raise ValueError("stop strings need a model that carries a tokenizer")
-            compiled = [None] * self.n
-            if params.constraints:
-                vocab = constraint_vocabulary(self.info)
-                compiled = constraints.compile_rows(params.constraints, vocab)
-                stop_ids = np.asarray(params.stop_token_ids)
-                constraints.refuse_stop_ids(params.constraints, stop_ids, vocab)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{_describe(index, request.id)}: {e}") from None
-        widths = params.widths()
-        rows = [
-            _Row(index, c, ids[c], params.take([c]), widths, compiled[c]) for c in range(self.n)
-        ]
-        pending = _Pending(
-            index=index,
-            ids=ids,
-            params=params,
-            outputs=[None] * self.n,
-            speculation=[None] * self.n,
-        )
-        return pending, rows
-
-    # ------------------------------------------------------------------ device state
-
-    def _tables(self, stop: Sequence[tuple[str, ...]]) -> StopStrings | None:
-        """Stop-string tables for rows `stop` at the job's widths (None while none has one)."""
-        return stop_tables(self.info, stop, self.widths)
-
-    def _resize(self, widths: Widths, template: SamplingParams) -> None:
-        """Start the slot state, or widen its per-row lists (a new shape: compiles once).
-
-        `template`: one row whose params (and processors) fill the empty slots, greedy."""
-        old, self.widths = self.widths, widths
-        stops = self._tables(self.slot_stops)
-        text = 0 if stops is None else stops.window
-        if self.state is None:
-            # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
-            empty = template.widen(widths).take([0] * self.slots)
-            empty = empty.replace(temperature=jnp.zeros((self.slots,), jnp.float32))
-            self.tables = self.plan.tables(empty, stops)
-            self.state = _empty_state(
-                self.plan.program,
-                self.tables,
-                vocab=self.info.vocab_size,
-                batch=self.slots,
-                prompt_len=self.prompt_len,
-                buffer_len=self.buffer_len,
-                num_top=widths.top_logprobs,
-                window=widths.sequence_len,
-                text=text,
-            )
-            return
-        self.tables = self.tables.replace(params=self.tables.params.widen(widths), stops=stops)
-        s = self.state
-
-        def pad_left(arr: jax.Array, width: int, fill: int) -> np.ndarray:
-            arr = np.asarray(arr)
-            return np.pad(arr, ((0, 0), (width - arr.shape[1], 0)), constant_values=fill)
-
-        top_ids, top_values = s.top_ids, s.top_values
-        if widths.top_logprobs > old.top_logprobs:
-            shape = (self.slots, self.buffer_len, widths.top_logprobs)
-            top_ids = np.full(shape, -1, np.int32)
-            top_values = np.full(shape, -np.inf, np.float32)
-        # Windows keep their newest entries at the right: older ones only pad the left.
-        # (Host arrays: the next call moves them; nothing compiles here.)
-        self.state = s.replace(
-            window=pad_left(s.window, widths.sequence_len, -1),
-            text_window=pad_left(s.text_window, text, stop_strings.SENTINEL),
-            top_ids=top_ids,
-            top_values=top_values,
-        )
-
-    def _add_automata(self, rows: Sequence[_Row]) -> None:
-        """Append the rows' new automata to the job's tables (never shrinking a bucket)."""
-        new = [r.automaton for r in rows if r.automaton is not None]
-        new = [a for a in dict.fromkeys(new) if id(a) not in self.initial]
-        if not new:
-            return
-        self.automata_seen += new
-        old = self.tables.automata
-        grow = (
-            {}
-            if old is None
-            else {"min_states": old.bits.shape[0], "min_edges": old.targets.shape[0]}
-        )
-        automata, initial = constraints.pack(self.automata_seen, **grow)
-        self.tables = self.tables.replace(automata=automata)
-        self.initial = {id(a): s for a, s in zip(self.automata_seen, initial, strict=True)}
-
-    def admit(self, rows: Sequence[_Row], free: list[int]) -> list[int]:
-        """Prefill `rows` into slots taken from `free`; returns the slots used."""
-        need = self.widths
-        for row in rows:
-            need = need.union(row.widths)
-        if self.state is None or need != self.widths:
-            self._resize(need, rows[0].params)
-        self._add_automata(rows)
-        used = []
-        for start in range(0, len(rows), self.group):
-            group = list(rows[start : start + self.group])
-            slot = np.full((self.group,), self.slots, np.int32)  # dummies: dropped
-            for i, row in enumerate(group):
-                slot[i] = free.pop(0)
-                used.append(int(slot[i]))
-                self.slot_stops[slot[i]] = row.params.stop[0] if row.params.stop else ()
-            group += [group[0]] * (self.group - len(group))
-            batch = prompt_batch([row.ids for row in group], self.buffer_len, self.prompt_len)
-            new_params = SamplingParams.concat([row.params for row in group], self.widths)
-            new_stops = None
-            if self.tables.stops is not None:
-                new_stops = self._tables(new_params.stop or [()] * len(group))
-            fsm = np.asarray(
-                [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
-                np.int32,
-            )
-            new = Tables(None, new_params.device_only(), new_stops)
-            self.state, self.tables = _admit(
-                self.plan.program,
-                self.tables,
-                self.state,
-                slot,
-                batch,
-                new,
-                fsm,
-                buffer_len=self.buffer_len,
-                num_top=self.widths.top_logprobs,
-            )
-        return used
-
-    def dispatch(self) -> None:
-        """Start one chunk of decode steps (asynchronously: the host carries on)."""
-        state = self.state.replace(step=np.int32(0))
-        self.state = decode(self.plan.program, self.tables, state, np.int32(self.chunk_steps))
-
-    def done(self) -> np.ndarray:
-        """Wait for the chunk; the host copy of every slot's `done`."""
-        return np.asarray(jax.device_get(self.plan.layout.host_view(self.state.done)))
-
-    def fetch(self, slots: Sequence[int]) -> list[tuple[Outputs, dict[str, int] | None]]:
-        """Copy the finished rows in `slots` to the host, each as `Outputs` of one row and
-        its speculation counts (None without `speculative=`)."""
-        outputs = jax.device_get(self.plan.layout.host_view(self.state.outputs()))
-        counts = speculation.stats(self.state.speculation, self.slots)
-        return [(outputs.take([slot]), counts and counts[slot]) for slot in slots]
-
-    # ------------------------------------------------------------------ results
-
-    def result(self, pending: _Pending) -> GenerationResult:
-        """The request's rows as `generate` would return them for that prompt alone."""
-        # The slots may keep top logprobs for the job's other requests: keep this one's.
-        k = pending.params.widths().top_logprobs
-        outputs = Outputs.concat(
-            [
-                o.replace(top_ids=o.top_ids[:, :, :k], top_values=o.top_values[:, :, :k])
-                for o in pending.outputs
-            ]
-        )
-        result = collect(outputs, pending.ids, pending.params, self.info)
-        if self.plan.program.speculative is not None:
-            result.speculation = list(pending.speculation)
-        return result.per_request()
-
-    # ------------------------------------------------------------------ the loop
-
-    def run(self, requests: Iterable[Any]) -> Iterator[tuple[int, GenerationResult]]:
-        """Admit, decode a chunk, collect; host work overlaps the device's chunk.
-
-        While a chunk runs on the device, the host yields the results of the previous
-        chunk and reads (tokenizes, validates) up to `prefill_batch` requests ahead.
-        """
-        source = enumerate(requests)
-        exhausted = False
-        waiting: deque[_Row] = deque()
-        pending: dict[int, _Pending] = {}
-        free = list(range(self.slots))
-        occupant: dict[int, _Row] = {}
-        ready: list[int] = []  # complete requests, yielded while the next chunk runs
-
-        def read(rows: int) -> None:
-            nonlocal exhausted
-            while not exhausted and len(waiting) < rows:
-                try:
-                    index, item = next(source)
-                except StopIteration:
-                    exhausted = True
-                    return
-                request, new = self.prepare(index, item)
-                pending[index] = request
-                waiting.extend(new)
-
-        while True:
-            read(len(free))
-            if waiting and free:
-                take = [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
-                for slot, row in zip(self.admit(take, free), take, strict=True):
-                    occupant[slot] = row
-            if occupant:
-                self.dispatch()
-            for index in ready:
-                yield index, self.result(pending.pop(index))
-            ready = []
-            if not occupant:
-                return
-            read(self.group)
-            done = self.done()
-            finished = sorted(slot for slot in occupant if done[slot])
-            if not finished:
-                continue
-            for slot, (out, counts) in zip(finished, self.fetch(finished), strict=True):
-                row = occupant.pop(slot)
-                free.append(slot)
-                request = pending[row.request]
-                request.outputs[row.child] = out
-                request.speculation[row.child] = counts
-                if all(o is not None for o in request.outputs):
-                    ready.append(row.request)
-            free.sort()
-            ready.sort()
-
-
-# --------------------------------------------------------------------------- public API
-
-
-def _bounds_from(
-    info: ModelInfo, items: Sequence[Any], defaults: Mapping[str, Any]
-) -> tuple[int, int]:
-    """Longest prompt and largest max_tokens of a list of requests (0 when unknown)."""
-    longest, most = 1, 1
-    for item in items:
-        request = _split_request(item)
-        prompt, knobs = request.prompt, request.params
-        if isinstance(prompt, str):
-            if info.tokenizer is None:
-                continue  # reported with the request's index later
-            length = len(info.tokenizer.encode(prompt))
-        else:
-            try:
-                length = len(prompt)
-            except TypeError:
-                continue
-        if isinstance(knobs, SamplingParams):
-            mt = int(np.max(np.asarray(knobs.max_tokens)))
-        else:
-            try:
-                mt = {**defaults, **canonical_knobs(knobs or {})}.get("max_tokens")
-                mt = int(np.max(np.asarray(DEFAULT_MAX_TOKENS if mt is None else mt)))
-            except (TypeError, ValueError):
-                continue  # reported with the request's index later
-        longest, most = max(longest, length), max(most, mt)
-    return longest, most
-
-
-def _all_set_max_tokens(requests: Any) -> bool:
-    """Whether `requests` is a non-empty sequence whose every request sets its max_tokens."""
-    if not isinstance(requests, Sequence) or not requests:
-        return False
-    for item in requests:
-        knobs = _split_request(item).params
-        if not isinstance(knobs, SamplingParams) and not (
-            isinstance(knobs, Mapping) and ({"max_tokens", "max_new_tokens"} & set(knobs))
-        ):
-            return False
-    return True
 
 
 def iter_generate_many(
@@ -603,6 +33,9 @@ def iter_generate_many(
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
     max_tokens_bound: int | None = None,
+    kv_cache_tokens: int | None = None,
+    page_size: int = 16,
+    stats: dict | None = None,
     **keywords: Any,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like `generate_many`, but yields `(index, result)` as each request completes.
@@ -615,7 +48,8 @@ def iter_generate_many(
     return _job(
         "iter_generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
         prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
-        max_tokens_bound=max_tokens_bound, keywords=keywords,
+        max_tokens_bound=max_tokens_bound, kv_cache_tokens=kv_cache_tokens,
+        page_size=page_size, stats=stats, keywords=keywords,
     )  # fmt: skip
 
 
@@ -630,6 +64,9 @@ def _job(
     prefill_batch: int | None,
     max_prompt_len: int | None,
     max_tokens_bound: int | None,
+    kv_cache_tokens: int | None,
+    page_size: int,
+    stats: dict | None,
     keywords: Mapping[str, Any],
 ) -> Iterator[tuple[int, GenerationResult]]:
     """`iter_generate_many`'s job for the public function `caller` (named in errors): its
@@ -674,14 +111,18 @@ def _job(
         max_prompt_len = info.max_length - 1
     max_prompt_len = check_count("max_prompt_len", max_prompt_len, 1, info.max_length - 1)
     max_tokens_bound = check_count("max_tokens_bound", max_tokens_bound, 1, info.max_length - 1)
-    batcher = _Batcher(
-        job,
+    bounds = dict(
         slots=slots,
         max_prompt_len=max_prompt_len,
         max_tokens=max_tokens_bound,
         chunk_steps=chunk_steps,
         prefill_batch=group,
         defaults=defaults,
+    )
+    if kv_cache_tokens is None:
+        return _Batcher(job, **bounds).run(requests)
+    batcher = paged_batching.batcher(
+        job, requests, kv_cache_tokens, page_size, {} if stats is None else stats, **bounds
     )
     return batcher.run(requests)
 
@@ -696,6 +137,9 @@ def generate_many(
     prefill_batch: int | None = None,
     max_prompt_len: int | None = None,
     max_tokens_bound: int | None = None,
+    kv_cache_tokens: int | None = None,
+    page_size: int = 16,
+    stats: dict | None = None,
     **keywords: Any,
 ) -> list[GenerationResult]:
     """Generate completions for many prompts with continuous batching; results in input order.
@@ -727,6 +171,11 @@ def generate_many(
       slots, the other requests or `prefill_batch`.
     speculative: as in `generate`; a chunk is then `chunk_steps` propose-verify cycles (or
       plain steps), and each result's `speculation` counts its rows' drafts.
+    kv_cache_tokens, page_size: the slots share one paged pool of `kv_cache_tokens` tokens
+      of keys and values in pages of `page_size` (a power of two), whatever `slots` is
+      (`logitloop.decoding.engine.paged_batching`: admission by free pages, pages freed as
+      rows finish, preemption); default: a contiguous cache per slot. `stats`: a dict the
+      paged job fills with its counts (preemptions, rows in flight).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:
@@ -737,7 +186,8 @@ def generate_many(
     for index, result in _job(
         "generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
         prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
-        max_tokens_bound=max_tokens_bound, keywords=keywords,
+        max_tokens_bound=max_tokens_bound, kv_cache_tokens=kv_cache_tokens,
+        page_size=page_size, stats=stats, keywords=keywords,
     ):  # fmt: skip
         out[index] = result
     return [out[i] for i in range(len(out))]

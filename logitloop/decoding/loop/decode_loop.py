@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from logitloop.decoding.loop import pool as paged
 from logitloop.decoding.loop import stop_strings
 from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
@@ -55,12 +56,14 @@ class Program:
     """The static part of a call, which the loop's programs are compiled against (hashable).
 
     runner: the model's forward pass; layout: where the arrays live (one device or a mesh);
-    speculative: a resolved speculation strategy (`speculative.resolve`), or None.
+    speculative: a resolved speculation strategy (`speculative.resolve`), or None;
+    pool: a paged cache's `pool.PoolShape` (`generate_many`'s `kv_cache_tokens`), or None.
     """
 
     runner: ModelRunner
     layout: Layout = ONE_DEVICE
     speculative: Any = None
+    pool: Any = None
 
 
 @struct.dataclass
@@ -118,6 +121,8 @@ class DecodeState:
     fsm: jax.Array | None = None  # [B] i32, each row's automaton state (-1 = unconstrained)
     # Speculative decoding's own per-row state (`speculative.SpecState`), None without it.
     speculation: Any = None
+    # A paged cache's page bookkeeping (`pool.Pool`; `cache` is then the shared pool), or None.
+    pages: Any = None
 
     @classmethod
     def empty(
@@ -344,14 +349,17 @@ def forward_prompt(
     cache_len: int,
     layout: Layout = ONE_DEVICE,
     chunk: int | None = None,
+    cache: Any = None,
 ) -> tuple[jax.Array, Any]:
     """The model over whole prompts: next-token logits [B, V] and the cache.
 
     One pass, or with `chunk` the columns `chunk` at a time, each call attending the
-    cache the earlier ones wrote (as a decode step does).
+    cache the earlier ones wrote (as a decode step does). `cache`: the cache to write
+    (a paged pool attached to the rows' tables); default a fresh one.
     """
     batch, width = prompt.shape
-    cache = layout.cache(runner.init_cache(weights, batch, cache_len), batch)
+    if cache is None:
+        cache = layout.cache(runner.init_cache(weights, batch, cache_len), batch)
     step = width if chunk is None else chunk
     for start in range(0, width, step):
         cols = slice(start, start + step)
@@ -369,6 +377,7 @@ def prefill(
     tables: Tables,  # [B] rows
     prompts: PromptBatch,  # [B, P] prompts, left-padded, and their histories [B, P + N]
     fsm: jax.Array | None = None,  # [B] i32, the rows' initial automaton states
+    cache: Any = None,  # the cache to write (default a fresh one; see `forward_prompt`)
     *,
     buffer_len: int,
     num_top: int,
@@ -387,7 +396,7 @@ def prefill(
     prompt, positions = prompts.prompt, prompts.positions
     logits, cache = forward_prompt(
         program.runner, tables.weights, prompt, positions, plen + buffer_len, layout,
-        prefill_chunk,
+        prefill_chunk, cache,
     )  # fmt: skip
     state = DecodeState.empty(
         cache=cache,
@@ -416,13 +425,27 @@ def last_tokens(state: DecodeState) -> jax.Array:
 
 
 def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState:
-    """One token per running row: feed its last token, sample, record."""
+    """One token per running row: feed its last token, sample, record.
+
+    With a paged pool (`s.pages`), the running rows first grow by a page where they need
+    one; a row refused one (or parked) feeds and draws nothing, and the rows that finish
+    return their pages (`pool`)."""
+    if s.pages is None:
+        live, cache = ~s.done, s.cache
+    else:
+        s, live = paged.grow(s)
+        cache = paged.attach(s.cache, s.pages.pages.tables)
     # Finished rows feed a padding position, so their cache is never written again.
-    pos = jnp.where(s.done, -1, s.prompt_len + s.num_tokens - 1)[:, None]
+    pos = jnp.where(live, s.prompt_len + s.num_tokens - 1, -1)[:, None]
     logits, cache = program.runner.forward(
-        tables.weights, last_tokens(s)[:, None], pos, s.cache, mesh=program.layout.row_mesh
+        tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh
     )
-    return sample_state(program.layout, tables, logits, s.replace(cache=cache))
+    if s.pages is None:
+        return sample_state(program.layout, tables, logits, s.replace(cache=cache))
+    new = sample_state(
+        program.layout, tables, logits, s.replace(cache=paged.detach(cache)), where=live
+    )
+    return paged.release(s, new)
 
 
 @functools.partial(runner_jit, static_argnames=("program",), donate_argnames=("state",))
@@ -447,7 +470,9 @@ def decode(
     def cond(s: DecodeState):
         # Buffer full is judged per row: rows that entered later (generate_many's slots)
         # have room left when the first rows' buffers are full.
-        return (s.step < max_steps) & jnp.any(~s.done & (s.num_tokens < buf))
+        # With a paged pool a row refused a page ends the chunk (the host preempts).
+        running = jnp.any(paged.runnable(s) & (s.num_tokens < buf))
+        return (s.step < max_steps) & running & ~paged.any_stalled(s)
 
     def body(s: DecodeState):
         if program.speculative is None:

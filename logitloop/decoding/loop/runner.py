@@ -33,9 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import fixed_order
+from logitloop.models import fixed_order, layers
 from logitloop.ops.attention import describe as describe_attention
 
 # `deterministic=` values: off, invariant to the batch and a data axis, and also to a model
@@ -126,6 +127,22 @@ class ModelRunner:
         if self.graphdef is not None:
             return nnx.merge(self.graphdef, weights).init_cache(batch_size, max_length)
         return self.init_cache_fn(batch_size, max_length)
+
+    def init_pool(self, weights, num_pages: int, page_size: int) -> Any:
+        """A paged pool of zeros: per layer `dict(k_pages, v_pages)`, each `[Hkv, num_pages,
+        page_size, D]` (`layers.init_paged_caches`, without tables: the loop keeps those in
+        `pool.Pool`)."""
+        if self.graphdef is None:
+            raise ValueError(
+                "kv_cache_tokens needs a logitloop model: a FunctionModel's cache is its own"
+            )
+        model = nnx.merge(self.graphdef, weights)
+        c = model.config
+        no_tables = jnp.zeros((0, 0), jnp.int32)
+        caches = layers.init_paged_caches(
+            c.num_layers, num_pages, page_size, no_tables, c.num_kv_heads, c.head_dim, model.dtype
+        )
+        return [{"k_pages": x["k_pages"], "v_pages": x["v_pages"]} for x in caches]
 
 
 class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator

@@ -1,0 +1,214 @@
+"""`generate_many(..., kv_cache_tokens=N, page_size=16)`: the slots share one pool of
+`N // page_size` pages (`logitloop.decoding.loop.pool`), so the job holds at most N tokens
+of keys and values whatever `slots` is, and the slots can outnumber the rows a contiguous
+cache of the same memory holds.
+
+The host side of the pool, on top of `batcher._Batcher`:
+
+- a request is admitted when its prompt's pages, plus a reserve of a page while other rows
+  run, are free (the host tracks free pages from the count it reads with `done` after
+  each chunk, less what it admitted since);
+- a finished row's pages return to the pool inside the loop, at once;
+- when a running row is refused a page the chunk ends and the newest running row is
+  preempted (`pool.park`): it keeps its slot and its sampling state and is resumed, before
+  any new request is admitted, when its prompt and generated tokens fit again
+  (`pool.resume` recomputes their keys and values), with the same tokens it would have
+  drawn without preemption (its noise is keyed by (seed, position)).
+
+A request that alone needs more than N tokens raises `ValueError` before any work when the
+requests are a sequence (else when it is read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from logitloop.decoding.engine.batcher import _Batcher, _bounds_from, _describe, _Row
+from logitloop.decoding.engine.plan import Plan
+from logitloop.decoding.loop import pages as paging
+from logitloop.decoding.loop import pool
+from logitloop.decoding.loop.runner import ModelInfo
+
+RESERVE_PAGES = 1  # free pages a new or resumed row leaves for each running row's growth
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_pool(kv_cache_tokens: Any, page_size: Any) -> tuple[int, int]:
+    """The pool's size in tokens and its page size, checked: `(num_pages, page_size)`."""
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+        raise ValueError(f"page_size must be an int, got {page_size!r}")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size = {page_size} must be a positive power of two")
+    if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, (int, np.integer)):
+        raise ValueError(f"kv_cache_tokens must be an int, got {kv_cache_tokens!r}")
+    if kv_cache_tokens < page_size:
+        raise ValueError(
+            f"kv_cache_tokens = {kv_cache_tokens} is under one page (page_size = {page_size})"
+        )
+    return int(kv_cache_tokens) // int(page_size), int(page_size)
+
+
+def tokens_needed(prompt_len: int, max_tokens: int, page_size: int) -> int:
+    """Tokens of KV a row of this prompt and max_tokens may hold at most, in whole pages
+    (every token but the last is fed back)."""
+    return _cdiv(prompt_len + max_tokens - 1, page_size) * page_size
+
+
+def _too_long(name: str, prompt_len: int, max_tokens: int, kv_cache_tokens: int, ps: int):
+    need = tokens_needed(prompt_len, max_tokens, ps)
+    if need > kv_cache_tokens // ps * ps:
+        raise ValueError(
+            f"{name} needs {need} tokens of KV cache (a prompt of {prompt_len} tokens and "
+            f"max_tokens = {max_tokens}, in pages of {ps}), over kv_cache_tokens = "
+            f"{kv_cache_tokens}"
+        )
+
+
+def check_requests(
+    info: ModelInfo,
+    requests: Sequence[Any],
+    defaults: Mapping[str, Any],
+    kv_cache_tokens: int,
+    page_size: int,
+) -> None:
+    """Before any work: every request of a sequence fits the pool alone."""
+    for index, item in enumerate(requests):
+        length, most = _bounds_from(info, [item], defaults)
+        name = _describe(index, getattr(item, "id", None))
+        _too_long(name, length, most, kv_cache_tokens, page_size)
+
+
+class PagedBatcher(_Batcher):
+    """`_Batcher` whose slots share one paged pool (the module docstring).
+
+    `stats` (a dict, filled as the job runs): "preemptions", "resumed" and
+    "most_rows_in_flight" (rows holding pages at once, at the admission points)."""
+
+    def __init__(
+        self, plan: Plan, *, kv_cache_tokens: int, page_size: int, stats: dict, **kwargs: Any
+    ):
+        super().__init__(plan, **kwargs)
+        num_pages, _ = check_pool(kv_cache_tokens, page_size)
+        self.kv_cache_tokens = kv_cache_tokens
+        self.page_size = page_size
+        entries = _cdiv(self.prompt_len + self.buffer_len, page_size)
+        shape = pool.PoolShape(num_pages, page_size, entries)
+        self.plan = dataclasses.replace(
+            plan, program=dataclasses.replace(plan.program, pool=shape)
+        )
+        self.free_pages = num_pages  # the host's view: the last count read, less admissions
+        self.arrival: dict[int, int] = {}  # slot -> admission number
+        self.arrivals = 0
+        self.parked: set[int] = set()
+        self.held = np.zeros(self.slots, np.int64)  # tokens each slot held at the last read
+        self.stalled = False
+        self.stats = stats
+        stats.update(preemptions=0, resumed=0, most_rows_in_flight=0)
+
+    def prepare(self, index: int, item: Any) -> tuple[Any, list[_Row]]:
+        pending, rows = super().prepare(index, item)
+        for row in rows:
+            most = int(np.asarray(row.params.max_tokens)[0])
+            _too_long(
+                _describe(index, getattr(item, "id", None)),
+                len(row.ids),
+                most,
+                self.kv_cache_tokens,
+                self.page_size,
+            )
+        return pending, rows
+
+    def _running(self, occupant: dict) -> int:
+        return sum(1 for slot in occupant if slot not in self.parked)
+
+    def admissible(self, waiting: Sequence[_Row], free: int, occupant: dict) -> int:
+        if self.parked:  # preempted rows come first
+            return 0
+        running = self._running(occupant)
+        count = 0
+        for row in list(waiting)[:free]:
+            need = _cdiv(len(row.ids), self.page_size)
+            if need + RESERVE_PAGES * (running + count) > self.free_pages:
+                break
+            self.free_pages -= need
+            count += 1
+        in_flight = running + count
+        self.stats["most_rows_in_flight"] = max(self.stats["most_rows_in_flight"], in_flight)
+        return count
+
+    def admit(self, rows: Sequence[_Row], free: list[int]) -> list[int]:
+        used = super().admit(rows, free)
+        for slot in used:
+            self.arrival[slot] = self.arrivals
+            self.arrivals += 1
+        return used
+
+    def resume(self, occupant: dict) -> None:
+        if self.stalled:  # the pages just freed are for the row that was refused
+            return
+        for slot in sorted(self.parked, key=self.arrival.__getitem__):
+            need = _cdiv(int(self.held[slot]), self.page_size)
+            if need + RESERVE_PAGES * self._running(occupant) > self.free_pages:
+                return
+            self.state = pool.resume(
+                self.plan.program, self.tables.weights, self.state, np.int32(slot)
+            )
+            self.free_pages -= need
+            self.parked.discard(slot)
+            self.stats["resumed"] += 1
+
+    def done(self, occupant: dict) -> np.ndarray:
+        done = super().done(occupant)
+        s = self.state
+        stalled, free, num_tokens, prompt_len = jax.device_get(
+            (s.pages.stalled, paging.free_pages(s.pages.pages), s.num_tokens, s.prompt_len)
+        )
+        self.free_pages = int(free)
+        # A parked row holds, once resumed, its prompt and generated tokens but the last.
+        self.held = np.asarray(prompt_len) + np.asarray(num_tokens) - 1
+        self.stalled = bool(np.any(stalled))
+        if self.stalled:
+            running = [slot for slot in occupant if not done[slot] and slot not in self.parked]
+            victim = max(running, key=self.arrival.__getitem__)
+            lengths = np.asarray(jax.device_get(s.pages.pages.lengths))
+            self.state = pool.park(s, np.int32(victim))
+            self.free_pages += _cdiv(int(lengths[victim]), self.page_size)
+            self.parked.add(victim)
+            self.stats["preemptions"] += 1
+        for slot in occupant:
+            if done[slot]:
+                self.arrival.pop(slot, None)
+        return done
+
+
+def batcher(
+    job: Plan,
+    requests: Any,
+    kv_cache_tokens: Any,
+    page_size: Any,
+    stats: dict,
+    **bounds: Any,
+) -> PagedBatcher:
+    """A `PagedBatcher` for `iter_generate_many`, every argument checked before any work."""
+    check_pool(kv_cache_tokens, page_size)
+    if job.program.speculative is not None:
+        raise ValueError("kv_cache_tokens does not work with speculative= yet")
+    if job.options.mesh is not None:
+        raise ValueError("kv_cache_tokens does not work with mesh= yet")
+    if job.info.runner.graphdef is None:
+        raise ValueError(
+            "kv_cache_tokens needs a logitloop model: a FunctionModel's cache is its own"
+        )
+    if isinstance(requests, Sequence):
+        check_requests(job.info, requests, bounds["defaults"], kv_cache_tokens, page_size)
+    return PagedBatcher(
+        job, kv_cache_tokens=kv_cache_tokens, page_size=page_size, stats=stats, **bounds
+    )

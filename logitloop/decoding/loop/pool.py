@@ -1,0 +1,180 @@
+"""A paged KV cache in the decode loop: one pool of pages shared by every row
+(`generate_many(..., kv_cache_tokens=N)`), and the hooks the loop calls with it.
+
+With a pool, `DecodeState.cache` holds per layer `dict(k_pages, v_pages)` of
+`[Hkv, num_pages, page_size, D]` (`ModelRunner.init_pool`) and `DecodeState.pages` a
+`Pool`: which row holds which pages (`pages.PageState`, the one copy of the page tables,
+`attach`ed to the layers for each forward pass), each row's arrival number, and the rows
+parked (preempted) or stalled (refused a page). Without a pool both hooks are skipped and
+the loop runs as it always did.
+
+- Each decode step first grows every running row to the tokens the step writes
+  (`grow`: `pages.allocate` in arrival order, so the newest rows are the ones refused);
+  a refused row feeds nothing and draws nothing this step (`stalled`), and the loop's chunk
+  ends (`runnable`, `any_stalled`) so the host can preempt.
+- After the step, the rows that just finished return their pages (`release`), on device.
+- Admission (`admit`, `admitted`): the new rows' pages are allocated for their prompts and
+  the prefill writes into the shared pool through the new rows' tables.
+- Preemption (`park`): the host frees a row's pages and parks it in its slot; its sampling
+  state (tokens, history, stop windows, processor states, automaton state) stays as it is.
+  `resume` gives it pages again and recomputes the keys and values of its prompt and the
+  tokens it generated in one prompt pass, so it continues exactly where it stopped: its
+  noise is keyed by (seed, position), which have not changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from logitloop.decoding.loop import pages as paging
+from logitloop.decoding.loop.pages import PageState
+from logitloop.decoding.loop.runner import runner_jit
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolShape:
+    """The static shape of a pool: `num_pages` pages of `page_size` tokens, `entries`
+    table entries per row (enough for the job's longest row)."""
+
+    num_pages: int
+    page_size: int
+    entries: int
+
+
+@struct.dataclass
+class Pool:
+    """The page bookkeeping the loop carries (B rows).
+
+    pages: who holds which page (`PageState`, the page tables' one copy);
+    arrival: [B] i32, order of admission (larger = newer); parked: [B] bool, preempted and
+    holding no pages until `resume`; stalled: [B] bool, refused a page at the last step.
+    """
+
+    pages: PageState
+    arrival: jax.Array
+    parked: jax.Array
+    stalled: jax.Array
+
+
+def init(runner: Any, weights: Any, shape: PoolShape, batch: int) -> tuple[Any, Pool]:
+    """An empty pool: the layers' pages (zeros) and every row holding none."""
+    cache = runner.init_pool(weights, shape.num_pages, shape.page_size)
+    state = paging.init_pages(shape.num_pages, batch, shape.entries, shape.page_size)
+    no = jnp.zeros((batch,), bool)
+    return cache, Pool(state, jnp.zeros((batch,), jnp.int32), no, no)
+
+
+def attach(cache: Any, tables: jax.Array) -> Any:
+    """The pool's layers with the page tables `tables` [B, P], as the model reads them."""
+    return [dict(layer, tables=tables) for layer in cache]
+
+
+def detach(cache: Any) -> Any:
+    """The pool's layers without tables (they live in `Pool.pages` only)."""
+    return [{k: v for k, v in layer.items() if k != "tables"} for layer in cache]
+
+
+def runnable(state: Any) -> jax.Array:
+    """[B] bool: rows the loop runs (not finished; with a pool, not parked)."""
+    if state.pages is None:
+        return ~state.done
+    return ~state.done & ~state.pages.parked
+
+
+def any_stalled(state: Any) -> jax.Array:
+    """[] bool: a row was refused a page (always False without a pool)."""
+    if state.pages is None:
+        return jnp.zeros((), bool)
+    return jnp.any(state.pages.stalled)
+
+
+def grow(state: Any) -> tuple[Any, jax.Array]:
+    """Give each running row the pages for the token it feeds at position `prompt_len +
+    num_tokens - 1`; returns the state and [B] bool, the rows that feed one this step."""
+    pool = state.pages
+    run = runnable(state)
+    want = jnp.where(run, state.prompt_len + state.num_tokens, pool.pages.lengths)
+    pages, granted = paging.allocate(pool.pages, want, order=jnp.argsort(pool.arrival))
+    live = run & granted
+    return state.replace(pages=pool.replace(pages=pages, stalled=run & ~granted)), live
+
+
+def release(before: Any, after: Any) -> Any:
+    """`after` with the pages of the rows that finished since `before` returned."""
+    newly = after.done & ~before.done
+    pool = after.pages
+    return after.replace(pages=pool.replace(pages=paging.free(pool.pages, newly)))
+
+
+def admit(state: Any, slot: jax.Array, lengths: jax.Array) -> tuple[Any, Any]:
+    """Pages for G new rows' prompts (`slot` [G], S = a dummy row; `lengths` [G]); returns
+    the state and the pool attached to the new rows' tables (what their prefill writes)."""
+    pool = state.pages
+    batch = pool.arrival.shape[0]
+    rows = jnp.zeros((batch,), bool).at[slot].set(True, mode="drop")
+    pages = paging.free(pool.pages, rows)
+    pages, _ = paging.allocate(pages, pages.lengths.at[slot].set(lengths, mode="drop"))
+    arrival = jnp.max(pool.arrival) + 1 + jnp.arange(slot.shape[0], dtype=jnp.int32)
+    tables = jnp.take(pages.tables, slot, axis=0, mode="fill", fill_value=paging.NO_PAGE)
+    pool = pool.replace(
+        pages=pages,
+        arrival=pool.arrival.at[slot].set(arrival, mode="drop"),
+        parked=pool.parked & ~rows,
+        stalled=pool.stalled & ~rows,
+    )
+    return state.replace(pages=pool), attach(state.cache, tables)
+
+
+def admitted(state: Any, fresh: Any, put: Any) -> Any:
+    """`state` with the prefilled rows `fresh` put into their slots by `put(big, small)`:
+    every per-row field, the pool the prefill wrote, and the pages of every finished row
+    (one whose first token ended it) returned."""
+    rows = jax.tree.map(put, state.replace(cache=None, pages=None), fresh.replace(cache=None))
+    pool = state.pages
+    return rows.replace(
+        cache=detach(fresh.cache), pages=pool.replace(pages=paging.free(pool.pages, rows.done))
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def park(state: Any, slot: jax.Array) -> Any:
+    """Preempt the row in `slot` ([] i32): its pages return to the pool and it waits."""
+    pool = state.pages
+    rows = jnp.arange(pool.arrival.shape[0]) == slot
+    return state.replace(
+        pages=pool.replace(
+            pages=paging.free(pool.pages, rows),
+            parked=pool.parked | rows,
+            stalled=jnp.zeros_like(pool.stalled),
+        )
+    )
+
+
+@functools.partial(runner_jit, static_argnames=("program",), donate_argnames=("state",))
+def resume(program: Any, weights: Any, state: Any, slot: jax.Array) -> Any:
+    """Give the parked row in `slot` ([] i32) pages again and recompute the keys and values
+    of its prompt and generated tokens but the last (which the next step feeds), in one
+    prompt pass over its history."""
+    pool = state.pages
+    rows = jnp.arange(pool.arrival.shape[0]) == slot
+    length = state.prompt_len[slot] + state.num_tokens[slot] - 1
+    pages, _ = paging.allocate(pool.pages, jnp.where(rows, length, pool.pages.lengths))
+    tokens = state.history.tokens[slot][None]  # [1, C]
+    cols = jnp.arange(tokens.shape[1])[None]
+    positions = jnp.where(cols < length, cols, -1)
+    _, cache = program.runner.forward(
+        weights,
+        jnp.maximum(tokens, 0),
+        positions,
+        attach(state.cache, pages.tables[slot][None]),
+        prompt=True,
+    )
+    return state.replace(
+        cache=detach(cache), pages=pool.replace(pages=pages, parked=pool.parked & ~rows)
+    )

@@ -1,0 +1,159 @@
+"""`generate_many(..., kv_cache_tokens=N)`: the slots share one paged pool, and every
+request gets the tokens it gets from `generate_many` without pages (float32, a small
+random Llama), with rows admitted by free pages, pages freed as rows finish, and rows
+preempted and resumed when the pool runs dry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from logitloop.decoding.engine import paged_batching
+from logitloop.decoding.engine.batching import Request, generate_many
+from logitloop.decoding.loop import pages
+from tests.decoding.random_llama import small_llama
+
+V = 48
+PAGE = 4
+BOUNDS = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens=24)
+
+
+class ByteTokenizer:
+    """Token i is the byte `pieces[i]` (enough for stop strings)."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+        self.vocab_size = len(pieces)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.pieces[i]
+
+    def decode(self, ids) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = small_llama(V, 64, 3)
+    m.tokenizer = ByteTokenizer([bytes([97 + i % 26]) for i in range(V)])
+    return m
+
+
+def _requests(count: int, seed: int) -> list[Request]:
+    """Mixed prompt (1-15) and output (1-24) lengths, per-row settings, a stop string, n=2
+    rows per request (seeded, so the two rows differ)."""
+    rng = np.random.default_rng(seed)
+    # The stop string comes first: the job's first admission then fixes every width, and
+    # each job compiles its programs once.
+    settings = [
+        dict(temperature=1.0, stop=["e"]),
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_k=8, presence_penalty=0.5),
+    ]
+    out = []
+    for i in range(count):
+        prompt = [int(t) for t in rng.integers(0, V, int(rng.integers(1, 16)))]
+        knobs = dict(settings[i % len(settings)], max_tokens=int(rng.integers(1, 25)), seed=i)
+        out.append(Request(prompt, knobs, id=f"r{i}"))
+    return out
+
+
+def _tokens(results):
+    return [(r.token_ids, r.finish_reason, r.text) for r in results]
+
+
+@pytest.fixture(scope="module")
+def job(model):
+    """12 requests of 2 rows: without pages (4 slots of 40 tokens each), and with a pool of
+    64 tokens for 8 slots (16 pages: rows must wait for pages and be preempted)."""
+    reqs = _requests(12, 0)
+    want = generate_many(model, reqs, slots=4, n=2, **BOUNDS)
+    stats = {}
+    got = generate_many(
+        model, reqs, slots=8, n=2, kv_cache_tokens=64, page_size=PAGE, stats=stats, **BOUNDS
+    )
+    return want, got, stats
+
+
+def test_paged_job_equals_the_contiguous_job(job):
+    want, got, _ = job
+    assert _tokens(got) == _tokens(want)
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.raw_logprobs, b.raw_logprobs, strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_a_small_pool_preempts_and_resumes(job):
+    _, _, stats = job
+    assert stats["preemptions"] > 0
+    assert stats["resumed"] == stats["preemptions"]
+    # 16 pages of 4 tokens: never more rows than pages, whatever the 8 slots allow
+    assert 1 <= stats["most_rows_in_flight"] <= 8
+
+
+def test_pages_return_to_the_pool(model):
+    """After a job every page is free again (finished rows free theirs on device)."""
+    reqs = _requests(3, 1)
+    batcher = paged_batching.batcher(
+        _plan(model),
+        reqs,
+        64,
+        PAGE,
+        {},
+        slots=8,
+        defaults={},
+        **BOUNDS,
+    )
+    results = list(batcher.run(reqs))
+    assert len(results) == 3
+    state = batcher.state.pages.pages
+    assert int(pages.free_pages(state)) == 16
+    assert np.all(np.asarray(state.tables) == pages.NO_PAGE)
+
+
+def _plan(model):
+    from logitloop.decoding.engine.plan import Options, plan
+
+    return plan(model, Options.of("iter_generate_many", {}))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(kv_cache_tokens=64, page_size=3), "page_size = 3 must be a positive power of two"),
+        (dict(kv_cache_tokens=64, page_size=0), "page_size = 0 must be a positive power"),
+        (dict(kv_cache_tokens=2, page_size=4), "kv_cache_tokens = 2 is under one page"),
+        (
+            dict(kv_cache_tokens=16, page_size=4),
+            r"requests\[1\] \(id 'long'\) needs 28 tokens of KV cache .* over kv_cache_tokens = 16",
+        ),
+    ],
+)
+def test_bad_pool(model, kwargs, match):
+    reqs = [Request([1, 2], dict(max_tokens=3)), Request([1] * 10, dict(max_tokens=17), "long")]
+    with pytest.raises(ValueError, match=match):
+        generate_many(model, reqs, slots=2, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_tokens", [1024, 64])
+def test_deterministic_paged_job(model, kv_cache_tokens):
+    """`deterministic=True`: tokens equal; raw logprobs bit for bit while no row is
+    preempted (a pool of 1024 tokens); a preempted row's keys are recomputed by a prompt
+    pass, whose sums are not the decode steps', so with a pool of 64 tokens only within
+    float32 rounding."""
+    reqs = _requests(12, 2)
+    want = generate_many(model, reqs, slots=4, n=2, deterministic=True, **BOUNDS)
+    stats = {}
+    got = generate_many(
+        model, reqs, slots=8, n=2, deterministic=True, kv_cache_tokens=kv_cache_tokens,
+        page_size=PAGE, stats=stats, **BOUNDS,
+    )  # fmt: skip
+    assert _tokens(got) == _tokens(want)
+    assert (stats["preemptions"] == 0) == (kv_cache_tokens == 1024)
+    for a, b in zip(got, want, strict=True):
+        if stats["preemptions"] == 0:
+            assert a.raw_logprobs == b.raw_logprobs
+        else:
+            for x, y in zip(a.raw_logprobs, b.raw_logprobs, strict=True):
+                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
