@@ -107,17 +107,20 @@ def run(args: argparse.Namespace) -> int:
         if not todo:
             note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
             return 0
-        if drawn:
-            note(f"seed {base['seed']} (drawn for this run; --seed {base['seed']} repeats it)")
-        return _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started)
+        seed = base["seed"] if drawn else None
+        return _run_job(
+            args, items, todo, skipped, base_params, defaults, sink, note, started, seed
+        )  # fmt: skip
     finally:
         if sink is not None:
             sink.close()
 
 
-def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, started) -> int:
+def _run_job(
+    args, items, todo, skipped, base_params, defaults, sink, note, started, seed=None
+) -> int:
     """The job after its inputs, settings and output are settled: load, render the
-    conversations, check, generate."""
+    conversations, check, generate. `seed`: the seed drawn for this run (None: --seed)."""
     from logitloop.decoding.loop.runner import model_info
     from logitloop.decoding.runtime.compiles import CompileWatch
 
@@ -165,6 +168,7 @@ def _run_job(args, items, todo, skipped, base_params, defaults, sink, note, star
         f"compile {compile_s:.1f} s (measured: JAX trace + lowering + XLA compile events "
         f"during generation); model load {load_s:.1f} s; total "
         f"{time.perf_counter() - started:.1f} s"
+        + ("" if seed is None else f"; seed {seed} (drawn for this run; --seed {seed} repeats it)")
     )
     return 0
 

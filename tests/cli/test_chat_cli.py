@@ -24,7 +24,7 @@ from .test_cli import cli_env, compile_cache, read_jsonl, run_cli  # noqa: F401 
 
 QUESTION = "The for statement"
 FOLLOW_UP = "Tell me about the while statement."
-GREEDY = ["--temperature", "0", "--max-tokens", "48"]
+GREEDY = ["--temperature", "0", "--max-tokens", "48", "--seed", "0"]  # records equal run to run
 
 
 def _folder(model_args: list[str]) -> Path:

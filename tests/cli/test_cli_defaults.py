@@ -26,28 +26,27 @@ def tokenizer():
     return Tokenizer.from_file(SHIPPED_MODEL_DIR / "tokenizer.json")
 
 
-def _job(monkeypatch, capsys, *flags):
-    """`generate`'s settings for `flags`, up to the model: its items and stderr."""
+def _job(monkeypatch, *flags):
+    """`generate`'s settings for `flags`, up to the model: its items and the seed it drew
+    (None with --seed), which the job's last line on stderr names."""
     got = {}
 
     def stop_before_the_model(args, items, todo, *rest):
-        got["items"] = items
+        got["items"], got["seed"] = items, rest[-1]
         return 0
 
     monkeypatch.setattr(run_generate, "_run_job", stop_before_the_model)
     assert run_generate.run(build_parser().parse_args(["generate", "a", "b", *flags])) == 0
-    return got["items"], capsys.readouterr().err
+    return got["items"], got["seed"]
 
 
-def test_each_run_draws_its_seed_and_names_it(monkeypatch, capsys):
-    first, err = _job(monkeypatch, capsys)
-    seed = first[0].knobs["seed"]
+def test_each_run_draws_its_seed(monkeypatch):
+    first, seed = _job(monkeypatch)
     assert isinstance(seed, int) and [it.knobs["seed"] for it in first] == [seed, seed]
-    assert f"seed {seed} (drawn for this run; --seed {seed} repeats it)" in err
-    second, _ = _job(monkeypatch, capsys)
-    assert second[0].knobs["seed"] != seed  # equal once in 2**31 runs
-    given, err = _job(monkeypatch, capsys, "--seed", "7")
-    assert [it.knobs["seed"] for it in given] == [7, 7] and "drawn" not in err
+    _, second = _job(monkeypatch)
+    assert second != seed  # equal once in 2**31 runs
+    given, drawn = _job(monkeypatch, "--seed", "7")
+    assert [it.knobs["seed"] for it in given] == [7, 7] and drawn is None
 
 
 def _result(text, top):
@@ -133,9 +132,11 @@ def _records(path) -> list[dict]:
 @pytest.mark.slow
 def test_a_recorded_seed_reproduces_the_run(tmp_path, capsys):
     first, again = tmp_path / "first.jsonl", tmp_path / "again.jsonl"
-    status, _, err = _generate(capsys, "The for", "x =", "-o", str(first))
+    status = main(["generate", "The for", "x =", "-o", str(first), *FLAGS[:-1]])  # not -q
+    err = capsys.readouterr().err
     assert status == 0, err
     seed = _records(first)[0]["seed"]
+    assert f"seed {seed} (drawn for this run; --seed {seed} repeats it)" in err
     status, _, err = _generate(capsys, "The for", "x =", "-o", str(again), "--seed", str(seed))
     assert status == 0, err
     assert _records(again) == _records(first)

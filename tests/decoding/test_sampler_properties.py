@@ -138,9 +138,19 @@ def test_a_rows_token_depends_only_on_its_own_inputs(x, batch, others, other_row
     mixed_x[slot] = x[row]
     mixed, _ = run(mixed_x, mixed_rows)
     alone, _ = run(x[row : row + 1], [batch[row]])
-    expected = jax.tree.map(lambda v: v[row : row + 1], a)
-    assert_outputs_equal(jax.tree.map(lambda v: v[slot : slot + 1], mixed), expected)
-    assert_outputs_equal(alone, expected)
+    n = batch[row].logprobs
+    expected = own_row(a, row, n)
+    assert_outputs_equal(own_row(mixed, slot, n), expected)
+    assert_outputs_equal(own_row(alone, 0, n), expected)
+
+
+def own_row(out, r, n):
+    """Row r of a batch's outputs, its top logprobs cut to its own n: a batch's are as wide
+    as its largest n (`ll.TopLogprobs`), the columns past a row's n padding."""
+    one = jax.tree.map(lambda v: v[r : r + 1], out)
+    top = one.top_logprobs
+    assert np.all(top.ids[:, n:] == -1) and np.all(top.values[:, n:] == -np.inf)
+    return one.replace(top_logprobs=top.replace(ids=top.ids[:, :n], values=top.values[:, :n]))
 
 
 @SETTINGS

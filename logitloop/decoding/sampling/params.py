@@ -90,8 +90,9 @@ class SamplingParams:
     # Each row's `constraints.Constraint` or None; () when no row has one.
     constraints: tuple = struct.field(pytree_node=False, default=())
     # The width of `sample`'s top_logprobs: the rows' largest `logprobs` (create, take and
-    # concat set it from the arrays), or None (device_only: the loop keeps its own width).
-    # Static, so `sample` knows it when it traces.
+    # concat set it from the arrays; `replace(logprobs=...)` does not), or None
+    # (device_only: the loop keeps its own width). Static, so `sample` knows it when it
+    # traces.
     top_logprobs_width: int | None = struct.field(pytree_node=False, default=None)
     # The vocabulary size every token id was checked against (create's `vocab_size`), or
     # None. Static: `sample` checks it against the logits' V when it traces, without
