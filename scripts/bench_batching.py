@@ -105,7 +105,7 @@ def run_many(model, jobs, args, bounds, **paged):
 def paged_options(args, bounds) -> dict:
     """The paged run's `generate_many` keywords: the contiguous slots' KV memory in a pool."""
     cap = bucket(bounds["max_prompt_len"], MIN_PROMPT_BUCKET)
-    cap += bucket(bounds["max_tokens"], MIN_BUFFER_BUCKET)
+    cap += bucket(bounds["max_tokens_bound"], MIN_BUFFER_BUCKET)
     tokens = args.kv_cache_tokens or args.slots * cap
     return dict(slots=args.paged_slots, kv_cache_tokens=tokens, page_size=args.page_size)
 

@@ -79,7 +79,9 @@ def main() -> None:
         )
         for i, n in enumerate(lengths)
     ]
-    bounds = dict(max_prompt_len=32, max_tokens=args.max_tokens, chunk_steps=8, ignore_eos=True)
+    bounds = dict(
+        max_prompt_len=32, max_tokens_bound=args.max_tokens, chunk_steps=8, ignore_eos=True
+    )
     cap = bucket(32, MIN_PROMPT_BUCKET) + bucket(args.max_tokens, MIN_BUFFER_BUCKET)
     kv_tokens = args.kv_cache_tokens or args.slots * cap
     token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # float32 K and V

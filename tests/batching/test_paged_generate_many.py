@@ -15,7 +15,7 @@ from tests.decoding.random_llama import small_llama
 
 V = 48
 PAGE = 4
-BOUNDS = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens=24)
+BOUNDS = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens_bound=24)
 
 
 class ByteTokenizer:
