@@ -102,7 +102,10 @@ def test_pages_return_to_the_pool(model):
         {},
         slots=8,
         defaults={},
-        **BOUNDS,
+        chunk_steps=4,
+        prefill_batch=2,
+        max_prompt_len=15,
+        max_tokens=24,  # the batcher's own name for the bound
     )
     results = list(batcher.run(reqs))
     assert len(results) == 3
