@@ -172,6 +172,11 @@ def small():
             dict(num_beams=2, params=ll.SamplingParams.create(1, temperature=0.5)),
             r"params.temperature\[0\] is set, but beam search is deterministic",
         ),
+        (
+            dict(num_beams=2, params=ll.SamplingParams.create(1), stop="x"),
+            r"give stop and stop_sequences in params or as arguments, not both",
+        ),
+        (dict(num_beams=2, stop="x"), r"stop strings need a model that carries a tokenizer"),
     ],
 )
 def test_bad_input(small, kwargs, match):

@@ -16,7 +16,8 @@ prompt:
 2. Every beam's running sum plus its scores: K * V candidates; keep the top
    `max(2, 1 + n_stop) * K` (n_stop: the stop token ids, EOS included), so that at least
    K of them do not end even if the best K all pick a stop token.
-3. A candidate ends when its token is a stop id or it reaches `max_tokens`. Among the
+3. A candidate ends when its token is a stop id, when its tokens end with a stop sequence
+   or its text with a stop string (below), or when it reaches `max_tokens`. Among the
    first K candidates (by rank), those that end go to the pool with the score
    `sum_logprobs / num_generated ** length_penalty`, where `num_generated` counts the
    generated tokens including the stop token (transformers' `cur_len + 1 - prompt_len`);
@@ -29,6 +30,31 @@ prompt:
    current length (a heuristic, as in transformers). The search ends when no prompt can
    improve, when every pool is full with early_stopping=True, or when every candidate of
    the step ended.
+
+Stop sequences and stop strings are matched by the decode loop's own checks
+(`decode_loop.sequence_hits` on a per-row window of the last L tokens,
+`stop_strings.advance` on a per-row window of the last W bytes of text): each of the C
+candidates is checked on its parent beam's windows with its token appended, and the beams
+that go on keep their candidate's windows, so the windows are gathered by parent like the
+cache. As in `generate`, an occurrence counts once the beam has `min_tokens` tokens, a
+stop string counts only inside the generated text (not across the prompt), and a beam that
+matches ends as a finished hypothesis, exactly as a stop token does: its `token_ids` keep
+the tokens that completed the match, `num_generated` counts them, and its `text` is cut
+before the stop string (kept with `include_stop_str_in_output` in `params`); a stop
+sequence stays in the text, as in `generate`. The number of candidates stays
+transformers' `max(2, 1 + n_stop) * K` (n_stop counts stop token ids only), so when more
+than `C - K` candidates end on stop strings the running set is filled with masked beams,
+as transformers does when a stopping criterion ends them.
+
+Relation to transformers' `generate(num_beams=..., stop_strings=..., tokenizer=...)`
+(`StopStringCriteria`, a stopping criterion): there too it is evaluated on each of the top
+C candidates after step 2, and a candidate that hits it is handled like an EOS (masked out
+of the running beams, pooled if among the first K), so the searches agree whenever the
+same candidates match. Differences: transformers matches on the full sequence, so an
+occurrence may begin inside the prompt (it must end in the last token); it ignores
+`min_new_tokens` for stop strings (that only suppresses EOS); and its sequences decode to
+a text that still holds the stop string. Stop sequences of token ids have no transformers
+argument (a custom `StoppingCriteria` on the last tokens behaves as here).
 
 The results are the pool, best first: `Beam.score` is transformers' `sequences_scores`.
 Unfinished and masked candidates are pushed down by -1e9, in transformers' order of
@@ -380,8 +406,8 @@ def beam_search(
 
     The rule (module docstring): every step keeps the `max(2, 1 + n_stop) * num_beams` best
     continuations of all beams by summed log-probability; among the first `num_beams` of
-    them, those that end (a stop token id, EOS included unless `ignore_eos`, or
-    `max_tokens`) enter a pool of `num_beams` finished hypotheses scored
+    them, those that end (a stop token id, EOS included unless `ignore_eos`, a stop
+    sequence, a stop string, or `max_tokens`) enter a pool of `num_beams` finished hypotheses scored
     `sum_logprobs / num_generated ** length_penalty` (num_generated counts the stop
     token); the best `num_beams` that do not end continue. `early_stopping`: True stops a
     prompt once its pool is full; False once the best running beam, scored at its current
@@ -390,8 +416,13 @@ def beam_search(
     `generate(num_beams=..., do_sample=False, length_penalty=..., early_stopping=...)`
     are the `token_ids` and `score` returned here.
 
+    `stop` (a string or a list, or one list per prompt) and `stop_sequences` (token-id
+    lists, or one such list per prompt) end a beam as a stop token does, from `min_tokens`
+    tokens on; its `text` is cut before the stop string (module docstring: the rule, and
+    how it relates to transformers' `stop_strings=`). Give them here or in `params`.
+
     `min_tokens` suppresses the stop ids before that many tokens; `params` (one row per
-    prompt, optional) adds its masks, bias, penalties, min_tokens and stop token ids, and
+    prompt, optional) adds its masks, bias, penalties, min_tokens and stop rules, and
     `processors` user processors, all applied to the log-probabilities as transformers
     applies logits processors in beam search. The whole search is one compiled
     `lax.while_loop` over n * num_beams rows.
