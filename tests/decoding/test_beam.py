@@ -274,7 +274,7 @@ def reference_beam_search(last, mix, prompt, *, num_beams, max_tokens, length_pe
             head = len(_text(seq[: max(min_tokens - 1, 0)]))
             found = [text.find(s, max(0, head - len(s) + 1)) for s in stops]
             text = text[: min(i for i in found if i >= 0)]
-        out.append((score, seq, text, "length" if reason == "length" else "stop"))
+        out.append((score, seq, text, "length" if reason == "length" else "stop", reason))
     return out
 
 
@@ -289,6 +289,15 @@ def check_stops(seed, prompts, **kwargs):
         assert [b.text for b in beams] == [w[2] for w in want]
         assert [b.finish_reason for b in beams] == [w[3] for w in want]
         stopped += sum(b.finish_reason == "stop" for b in beams)
+        for b, w in zip(beams, want, strict=True):
+            if w[4] == "sequence":
+                assert b.stop_reason in [list(q) for q in kwargs["stop_sequences"]]
+                assert b.token_ids[-len(b.stop_reason) :] == b.stop_reason
+            elif w[4] == "string":
+                assert b.stop_reason in kwargs["stop"]
+                assert _text(b.token_ids).startswith(b.text + b.stop_reason)
+            else:
+                assert b.stop_reason is None
     assert stopped > 0  # the stops ended some of the returned hypotheses
     return ours
 

@@ -119,6 +119,8 @@ class Beam:
     # or "length"
     text: str | None = None  # with a tokenizer: without a final stop token, cut before a
     # stop string (as `generate`'s text)
+    stop_reason: Any = None  # as `generate`'s: the stop token id, stop sequence (ids) or
+    # stop string it ended on; None for "length"
 
 
 @struct.dataclass
@@ -482,13 +484,19 @@ def beam_search(
     for r in range(n):
         beams = []
         strings, include, row_min = row_stops(params, r)
+        seqs = [[int(t) for t in q if t >= 0] for q in np.asarray(params.stop_sequences)[r]]
         for b in range(num_return_sequences):
             seq = tokens[r, b, : int(lengths[r, b])].tolist()
             code = int(finish[r, b])
-            text = None
+            text = string = None
             if info.tokenizer is not None:
-                text, _ = row_text(info.tokenizer, seq, code, strings, include, row_min)
-            beams.append(Beam(seq, float(scores[r, b]), FINISH_REASON[code], text))
+                text, string = row_text(info.tokenizer, seq, code, strings, include, row_min)
+            reason = {
+                FINISH_STOP_TOKEN: seq[-1],
+                FINISH_STOP_SEQUENCE: next((q for q in seqs if q and seq[-len(q) :] == q), None),
+                FINISH_STOP_STRING: string,
+            }.get(code)
+            beams.append(Beam(seq, float(scores[r, b]), FINISH_REASON[code], text, reason))
         out.append(beams)
     return out
 
