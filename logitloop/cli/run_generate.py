@@ -283,7 +283,7 @@ def _run_beams(args, model, todo: Sequence[Item], write) -> int:
             result = GenerationResult(
                 token_ids=[b.token_ids for b in found],
                 finish_reason=[b.finish_reason for b in found],
-                stop_reason=[b.token_ids[-1] if b.finish_reason == "stop" else None for b in found],
+                stop_reason=[b.stop_reason for b in found],
                 num_tokens=[len(b.token_ids) for b in found],
                 prompt_token_ids=[item.token_ids] * len(found),
                 text=None if found[0].text is None else [b.text for b in found],

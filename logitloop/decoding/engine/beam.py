@@ -16,7 +16,8 @@ prompt:
 2. Every beam's running sum plus its scores: K * V candidates; keep the top
    `max(2, 1 + n_stop) * K` (n_stop: the stop token ids, EOS included), so that at least
    K of them do not end even if the best K all pick a stop token.
-3. A candidate ends when its token is a stop id or it reaches `max_tokens`. Among the
+3. A candidate ends when its token is a stop id, when its tokens end with a stop sequence
+   or its text with a stop string (below), or when it reaches `max_tokens`. Among the
    first K candidates (by rank), those that end go to the pool with the score
    `sum_logprobs / num_generated ** length_penalty`, where `num_generated` counts the
    generated tokens including the stop token (transformers' `cur_len + 1 - prompt_len`);
@@ -29,6 +30,31 @@ prompt:
    current length (a heuristic, as in transformers). The search ends when no prompt can
    improve, when every pool is full with early_stopping=True, or when every candidate of
    the step ended.
+
+Stop sequences and stop strings are matched by the decode loop's own checks
+(`decode_loop.sequence_hits` on a per-row window of the last L tokens,
+`stop_strings.advance` on a per-row window of the last W bytes of text): each of the C
+candidates is checked on its parent beam's windows with its token appended, and the beams
+that go on keep their candidate's windows, so the windows are gathered by parent like the
+cache. As in `generate`, an occurrence counts once the beam has `min_tokens` tokens, a
+stop string counts only inside the generated text (not across the prompt), and a beam that
+matches ends as a finished hypothesis, exactly as a stop token does: its `token_ids` keep
+the tokens that completed the match, `num_generated` counts them, and its `text` is cut
+before the stop string (kept with `include_stop_str_in_output` in `params`); a stop
+sequence stays in the text, as in `generate`. The number of candidates stays
+transformers' `max(2, 1 + n_stop) * K` (n_stop counts stop token ids only), so when more
+than `C - K` candidates end on stop strings the running set is filled with masked beams,
+as transformers does when a stopping criterion ends them.
+
+Relation to transformers' `generate(num_beams=..., stop_strings=..., tokenizer=...)`
+(`StopStringCriteria`, a stopping criterion): there too it is evaluated on each of the top
+C candidates after step 2, and a candidate that hits it is handled like an EOS (masked out
+of the running beams, pooled if among the first K), so the searches agree whenever the
+same candidates match. Differences: transformers matches on the full sequence, so an
+occurrence may begin inside the prompt (it must end in the last token); it ignores
+`min_new_tokens` for stop strings (that only suppresses EOS); and its sequences decode to
+a text that still holds the stop string. Stop sequences of token ids have no transformers
+argument (a custom `StoppingCriteria` on the last tokens behaves as here).
 
 The results are the pool, best first: `Beam.score` is transformers' `sequences_scores`.
 Unfinished and masked candidates are pushed down by -1e9, in transformers' order of
@@ -49,16 +75,30 @@ import numpy as np
 from flax import struct
 
 from logitloop.decoding.engine.host import (
+    FINISH_REASON,
     MIN_BUFFER_BUCKET,
     bucket,
     check_context,
     check_count,
     prompt_batch,
+    row_stops,
+    row_text,
+    stop_tables,
     tokenize_prompts,
 )
 from logitloop.decoding.engine.plan import Options, plan
-from logitloop.decoding.loop.decode_loop import forward_prompt
+from logitloop.decoding.loop import stop_strings
+from logitloop.decoding.loop.decode_loop import (
+    FINISH_LENGTH,
+    FINISH_STOP_SEQUENCE,
+    FINISH_STOP_STRING,
+    FINISH_STOP_TOKEN,
+    forward_prompt,
+    push_token,
+    sequence_hits,
+)
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
+from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
@@ -72,10 +112,15 @@ MASK = -1.0e9
 class Beam:
     """One finished hypothesis."""
 
-    token_ids: list[int]  # the generated tokens, a final stop token included
+    token_ids: list[int]  # the generated tokens, a final stop token, sequence or the
+    # tokens of a stop string included
     score: float  # sum of its log-probabilities / len(token_ids) ** length_penalty
-    finish_reason: str  # "stop" (a stop token id, EOS included) or "length"
-    text: str | None = None  # without a final stop token (with a tokenizer)
+    finish_reason: str  # "stop" (a stop token id, EOS included, a stop sequence or string)
+    # or "length"
+    text: str | None = None  # with a tokenizer: without a final stop token, cut before a
+    # stop string (as `generate`'s text)
+    stop_reason: Any = None  # as `generate`'s: the stop token id, stop sequence (ids) or
+    # stop string it ended on; None for "length"
 
 
 @struct.dataclass
@@ -95,6 +140,9 @@ class BeamState:
     pool_scores: jax.Array  # [n, K] f32, their scores (MASK when the slot is empty)
     pool_len: jax.Array  # [n, K] i32
     pool_finished: jax.Array  # [n, K] bool, the slot holds a hypothesis
+    pool_finish: jax.Array  # [n, K] i32, how it ended (a FINISH_* code of the decode loop)
+    window: jax.Array  # [R, L] i32, each beam's last L tokens (stop sequences), -1 before
+    text_window: jax.Array  # [R, W] i32, each beam's last W bytes of text (stop strings)
     open: jax.Array  # [n] bool, the prompt may still take hypotheses (heuristic)
     beams: jax.Array  # [n] i32, the prompt's own beam count b <= K (rows and slots past it
     # are dead: sums -inf, pool slots never read)
@@ -114,6 +162,7 @@ def _select(
     num_candidates: int,
     early_stopping: bool | str,
     positive_penalty: jax.Array,  # [] bool
+    stops: StopStrings | None,  # n * C rows: each prompt's stop strings C times
 ) -> tuple[BeamState, jax.Array, jax.Array]:
     """One step of the rule (module docstring) on the logits in `s`: the new running beams
     and pool, and each new row's parent row [R] and token [R].
@@ -134,7 +183,18 @@ def _select(
     seqs = _gather(s.tokens, parent)  # [n, C, N]
     seqs = seqs.at[:, :, s.step].set(tok)
     stop_ids = params.stop_token_ids.reshape(n, k, -1)[:, 0]  # [n, Ns]
-    ends = jnp.any(tok[:, :, None] == stop_ids[:, None, :], axis=2) | (s.step + 1 >= max_tokens)
+    hit_token = jnp.any(tok[:, :, None] == stop_ids[:, None, :], axis=2)
+    hit_seq, hit_str, window, text_window = _stop_hits(
+        s, params, parent, tok, num_candidates, stops
+    )
+    ends = hit_token | hit_seq | hit_str | (s.step + 1 >= max_tokens)
+    finish = jnp.where(
+        hit_token,
+        FINISH_STOP_TOKEN,
+        jnp.where(
+            hit_seq, FINISH_STOP_SEQUENCE, jnp.where(hit_str, FINISH_STOP_STRING, FINISH_LENGTH)
+        ),
+    ).astype(jnp.int32)  # [n, C], the decode loop's priority
     rank = jnp.arange(num_candidates)[None, :]  # [1, C]
     cand_ok = rank < (num_candidates // k) * s.beams[:, None]  # [n, C]
     slot_ok = jnp.arange(k)[None, :] < s.beams[:, None]  # [n, K]
@@ -159,6 +219,7 @@ def _select(
     pool_tokens = _gather(jnp.concatenate([s.pool_tokens, seqs], axis=1), pick)
     pool_len = _gather(jnp.concatenate([s.pool_len, length], axis=1), pick)
     pool_finished = _gather(jnp.concatenate([s.pool_finished, just_done], axis=1), pick)
+    pool_finish = _gather(jnp.concatenate([s.pool_finish, finish], axis=1), pick)
 
     # Can a running beam still beat the worst pooled hypothesis?
     step = s.step + 1
@@ -179,10 +240,53 @@ def _select(
         pool_scores=pool_scores,
         pool_len=pool_len,
         pool_finished=pool_finished,
+        pool_finish=pool_finish,
         open=still_open,
+        window=_gather(window, run_idx).reshape(rows, -1),
+        text_window=_gather(text_window, run_idx).reshape(rows, -1),
     )
     parent_rows = (jnp.arange(n)[:, None] * k + new_parent).reshape(rows)
     return s, parent_rows, new_tok.reshape(rows)
+
+
+def _stop_hits(
+    s: BeamState,
+    params: SamplingParams,
+    parent: jax.Array,  # [n, C] i32, each candidate's beam
+    tok: jax.Array,  # [n, C] i32, its token
+    num_candidates: int,
+    stops: StopStrings | None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The decode loop's stop-sequence and stop-string checks on every candidate: its
+    parent's windows with its token appended. Returns (hit_seq [n, C] bool, hit_str [n, C]
+    bool, the candidates' windows [n, C, L] and text windows [n, C, W])."""
+    n, c = tok.shape
+    k = s.tokens.shape[1]
+    flat_tok = tok.reshape(n * c)
+
+    def per_candidate(x):  # [R, ...] per-beam rows -> [n * C, ...], each prompt's row C times
+        return jnp.repeat(x.reshape((n, k) + x.shape[1:])[:, 0], c, axis=0)
+
+    rows = (jnp.arange(n)[:, None] * k + parent).reshape(n * c)  # the parents' rows
+    num = jnp.full((n * c,), s.step + 1, jnp.int32)
+    min_tokens = per_candidate(params.min_tokens)
+    window = push_token(s.window[rows], flat_tok)  # [n * C, L]
+    hits = sequence_hits(per_candidate(params.stop_sequences), window, num, min_tokens)
+    hit_seq = jnp.any(hits, axis=1)
+    text_window = s.text_window[rows]  # [n * C, W]
+    if stops is None:
+        hit_str = jnp.zeros_like(hit_seq)
+    else:
+        text_window, hit_str, _ = stop_strings.advance(
+            text_window, stops, flat_tok, jnp.ones((n * c,), bool)
+        )
+        hit_str = hit_str & (num >= min_tokens)
+    return (
+        hit_seq.reshape(n, c),
+        hit_str.reshape(n, c),
+        window.reshape(n, c, -1),
+        text_window.reshape(n, c, -1),
+    )
 
 
 @functools.partial(
@@ -200,6 +304,7 @@ def search(
     max_tokens: jax.Array,  # [] i32
     positive_penalty: jax.Array,  # [] bool
     beams: jax.Array,  # [n] i32, each prompt's beam count, at most num_beams
+    stops: StopStrings | None,  # n * num_candidates rows
     *,
     num_beams: int,
     num_candidates: int,
@@ -234,6 +339,11 @@ def search(
         pool_scores=jnp.full((n, k), MASK, jnp.float32),
         pool_len=jnp.zeros((n, k), jnp.int32),
         pool_finished=jnp.zeros((n, k), bool),
+        pool_finish=jnp.zeros((n, k), jnp.int32),
+        window=jnp.full((rows, params.stop_sequences.shape[2]), -1, jnp.int32),
+        text_window=stop_strings.empty_window(rows, stops)
+        if stops is not None
+        else jnp.zeros((rows, 0), jnp.int32),
         open=jnp.ones((n,), bool),
         beams=beams.astype(jnp.int32),
     )
@@ -241,8 +351,9 @@ def search(
     def body(s: BeamState) -> BeamState:
         step_positions = jnp.full((rows,), s.step, jnp.int32)
         new, parent, tok = _select(
-            s, params, penalty, max_tokens, num_candidates, early_stopping, positive_penalty
-        )
+            s, params, penalty, max_tokens, num_candidates, early_stopping, positive_penalty,
+            stops,
+        )  # fmt: skip
         history = jax.tree.map(lambda x: x[parent], s.history)
         states = jax.tree.map(lambda x: x[parent], s.processor_states)
         if params.processors:
@@ -284,6 +395,8 @@ def beam_search(
     early_stopping: bool | str = True,
     num_return_sequences: int = 1,
     stop_token_ids: Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_sequences: Sequence[Sequence[int]] | None = None,
     min_tokens: int = 0,
     ignore_eos: bool = False,
     params: SamplingParams | None = None,
@@ -295,8 +408,8 @@ def beam_search(
 
     The rule (module docstring): every step keeps the `max(2, 1 + n_stop) * num_beams` best
     continuations of all beams by summed log-probability; among the first `num_beams` of
-    them, those that end (a stop token id, EOS included unless `ignore_eos`, or
-    `max_tokens`) enter a pool of `num_beams` finished hypotheses scored
+    them, those that end (a stop token id, EOS included unless `ignore_eos`, a stop
+    sequence, a stop string, or `max_tokens`) enter a pool of `num_beams` finished hypotheses scored
     `sum_logprobs / num_generated ** length_penalty` (num_generated counts the stop
     token); the best `num_beams` that do not end continue. `early_stopping`: True stops a
     prompt once its pool is full; False once the best running beam, scored at its current
@@ -305,8 +418,13 @@ def beam_search(
     `generate(num_beams=..., do_sample=False, length_penalty=..., early_stopping=...)`
     are the `token_ids` and `score` returned here.
 
+    `stop` (a string or a list, or one list per prompt) and `stop_sequences` (token-id
+    lists, or one such list per prompt) end a beam as a stop token does, from `min_tokens`
+    tokens on; its `text` is cut before the stop string (module docstring: the rule, and
+    how it relates to transformers' `stop_strings=`). Give them here or in `params`.
+
     `min_tokens` suppresses the stop ids before that many tokens; `params` (one row per
-    prompt, optional) adds its masks, bias, penalties, min_tokens and stop token ids, and
+    prompt, optional) adds its masks, bias, penalties, min_tokens and stop rules, and
     `processors` user processors, all applied to the log-probabilities as transformers
     applies logits processors in beam search. The whole search is one compiled
     `lax.while_loop` over n * num_beams rows.
@@ -337,7 +455,9 @@ def beam_search(
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     for row, p in enumerate(ids):
         check_context(f"prompts[{row}]", p, max_tokens, info)
-    params = _beam_params(params, n, min_tokens, stop_token_ids, max_tokens, info, ignore_eos)
+    params = _beam_params(
+        params, n, min_tokens, stop_token_ids, max_tokens, info, ignore_eos, stop, stop_sequences
+    )
     if processors is not None:
         params = params.replace(processors=procs.as_tuple(processors, n))
     stop_rows = [[t for t in r if t >= 0] for r in np.asarray(params.stop_token_ids)]
@@ -349,24 +469,34 @@ def beam_search(
         )
     buf = bucket(max_tokens, MIN_BUFFER_BUCKET)
     batch = prompt_batch(ids, buf)
+    stops = stop_tables(info, [row for row in params.stop for _ in range(num_candidates)])
     state = search(
         info.runner, info.weights, batch.prompt, batch.positions, batch.lengths, batch.history,
         params.samples(k).device_only(), _length_penalties(buf, float(length_penalty)),
-        np.int32(max_tokens), np.bool_(length_penalty > 0), np.asarray(beams, np.int32),
+        np.int32(max_tokens), np.bool_(length_penalty > 0), np.asarray(beams, np.int32), stops,
         num_beams=k, num_candidates=num_candidates,
         early_stopping=early_stopping if isinstance(early_stopping, str) else bool(early_stopping),
     )  # fmt: skip
-    tokens, scores, lengths = jax.device_get((state.pool_tokens, state.pool_scores, state.pool_len))
+    tokens, scores, lengths, finish = jax.device_get(
+        (state.pool_tokens, state.pool_scores, state.pool_len, state.pool_finish)
+    )
     out = []
     for r in range(n):
         beams = []
+        strings, include, row_min = row_stops(params, r)
+        seqs = [[int(t) for t in q if t >= 0] for q in np.asarray(params.stop_sequences)[r]]
         for b in range(num_return_sequences):
             seq = tokens[r, b, : int(lengths[r, b])].tolist()
-            stopped = bool(seq) and seq[-1] in stop_rows[r]
-            text = None
+            code = int(finish[r, b])
+            text = string = None
             if info.tokenizer is not None:
-                text = info.tokenizer.decode(seq[:-1] if stopped else seq)
-            beams.append(Beam(seq, float(scores[r, b]), "stop" if stopped else "length", text))
+                text, string = row_text(info.tokenizer, seq, code, strings, include, row_min)
+            reason = {
+                FINISH_STOP_TOKEN: seq[-1],
+                FINISH_STOP_SEQUENCE: next((q for q in seqs if q and seq[-len(q) :] == q), None),
+                FINISH_STOP_STRING: string,
+            }.get(code)
+            beams.append(Beam(seq, float(scores[r, b]), FINISH_REASON[code], text, reason))
         out.append(beams)
     return out
 
@@ -379,14 +509,21 @@ def _beam_params(
     max_tokens: int,
     info: Any,
     ignore_eos: bool,
+    stop: Any = None,
+    stop_sequences: Any = None,
 ) -> SamplingParams:
-    """The rows' steps 1-3 settings: `params` (checked: no sampling knobs, no stop strings,
-    sequences or constraints, which beam search does not take) or the defaults, with
-    `min_tokens`, `stop_token_ids` and the model's EOS ids."""
+    """The rows' steps 1-3 settings and stop rules: `params` (checked: no sampling knobs
+    nor constraints, which beam search does not take) or the defaults with `stop` and
+    `stop_sequences`, plus `min_tokens`, `stop_token_ids` and the model's EOS ids."""
     if params is None:
-        params = SamplingParams.create(n, max_tokens=max_tokens, vocab_size=info.vocab_size)
+        params = SamplingParams.create(
+            n, max_tokens=max_tokens, vocab_size=info.vocab_size, stop=stop,
+            stop_sequences=stop_sequences,
+        )  # fmt: skip
     elif not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
+    elif stop is not None or stop_sequences is not None:
+        raise ValueError("give stop and stop_sequences in params or as arguments, not both")
     if params.batch_size != n:
         raise ValueError(f"params has batch_size {params.batch_size} but there are {n} prompts")
     params.check_vocab(info.vocab_size)
@@ -396,16 +533,15 @@ def _beam_params(
         ("top_k", (host.top_k > 0) & (host.top_k < info.vocab_size)),
         ("top_p", host.top_p < 1.0),
         ("min_p", host.min_p > 0.0),
-        ("stop_sequences", np.any(host.stop_sequences >= 0, axis=(1, 2))),
     ):
         if np.any(bad):
             row = int(np.flatnonzero(bad)[0])
             raise ValueError(
-                f"params.{name}[{row}] is set, but beam search is deterministic and ends on "
-                "stop token ids and max_tokens only: leave it at its default"
+                f"params.{name}[{row}] is set, but beam search is deterministic: leave it at "
+                "its default"
             )
-    if any(params.stop) or any(c is not None for c in params.constraints):
-        raise ValueError("params: beam search takes no stop strings nor json_schema/regex/choice")
+    if any(c is not None for c in params.constraints):
+        raise ValueError("params: beam search takes no json_schema/regex/choice")
     if min_tokens:
         params = params.replace(min_tokens=jax.device_put(np.full((n,), min_tokens, np.int32)))
     extra = [] if stop_token_ids is None else [int(t) for t in stop_token_ids]

@@ -225,6 +225,22 @@ def sample_state(
     return record(state, out, params, tables.stops, automata, bits, where=where)
 
 
+def push_token(window: jax.Array, tok: jax.Array) -> jax.Array:
+    """The window of the last L generated tokens [B, L] after appending `tok` [B]."""
+    return jnp.concatenate([window[:, 1:], tok[:, None]], axis=1)
+
+
+def sequence_hits(
+    seqs: jax.Array,  # [B, Q, L] i32, stop sequences right-aligned, -1 padded
+    window: jax.Array,  # [B, L] i32, the last L generated tokens, the new one included
+    num_tokens: jax.Array,  # [B] i32, tokens generated, the new one included
+    min_tokens: jax.Array,  # [B] i32
+) -> jax.Array:
+    """[B, Q] bool: stop sequence q ends at the new token (and the row has min_tokens)."""
+    hit = jnp.all((seqs < 0) | (seqs == window[:, None, :]), axis=2) & jnp.any(seqs >= 0, axis=2)
+    return hit & (num_tokens >= min_tokens)[:, None]
+
+
 def record(
     state: DecodeState,
     out: SampleOutput,
@@ -255,18 +271,11 @@ def record(
         return arr.at[rows, col].set(val, mode="drop")
 
     num_tokens = state.num_tokens + write.astype(jnp.int32)
-    window = jnp.where(
-        write[:, None], jnp.concatenate([state.window[:, 1:], tok[:, None]], axis=1), state.window
-    )
+    window = jnp.where(write[:, None], push_token(state.window, tok), state.window)
 
     # Stop token ids (EOS included by the caller).
     hit_token = jnp.any(params.stop_token_ids == tok[:, None], axis=1)
-    # Multi-token stop sequences, right-aligned against the window of generated tokens.
-    seqs = params.stop_sequences  # [B, Q, L]
-    seq_hit = jnp.all((seqs < 0) | (seqs == window[:, None, :]), axis=2) & jnp.any(
-        seqs >= 0, axis=2
-    )
-    seq_hit = seq_hit & (num_tokens >= params.min_tokens)[:, None]
+    seq_hit = sequence_hits(params.stop_sequences, window, num_tokens, params.min_tokens)
     hit_seq = jnp.any(seq_hit, axis=1)
     hit_len = num_tokens >= params.max_tokens
     text_window = state.text_window
