@@ -230,6 +230,24 @@ def _conversation(value: Any, where: str) -> list[dict[str, Any]]:
     return value
 
 
+def json_line(line: str, where: str, default_id: int) -> tuple[dict[str, Any], Any, str]:
+    """One JSONL line (`where` names it, "prompts.jsonl line 4") as its object, its id
+    (`default_id` when it has none) and its name with the id ("... (id 'a')"), or a
+    CLIError saying what is wrong with it."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise CLIError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    item_id = obj.get("id", default_id)
+    if isinstance(item_id, bool) or not isinstance(item_id, (int, str)):
+        raise CLIError(f"{where}: id must be a string or an integer, got {item_id!r}")
+    if "id" in obj:
+        where = f"{where} (id {describe_id(item_id)})"
+    return obj, item_id, where
+
+
 def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> list[Item]:
     text = _read_text(path)
     name = "stdin" if path == "-" else path
@@ -246,17 +264,7 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
             check_prompt(where, line)
             items.append(Item(i, where, line, dict(base), len(items), i + 1))
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise CLIError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        item_id = obj.get("id", i)
-        if isinstance(item_id, bool) or not isinstance(item_id, (int, str)):
-            raise CLIError(f"{where}: id must be a string or an integer, got {item_id!r}")
-        if "id" in obj:
-            where = f"{where} (id {describe_id(item_id)})"
+        obj, item_id, where = json_line(line, where, i)
         given = [key for key in PROMPT_KEYS if key in obj]
         if len(given) != 1:
             both = f" (it has {' and '.join(given)})" if given else ""

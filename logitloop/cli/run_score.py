@@ -17,14 +17,13 @@ job resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from typing import Any
 
 from logitloop.cli.common import PROG, CLIError, check_model_folder, load_model
-from logitloop.cli.jobs import _read_text
+from logitloop.cli.jobs import _read_text, json_line
 from logitloop.cli.sinks import JsonlOutput, check_not_input, describe_id, id_key
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -41,18 +40,7 @@ def read_pairs(path: str) -> list[dict[str, Any]]:
     for i, line in enumerate(text.split("\n")):
         if not line.strip():
             continue
-        where = f"{name} line {i + 1}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise CLIError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        item_id = obj.get("id", i)
-        if isinstance(item_id, bool) or not isinstance(item_id, (int, str)):
-            raise CLIError(f"{where}: id must be a string or an integer, got {item_id!r}")
-        if "id" in obj:
-            where = f"{where} (id {describe_id(item_id)})"
+        obj, item_id, where = json_line(line, f"{name} line {i + 1}", i)
         pair = {"id": item_id, "where": where}
         for role, keys in (("prompt", PROMPT_KEYS), ("continuation", CONTINUATION_KEYS)):
             given = [k for k in keys if k in obj]
