@@ -476,7 +476,7 @@ def test_a_chunk_stops_at_max_steps():
     params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=40)
     # never on but at the probe of step 4
     spec = ll.PromptLookup(max_ngram=3, num_draft=4, min_acceptance=1.0, probe_every=4)
-    run = _start(plan(target, Options(speculative=spec)), [_copy_prompt()], params)
+    run = _start(target, plan(target, Options(speculative=spec)), [_copy_prompt()], params, {})
     state = loop.decode(run.plan.program, run.tables, run.state, jnp.asarray(5, jnp.int32))
     assert int(state.step) == 5
     assert int(state.speculation.cycles[0]) == 5

@@ -245,8 +245,7 @@ def sample_sharded(
         raise ValueError(f"batch {batch} is not a multiple of mesh axis {batch_axis!r}")
     axes = Axes(vocab=axis, rows=() if batch_axis is None else (batch_axis,), in_mesh=True)
     row = P(batch_axis)
-    width = params.top_logprobs_width  # as `sample`: None (the loop's params) is the maximum
-    num_top = sampler.MAX_TOP_LOGPROBS if width is None else width
+    num_top = sampler.MAX_TOP_LOGPROBS  # as `sample`: a new logprobs value compiles nothing
 
     def step(logits, params, positions, history, states, done, allowed_bits):
         rows = dict(states=states, done=done, allowed_bits=allowed_bits, num_top=num_top)

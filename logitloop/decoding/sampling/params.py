@@ -89,11 +89,6 @@ class SamplingParams:
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
     # Each row's `constraints.Constraint` or None; () when no row has one.
     constraints: tuple = struct.field(pytree_node=False, default=())
-    # The width of `sample`'s top_logprobs: the rows' largest `logprobs` (create, take and
-    # concat set it from the arrays; `replace(logprobs=...)` does not), or None
-    # (device_only: the loop keeps its own width). Static, so `sample` knows it when it
-    # traces.
-    top_logprobs_width: int | None = struct.field(pytree_node=False, default=None)
     # The vocabulary size every token id was checked against (create's `vocab_size`), or
     # None. Static: `sample` checks it against the logits' V when it traces, without
     # reading an id back from the device.
@@ -312,7 +307,6 @@ class SamplingParams:
             stop=stop_strs,
             include_stop_str_in_output=tuple(bool(x) for x in include),
             constraints=constrained,
-            top_logprobs_width=int(np.max(n_logprobs)),
             vocab_size=None if vocab_size is None else int(vocab_size),
         )
 
@@ -336,7 +330,6 @@ class SamplingParams:
             stop=(),
             include_stop_str_in_output=(),
             constraints=(),
-            top_logprobs_width=None,
             vocab_size=None,
         )
 
@@ -420,7 +413,6 @@ class SamplingParams:
                 if any(p.constraints for p in parts)
                 else ()
             ),
-            top_logprobs_width=_top_width(arrays.logprobs),
             vocab_size=vocab.pop() if len(vocab) == 1 else None,
         )
 
@@ -449,7 +441,6 @@ class SamplingParams:
             stop=self.stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
             constraints=self.constraints,
-            top_logprobs_width=self.top_logprobs_width,
             vocab_size=self.vocab_size,
         )
 
@@ -466,7 +457,6 @@ class SamplingParams:
             if self.include_stop_str_in_output
             else (),
             constraints=tuple(self.constraints[i] for i in idx) if self.constraints else (),
-            top_logprobs_width=_top_width(host.logprobs[idx]),
             vocab_size=self.vocab_size,
         )
 
@@ -498,11 +488,6 @@ def canonical_knobs(knobs: Mapping[str, Any], where: str = "") -> dict[str, Any]
             )
         out[name] = value
     return out
-
-
-def _top_width(logprobs: Any) -> int:
-    """`sample`'s top_logprobs width for rows `logprobs` ([B] host ints): their largest."""
-    return int(np.max(np.asarray(logprobs), initial=0))
 
 
 def generation_defaults(model: Any) -> dict[str, Any]:

@@ -70,9 +70,9 @@ NEG_INF = float("-inf")
 class TopLogprobs:
     """The top-n alternatives under the model's own logits (raw log-softmax).
 
-    From `sample`, K is the largest `logprobs` n of the batch's rows (0 when no row asks
-    for any): exactly n wide when every row asks for the same n; a row that asks for fewer
-    is padded with id -1 and value -inf. Inside the decode loop K is `MAX_TOP_LOGPROBS`.
+    K is `MAX_TOP_LOGPROBS` (20) whatever the rows ask, so a new `logprobs` value compiles
+    nothing: row r's first `logprobs[r]` columns are its alternatives, and the rest are
+    padded with id -1 and value -inf (`generate`'s results hold each row's n only).
     """
 
     ids: jax.Array  # [B, K] i32, best first; -1 past the row's n
@@ -258,14 +258,14 @@ def sample(
     the states after the drawn tokens. allowed_bits: [B, ceil(V / 32)] u32 allowed-token
     bitmasks (a constraint's, `logitloop.decoding.sampling.constraints.row_bits`), or None.
 
-    The output's `top_logprobs` are `params.top_logprobs_width` wide: the largest
-    `logprobs` of the rows (`TopLogprobs`). Randomness comes from each row's explicit
+    The output's `top_logprobs` are `MAX_TOP_LOGPROBS` (20) wide whatever the rows ask, so a
+    new `logprobs` value never compiles: row r's are its first `params.logprobs[r]`
+    columns, -1 / -inf after them (`TopLogprobs`). Randomness comes from each row's explicit
     `seed` and `positions` only (JAX's convention): the same inputs give the same tokens.
     """
     check_shapes("ll.sample", logits, params, positions, history)
     check_constraint_masks("ll.sample", params, allowed_bits)
     params, states = with_processors("ll.sample", logits, params, processors, states)
-    width = params.top_logprobs_width
     return sample_step(
         logits,
         params,
@@ -274,7 +274,7 @@ def sample(
         states=states,
         allowed_bits=allowed_bits,
         backend=backend,
-        num_top=MAX_TOP_LOGPROBS if width is None else width,
+        num_top=MAX_TOP_LOGPROBS,
     )
 
 
