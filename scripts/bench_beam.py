@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
-from bench_generate import MODELS, transformers_llama  # scripts/ is on the path
+from bench_generate import peer_pair  # scripts/ is on the path
 
 import logitloop as ll
 
@@ -40,10 +38,7 @@ def main() -> None:
 
     import torch
 
-    hf = transformers_llama(MODELS["llama-40m"])
-    folder = Path(tempfile.mkdtemp()) / "llama-40m"
-    hf.save_pretrained(folder)
-    model = ll.load_pretrained(folder, dtype=jnp.float32)
+    hf, model = peer_pair("llama-40m")
     rows = []
     for batch in args.batch:
         prompts = np.random.default_rng(batch).integers(1, hf.config.vocab_size, (batch, 32))

@@ -305,6 +305,15 @@ def transformers_model(name: str):
     return getattr(transformers, model_cls)(config).eval()
 
 
+def peer_pair(name: str):
+    """The `transformers` model `name` (`transformers_model`) and logitloop's float32 load of
+    the same checkpoint, saved to a temporary folder: the two sides of a peer benchmark."""
+    hf = transformers_model(name)
+    folder = Path(tempfile.mkdtemp()) / name
+    hf.save_pretrained(folder)
+    return hf, ll.load_pretrained(folder, dtype=jnp.float32)
+
+
 def peer_transformers(
     batch_sizes, prompt_len, new_tokens, repeats, threads, models=("llama-40m",)
 ) -> list[dict]:
@@ -318,11 +327,8 @@ def _peer_one(name, batch_sizes, prompt_len, new_tokens, repeats, threads) -> li
     import torch
 
     torch.set_num_threads(threads)
-    hf = transformers_model(name)
+    hf, model = peer_pair(name)
     vocab = hf.config.vocab_size
-    folder = Path(tempfile.mkdtemp()) / name
-    hf.save_pretrained(folder)
-    model = ll.load_pretrained(folder, dtype=jnp.float32)
     n_params = sum(p.numel() for p in hf.parameters())
     rows = []
     for batch in batch_sizes:
