@@ -199,8 +199,6 @@ def batcher(
 ) -> PagedBatcher:
     """A `PagedBatcher` for `iter_generate_many`, every argument checked before any work."""
     check_pool(kv_cache_tokens, page_size)
-    if job.program.speculative is not None:
-        raise ValueError("kv_cache_tokens does not work with speculative= yet")
     if job.options.mesh is not None:
         raise ValueError("kv_cache_tokens does not work with mesh= yet")
     if job.info.runner.graphdef is None:

@@ -105,6 +105,18 @@ def grow(state: Any) -> tuple[Any, jax.Array]:
     return state.replace(pages=pool.replace(pages=pages, stalled=run & ~granted)), live
 
 
+def grow_drafts(state: Any, live: jax.Array, num: jax.Array) -> tuple[Any, jax.Array]:
+    """Give each `live` row ([B] bool, granted its last token's page by `grow`) the pages
+    for its `num` ([B] i32) drafts, which a speculative verification writes at the
+    positions after that token; returns the state and `num`, 0 for the rows refused (they
+    verify no draft, and take a plain step's one token)."""
+    pool = state.pages
+    propose = live & (num > 0)
+    want = jnp.where(propose, state.prompt_len + state.num_tokens + num, pool.pages.lengths)
+    pages, granted = paging.allocate(pool.pages, want, order=jnp.argsort(pool.arrival))
+    return state.replace(pages=pool.replace(pages=pages)), jnp.where(propose & granted, num, 0)
+
+
 def release(before: Any, after: Any) -> Any:
     """`after` with the pages of the rows that finished since `before` returned."""
     newly = after.done & ~before.done
@@ -159,21 +171,34 @@ def park(state: Any, slot: jax.Array) -> Any:
 @functools.partial(runner_jit, static_argnames=("program",), donate_argnames=("state",))
 def resume(program: Any, weights: Any, state: Any, slot: jax.Array) -> Any:
     """Give the parked row in `slot` ([] i32) pages again and recompute the keys and values
-    of its prompt and generated tokens but the last (which the next step feeds), in one
-    prompt pass over its history."""
+    of its prompt and generated tokens but the last (which the next step feeds): its prompt
+    in a prompt pass, its generated tokens in one decode-kind pass over the buffer's columns
+    (as a speculative verification is), so a deterministic runner computes every position
+    with the products and sums it had the first time and the row's keys and values come
+    back bit for bit."""
     pool = state.pages
     rows = jnp.arange(pool.arrival.shape[0]) == slot
-    length = state.prompt_len[slot] + state.num_tokens[slot] - 1
+    prompt_len = state.prompt_len[slot]
+    length = prompt_len + state.num_tokens[slot] - 1
     pages, _ = paging.allocate(pool.pages, jnp.where(rows, length, pool.pages.lengths))
-    tokens = state.history.tokens[slot][None]  # [1, C]
-    cols = jnp.arange(tokens.shape[1])[None]
-    positions = jnp.where(cols < length, cols, -1)
+    cache = attach(state.cache, pages.tables[slot][None])
+    history = state.history.tokens[slot][None]  # [1, P + N]
+    width = state.tokens.shape[1]  # N: the generated tokens' buffer
+    bucket = history.shape[1] - width  # P >= prompt_len
+    cols = jnp.arange(bucket)[None]
     _, cache = program.runner.forward(
         weights,
-        jnp.maximum(tokens, 0),
-        positions,
-        attach(state.cache, pages.tables[slot][None]),
+        jnp.maximum(history[:, :bucket], 0),
+        jnp.where(cols < prompt_len, cols, -1),
+        cache,
         prompt=True,
+    )
+    cols = prompt_len + jnp.arange(width)[None]
+    _, cache = program.runner.forward(
+        weights,
+        jnp.maximum(jax.lax.dynamic_slice_in_dim(history, prompt_len, width, axis=1), 0),
+        jnp.where(cols < length, cols, -1),
+        cache,
     )
     return state.replace(
         cache=detach(cache), pages=pool.replace(pages=pages, parked=pool.parked & ~rows)

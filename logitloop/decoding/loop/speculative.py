@@ -81,6 +81,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from logitloop.decoding.loop import decode_loop as loop
+from logitloop.decoding.loop import pool as paged
 from logitloop.decoding.loop.layout import Layout
 from logitloop.decoding.loop.runner import ModelRunner, model_info
 from logitloop.decoding.sampling import sampler
@@ -204,12 +205,14 @@ class _Speculation:
             raise ValueError("cycle_cost or probe_every unset: pass it through resolve()")
 
         def on_rows(s):
-            return ~s.done & ((s.speculation.acceptance >= self.min_acceptance) | self.probe(s))
+            return paged.runnable(s) & (
+                (s.speculation.acceptance >= self.min_acceptance) | self.probe(s)
+            )
 
         def pays(s):  # the module docstring: a cycle runs while the slowest row gains enough
             on = on_rows(s) & self.ready(s)
             gain = jnp.where(on, s.speculation.gain, 1.0)
-            slowest = jnp.min(jnp.where(s.done, jnp.inf, gain))
+            slowest = jnp.min(jnp.where(paged.runnable(s), gain, jnp.inf))
             return jnp.any(on) & (self.probe(s) | (slowest >= cost))
 
         def plain(s):
@@ -247,7 +250,7 @@ class _Speculation:
         else:
             drafts, num, q, draft_cache = self.propose(draft_weights, s, params, on)
         num = jnp.where(on, num, 0)
-        new = self.verify(program, tables, s, drafts, num, q)
+        new, num = self.verify(program, tables, s, drafts, num, q)
         gained = new.num_tokens - s.num_tokens
         accepted = jnp.where(num > 0, jnp.minimum(jnp.maximum(gained - 1, 0), num), 0)
         rate = accepted / jnp.maximum(num, 1)
@@ -273,14 +276,28 @@ class _Speculation:
         return new.replace(speculation=spec)
 
     def verify(self, program, tables, s, drafts, num, q):
-        """The target over [last, d1..dK] in one pass, then each column in turn."""
+        """The target over [last, d1..dK] in one pass, then each column in turn; returns the
+        state and `num`, the drafts verified per row.
+
+        With a paged pool (`s.pages`) a running row first grows to its last token's page, as
+        a plain step does (refused: it feeds and takes nothing, `pool.grow`), then to its
+        drafts' pages; a row refused those verifies no draft this cycle (`pool.grow_drafts`).
+        Pages past the tokens a row accepted stay with it: the next cycle rewrites their
+        slots (the rollback is `num_tokens`, as without pages). Rows that finish return
+        their pages."""
         k = self.num_draft
         col = jnp.arange(k + 1)[None, :]
         base = (s.prompt_len + s.num_tokens - 1)[:, None]
         tokens = jnp.concatenate([loop.last_tokens(s)[:, None], jnp.maximum(drafts, 0)], axis=1)
-        pos = jnp.where(~s.done[:, None] & (col <= num[:, None]), base + col, -1)  # [B, K+1]
-        logits, cache = program.runner.forward_columns(tables.weights, tokens, pos, s.cache)
-        s = s.replace(cache=cache)
+        before, live, cache = s, ~s.done, s.cache
+        if s.pages is not None:
+            s, live = paged.grow(s)
+            s, num = paged.grow_drafts(s, live, num)
+            cache = paged.attach(s.cache, s.pages.pages.tables)
+        num = jnp.where(live, num, 0)
+        pos = jnp.where(live[:, None] & (col <= num[:, None]), base + col, -1)  # [B, K+1]
+        logits, cache = program.runner.forward_columns(tables.weights, tokens, pos, cache)
+        s = s.replace(cache=cache if s.pages is None else paged.detach(cache))
         # Column K has no draft after it: a -1 that no token equals ends the acceptance.
         drafts = jnp.pad(drafts, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
         if q is not None:
@@ -302,8 +319,10 @@ class _Speculation:
             token = loop.last_tokens(s)  # the token column j drew, where the row took it
             return j + 1, s, accepting & ~s.done & (j < num) & (token == draft)
 
-        _, s, _ = jax.lax.while_loop(more, column, (jnp.int32(0), s, ~s.done))
-        return s
+        _, s, _ = jax.lax.while_loop(more, column, (jnp.int32(0), s, live))
+        if s.pages is not None:
+            s = paged.release(before, s)
+        return s, num
 
 
 def _rejection_choice(draft, q, valid):
