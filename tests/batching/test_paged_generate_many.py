@@ -181,3 +181,84 @@ def test_speculative_paged_job_equals_the_contiguous_one(model):
     assert sum(row["drafted"] for r in got for row in r.speculation) > 0
     assert sum(row["accepted"] for r in got for row in r.speculation) > 0
     assert stats["preemptions"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_64_requests_paged_equal_contiguous(model, deterministic):
+    """The issue's job: 64 requests of 2 rows (prompts of 1-15 tokens, outputs of 1-24,
+    three kinds of settings, a stop string), contiguous against a pool that holds every
+    row (no preemption) and one of 64 tokens (rows preempted and resumed): tokens equal,
+    and under `deterministic=True` raw logprobs bit for bit."""
+    reqs = _requests(64, 4)
+    kwargs = dict(n=2, deterministic=deterministic, **BOUNDS)
+    want = generate_many(model, reqs, slots=8, **kwargs)
+    for tokens, preempted in ((2048, False), (64, True)):
+        stats = {}
+        got = generate_many(
+            model, reqs, slots=16, kv_cache_tokens=tokens, page_size=PAGE, stats=stats, **kwargs
+        )
+        assert _tokens(got) == _tokens(want)
+        assert (stats["preemptions"] > 0) == preempted, stats
+        if deterministic:
+            assert [a.raw_logprobs for a in got] == [b.raw_logprobs for b in want]
+        else:
+            for a, b in zip(got, want, strict=True):
+                for x, y in zip(a.raw_logprobs, b.raw_logprobs, strict=True):
+                    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_a_job_holds_its_pool_and_the_weights():
+    """The device bytes a job adds while it runs (the sum of `jax.live_arrays()` sizes,
+    sampled as each request completes, less what was live before: the job's copy of the
+    weights, the pool, the slots' other state) stay within 1.2x of N tokens of KV plus the
+    weights, however many slots share the pool (a Llama whose KV, 2 kB a token, outweighs
+    the slots' token and logprob buffers)."""
+    import jax
+    from flax import nnx
+
+    from logitloop.decoding.engine.batching import iter_generate_many
+    from logitloop.models import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=4, head_dim=32, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    llama = LlamaModel(config, rngs=nnx.Rngs(0))
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llama)))
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    tokens = 128
+
+    def live() -> int:
+        return sum(x.nbytes for x in jax.live_arrays())
+
+    reqs = [Request([i % V] * (1 + i % 7), dict(max_tokens=4 + i % 13)) for i in range(16)]
+    before, held = live(), 0
+    for _ in iter_generate_many(
+        llama, reqs, slots=8, kv_cache_tokens=tokens, page_size=PAGE, chunk_steps=4,
+        max_prompt_len=8, max_tokens_bound=16,
+    ):  # fmt: skip
+        held = max(held, live() - before)
+    bound = tokens * kv_per_token + weights
+    assert 0 < held <= 1.2 * bound, (held, bound)
+
+
+def test_a_sliding_window_returns_the_pages_behind_it():
+    """Every layer with a window of 4 tokens: a decode step first returns the pages wholly
+    behind the window (`pool.grow`), so 4 greedy rows of 25-30 tokens run in a pool of 16
+    pages of 4 with no preemption (holding every page they wrote, each would hold 7-8 and
+    the pool would run dry), and take the tokens of the contiguous job."""
+    windowed = small_llama(V, 64, 3, sliding_windows=(4, 4))
+    rng = np.random.default_rng(5)
+    reqs = [
+        Request([int(t) for t in rng.integers(0, V, 2 + i)], dict(temperature=0.0, max_tokens=24))
+        for i in range(4)
+    ]
+    bounds = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=8, max_tokens_bound=24)
+    want = generate_many(windowed, reqs, slots=4, **bounds)
+    stats = {}
+    got = generate_many(
+        windowed, reqs, slots=4, kv_cache_tokens=64, page_size=PAGE, stats=stats, **bounds
+    )
+    assert _tokens(got) == _tokens(want)
+    assert stats["preemptions"] == 0

@@ -1,7 +1,8 @@
 """Page bookkeeping (`logitloop.decoding.loop.pages`) against a plain-Python model of the pool.
 
-Random sequences of allocate / free / fork run through the jitted functions and through
-`PoolModel`, which keeps each row's list of pages and derives everything else from them:
+Random sequences of allocate / free / fork / release_before run through the jitted
+functions and through `PoolModel`, which keeps each row's list of pages and derives
+everything else from them:
 after every operation the tables, lengths and grants must be the model's, and the
 reference counts must be the number of rows' entries naming each page (so no page is held
 by two rows unless a fork shared it, and a freed page is free at once).
@@ -23,10 +24,12 @@ NUM_PAGES, ROWS, ENTRIES, PAGE_SIZE = 10, 4, 4, 2
 _allocate = jax.jit(pages.allocate)
 _free = jax.jit(pages.free)
 _fork = jax.jit(pages.fork)
+_release = jax.jit(pages.release_before)
 
 
 class PoolModel:
-    """Each row's pages as a Python list; the lowest free pages go first, rows in order."""
+    """Each row's pages as a Python list (None: released by a window); the lowest free pages
+    go first, rows in order."""
 
     def __init__(self):
         self.rows = [[] for _ in range(ROWS)]
@@ -65,12 +68,17 @@ class PoolModel:
                 self.rows[b] = before[0][parents[b]][:full]
                 self.lengths[b] = full * PAGE_SIZE
 
+    def release(self, starts):
+        for b, start in enumerate(starts):
+            behind = min(start // PAGE_SIZE, len(self.rows[b]))
+            self.rows[b][:behind] = [None] * behind
+
 
 def _assert_same(state: pages.PageState, model: PoolModel):
     tables, lengths = np.asarray(state.tables), np.asarray(state.lengths)
     assert lengths.tolist() == model.lengths
     for b, row in enumerate(model.rows):
-        assert tables[b, : len(row)].tolist() == row
+        assert tables[b, : len(row)].tolist() == [pages.NO_PAGE if p is None else p for p in row]
         assert (tables[b, len(row) :] == pages.NO_PAGE).all()
     assert np.asarray(state.ref_counts).tolist() == model.refs()
     assert int(pages.free_pages(state)) == model.refs().count(0)
@@ -90,6 +98,10 @@ _ops = st.lists(
             st.lists(st.integers(0, ROWS - 1), min_size=ROWS, max_size=ROWS),
             _rows,
         ),
+        st.tuples(
+            st.just("release"),
+            st.lists(st.integers(0, ENTRIES * PAGE_SIZE), min_size=ROWS, max_size=ROWS),
+        ),
     ),
     min_size=1,
     max_size=12,
@@ -105,7 +117,7 @@ _ops = st.lists(
 @given(ops=_ops)
 def test_random_operations_match_the_pool_model(ops):
     """`allocate` grows each row by 0-5 tokens, rows in row order or a random order; `free`
-    and `fork` take random rows."""
+    and `fork` take random rows; `release_before` random positions."""
     state = pages.init_pages(NUM_PAGES, ROWS, ENTRIES, PAGE_SIZE)
     model = PoolModel()
     for op in ops:
@@ -120,9 +132,12 @@ def test_random_operations_match_the_pool_model(ops):
         elif op[0] == "free":
             state = _free(state, jnp.asarray(op[1]))
             model.free(op[1])
-        else:
+        elif op[0] == "fork":
             state = _fork(state, jnp.asarray(op[1], jnp.int32), jnp.asarray(op[2]))
             model.fork(op[1], op[2])
+        else:
+            state = _release(state, jnp.asarray(op[1], jnp.int32))
+            model.release(op[1])
         _assert_same(state, model)
 
 

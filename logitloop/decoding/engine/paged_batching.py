@@ -100,7 +100,8 @@ class PagedBatcher(_Batcher):
         self.kv_cache_tokens = kv_cache_tokens
         self.page_size = page_size
         entries = _cdiv(self.prompt_len + self.buffer_len, page_size)
-        shape = pool.PoolShape(num_pages, page_size, entries)
+        window = pool.window_of(plan.info.runner.sliding_windows(plan.info.weights))
+        shape = pool.PoolShape(num_pages, page_size, entries, window)
         self.plan = dataclasses.replace(
             plan, program=dataclasses.replace(plan.program, pool=shape)
         )
@@ -178,9 +179,9 @@ class PagedBatcher(_Batcher):
         if self.stalled:
             running = [slot for slot in occupant if not done[slot] and slot not in self.parked]
             victim = max(running, key=self.arrival.__getitem__)
-            lengths = np.asarray(jax.device_get(s.pages.pages.lengths))
+            table = np.asarray(jax.device_get(s.pages.pages.tables[victim]))
             self.state = pool.park(s, np.int32(victim))
-            self.free_pages += _cdiv(int(lengths[victim]), self.page_size)
+            self.free_pages += int(np.sum(table >= 0))  # a window may have released some
             self.parked.add(victim)
             self.stats["preemptions"] += 1
         for slot in occupant:

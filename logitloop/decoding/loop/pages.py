@@ -15,7 +15,9 @@ the decode loop can allocate and free inside its compiled body with no host roun
   positions >= its length, which lie in its last, partial page or in pages not yet
   allocated, so a shared page is never written.
 - `allocate` takes the lowest-numbered free pages, rows in row order; `free` returns a
-  row's pages at once (a page shared with another row stays with it).
+  row's pages at once (a page shared with another row stays with it); `release_before`
+  returns the pages a sliding window has left behind (their entries become -1: a row's
+  held entries are then its first `pages_held` ones that are not -1).
 
 Example: page_size = 4, pages 0-5 free. `allocate(lengths=[6, 3])` gives row 0 pages
 [0, 1] and row 1 page [2]. `fork(parents=[0, 0], children=[False, True])` frees row 1
@@ -76,9 +78,10 @@ def pages_held(lengths: jax.Array, page_size: int) -> jax.Array:
 
 
 def _held_entries(state: PageState) -> jax.Array:
-    """`[B, P]` bool: the table entries a row holds."""
+    """`[B, P]` bool: the table entries a row holds (its first `pages_held` entries, less
+    those `release_before` emptied)."""
     held = pages_held(state.lengths, state.page_size)
-    return jnp.arange(state.tables.shape[1])[None, :] < held[:, None]
+    return (jnp.arange(state.tables.shape[1])[None, :] < held[:, None]) & (state.tables >= 0)
 
 
 def free_pages(state: PageState) -> jax.Array:
@@ -160,11 +163,27 @@ def fork(state: PageState, parents: jax.Array, children: jax.Array) -> PageState
     shared_lengths = state.lengths[parents] // ps * ps  # [B]
     freed = free(state, children)
     lengths = jnp.where(children, shared_lengths, freed.lengths)
-    shared = children[:, None] & (
-        jnp.arange(state.tables.shape[1])[None, :] < (shared_lengths // ps)[:, None]
+    shared = (
+        children[:, None]
+        & (jnp.arange(state.tables.shape[1])[None, :] < (shared_lengths // ps)[:, None])
+        & (parent_tables >= 0)
     )
     return freed.replace(
         ref_counts=_add_refs(freed.ref_counts, parent_tables, shared, 1),
         tables=jnp.where(shared, parent_tables, freed.tables),
         lengths=lengths,
+    )
+
+
+def release_before(state: PageState, starts: jax.Array) -> PageState:
+    """Return each row's pages that lie wholly before position `starts` ([B] int32; 0 keeps
+    every page): a sliding window that shows a row's queries only positions >= `starts`
+    from now on never reads them again. Their entries become -1; the row's length, and so
+    the place of its later pages, does not change."""
+    ps = state.page_size
+    before = jnp.arange(state.tables.shape[1])[None, :] < (starts // ps)[:, None]
+    gone = _held_entries(state) & before
+    return state.replace(
+        ref_counts=_add_refs(state.ref_counts, state.tables, gone, -1),
+        tables=jnp.where(gone, NO_PAGE, state.tables),
     )

@@ -40,11 +40,24 @@ from logitloop.decoding.loop.runner import runner_jit
 @dataclasses.dataclass(frozen=True)
 class PoolShape:
     """The static shape of a pool: `num_pages` pages of `page_size` tokens, `entries`
-    table entries per row (enough for the job's longest row)."""
+    table entries per row (enough for the job's longest row); `window`: the longest
+    sliding window of a model whose every layer has one (`window_of`), or None."""
 
     num_pages: int
     page_size: int
     entries: int
+    window: int | None = None
+
+
+def window_of(windows: Any) -> int | None:
+    """The pool's `window` for a model with these per-layer windows (None: global): the
+    longest, when every layer has one; else None. One page table serves every layer, so a
+    page may go only once every layer's window has left it: with a global layer (Gemma 2
+    and 3 alternate local and global layers) a row keeps all its pages."""
+    windows = tuple(windows)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 @struct.dataclass
@@ -94,13 +107,20 @@ def any_stalled(state: Any) -> jax.Array:
     return jnp.any(state.pages.stalled)
 
 
-def grow(state: Any) -> tuple[Any, jax.Array]:
+def grow(state: Any, window: int | None = None) -> tuple[Any, jax.Array]:
     """Give each running row the pages for the token it feeds at position `prompt_len +
-    num_tokens - 1`; returns the state and [B] bool, the rows that feed one this step."""
+    num_tokens - 1`; returns the state and [B] bool, the rows that feed one this step.
+
+    `window` (`PoolShape.window`): first return the pages wholly before the first position
+    a query at that position (or later) sees, `position - window + 1`."""
     pool = state.pages
     run = runnable(state)
-    want = jnp.where(run, state.prompt_len + state.num_tokens, pool.pages.lengths)
-    pages, granted = paging.allocate(pool.pages, want, order=jnp.argsort(pool.arrival))
+    pages = pool.pages
+    if window is not None:
+        first = jnp.maximum(state.prompt_len + state.num_tokens - window, 0)
+        pages = paging.release_before(pages, jnp.where(run, first, 0))
+    want = jnp.where(run, state.prompt_len + state.num_tokens, pages.lengths)
+    pages, granted = paging.allocate(pages, want, order=jnp.argsort(pool.arrival))
     live = run & granted
     return state.replace(pages=pool.replace(pages=pages, stalled=run & ~granted)), live
 

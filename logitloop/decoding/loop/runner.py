@@ -128,6 +128,13 @@ class ModelRunner:
             return nnx.merge(self.graphdef, weights).init_cache(batch_size, max_length)
         return self.init_cache_fn(batch_size, max_length)
 
+    def sliding_windows(self, weights) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens (None: global); a FunctionModel's
+        are unknown: ()."""
+        if self.graphdef is None:
+            return ()
+        return tuple(nnx.merge(self.graphdef, weights).config.sliding_windows)
+
     def init_pool(self, weights, num_pages: int, page_size: int) -> Any:
         """A paged pool of zeros: per layer `dict(k_pages, v_pages)`, each `[Hkv, num_pages,
         page_size, D]` (`layers.init_paged_caches`, without tables: the loop keeps those in

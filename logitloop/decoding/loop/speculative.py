@@ -291,7 +291,7 @@ class _Speculation:
         tokens = jnp.concatenate([loop.last_tokens(s)[:, None], jnp.maximum(drafts, 0)], axis=1)
         before, live, cache = s, ~s.done, s.cache
         if s.pages is not None:
-            s, live = paged.grow(s)
+            s, live = paged.grow(s, program.pool.window)
             s, num = paged.grow_drafts(s, live, num)
             cache = paged.attach(s.cache, s.pages.pages.tables)
         num = jnp.where(live, num, 0)
