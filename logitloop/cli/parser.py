@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="the slots share one paged KV cache of N tokens (default: a cache per slot)",
+        help="the slots share one paged KV cache of N tokens (default: 80%% of the "
+        "device's free memory in tokens of KV where a cache per slot would not fit; a cache "
+        "per slot on a CPU)",
     )
     io.add_argument(
         "--page-size",

@@ -152,8 +152,9 @@ def _run_job(
         else:
             shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
             shapes["speculative"] = speculative
-            if args.kv_cache_tokens is not None:  # one paged pool (`paged_batching`)
-                shapes.update(kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
+            kv_cache_tokens = _kv_cache_tokens(args, info, shapes)
+            if kv_cache_tokens is not None:  # one paged pool (`paged_batching`)
+                shapes.update(kv_cache_tokens=kv_cache_tokens, page_size=args.page_size)
             tokens = _run_requests(args, model, todo, shapes, sink.write, info.tokenizer)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds
@@ -171,6 +172,25 @@ def _run_job(
         + ("" if seed is None else f"; seed {seed} (drawn for this run; --seed {seed} repeats it)")
     )
     return 0
+
+
+def _kv_cache_tokens(args, info, shapes: dict[str, Any]) -> int | None:
+    """--kv-cache-tokens, or by default the pool the device's free memory holds when the
+    contiguous slots would not fit (`memory_check.default_kv_cache_tokens`)."""
+    if args.kv_cache_tokens is not None:
+        return args.kv_cache_tokens
+    from logitloop.decoding.engine import memory_check
+    from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
+
+    per_slot = bucket(shapes["max_prompt_len"], MIN_PROMPT_BUCKET) + bucket(
+        shapes["max_tokens_bound"], MIN_BUFFER_BUCKET
+    )
+    return memory_check.default_kv_cache_tokens(
+        info.runner.kv_bytes_per_token(info.weights),
+        shapes["slots"] * per_slot,
+        args.page_size,
+        memory_check.device_memory(),
+    )
 
 
 def _run_requests(

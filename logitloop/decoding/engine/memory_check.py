@@ -19,6 +19,10 @@ import jax
 
 # Prompt tokens in a batch (rows x padded width) from which a pass is checked before it runs.
 LONG_PROMPT_TOKENS = 8192
+# Share of the device's free memory, once the weights are loaded, that the CLI's batch jobs
+# give a paged KV pool by default (`default_kv_cache_tokens`); the rest is for the steps'
+# temporaries (logits, the sampler's buffers, a prompt pass's activations).
+KV_MEMORY_FRACTION = 0.8
 
 
 def device_memory(device: Any = None) -> tuple[int, int] | None:
@@ -29,6 +33,28 @@ def device_memory(device: Any = None) -> tuple[int, int] | None:
         return None
     limit = int(stats["bytes_limit"])
     return limit - int(stats.get("bytes_in_use", 0)), limit
+
+
+def default_kv_cache_tokens(
+    kv_bytes_per_token: int | None,
+    contiguous_tokens: int,
+    page_size: int,
+    memory: tuple[int, int] | None,
+) -> int | None:
+    """The CLI's `--kv-cache-tokens` when none is given: the tokens of keys and values
+    (`kv_bytes_per_token` each) that `KV_MEMORY_FRACTION` of the device's free bytes
+    (`memory`, from `device_memory()` after the weights are loaded) hold, in whole pages,
+    when that is less than the job's contiguous slots need (`contiguous_tokens`: slots x
+    (prompt bucket + buffer)). None, the contiguous slots as without the flag, when they
+    fit, when the device does not report its memory (a CPU) or for a model without a
+    paged cache."""
+    if memory is None or not kv_bytes_per_token:
+        return None
+    free, _ = memory
+    fits = int(KV_MEMORY_FRACTION * free) // kv_bytes_per_token // page_size * page_size
+    if fits >= contiguous_tokens:
+        return None
+    return max(fits, page_size)
 
 
 def check_fits(compiled: Any, what: str, memory: tuple[int, int]) -> None:

@@ -135,6 +135,14 @@ class ModelRunner:
             return ()
         return tuple(nnx.merge(self.graphdef, weights).config.sliding_windows)
 
+    def kv_bytes_per_token(self, weights) -> int | None:
+        """Bytes of keys and values one token holds in a paged pool, every layer together
+        (None for a FunctionModel)."""
+        if self.graphdef is None:
+            return None
+        shapes = jax.eval_shape(lambda: self.init_pool(weights, 1, 1))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
     def init_pool(self, weights, num_pages: int, page_size: int) -> Any:
         """A paged pool of zeros: per layer `dict(k_pages, v_pages)`, each `[Hkv, num_pages,
         page_size, D]` (`layers.init_paged_caches`, without tables: the loop keeps those in
