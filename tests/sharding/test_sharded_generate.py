@@ -65,6 +65,17 @@ def test_generate_many_on_mesh_matches(meshes):
     _assert_same_run({**got, "top_ids": want["top_ids"]}, want)
 
 
+def test_paged_generate_many_on_mesh_matches(meshes):
+    """`kv_cache_tokens` on the (2, 4) mesh: the pool's heads over "model", replicated over
+    "data", the page tables' rows over "data"; a pool of 32 tokens preempts, and every
+    request gets the contiguous job's tokens."""
+    got, want = meshes["paged_2x4"], meshes["many_2x4"]
+    assert got["token_ids"] == want["token_ids"]
+    assert got["finish_reason"] == want["finish_reason"]
+    assert meshes["paged_stats"]["preemptions"] > 0
+    assert meshes["pool_specs"] == {"k_pages": "P('model',)", "tables": "P('data', None)"}
+
+
 def test_orbax_restore_onto_mesh(meshes):
     layout = meshes["restored_layout"]
     # wq [E=64, H=8, D=8]: heads over the 4-way model axis; wk: kv heads 4 over 4.

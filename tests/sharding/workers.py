@@ -194,6 +194,18 @@ def worker_meshes() -> None:
     requests = [(p, params.take([r])) for r, p in enumerate(PROMPTS)]
     many = [summarize(res) for res in ll.generate_many(model, requests, slots=4, mesh=mesh)]
     out["many_2x4"] = {k: [m[k] and m[k][0] for m in many] for k in many[0]}
+    # ... and with a paged pool of 32 tokens (pages of 4: rows preempted and resumed), its
+    # heads over the model axis, replicated over the data axis.
+    stats: dict = {}
+    paged = ll.generate_many(
+        model, requests, slots=4, mesh=mesh, kv_cache_tokens=32, page_size=4, stats=stats
+    )
+    paged = [summarize(res) for res in paged]
+    out["paged_2x4"] = {k: [m[k] and m[k][0] for m in paged] for k in paged[0]}
+    out["paged_stats"] = stats
+    pool = [{"k_pages": jnp.zeros((4, 8, 4, 8)), "tables": jnp.zeros((4, 8), jnp.int32)}]
+    layout = sharding.layout_for(mesh).cache_shardings(pool, 4)[0]
+    out["pool_specs"] = {k: str(v.spec) for k, v in layout.items()}
     # Orbax: restore a converted checkpoint straight onto the (2, 4) mesh's shardings.
     with tempfile.TemporaryDirectory() as tmp:
         save_converted(model, os.path.join(tmp, "conv"))
@@ -316,9 +328,7 @@ def worker_sampler() -> None:
     checked_rows = 0
     ref = jax.jit(xla.filter_and_sample)
     fns = {
-        k: jax.jit(
-            lambda *a, m=m, b=b: sharded.filter_and_sample_sharded(*a, mesh=m, batch_axis=b)
-        )
+        k: jax.jit(lambda *a, m=m, b=b: sharded.filter_and_sample_sharded(*a, mesh=m, batch_axis=b))
         for k, (m, b) in meshes.items()
     }
     for name, s in settings.items():
@@ -405,15 +415,17 @@ def worker_sampler() -> None:
             got = got_fn(x, params, pos, hist)
             compared += batch
             for field in ("tokens", "status"):
-                if not np.array_equal(np.asarray(getattr(got, field)),
-                                      np.asarray(getattr(want, field))):
+                if not np.array_equal(
+                    np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+                ):
                     step_mismatch.append([mname, trial, field])
             for field in ("logprobs", "raw_logprobs"):
                 a, b2 = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
                 if not np.allclose(a, b2, atol=1e-4, equal_nan=True):
                     step_mismatch.append([mname, trial, field])
-            if not np.array_equal(np.asarray(got.top_logprobs.ids),
-                                  np.asarray(want.top_logprobs.ids)):
+            if not np.array_equal(
+                np.asarray(got.top_logprobs.ids), np.asarray(want.top_logprobs.ids)
+            ):
                 step_mismatch.append([mname, trial, "top_ids"])
     # What crosses the mesh in the compiled sampling step, on a vocabulary large enough
     # that each shard holds more than the candidates it contributes.
@@ -435,12 +447,16 @@ def worker_sampler() -> None:
                 lg, p, pos, h, mesh=m, batch_axis=b
             )
         )
-        hlo = fn.lower(
-            jnp.zeros((batch, big_vocab), jnp.float32),
-            ll.SamplingParams.create(**big),
-            jnp.zeros(batch, jnp.int32),
-            big_hist,
-        ).compile().as_text()
+        hlo = (
+            fn.lower(
+                jnp.zeros((batch, big_vocab), jnp.float32),
+                ll.SamplingParams.create(**big),
+                jnp.zeros(batch, jnp.int32),
+                big_hist,
+            )
+            .compile()
+            .as_text()
+        )
         collectives[mname] = collective_results(hlo)
     # top_k_sharded is lax.top_k
     x = _random_logits(rng, batch, vocab)
@@ -449,10 +465,18 @@ def worker_sampler() -> None:
     topk_ok = bool(np.array_equal(np.asarray(i), np.asarray(wi))) and bool(
         np.array_equal(np.asarray(v), np.asarray(wv))
     )
-    emit({"mismatches": mismatches, "step_mismatches": step_mismatch, "compared": compared,
-          "top_k_ok": topk_ok, "collectives": collectives, "hlo_vocab": big_vocab,
-          "kept_rows_checked": checked_rows,
-          "seconds": time.time() - t0})
+    emit(
+        {
+            "mismatches": mismatches,
+            "step_mismatches": step_mismatch,
+            "compared": compared,
+            "top_k_ok": topk_ok,
+            "collectives": collectives,
+            "hlo_vocab": big_vocab,
+            "kept_rows_checked": checked_rows,
+            "seconds": time.time() - t0,
+        }
+    )
 
 
 def worker_multiprocess(process_id: int, port: int) -> None:

@@ -200,8 +200,6 @@ def batcher(
 ) -> PagedBatcher:
     """A `PagedBatcher` for `iter_generate_many`, every argument checked before any work."""
     check_pool(kv_cache_tokens, page_size)
-    if job.options.mesh is not None:
-        raise ValueError("kv_cache_tokens does not work with mesh= yet")
     if job.info.runner.graphdef is None:
         raise ValueError(
             "kv_cache_tokens needs a logitloop model: a FunctionModel's cache is its own"

@@ -12,7 +12,11 @@ of `layout.ONE_DEVICE`, over a `jax.sharding.Mesh` with axes "data" and "model":
   `FunctionModel`, which carries no names. Weights already laid out by the rules (a
   `restore_sharded` model, or `shard_model`) are not moved; others are `device_put`.
 - The KV cache (`[B, H, S, D]` per layer and per k/v) has its rows over "data" and its
-  heads over "model" when the head count is divisible, like the k/v projections.
+  heads over "model" when the head count is divisible, like the k/v projections. A paged
+  pool (`generate_many(..., kv_cache_tokens=N)`, `[Hkv, pages, page_size, D]`) has its
+  heads over "model" the same way and is replicated over "data": its pages belong to no
+  row in particular (the page tables, `[B, P]`, go over "data" with the rows), so every
+  data shard holds the whole pool and writes every row's keys and values into it.
 - Inside the jit-compiled prefill and decode, `with_sharding_constraint` pins the inputs
   and the loop state to these layouts and GSPMD propagates them through the model. The
   logits come out of the LM head vocabulary-sharded; the sampling step then runs in one
@@ -83,6 +87,9 @@ def layout_for(mesh: Mesh | None, *, whole_vocab: bool = False) -> Layout:
     return ONE_DEVICE if mesh is None else MeshLayout(as_auto(mesh), whole_vocab=whole_vocab)
 
 
+POOL_KEYS = ("k_pages", "v_pages")  # a paged pool's arrays in a layer's cache dict
+
+
 def _row_spec(x: Any, batch: int) -> P:
     return P(DATA_AXIS) if np.ndim(x) >= 1 and np.shape(x)[0] == batch else P()
 
@@ -121,7 +128,14 @@ class MeshLayout(Layout):
 
     def cache_shardings(self, cache: Any, batch: int) -> Any:
         size = self.mesh.shape[MODEL_AXIS]
-        return jax.tree.map(lambda x: self._named(_cache_spec(x, batch, size)), cache)
+
+        def spec(path, x):
+            if getattr(path[-1], "key", None) in POOL_KEYS:  # a paged pool (module docstring)
+                heads = np.shape(x)[0]
+                return self._named(P(MODEL_AXIS if size > 1 and heads % size == 0 else None))
+            return self._named(_cache_spec(x, batch, size))
+
+        return jax.tree_util.tree_map_with_path(spec, cache)
 
     def rows(self, tree: Any, batch: int | None = None) -> Any:
         if batch is None:
