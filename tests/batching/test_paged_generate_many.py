@@ -243,6 +243,7 @@ def test_a_job_holds_its_pool_and_the_weights():
     assert 0 < held <= 1.2 * bound, (held, bound)
 
 
+@pytest.mark.slow  # `release_before` itself: tests/decoding/test_pages.py
 def test_a_sliding_window_returns_the_pages_behind_it():
     """Every layer with a window of 4 tokens: a decode step first returns the pages wholly
     behind the window (`pool.grow`), so 4 greedy rows of 25-30 tokens run in a pool of 16
