@@ -182,6 +182,9 @@ def _kv_cache_tokens(args, info, shapes: dict[str, Any]) -> int | None:
     from logitloop.decoding.engine import memory_check
     from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
 
+    memory = memory_check.device_memory()
+    if memory is None:  # a CPU: the contiguous slots
+        return None
     per_slot = bucket(shapes["max_prompt_len"], MIN_PROMPT_BUCKET) + bucket(
         shapes["max_tokens_bound"], MIN_BUFFER_BUCKET
     )
@@ -189,7 +192,7 @@ def _kv_cache_tokens(args, info, shapes: dict[str, Any]) -> int | None:
         info.runner.kv_bytes_per_token(info.weights),
         shapes["slots"] * per_slot,
         args.page_size,
-        memory_check.device_memory(),
+        memory,
     )
 
 
