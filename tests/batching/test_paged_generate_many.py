@@ -263,3 +263,23 @@ def test_a_sliding_window_returns_the_pages_behind_it():
     )
     assert _tokens(got) == _tokens(want)
     assert stats["preemptions"] == 0
+
+
+@pytest.mark.slow
+def test_draft_model_paged_job_equals_the_contiguous_one(model):
+    """A draft model (the target itself, so greedy rows accept every draft) on the pool:
+    its own cache stays a contiguous one per slot, parked rows propose nothing, and the
+    tokens are the contiguous speculative job's."""
+    import logitloop as ll
+
+    spec = ll.DraftModel(model=model, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
+    reqs = _requests(8, 6)
+    want = generate_many(model, reqs, slots=4, n=2, speculative=spec, **BOUNDS)
+    stats = {}
+    got = generate_many(
+        model, reqs, slots=8, n=2, speculative=spec, kv_cache_tokens=48, page_size=PAGE,
+        stats=stats, **BOUNDS,
+    )  # fmt: skip
+    assert _tokens(got) == _tokens(want)
+    assert sum(row["accepted"] for r in got for row in r.speculation) > 0
+    assert stats["preemptions"] > 0
