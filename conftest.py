@@ -42,9 +42,7 @@ def _one_load_per_checkpoint(request, monkeypatch):
     dtype) for the whole worker. Each block loads the model it uses, as a reader's script
     would; a second load of the same folder is an equal model, but a new graph definition
     for jit, which would compile every program again (15 s a block on 2 busy cores)."""
-    from pytest_markdown_docs.plugin import MarkdownInlinePythonItem
-
-    if not isinstance(request.node, MarkdownInlinePythonItem):
+    if request.node.path not in DOC_FILES:
         return
     import logitloop
 
