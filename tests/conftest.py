@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-# An in-process `cli.main` turns on JAX's persistent compilation cache (every program
-# written) and the stored programs in the user's cache folder, for the rest of that pytest
-# worker. Tests run with it off; those about the cache set the variable themselves, and the
-# CLI's subprocesses get their own shared cache (`tests/cli/test_cli.py`, `cli_env`).
-os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
-
+# (The root conftest.py turns the persistent compile cache off before logitloop is imported.)
 from logitloop.decoding.runtime.compiles import CompileWatch
 
 
@@ -172,10 +165,11 @@ _MODULE_FIXTURE = ('scope="module"', 'scope="class"')
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`-n 2` (xdist's default `--dist load`) with one change: every test of a module that
-    defines a module- or class-scoped fixture goes to the same worker. Plain `load` spreads
-    a module's tests over both workers, so each worker paid for the module's fixtures (the
-    8-device mesh subprocess, the CLI's batch job, a training run: about a minute each)
-    and compiled the module's programs again. Such modules are sent first, biggest first
+    defines a module- or class-scoped fixture goes to the same worker, and so do the code
+    blocks of README.md and docs/. Plain `load` spreads a module's tests over both workers,
+    so each worker paid for the module's fixtures (the 8-device mesh subprocess, the CLI's
+    batch job, a training run: about a minute each) and compiled the module's programs
+    again. Such modules are sent first, biggest first
     (xdist's `loadscope` order); the other tests, one by one, fill in behind them.
     (`--dist loadgroup` would do this with marks, but with pytest 9 its group suffix on
     the node ids has no effect: measured, the marked tests were spread.) Any other
@@ -190,6 +184,8 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if path.endswith(".md"):  # the documentation's blocks share one model and its
+                return "docs"  # compiled programs (conftest.py), so they go to one worker
             if path not in shares_fixtures:
                 try:
                     text = (root / path).read_text()

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--speculative ngram:N:K and --draft-model exclude each other")
     if args.deterministic is None:
         # A job written to --output can be resumed, in other batches: only the deterministic
-        # mode makes each prompt's output independent of its batch (README, "The command line").
+        # mode makes each prompt's output independent of its batch (docs/cli.md).
         args.deterministic = bool(args.output)
     if args.num_beams is not None:
         _check_beam_flags(args)

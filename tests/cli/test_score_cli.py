@@ -67,7 +67,7 @@ def test_generate_num_beams_is_beam_search(tmp_path, capsys):
             "--max-tokens", "6", "--length-penalty", "0.5", "--output", str(out), "-q"]  # fmt: skip
     assert main(args) == 0
     model = ll.load_pretrained()
-    # A job written to --output runs in the deterministic mode (README, "The command line").
+    # A job written to --output runs in the deterministic mode (docs/cli.md).
     want = ll.beam_search(
         model, ["Once upon a time", "The cat"], num_beams=3, max_tokens=6,
         length_penalty=0.5, num_return_sequences=2, deterministic=True,

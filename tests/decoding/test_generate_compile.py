@@ -115,7 +115,8 @@ def _compiles(counter, model, prompts=([1, 2], [3]), **knobs) -> bool:
 
 @pytest.mark.slow  # several new programs compiled on purpose: about 35 s
 def test_logprobs_and_stop_string_tables_compile_once(compile_counter):
-    """The value changes README.md names as compiling: each compiles once, then never again."""
+    """The value changes docs/generation.md names as compiling: each compiles once, then
+    never again."""
     model = _model(_apply_b)
     base = dict(max_tokens=8, stop=[["a"], []])
     assert _compiles(compile_counter, model, **base)  # first call

@@ -26,22 +26,23 @@ def test_folder_is_a_small_standard_checkpoint():
     assert json.loads((SHIPPED_MODEL_DIR / "config.json").read_text())["model_type"] == "llama"
 
 
-def readme_greedy_sample() -> tuple[str, int, str]:
-    """(prompt, max_tokens, continuation) of the README's greedy sample of the shipped model:
-    the command quoted in the line that introduces it, and the text block after it."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+def guide_greedy_sample() -> tuple[str, int, str]:
+    """(prompt, max_tokens, continuation) of the greedy sample of the shipped model in
+    docs/models.md: the command quoted in the line that introduces it, and the text block
+    after it."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
     m = re.search(
         r'A greedy sample, `logitloop generate "([^"]+)" --temperature 0 --max-tokens (\d+)`'
         r".*?```text\n(.*?)\n```",
-        readme,
+        guide,
         re.S,
     )
-    assert m is not None, "README.md no longer shows the shipped model's greedy sample"
+    assert m is not None, "docs/models.md no longer shows the shipped model's greedy sample"
     return m.group(1), int(m.group(2)), m.group(3)
 
 
-def test_greedy_sample_is_the_readme_s(shipped):
-    prompt, max_tokens, continuation = readme_greedy_sample()
+def test_greedy_sample_is_the_guide_s(shipped):
+    prompt, max_tokens, continuation = guide_greedy_sample()
     params = ll.SamplingParams.create(batch_size=1, temperature=0.0, max_tokens=max_tokens)
     res = ll.generate(shipped, [prompt], params)
     assert res.num_tokens == [max_tokens]

@@ -94,7 +94,7 @@ def generate(
     logprobs and finish reason, are bit for bit those of the row alone, whatever the
     batch, the prompt bucket and buffer, and on a data-parallel mesh;
     `deterministic="model-parallel"` also on a model axis of 1, 2, 4 or 8 devices
-    (`logitloop.models.fixed_order`; README, "Deterministic decoding").
+    (`logitloop.models.fixed_order`; docs/deterministic.md).
 
     `speculative`: `ll.PromptLookup(...)` or `ll.DraftModel(...)` to decode speculatively
     (`logitloop.decoding.loop.speculative`): strict acceptance gives the same tokens, rejection

@@ -1,0 +1,58 @@
+"""Root test configuration: the compile-cache setting every test runs with, and the code
+blocks of README.md and docs/ collected as tests (pytest-markdown-docs).
+
+Every ```python block of README.md and docs/*.md is a test that runs it as written, in a
+fresh namespace (pytest-markdown-docs' `MarkdownTextFile` collector, restricted here to those
+Markdown files: its `--markdown-docs` flag would also import every `.py` file under the test
+paths to read their docstrings). A block marked ```python notest (the plugin's mechanism;
+mkdocs renders the marked fence through superfences' `relaxed_headers`) is not run. Shell
+blocks are run by `tests/docs/test_shell_blocks.py`, under the same marker.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# An in-process `cli.main` turns on JAX's persistent compilation cache (every program
+# written) and the stored programs in the user's cache folder, for the rest of that pytest
+# worker; so would `ll.enable_compile_cache()` in a documentation block. Tests run with it
+# off; those about the cache set the variable themselves, and the CLI's subprocesses get
+# their own shared cache (`tests/cli/test_cli.py`, `cli_env`).
+os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
+
+from tests.docs import DOC_FILES
+
+_LOADED = pytest.StashKey[dict]()  # (path, dtype) -> the model, for the documentation blocks
+
+
+def pytest_collect_file(file_path: Path, parent):
+    if Path(file_path) in DOC_FILES:
+        from pytest_markdown_docs.plugin import MarkdownTextFile
+
+        return MarkdownTextFile.from_parent(parent, path=Path(file_path))
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _one_load_per_checkpoint(request, monkeypatch):
+    """In a documentation block, `ll.load_pretrained(path)` returns one model per (path,
+    dtype) for the whole worker. Each block loads the model it uses, as a reader's script
+    would; a second load of the same folder is an equal model, but a new graph definition
+    for jit, which would compile every program again (15 s a block on 2 busy cores)."""
+    if request.node.path not in DOC_FILES:
+        return
+    import logitloop
+
+    load = logitloop.models.loading.load_pretrained
+    loaded = request.config.stash.setdefault(_LOADED, {})
+
+    def load_once(path=None, *, dtype=None):
+        key = (None if path is None else str(Path(path).resolve()), str(dtype))
+        if key not in loaded:
+            loaded[key] = load(path, dtype=dtype)
+        return loaded[key]
+
+    monkeypatch.setattr(logitloop, "load_pretrained", load_once)
