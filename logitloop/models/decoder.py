@@ -10,10 +10,11 @@ parameters under the names its checkpoint map targets and puts its blocks in
   head_weight() -> [V, E]                  the LM head (the embedding when tied)
   output_logits(logits) -> logits          after the head, float32 (soft-capping, Gemma 2)
 
-Each block is called as `block(x, positions, layer_cache, mask, numerics=...) -> (x,
-layer_cache)` (`mask`: a `layers.layer_mask`, positions, never a `[T, S]` array;
-`numerics`: the pass's `fixed_order.Numerics`, which the block hands to every layer
-function it calls); what
+Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`
+(`mask`: a `layers.layer_mask`, positions, never a `[T, S]` array); under a deterministic
+policy with `numerics=` too (the pass's `fixed_order.Numerics`, which the block hands to
+every layer function it calls; so does `output_norm`). A plain pass passes no `numerics`,
+so a family written without it runs as before, and needs it only for `deterministic=`. What
 happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
 config supplies `num_layers`, `num_kv_heads`, `head_dim` and `sliding_windows` (one
 window or None per layer).
@@ -28,6 +29,12 @@ from flax import nnx
 from logitloop.models import fixed_order, layers
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import KVCache
+
+
+def policy(numerics: Numerics) -> dict[str, Numerics]:
+    """The keywords a block and `output_norm` get: `numerics=` under a deterministic policy,
+    none in a plain pass (see the module docstring)."""
+    return {"numerics": numerics} if numerics.fixed else {}
 
 
 class DecoderModel(nnx.Module):
@@ -105,7 +112,7 @@ class DecoderModel(nnx.Module):
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
         x, new_cache = self.hidden_states(tokens, positions, cache, numerics)  # [B, T, E]
-        last = self.output_norm(x if all_columns else x[:, -1], numerics)  # [B, T, E] or [B, E]
+        last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
         rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
         head = self.head_weight()
         logits = fixed_order.rowwise(
@@ -136,6 +143,6 @@ class DecoderModel(nnx.Module):
         new_cache = []
         for block, layer_cache, window in zip(self.layers, cache, windows, strict=True):
             mask = masks["pos" in layer_cache, window]
-            x, layer_cache = block(x, positions, layer_cache, mask, numerics=numerics)
+            x, layer_cache = block(x, positions, layer_cache, mask, **policy(numerics))
             new_cache.append(layer_cache)
         return x, new_cache
