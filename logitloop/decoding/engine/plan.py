@@ -47,6 +47,7 @@ from logitloop.decoding.sampling.params import (
     canonical_knobs,
     generation_defaults,
 )
+from logitloop.models.fixed_order import Numerics
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,7 +72,7 @@ class Options:
     ignore_eos: bool = False
     mesh: Any = None
     processors: Sequence[Any] | None = None
-    deterministic: Any = False  # bool | str | fixed_order.Numerics
+    deterministic: bool | str | Numerics = False
     speculative: Any = None
 
     def __post_init__(self):
