@@ -21,13 +21,14 @@ call, the cache length or the mesh:
   from 2 to 32, a decode-pass product runs its rows unpadded up to DECODE_TILE (one row as
   two), which spares batch 1 the work of eight rows (`row_tile`).
   On a mesh with a "data" axis each device's rows are tiled by themselves
-  (`Numerics.row_mesh`, from the decode loop's layout), so every device runs the one-device tile.
+  (`Numerics.row_mesh`, from the decode loop's layout), so every device runs the
+  one-device tile.
   On a GPU (`Numerics.tile_kernel`) the products are instead the Pallas tile kernel
   (`logitloop.ops.tile_matmul`: fixed row, column and contraction blocks, so a row's bits
   do not depend on the row count by construction), over the rows as they come: no row
   tiles, since a GPU library and XLA's autotuner choose a dot's kernel by its shape and by
   timing, program by program, which a fixed tile shape alone would not pin.
-- With `model_parallel=True` (`deterministic="model-parallel"`), a product within a tile
+- With `deterministic="model-parallel"` (`Numerics.splits`), a product within a tile
   also sums its contraction in chunks of at most MAX_CHUNK entries at fixed boundaries,
   the chunks' float32 partial sums added one after another (`product`), and the LM head
   runs over a fixed number of vocabulary tiles (`head_product`). Chunks and tiles are laid
