@@ -197,6 +197,11 @@ class Numerics:
             raise ValueError(
                 f"tile_kernel must be None or one of {TILE_KERNELS}, got {self.tile_kernel!r}"
             )
+        if self.unpadded and (self.deterministic is not True or self.tile_kernel is not None):
+            raise ValueError(
+                "unpadded decode rows are a finding of XLA:CPU's dots under deterministic=True "
+                "without the tile kernel (calibrate's probe), not of this policy"
+            )
         if self.tile_kernel is not None and self.deterministic is not True:
             raise ValueError(
                 "the tile kernel runs deterministic=True only (it does not split a model "

@@ -478,3 +478,18 @@ def test_bad_deterministic_values_are_rejected(gqa_llama):
     job = plan(gqa_llama, Options(deterministic=True))
     with pytest.raises(ValueError, match="prefill_chunk"):
         host.initial_state(job.program, job.tables(params), [[1, 2]], prefill_chunk=0)
+
+
+def test_the_policy_is_one_static_value_per_setting():
+    """`calibrate` runs its probes once per setting, dtype and backend and returns one
+    hashable value (a runner's static field, so part of its programs' jit key); a policy
+    that mixes findings of different modes is refused, naming the field."""
+    policy = fixed_order.calibrate(True)
+    assert fixed_order.calibrate(True, dtype="float32") is policy
+    assert hash(policy) == hash(fixed_order.calibrate(True)) and policy != fixed_order.PLAIN
+    assert policy.for_pass(prompt=True) != policy
+    assert fixed_order.PLAIN.for_pass(prompt=True) is fixed_order.PLAIN
+    with pytest.raises(ValueError, match="deterministic must be True, False or"):
+        fixed_order.Numerics(deterministic="yes")
+    with pytest.raises(ValueError, match="unpadded decode rows"):
+        fixed_order.Numerics(deterministic="model-parallel", unpadded=frozenset({("float32", 0)}))
