@@ -200,6 +200,11 @@ class Check:
         self.device = jax.devices()[0]
         # Pallas kernels run compiled on a GPU and in interpret mode anywhere else.
         self.interpret = self.backend != "gpu"
+        # `deterministic=`: the smoke runs the GPU's tile kernel interpreted off a GPU.
+        interpreted = smoke and self.interpret
+        self.deterministic = (
+            fixed_order.calibrate(True, tile_kernel="interpret") if interpreted else True
+        )
         self.deadline = float("inf")
         self.bandwidth, self.bandwidth_source = None, None
         self._models = {}
@@ -280,7 +285,8 @@ def environment(ck: Check, row: Row) -> None:
     row.add(f"floor bandwidth {bw / 1e9:.3g} GB/s ({source})")
     row.add(f"sampling auto -> {dispatch.resolve_backend('auto')}")
     row.add(
-        f"deterministic products -> {fixed_order.tile_kernel(True) or 'XLA dots in fixed tiles'}"
+        "deterministic products -> "
+        f"{deterministic_kernel(ck, ck.model('tiny')) or 'XLA dots in fixed tiles'}"
     )
     row.add(f"attention -> {attention_choice(model_info(ck.model('tiny')))}")
     cache = jax.config.jax_compilation_cache_dir
@@ -419,12 +425,18 @@ def prefill(ck: Check, row: Row) -> None:
         row.fail("logits not finite")
 
 
+def deterministic_kernel(ck: Check, model) -> str | None:
+    """The tile kernel `deterministic=` runs `model`'s products with here (None: XLA's dots)."""
+    return model_info(model, deterministic=ck.deterministic).runner.numerics.tile_kernel
+
+
 def deterministic(ck: Check, row: Row) -> None:
     from bench_generate import mode_rates  # noqa: PLC0415 - a sibling script
 
     s = ck.shapes
     model = ck.model()
-    kernel = model_info(model, deterministic=True).runner.tile_kernel
+    det = ck.deterministic
+    kernel = deterministic_kernel(ck, model)
     tokens = s.new_tokens // 2 + 1  # decode's short run: the default's program is compiled
     row.setup = f"{s.model} bf16, greedy, {tokens} tokens, products: {kernel or 'XLA dots'}"
     rng = np.random.default_rng(2)
@@ -435,11 +447,11 @@ def deterministic(ck: Check, row: Row) -> None:
         ck.check_time()
         rows = [prompts[at]] if batch == 1 else prompts[:batch]
         rate, compile_s, same = mode_rates(
-            model, rows, tokens, s.repeats if ck.smoke else 3, (False, True)
+            model, rows, tokens, s.repeats if ck.smoke else 3, (False, det)
         )
         row.add(
-            f"B={batch}: {rate[True]:.0f} vs {rate[False]:.0f} tok/s "
-            f"({rate[True] / rate[False]:.2f}x; compile+first {compile_s[True]:.0f} s; "
+            f"B={batch}: {rate[det]:.0f} vs {rate[False]:.0f} tok/s "
+            f"({rate[det] / rate[False]:.2f}x; compile+first {compile_s[det]:.0f} s; "
             f"tokens {'=' if same else '!='} default's)"
         )
     ck.check_time()
@@ -448,16 +460,16 @@ def deterministic(ck: Check, row: Row) -> None:
         params = ll.SamplingParams.create(batch_size=len(rows), temperature=0.0, max_tokens=tokens)
         return ll.generate(model, rows, params, ignore_eos=True, deterministic=det)
 
-    for det in (True, False):
-        alone, among = run([prompts[at]], det), run(prompts, det)
+    for mode in (det, False):
+        alone, among = run([prompts[at]], mode), run(prompts, mode)
         same = (
             alone.token_ids[0] == among.token_ids[at]
             and alone.raw_logprobs[0] == among.raw_logprobs[at]
         )
-        name = "deterministic" if det else "default"
+        name = "deterministic" if mode else "default"
         verdict = "bit for bit" if same else "differ"
         row.add(f"{name}: row alone vs row {at} of {widest}: {verdict}")
-        if det and not same:
+        if mode and not same:
             row.fail("deterministic=True row changed with the batch")
 
 
@@ -658,9 +670,6 @@ def main(argv=None) -> int:
         # compile without LLVM's optimisations (half the CPU time of a run).
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} {SMOKE_XLA_FLAGS}".strip()
-        # Deterministic mode's products as the GPU's tile kernel, interpreted off a GPU.
-        if jax.default_backend() != "gpu":
-            os.environ.setdefault("LOGITLOOP_TILE_KERNEL", "interpret")
     shapes = SMOKE if args.smoke else FULL
     if not args.smoke and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         # A rerun in the same window (after a fix, or a run cut short) reads its programs

@@ -6,12 +6,15 @@ parameters under the names its checkpoint map targets and puts its blocks in
 `self.layers`, and it fills in what differs between architectures:
 
   embed(tokens, positions) -> [B, T, E]   token embedding (plus learned positions, GPT-2)
-  output_norm(x) -> x                      the final LayerNorm / RMSNorm
+  output_norm(x, numerics) -> x            the final LayerNorm / RMSNorm
   head_weight() -> [V, E]                  the LM head (the embedding when tied)
   output_logits(logits) -> logits          after the head, float32 (soft-capping, Gemma 2)
 
 Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`
-(`mask`: a `layers.layer_mask`, positions, never a `[T, S]` array); what
+(`mask`: a `layers.layer_mask`, positions, never a `[T, S]` array); under a deterministic
+policy with `numerics=` too (the pass's `fixed_order.Numerics`, which the block hands to
+every layer function it calls; so does `output_norm`). A plain pass passes no `numerics`,
+so a family written without it runs as before, and needs it only for `deterministic=`. What
 happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
 config supplies `num_layers`, `num_kv_heads`, `head_dim` and `sliding_windows` (one
 window or None per layer).
@@ -24,7 +27,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from logitloop.models import fixed_order, layers
+from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import KVCache
+
+
+def policy(numerics: Numerics) -> dict[str, Numerics]:
+    """The keywords a block and `output_norm` get: `numerics=` under a deterministic policy,
+    none in a plain pass (see the module docstring)."""
+    return {"numerics": numerics} if numerics.fixed else {}
 
 
 class DecoderModel(nnx.Module):
@@ -46,7 +56,7 @@ class DecoderModel(nnx.Module):
         """`[B, T]` tokens and positions (-1 for padding) -> `[B, T, E]` activations."""
         raise NotImplementedError
 
-    def output_norm(self, x: jax.Array) -> jax.Array:
+    def output_norm(self, x: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         """The final norm, applied to the last column only: `[B, E] -> [B, E]`."""
         raise NotImplementedError
 
@@ -80,6 +90,7 @@ class DecoderModel(nnx.Module):
         cache: KVCache,
         *,
         all_columns: bool = False,
+        numerics: Numerics = PLAIN,
     ) -> tuple[jax.Array, KVCache]:
         """Run T columns through the model, writing their keys/values into `cache`.
 
@@ -87,7 +98,9 @@ class DecoderModel(nnx.Module):
         Only the last column goes through the final norm and LM head: prompts are
         left-padded, so that column is every row's last real token. `all_columns=True`
         returns every column's logits, `[B, T, V]` (speculative verification). Padding columns
-        (-1) compute finite values that are never used.
+        (-1) compute finite values that are never used. `numerics`: how the layers reduce
+        (`fixed_order.Numerics`, given by `decoding.loop.runner.ModelRunner.forward` for
+        the pass; default plain XLA ops).
 
         Each real token's key/value goes to cache slot == its position (padding is never
         written), or in a sliding-window ring to slot position % R; each query at position
@@ -98,11 +111,16 @@ class DecoderModel(nnx.Module):
         example and describes the ring.
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
         """
-        x, new_cache = self.hidden_states(tokens, positions, cache)  # [B, T, E]
-        last = self.output_norm(x if all_columns else x[:, -1])  # [B, T, E] or [B, E]
+        x, new_cache = self.hidden_states(tokens, positions, cache, numerics)  # [B, T, E]
+        last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
         rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
         head = self.head_weight()
-        logits = fixed_order.rowwise(lambda r: fixed_order.head_product(r, head), rows, head=True)
+        logits = fixed_order.rowwise(
+            lambda r: fixed_order.head_product(r, head, numerics=numerics),
+            rows,
+            numerics=numerics,
+            head=True,
+        )
         return self.output_logits(logits.reshape(*last.shape[:-1], -1)), new_cache
 
     def hidden_states(
@@ -110,6 +128,7 @@ class DecoderModel(nnx.Module):
         tokens: jax.Array,  # [B, T] int32
         positions: jax.Array,  # [B, T] int32, -1 for (left) padding
         cache: KVCache,
+        numerics: Numerics = PLAIN,
     ) -> tuple[jax.Array, KVCache]:
         """The blocks' output at every column, `[B, T, E]` (before the final norm), and the
         updated cache: `__call__` without the head, for training (which needs every
@@ -124,6 +143,6 @@ class DecoderModel(nnx.Module):
         new_cache = []
         for block, layer_cache, window in zip(self.layers, cache, windows, strict=True):
             mask = masks["pos" in layer_cache, window]
-            x, layer_cache = block(x, positions, layer_cache, mask)
+            x, layer_cache = block(x, positions, layer_cache, mask, **policy(numerics))
             new_cache.append(layer_cache)
         return x, new_cache

@@ -20,14 +20,15 @@ call, the cache length or the mesh:
   the same shapes. On XLA:CPU's YNNPACK dots, whose rows keep their bits for any row count
   from 2 to 32, a decode-pass product runs its rows unpadded up to DECODE_TILE (one row as
   two), which spares batch 1 the work of eight rows (`row_tile`).
-  On a mesh with a "data" axis each device's rows are tiled by themselves (`fixed_order(
-  mesh=...)`, from the decode loop's layout), so every device runs the one-device tile.
-  On a GPU (`tile_kernel`) the products are instead the Pallas tile kernel
+  On a mesh with a "data" axis each device's rows are tiled by themselves
+  (`Numerics.row_mesh`, from the decode loop's layout), so every device runs the
+  one-device tile.
+  On a GPU (`Numerics.tile_kernel`) the products are instead the Pallas tile kernel
   (`logitloop.ops.tile_matmul`: fixed row, column and contraction blocks, so a row's bits
   do not depend on the row count by construction), over the rows as they come: no row
   tiles, since a GPU library and XLA's autotuner choose a dot's kernel by its shape and by
   timing, program by program, which a fixed tile shape alone would not pin.
-- With `model_parallel=True` (`deterministic="model-parallel"`), a product within a tile
+- With `deterministic="model-parallel"` (`Numerics.splits`), a product within a tile
   also sums its contraction in chunks of at most MAX_CHUNK entries at fixed boundaries,
   the chunks' float32 partial sums added one after another (`product`), and the LM head
   runs over a fixed number of vocabulary tiles (`head_product`). Chunks and tiles are laid
@@ -40,18 +41,11 @@ call, the cache length or the mesh:
   contraction of at most 128 whatever the number of columns; YNNPACK's dot, and XLA's own
   above ~150, do not). Without it the products are single dots: faster (YNNPACK's), and
   invariant to the batch and a data axis, not to a model axis.
-- Attention (`attention`) computes each score as the float32 products of one query and
-  one key summed by halving over the head dimension (`tree_sum`: elementwise adds, an
-  order fixed by head_dim; as an einsum the order changed with the batch for head_dim 8),
-  and sums over cache slots in chunks of `SLOT_CHUNK` slots at fixed absolute boundaries
-  (slot 0, 16, 32, ...), each chunk by halving, the chunks then added one after another
-  from slot 0 up (a `lax.scan` over the chunks, one chunk per iteration: the loop also
-  keeps XLA:CPU from fusing RoPE's sin and cos into the broadcast products and
-  recomputing them per slot, which made a prompt pass 3-4x slower). Slots a row may not
-  see add exact zeros (exp of the mask value), so slots past a row's last position,
-  padding of the cache to a multiple of the chunk, a longer bucket or buffer, or a longer
-  prefix of the cache read by a decode step leave the sums unchanged. The maximum is
-  exact in any order.
+- Attention runs `logitloop.ops.attention`'s "fixed-order" implementation
+  (`fixed_order_attention`, re-exported here as `attention`): scores summed by halving
+  over the head dimension, slots summed in chunks of `SLOT_CHUNK` at fixed absolute
+  boundaries, the chunks added one after another from slot 0, so masked slots (past a
+  row's last position, cache padding, a longer bucket or buffer) add exact zeros.
 - Norms (RMSNorm, LayerNorm, QK-norm) take their means by halving over the row (`mean`).
   RoPE, activations, residual adds and the embedding are elementwise or gathers, the
   same for a row wherever it sits (with the library fusions off, below).
@@ -67,25 +61,27 @@ fusions (a reduce, an `exp(x - max)`, elementwise code around a product) to YNNP
 kernels, whose order and whose `exp` differ from XLA's own code, so the same row computed
 in a bigger array comes out different. Programs of a deterministic runner are compiled
 with those fusions off except YNNPACK's individual dots (`compiler_options`, applied by
-`decoding.model.runner_jit`): a dot alone, of one fixed tile shape, gives each row the
+`decoding.loop.runner.runner_jit`): a dot alone, of one fixed tile shape, gives each row the
 same bits whatever the other rows and the program around it (tested), and it is faster
 than XLA:CPU's own dot (BENCHMARKS.md, "Deterministic decoding"). A model-parallel
 program has YNNPACK's dots off as well (`CPU_SPLIT_OPTIONS`): they round a column
 differently with the number of columns.
 
-`fixed_order(True, prompt=...)` is entered by `decoding.model.ModelRunner.forward` (and
-`forward_columns`) while the model is traced; outside it every primitive here is the plain
-XLA op.
+The policy is a value, `Numerics`, never module state: `calibrate(deterministic, dtype=...)`
+builds it (and runs, once per backend and dtype, the probes that decide how a decode
+pass may tile its rows on this CPU), `decoding.loop.runner.ModelRunner` carries it as a
+static field (so it is part of every program's jit key), and `ModelRunner.forward` passes
+it, set for the pass (`Numerics.for_pass`: prompt or decode, the rows' mesh), to the
+model, which hands it to every layer function (`logitloop.models.layers`). `PLAIN`, the
+default everywhere, is every primitive here as the plain XLA op.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import functools
 import math
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +89,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from logitloop.models.partitioning import DATA_AXIS
+from logitloop.ops.attention.fixed_order import SLOT_CHUNK, ordered_sum, tree_sum
+from logitloop.ops.attention.fixed_order import fixed_order_attention as attention
+
+__all__ = [
+    "MODEL_PARALLEL", "PLAIN", "SLOT_CHUNK", "Numerics", "attention", "calibrate",
+    "ordered_sum", "tree_sum",
+]  # fmt: skip
 
 # Rows per product tile, by the pass. Plain products are not row-invariant even with
 # XLA:CPU's library fusions off (a row alone and in a batch of 8 differ by ~4e-6 in float32
@@ -116,14 +119,16 @@ DECODE_TILE = 8
 # no such range: on an AMD EPYC rows 6 and 7 of 8 round otherwise than rows 0-5.) That
 # range is the CPU's, not a promise: on an Intel Xeon the LM head's product of bfloat16
 # rows into float32 gives a row other bits for every M from 3 to 16 than for M = 2. So a
-# probe decides, once per process, dtype and kind of product (`unpadded_rows_keep_bits`).
+# probe decides, once per process, dtype and kind of product (`unpadded_rows_keep_bits`,
+# run by `calibrate`).
 
-# The Pallas tile kernel's modes (`tile_kernel`): compiled (a GPU) and interpreted (anywhere).
+# The Pallas tile kernel's modes (`Numerics.tile_kernel`): compiled (a GPU) and interpreted
+# (anywhere: how the CPU tests run the GPU's path).
 TILE_KERNELS = ("pallas", "interpret")
 
-# Cache slots per attention chunk (a divisor of every cache length `generate`
-# allocates: prompt and buffer buckets are multiples of 16).
-SLOT_CHUNK = 16
+# `deterministic=` values: off, invariant to the batch and a data axis, and also to a model
+# axis (its products' contraction in fixed chunks, the LM head in fixed vocabulary tiles).
+MODEL_PARALLEL = "model-parallel"
 
 # Model-axis sizes whose splits are fixed: the contraction chunks and the LM head's column
 # tiles are laid out so that a "model" axis of any size dividing MODEL_PARTS (1, 2, 4, 8)
@@ -154,101 +159,139 @@ CPU_SPLIT_OPTIONS = {
     "xla_cpu_experimental_xnn_fusion_type": "",
 }
 
-# None (plain ops), "prompt" or "decode": the pass being traced in fixed-order mode.
-_ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "logitloop_fixed_order", default=None
-)
-# Whether the pass being traced also fixes the splits a model axis makes ("model-parallel").
-_SPLITS: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "logitloop_fixed_order_splits", default=False
-)
-# The Pallas tile kernel the pass being traced runs its products with, if any (`tile_kernel`).
-_KERNEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "logitloop_fixed_order_kernel", default=None
-)
-# The mesh whose "data" axis holds the rows of the pass being traced, if any.
-_ROW_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
-    "logitloop_fixed_order_mesh", default=None
-)
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Numerics:
+    """How a model computes its reductions: the numerics policy a runner carries (static
+    and hashable, so it is part of every program's jit key) and hands to the model.
 
-@contextlib.contextmanager
-def fixed_order(
-    enabled: bool = True,
-    *,
-    prompt: bool = False,
-    mesh: Mesh | None = None,
-    model_parallel: bool = False,
-    kernel: str | None = None,
-) -> Iterator[None]:
-    """While tracing inside this context, the layers use fixed-order reductions; `prompt`:
-    the call is a prompt pass (row tiles of PROMPT_TILE), else a decode step or a
-    verification (DECODE_TILE); `mesh`: the rows lie over this mesh's "data" axis, so each
-    device tiles its own rows (`rowwise`); `model_parallel`: products also sum their
-    contraction in fixed chunks and the LM head runs over fixed column tiles (`product`,
-    `head_product`), so that a "model" axis does not change the bits either; `kernel`:
-    the products run as the Pallas tile kernel (`TILE_KERNELS`), not as XLA dots."""
-    if kernel is not None and kernel not in TILE_KERNELS:
-        raise ValueError(f"kernel must be None or one of {TILE_KERNELS}, got {kernel!r}")
-    if kernel is not None and model_parallel:
-        raise ValueError("the tile kernel does not split a model axis: model_parallel=False")
-    token = _ACTIVE.set(("prompt" if prompt else "decode") if enabled else None)
-    kernel_token = _KERNEL.set(kernel if enabled else None)
-    mesh_token = _ROW_MESH.set(mesh if enabled else None)
-    splits_token = _SPLITS.set(bool(enabled and model_parallel))
-    try:
-        yield
-    finally:
-        _SPLITS.reset(splits_token)
-        _ROW_MESH.reset(mesh_token)
-        _KERNEL.reset(kernel_token)
-        _ACTIVE.reset(token)
+    deterministic: False (plain XLA ops), True (every reduction in an order fixed by the
+      config: a row does not depend on the batch nor on a data axis) or MODEL_PARALLEL
+      (also the splits of a model axis: contraction chunks, LM head tiles).
+    tile_kernel: a deterministic policy's products as the Pallas tile kernel: None (XLA's
+      dots in fixed row tiles), "pallas" (a GPU) or "interpret" (anywhere).
+    unpadded: the (dtype name, head) pairs whose decode-pass products may run their rows
+      unpadded, up to DECODE_TILE (what `calibrate`'s probes found on this CPU; `row_tile`).
+    split_rows_keep_bits: whether this backend's model-parallel product gives a row of a
+      DECODE_TILE-row tile the same bits at every place (`split_tiles_keep_row_bits`).
+    prompt: the pass is (part of) a prompt pass (row tiles of PROMPT_TILE), not a decode
+      step, a verification or the LM head (DECODE_TILE); set per call (`for_pass`).
+    row_mesh: the mesh whose "data" axis holds the pass's rows, if any (each device tiles
+      its own rows, `rowwise`); set per call (`for_pass`).
+    """
 
+    deterministic: bool | str = False
+    tile_kernel: str | None = None
+    unpadded: frozenset[tuple[str, bool]] = frozenset()
+    split_rows_keep_bits: bool = True
+    prompt: bool = False
+    row_mesh: Mesh | None = None
 
-def active() -> bool:
-    """Whether the layers being traced use fixed-order reductions."""
-    return _ACTIVE.get() is not None
-
-
-def tile_kernel(deterministic: bool | str, backend: str | None = None) -> str | None:
-    """The products of a runner with this `deterministic=` setting: "pallas" (the Pallas
-    tile kernel, `logitloop.ops.tile_matmul`) for `deterministic=True` on a GPU, where the
-    libraries behind XLA's dots pick their kernel by the row count and its autotuner by
-    timing; None (XLA's dots in fixed row tiles) otherwise. The environment variable
-    LOGITLOOP_TILE_KERNEL overrides it for `deterministic=True`: "pallas", "interpret"
-    (the kernel in Pallas' interpret mode, which runs anywhere: how the CPU tests run the
-    GPU's path) or "off"."""
-    if deterministic is not True:
-        return None
-    forced = os.environ.get("LOGITLOOP_TILE_KERNEL", "")
-    if forced:
-        if forced == "off":
-            return None
-        if forced not in TILE_KERNELS:
+    def __post_init__(self):
+        if self.deterministic not in (False, True) and self.deterministic != MODEL_PARALLEL:
             raise ValueError(
-                f"LOGITLOOP_TILE_KERNEL = {forced!r} is not one of off, {', '.join(TILE_KERNELS)}"
+                f"deterministic must be True, False or {MODEL_PARALLEL!r}, "
+                f"got {self.deterministic!r}"
             )
-        return forced
-    return "pallas" if (backend or jax.default_backend()) == "gpu" else None
+        if self.tile_kernel is not None and self.tile_kernel not in TILE_KERNELS:
+            raise ValueError(
+                f"tile_kernel must be None or one of {TILE_KERNELS}, got {self.tile_kernel!r}"
+            )
+        if self.unpadded and (self.deterministic is not True or self.tile_kernel is not None):
+            raise ValueError(
+                "unpadded decode rows are a finding of XLA:CPU's dots under deterministic=True "
+                "without the tile kernel (calibrate's probe), not of this policy"
+            )
+        if self.tile_kernel is not None and self.deterministic is not True:
+            raise ValueError(
+                "the tile kernel runs deterministic=True only (it does not split a model "
+                f"axis), got deterministic={self.deterministic!r}"
+            )
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the reductions run in a fixed order (either deterministic mode)."""
+        return bool(self.deterministic)
+
+    @property
+    def splits(self) -> bool:
+        """Whether products also fix the splits of a model axis (MODEL_PARALLEL)."""
+        return self.deterministic == MODEL_PARALLEL
+
+    def for_pass(self, *, prompt: bool = False, mesh: Mesh | None = None) -> Numerics:
+        """This policy for one forward pass: a prompt pass or not, the rows over `mesh`'s
+        "data" axis or not."""
+        if not self.fixed:
+            return self
+        return dataclasses.replace(self, prompt=prompt, row_mesh=mesh)
+
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options of this policy's programs on the default backend (none when plain)."""
+        return compiler_options(self.splits) if self.fixed else {}
 
 
-def splits() -> bool:
-    """Whether the layers being traced also fix the splits of a model axis."""
-    return _SPLITS.get()
+# Plain XLA ops: what every layer function computes unless given a deterministic policy.
+PLAIN = Numerics()
 
 
-def row_tile(rows: int, *, head: bool = False, dtype: jnp.dtype = jnp.float32) -> int:
+def calibrate(
+    deterministic: bool | str = False,
+    *,
+    dtype: jnp.dtype | str = jnp.float32,
+    tile_kernel: str | None = "auto",
+    backend: str | None = None,
+) -> Numerics:
+    """The numerics policy of a runner with this `deterministic=` setting and activations
+    of `dtype` on `backend` (default: the default backend), probes run here, once per
+    (setting, dtype, backend) in a process (1-3 s on XLA:CPU, `unpadded_rows_keep_bits`,
+    `split_tiles_keep_row_bits`).
+
+    `tile_kernel`: "auto" takes the Pallas tile kernel ("pallas") for `deterministic=True`
+    on a GPU, where the libraries behind XLA's dots pick their kernel by the row count and
+    its autotuner by timing, and XLA's dots in fixed row tiles (None) otherwise; None
+    (or "off"), "pallas" or "interpret" (the kernel in Pallas' interpret mode, which runs
+    anywhere: how the CPU tests run the GPU's path) choose it for `deterministic=True`."""
+    if tile_kernel == "off":
+        tile_kernel = None
+    if tile_kernel != "auto" and tile_kernel is not None and tile_kernel not in TILE_KERNELS:
+        raise ValueError(
+            f"tile_kernel must be 'auto', 'off', None or one of {TILE_KERNELS}, got {tile_kernel!r}"
+        )
+    backend = backend or jax.default_backend()
+    return _calibrated(deterministic, jnp.dtype(dtype).name, tile_kernel, backend)
+
+
+@functools.cache
+def _calibrated(deterministic, dtype: str, tile_kernel: str | None, backend: str) -> Numerics:
+    Numerics(deterministic=deterministic)  # checks the setting before any probe runs
+    if deterministic is not True:
+        tile_kernel = None
+    elif tile_kernel == "auto":
+        tile_kernel = "pallas" if backend == "gpu" else None
+    unpadded = frozenset()
+    if deterministic is True and tile_kernel is None and backend == "cpu":
+        unpadded = frozenset(
+            (dtype, head) for head in (False, True) if unpadded_rows_keep_bits(dtype, head)
+        )
+    split_bits = deterministic != MODEL_PARALLEL or split_tiles_keep_row_bits()
+    return Numerics(
+        deterministic=deterministic,
+        tile_kernel=tile_kernel,
+        unpadded=unpadded,
+        split_rows_keep_bits=split_bits,
+    )
+
+
+def row_tile(rows: int, numerics: Numerics, *, head: bool = False, dtype=jnp.float32) -> int:
     """Rows per product tile, for a product over `rows` rows (one device's) of `dtype` in
-    the pass being traced (`head`: the LM head's product): PROMPT_TILE for a prompt pass's
-    hidden states; for a decode step, a verification and every LM head, DECODE_TILE, except
-    on XLA:CPU's YNNPACK dots (no model-parallel splits) where the probe finds that a row
-    keeps its bits for 2..DECODE_TILE rows: the rows themselves, at least 2 and at most
-    DECODE_TILE (see DECODE_TILE)."""
-    if _ACTIVE.get() == "prompt" and not head:
+    the pass `numerics` describes (`head`: the LM head's product): PROMPT_TILE for a prompt
+    pass's hidden states; for a decode step, a verification and every LM head, DECODE_TILE,
+    except where the policy's probe found that a row keeps its bits for 2..DECODE_TILE rows
+    (XLA:CPU's YNNPACK dots, no model-parallel splits): the rows themselves, at least 2 and
+    at most DECODE_TILE (see DECODE_TILE)."""
+    if numerics.prompt and not head:
         return PROMPT_TILE
-    if splits() or jax.default_backend() != "cpu":
-        return DECODE_TILE
-    if not unpadded_rows_keep_bits(jnp.dtype(dtype).name, head):
+    if (jnp.dtype(dtype).name, head) not in numerics.unpadded:
         return DECODE_TILE
     return min(max(rows, 2), DECODE_TILE)
 
@@ -263,8 +306,8 @@ def unpadded_rows_keep_bits(dtype: str, head: bool) -> bool:
     compiler options of `deterministic=True`) has the same bits for every row count from 2
     to DECODE_TILE and every place among them (`head`: the LM head's `[M, E] x [V, E]^T`
     into float32; else `[M, K] x [K, N]` in `dtype`), probed at `_PROBE_SHAPES` once per
-    process (1-3 s; it runs eagerly even when first asked while a program is traced).
-    Where it does not, decode passes pad to DECODE_TILE rows (`row_tile`)."""
+    process (1-3 s; `calibrate` runs it). Where it does not, decode passes pad to
+    DECODE_TILE rows (`row_tile`)."""
     with jax.ensure_compile_time_eval():
         return _probe_unpadded(dtype, head)
 
@@ -299,7 +342,7 @@ def _row_keeps_bits(f, x: jax.Array, w: jax.Array, ref_rows: int, counts) -> boo
 
 def compiler_options(model_parallel: bool = False) -> dict[str, str]:
     """XLA options for a deterministic program on the default backend (`model_parallel`:
-    a program whose products split in fixed chunks, `fixed_order(model_parallel=True)`)."""
+    a program whose products split in fixed chunks, `Numerics.splits`)."""
     if jax.default_backend() != "cpu":
         return {}
     return dict(CPU_SPLIT_OPTIONS if model_parallel else CPU_COMPILER_OPTIONS)
@@ -322,29 +365,36 @@ def split_tiles_keep_row_bits() -> bool:
     return _row_keeps_bits(f, x, w, DECODE_TILE, [DECODE_TILE])
 
 
-def rowwise(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, head: bool = False) -> jax.Array:
-    """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; in fixed-order mode over tiles of
-    `row_tile(rows, head=head)` rows (zero rows pad the last), so that every product XLA
-    compiles in a given pass has one shape on every device, or (decode passes on YNNPACK's
-    dots) a row count whose range gives a row the same bits.
+def rowwise(
+    fn: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    *,
+    numerics: Numerics,
+    head: bool = False,
+) -> jax.Array:
+    """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; under a fixed-order policy over
+    tiles of `row_tile(rows, numerics, head=head)` rows (zero rows pad the last), so that
+    every product XLA compiles in a given pass has one shape on every device, or (decode
+    passes on YNNPACK's dots) a row count whose range gives a row the same bits.
 
-    With the rows over a mesh's "data" axis of size D (the M rows in D contiguous blocks,
-    one per device), each device's block is padded and tiled by itself: the tiles go
-    through `lax.map` as `[D, tile, K]`, D over "data", so every device runs a
-    `[tile, K]` product on its own rows, as one device does. (Tiling the global rows
-    instead would let the partitioner split a tile's rows over the devices: on a (8, 1)
-    mesh at batch 8 each device then ran one-row products, which round differently.)"""
-    if not active():
+    With the rows over a mesh's "data" axis of size D (`numerics.row_mesh`; the M rows in
+    D contiguous blocks, one per device), each device's block is padded and tiled by
+    itself: the tiles go through `lax.map` as `[D, tile, K]`, D over "data", so every
+    device runs a `[tile, K]` product on its own rows, as one device does. (Tiling the
+    global rows instead would let the partitioner split a tile's rows over the devices: on
+    a (8, 1) mesh at batch 8 each device then ran one-row products, which round
+    differently.)"""
+    if not numerics.fixed:
         return fn(x)
-    mesh = _ROW_MESH.get()
-    if _KERNEL.get() is not None and mesh is None:
+    mesh = numerics.row_mesh
+    if numerics.tile_kernel is not None and mesh is None:
         return fn(x)  # the kernel's rows do not depend on the row count: no tiles needed
     d = mesh.shape[DATA_AXIS] if mesh is not None else 1
     m, k = x.shape
     if m % d:
         raise ValueError(f"{m} rows do not split over a data axis of size {d}")
     per = m // d
-    tile = row_tile(per, head=head, dtype=x.dtype)
+    tile = row_tile(per, numerics, head=head, dtype=x.dtype)
     blocks = jnp.pad(x.reshape(d, per, k), ((0, 0), (0, -per % tile), (0, 0)))
     tiles = blocks.reshape(d, -1, tile, k).transpose(1, 0, 2, 3)  # [T, D, tile, K]
     if mesh is not None:
@@ -367,9 +417,9 @@ def contraction_chunk(k: int, groups: int = 1) -> int:
     return max(c for c in range(1, min(base, MAX_CHUNK) + 1) if base % c == 0)
 
 
-def product(rows: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
-    """`rows @ w`, `[M, K] x [K, N] -> [M, N]` in `rows`' dtype; in model-parallel
-    fixed-order mode (`splits()`) the contraction runs in chunks of
+def product(rows: jax.Array, w: jax.Array, *, numerics: Numerics, groups: int = 1) -> jax.Array:
+    """`rows @ w`, `[M, K] x [K, N] -> [M, N]` in `rows`' dtype; under a model-parallel
+    policy (`numerics.splits`) the contraction runs in chunks of
     `contraction_chunk(K, groups)` entries at fixed boundaries: one batched product
     `[C, M, chunk] x [C, chunk, N]` (w's chunks are a free view of its rows) into float32
     partial sums, added chunk after chunk from 0.
@@ -381,17 +431,18 @@ def product(rows: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
     (the q/k/v and gate/up projections), each device's product is the one-device product
     of its own columns: with a contraction of at most MAX_CHUNK, XLA:CPU's own product
     gives a column the same bits whatever the number of columns."""
-    if _KERNEL.get() is not None:
-        return _kernel_product(rows, w, transposed=False, out_dtype=None)
-    if not splits():
+    if numerics.tile_kernel is not None:
+        return _kernel_product(rows, w, numerics, transposed=False, out_dtype=None)
+    if not numerics.splits:
         return rows @ w
     partials = chunk_partials(rows, w, contraction_chunk(rows.shape[1], groups))
     return ordered_sum(partials, axis=0).astype(rows.dtype)
 
 
-def _kernel_product(rows, w, *, transposed: bool, out_dtype) -> jax.Array:
-    """A product through the Pallas tile kernel of the pass being traced (both operands in
-    their promoted dtype, as `@` and `einsum` take them)."""
+def _kernel_product(rows, w, numerics: Numerics, *, transposed: bool, out_dtype) -> jax.Array:
+    """A product through the policy's Pallas tile kernel (both operands in their promoted
+    dtype, as `@` and `einsum` take them)."""
+    # Imported here: Pallas takes a tenth of a second to import, and only this path needs it.
     from logitloop.ops.tile_matmul import tile_matmul
 
     dtype = jnp.result_type(rows, w)
@@ -400,7 +451,7 @@ def _kernel_product(rows, w, *, transposed: bool, out_dtype) -> jax.Array:
         w.astype(dtype),
         w_transposed=transposed,
         out_dtype=out_dtype or dtype,
-        interpret=_KERNEL.get() == "interpret",
+        interpret=numerics.tile_kernel == "interpret",
     )
 
 
@@ -418,17 +469,17 @@ def chunk_partials(rows: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
     )
 
 
-def head_product(rows: jax.Array, head: jax.Array) -> jax.Array:
-    """The LM head, `[M, E] x [V, E]^T -> [M, V]` float32; in model-parallel fixed-order
-    mode (`splits()`) over `gcd(V, MODEL_PARTS)` tiles of the vocabulary of one shape (a
+def head_product(rows: jax.Array, head: jax.Array, *, numerics: Numerics) -> jax.Array:
+    """The LM head, `[M, E] x [V, E]^T -> [M, V]` float32; under a model-parallel policy
+    (`numerics.splits`) over `gcd(V, MODEL_PARTS)` tiles of the vocabulary of one shape (a
     free view of the `[V, E]` weight), each `[V / tiles, E] x [E, M]` with the weight on
     the left (as the right operand, XLA:CPU's own product of llama-40m's `[32000, 512]`
     head at 8 rows took 14 ms a call against 4). One batched product, so a vocabulary
     split over a "model" axis of a size that divides the tile count gives every device
     whole tiles of the one-device shape."""
-    if _KERNEL.get() is not None:
-        return _kernel_product(rows, head, transposed=True, out_dtype=jnp.float32)
-    if not splits():
+    if numerics.tile_kernel is not None:
+        return _kernel_product(rows, head, numerics, transposed=True, out_dtype=jnp.float32)
+    if not numerics.splits:
         return jnp.einsum("be,ve->bv", rows, head, preferred_element_type=jnp.float32)
     v, e = head.shape
     return tile_products(rows, head.reshape(math.gcd(v, MODEL_PARTS), -1, e))
@@ -447,88 +498,8 @@ def tile_products(rows: jax.Array, tiles: jax.Array) -> jax.Array:
     return out.transpose(2, 0, 1).reshape(rows.shape[0], -1)
 
 
-def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
-    """The sum over `axis` by halving: entry i is added to entry i + n/2 (an odd length
-    gains a zero) until one is left. Only elementwise adds of slices, whose order is fixed
-    by the axis length alone; XLA's reduce, by contrast, changes its order with the size of
-    the whole array (on XLA:CPU a row of 256 sums differently once there are 16 rows)."""
-    x = jnp.moveaxis(x, axis, -1)
-    while x.shape[-1] > 1:
-        if x.shape[-1] % 2:
-            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
-
-
-def mean(x: jax.Array, axis: int = -1) -> jax.Array:
-    """`jnp.mean(x, axis, keepdims=True)`; in fixed-order mode through `tree_sum`."""
-    if not active():
+def mean(x: jax.Array, *, numerics: Numerics, axis: int = -1) -> jax.Array:
+    """`jnp.mean(x, axis, keepdims=True)`; under a fixed-order policy through `tree_sum`."""
+    if not numerics.fixed:
         return jnp.mean(x, axis=axis, keepdims=True)
     return jnp.expand_dims(tree_sum(x, axis) / x.shape[axis], axis)
-
-
-def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
-    """The sum over `axis`, added one entry after another from index 0 (a chain of adds,
-    which XLA does not reassociate): trailing exact zeros do not change it."""
-    parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
-def attention(
-    q: jax.Array,  # [B, T, Hkv, G, D]
-    k: jax.Array,  # [B, Hkv, S, D], q's dtype
-    v: jax.Array,  # [B, Hkv, S, D], q's dtype
-    mask: jax.Array,  # [B, T, S] bool
-    masked_scores: Callable[[jax.Array, jax.Array], jax.Array],
-) -> jax.Array:
-    """Softmax attention with every sum in a fixed order; returns `[B, T, Hkv, G, D]`.
-
-    `masked_scores(scores, mask)` maps the raw float32 dot products `[B, Hkv, G, T, S]`
-    and the `[B, 1, 1, T, S]` mask to the scores the softmax sees (scale, soft-cap, mask
-    value), as `layers` does for the plain path. Products and sums run in float32; the
-    probabilities are cast to the query dtype before they weight the values, like the
-    plain path's.
-    """
-    b, t, hkv, g, d = q.shape
-    pad = -k.shape[2] % SLOT_CHUNK
-    if pad:  # masked slots: exact zeros in every sum
-        k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
-    chunks = k.shape[2] // SLOT_CHUNK
-    q32 = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-
-    def by_chunk(a):  # [B, Hkv, S, ...] -> [C, B, Hkv, SLOT_CHUNK, ...]
-        a = a.reshape(b, hkv, chunks, SLOT_CHUNK, *a.shape[3:])
-        return jnp.moveaxis(a, 2, 0)
-
-    # One chunk of slots per loop iteration: the loop keeps XLA:CPU from fusing the
-    # producers of q (RoPE's sin and cos) and of the probabilities (an exp) into the
-    # broadcast products and recomputing them for every slot or head element.
-    def chunk_scores(kc):  # [B, Hkv, 16, D] -> [B, Hkv, G, T, 16]
-        # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, 16, D] summed over D (one fixed size)
-        return tree_sum(q32[:, :, :, :, None, :] * kc.astype(jnp.float32)[:, :, None, None])
-
-    scores = jax.lax.map(chunk_scores, by_chunk(k))  # [C, B, Hkv, G, T, 16]
-    scores = jnp.moveaxis(scores, 0, 4).reshape(b, hkv, g, t, chunks * SLOT_CHUNK)
-    scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
-    peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
-    exp = jnp.exp(scores - peak).reshape(b, hkv, g, t, chunks, SLOT_CHUNK)
-    total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
-    probs = (exp / total[..., None, None]).astype(q.dtype)
-
-    def add_chunk(acc, pv):  # chunk after chunk from slot 0: acc + this chunk's sum
-        p, vc = pv  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
-        # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
-        part = tree_sum(
-            p.astype(jnp.float32)[..., None] * vc.astype(jnp.float32)[:, :, None, None],
-            axis=-2,
-        )
-        return acc + part, None
-
-    zero = jnp.zeros((b, hkv, g, t, d), jnp.float32)
-    out, _ = jax.lax.scan(add_chunk, zero, (jnp.moveaxis(probs, 4, 0), by_chunk(v)))
-    return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)

@@ -20,6 +20,7 @@ from flax import nnx
 
 from logitloop.models import layers, llama
 from logitloop.models.config import GemmaConfig, gemma3_config_from_hf, gemma_config_from_hf
+from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import CheckpointTensor
 
 
@@ -38,14 +39,14 @@ class GemmaBlock(llama.LlamaBlock):
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
         self.softcap = config.attn_logit_softcapping
 
-    def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
-        return layers.gemma_rms_norm(x, weight, self.config.rms_norm_eps)
+    def norm(self, x: jax.Array, weight: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+        return layers.gemma_rms_norm(x, weight, self.config.rms_norm_eps, numerics=numerics)
 
-    def after_attention(self, attn: jax.Array) -> jax.Array:
-        return self.norm(attn, self.post_attn_norm[...])
+    def after_attention(self, attn: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+        return self.norm(attn, self.post_attn_norm[...], numerics)
 
-    def after_mlp(self, out: jax.Array) -> jax.Array:
-        return self.norm(out, self.post_mlp_norm[...])
+    def after_mlp(self, out: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+        return self.norm(out, self.post_mlp_norm[...], numerics)
 
 
 class GemmaModel(llama.LlamaModel):
@@ -59,8 +60,9 @@ class GemmaModel(llama.LlamaModel):
         scale = jnp.asarray(np.float32(self.config.hidden_size**0.5), self.dtype)
         return super().embed(tokens, positions) * scale
 
-    def output_norm(self, x: jax.Array) -> jax.Array:
-        return layers.gemma_rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    def output_norm(self, x: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+        eps = self.config.rms_norm_eps
+        return layers.gemma_rms_norm(x, self.final_norm[...], eps, numerics=numerics)
 
     def output_logits(self, logits: jax.Array) -> jax.Array:
         return layers.soft_cap(logits, self.config.final_logit_softcapping)

@@ -19,6 +19,7 @@ from flax import nnx
 from logitloop.models import layers, registry
 from logitloop.models.config import GPT2Config, gpt2_config_from_hf
 from logitloop.models.decoder import DecoderModel
+from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import CheckpointTensor
 
 
@@ -56,17 +57,20 @@ class GPT2Block(nnx.Module):
         positions: jax.Array,  # [B, T] int, -1 for padding
         cache: dict[str, jax.Array],  # k, v: [B, H, S, D]
         mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
+        *,
+        numerics: Numerics = PLAIN,  # the pass's (`fixed_order.Numerics`)
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
-        h = layers.layer_norm(x, self.ln_1_scale[...], self.ln_1_bias[...], c.layer_norm_eps)
-        qkv = layers.split_heads(h, self.w_qkv[...]) + self.b_qkv[...]  # [B, T, 3, H, D]
+        num = dict(numerics=numerics)
+        h = layers.layer_norm(x, self.ln_1_scale[...], self.ln_1_bias[...], c.layer_norm_eps, **num)
+        qkv = layers.split_heads(h, self.w_qkv[...], **num) + self.b_qkv[...]  # [B, T, 3, H, D]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        attn, cache = layers.cached_attention(q, k, v, positions, cache, mask, self.scale)
-        x = x + layers.merge_heads(attn, self.wo[...]) + self.bo[...]
+        attn, cache = layers.cached_attention(q, k, v, positions, cache, mask, self.scale, **num)
+        x = x + layers.merge_heads(attn, self.wo[...], **num) + self.bo[...]
 
-        h = layers.layer_norm(x, self.ln_2_scale[...], self.ln_2_bias[...], c.layer_norm_eps)
-        h = layers.activation(c.hidden_act, layers.dense(h, self.w_fc[...]) + self.b_fc[...])
-        out = layers.dense(h, self.w_proj[...], groups=c.intermediate_size)
+        h = layers.layer_norm(x, self.ln_2_scale[...], self.ln_2_bias[...], c.layer_norm_eps, **num)
+        h = layers.activation(c.hidden_act, layers.dense(h, self.w_fc[...], **num) + self.b_fc[...])
+        out = layers.dense(h, self.w_proj[...], groups=c.intermediate_size, **num)
         return x + out + self.b_proj[...], cache  # [B, T, E]
 
 
@@ -96,9 +100,11 @@ class GPT2Model(DecoderModel):
         x = jnp.take(self.wte[...], tokens, axis=0, mode="clip")  # [B, T, E]
         return x + jnp.take(self.wpe[...], jnp.maximum(positions, 0), axis=0, mode="clip")
 
-    def output_norm(self, x: jax.Array) -> jax.Array:
+    def output_norm(self, x: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         c = self.config
-        return layers.layer_norm(x, self.ln_f_scale[...], self.ln_f_bias[...], c.layer_norm_eps)
+        return layers.layer_norm(
+            x, self.ln_f_scale[...], self.ln_f_bias[...], c.layer_norm_eps, numerics=numerics
+        )
 
     def head_weight(self) -> jax.Array:
         return self.wte[...]

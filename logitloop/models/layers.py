@@ -61,6 +61,7 @@ from flax import nnx
 
 from logitloop.models import fixed_order
 from logitloop.models.config import RopeConfig
+from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.ops import attention as ops_attention
 from logitloop.ops.attention import MASK_VALUE, Mask, soft_cap  # noqa: F401 - re-exported
 
@@ -106,60 +107,70 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     raise ValueError(f"unsupported activation {name!r}")
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(
+    x: jax.Array, scale: jax.Array, eps: float, *, numerics: Numerics = PLAIN
+) -> jax.Array:
     """RMSNorm over the last axis, as `transformers` computes it.
 
     The statistics run in float32 and the normalised value is cast back to `x.dtype`
     before the scale multiplies it, which is what keeps bfloat16 results close to HF.
+    `numerics`: the pass's policy (`fixed_order.Numerics`; the mean by halving when fixed).
     """
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(fixed_order.mean(x32 * x32) + eps)
+    x32 = x32 * jax.lax.rsqrt(fixed_order.mean(x32 * x32, numerics=numerics) + eps)
     return scale * x32.astype(x.dtype)
 
 
-def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def gemma_rms_norm(
+    x: jax.Array, weight: jax.Array, eps: float, *, numerics: Numerics = PLAIN
+) -> jax.Array:
     """Gemma's RMSNorm: scale by `1 + weight`, all in float32, then cast to `x.dtype`
     (Llama casts before scaling; Gemma multiplies first, as `transformers` does)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(fixed_order.mean(x32 * x32) + eps)
+    x32 = x32 * jax.lax.rsqrt(fixed_order.mean(x32 * x32, numerics=numerics) + eps)
     return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+def layer_norm(
+    x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, *, numerics: Numerics = PLAIN
+) -> jax.Array:
     """LayerNorm over the last axis; statistics in float32, result in `x.dtype`."""
     x32 = x.astype(jnp.float32)
-    mean = fixed_order.mean(x32)
-    var = fixed_order.mean(jnp.square(x32 - mean))
+    mean = fixed_order.mean(x32, numerics=numerics)
+    var = fixed_order.mean(jnp.square(x32 - mean), numerics=numerics)
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def split_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+def split_heads(x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN) -> jax.Array:
     """`x @ w` for a head-split weight: `[B, T, E] x [E, ..., D] -> [B, T, ..., D]`.
 
     One 2-D product on `w` seen as `[E, rest]` (a free reshape of its row-major layout).
     Written as an einsum over the head axes, XLA:CPU chose dimension orders that copied
     the weight (or the activation) at every decode step.
     """
-    out = dense(x, w.reshape(w.shape[0], -1))
+    out = dense(x, w.reshape(w.shape[0], -1), numerics=numerics)
     return out.reshape(*x.shape[:-1], *w.shape[1:])
 
 
-def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+def merge_heads(x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN) -> jax.Array:
     """The output projection `[B, T, H, D] x [H, D, E] -> [B, T, E]`, as one 2-D product
     (whose contraction a model-parallel mesh splits by heads)."""
     b, t, h, d = x.shape
-    return dense(x.reshape(b, t, h * d), w.reshape(h * d, w.shape[-1]), groups=h)
+    return dense(x.reshape(b, t, h * d), w.reshape(h * d, w.shape[-1]), groups=h, numerics=numerics)
 
 
-def dense(x: jax.Array, w: jax.Array, *, groups: int = 1) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, *, groups: int = 1, numerics: Numerics = PLAIN) -> jax.Array:
     """`x @ w`, `[..., K] x [K, N] -> [..., N]`, as one 2-D product over the rows of `x`
-    (over fixed-size row tiles and fixed contraction chunks under `fixed_order`, so a
+    (over fixed-size row tiles and fixed contraction chunks under a deterministic
+    `numerics` policy, `fixed_order.Numerics`, so a
     row's result does not depend on how many rows there are, nor on the mesh). `groups`:
     the equal blocks a model-parallel mesh may split the contraction into (K for a
     contraction over the MLP axis, 1 over the embedding)."""
     out = fixed_order.rowwise(
-        lambda rows: fixed_order.product(rows, w, groups=groups), x.reshape(-1, x.shape[-1])
+        lambda rows: fixed_order.product(rows, w, groups=groups, numerics=numerics),
+        x.reshape(-1, x.shape[-1]),
+        numerics=numerics,
     )
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
@@ -465,8 +476,8 @@ def attention_mask(
     return Mask(positions, None, window).dense(num_slots)
 
 
-# The decode step's prefix path and the dense-mask attention (fixed-order while a
-# deterministic mode is active), by the names the model tests call them.
+# The decode step's prefix path and the dense-mask attention (fixed-order with
+# `deterministic=True`), by the names the model tests call them.
 attend = ops_attention.decode_attention
 _attend = ops_attention.dense_attention
 PREFIX_FRACTIONS = ops_attention.api.PREFIX_FRACTIONS
@@ -481,29 +492,35 @@ def cached_attention(
     mask: Mask,  # from `layer_mask`
     scale: float,
     softcap: float | None = None,
+    *,
+    numerics: Numerics = PLAIN,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Write this call's keys/values into one layer's cache, then attend over the cache
     (a full-layout cache), or attend the ring and this call's columns, then write (a
     sliding-window ring, see the module docstring); `logitloop.ops.attention.attention`
-    picks the implementation.
+    picks the implementation (the fixed-order one under a deterministic `numerics`).
 
     Returns the attention output `[B, T, H, D]` and the updated cache.
     """
+    fixed = numerics.fixed
     if "tables" in cache:  # a paged layer
-        return _paged_cached_attention(q, k, v, positions, cache, mask, scale, softcap)
+        return _paged_cached_attention(q, k, v, positions, cache, mask, scale, softcap, numerics)
     if "pos" in cache:  # a sliding-window ring: `mask` holds `ring_keys`, [B, R + T]
         keys = jnp.concatenate([cache["k"], k.transpose(0, 2, 1, 3).astype(cache["k"].dtype)], 2)
         values = jnp.concatenate([cache["v"], v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)], 2)
-        out = ops_attention.attention(q, keys, values, mask, scale, softcap)
+        out = ops_attention.attention(q, keys, values, mask, scale, softcap, deterministic=fixed)
         return out, write_ring(cache, k, v, positions)
     cache = {
         "k": write_cache(cache["k"], k, positions),
         "v": write_cache(cache["v"], v, positions),
     }
-    return ops_attention.attention(q, cache["k"], cache["v"], mask, scale, softcap), cache
+    out = ops_attention.attention(
+        q, cache["k"], cache["v"], mask, scale, softcap, deterministic=fixed
+    )
+    return out, cache
 
 
-def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softcap):
+def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softcap, numerics):
     """`cached_attention` for a paged layer: write, then a decode step (T = 1) runs paged
     decode attention over each row's live pages, from the first position its window shows
     to its own; a longer call, or a fixed-order one, attends the pages gathered into the
@@ -518,7 +535,7 @@ def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softca
         "v_pages": write_pages(cache["v_pages"], v, positions, tables),
         "tables": tables,
     }
-    if q.shape[1] == 1 and not fixed_order.active():
+    if q.shape[1] == 1 and not numerics.fixed:
         pos = positions[:, 0]  # [B], -1 for a row that feeds nothing
         lengths = jnp.maximum(pos + 1, 0).astype(jnp.int32)  # [B]
         starts = jnp.zeros_like(lengths)
@@ -537,7 +554,10 @@ def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softca
         return out[:, None], cache
     keys = paged.gather_pages(cache["k_pages"], tables)  # [B, Hkv, S, D]
     values = paged.gather_pages(cache["v_pages"], tables)
-    return ops_attention.attention(q, keys, values, mask, scale, softcap), cache
+    fixed = numerics.fixed
+    return ops_attention.attention(
+        q, keys, values, mask, scale, softcap, deterministic=fixed
+    ), cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from logitloop.models.config import (
     qwen_sliding_windows,
 )
 from logitloop.models.decoder import DecoderModel
+from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import CheckpointTensor
 
 
@@ -34,6 +35,8 @@ class LlamaBlock(nnx.Module):
     Subclasses (Gemma, the mixtures of experts) override `norm`, `mlp`, `after_attention`
     or `after_mlp`;
     `attention` reads `self.rope`, `self.scale` and `self.softcap`, set here per layer.
+    Every method takes the pass's `numerics` (`fixed_order.Numerics`) for the layer
+    functions it calls.
     """
 
     norm_init = "ones"  # the RMSNorm weights' value before a checkpoint fills them
@@ -77,8 +80,8 @@ class LlamaBlock(nnx.Module):
             self.b_up = p((f,), ("mlp",), "zeros")
             self.b_down = p((e,), ("embed",), "zeros")
 
-    def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
-        return layers.rms_norm(x, weight, self.config.rms_norm_eps)
+    def norm(self, x: jax.Array, weight: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+        return layers.rms_norm(x, weight, self.config.rms_norm_eps, numerics=numerics)
 
     def attention(
         self,
@@ -86,34 +89,36 @@ class LlamaBlock(nnx.Module):
         positions: jax.Array,  # [B, T] int, -1 for padding
         cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
         mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
+        numerics: Numerics = PLAIN,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         c = self.config
-        q = layers.split_heads(h, self.wq[...])  # [B, T, H, D]
-        k = layers.split_heads(h, self.wk[...])  # [B, T, Hkv, D]
-        v = layers.split_heads(h, self.wv[...])  # [B, T, Hkv, D]
+        q = layers.split_heads(h, self.wq[...], numerics=numerics)  # [B, T, H, D]
+        k = layers.split_heads(h, self.wk[...], numerics=numerics)  # [B, T, Hkv, D]
+        v = layers.split_heads(h, self.wv[...], numerics=numerics)  # [B, T, Hkv, D]
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if c.qk_norm:
-            q = self.norm(q, self.q_norm[...])
-            k = self.norm(k, self.k_norm[...])
+            q = self.norm(q, self.q_norm[...], numerics)
+            k = self.norm(k, self.k_norm[...], numerics)
         q, k = layers.rope_qk(q, k, positions, self.rope, c.head_dim)
         attn, cache = layers.cached_attention(
-            q, k, v, positions, cache, mask, self.scale, self.softcap
+            q, k, v, positions, cache, mask, self.scale, self.softcap, numerics=numerics
         )
-        attn = layers.merge_heads(attn, self.wo[...])  # [B, T, E]
+        attn = layers.merge_heads(attn, self.wo[...], numerics=numerics)  # [B, T, E]
         if c.o_bias:
             attn = attn + self.bo[...]
         return attn, cache
 
-    def mlp(self, h: jax.Array) -> jax.Array:
+    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         """`[B, T, E] -> [B, T, E]`: down(act(gate(h)) * up(h))."""
         c = self.config
-        gate = layers.dense(h, self.w_gate[...])  # [B, T, F]
-        up = layers.dense(h, self.w_up[...])
+        gate = layers.dense(h, self.w_gate[...], numerics=numerics)  # [B, T, F]
+        up = layers.dense(h, self.w_up[...], numerics=numerics)
         if c.mlp_bias:
             gate, up = gate + self.b_gate[...], up + self.b_up[...]
         act = layers.activation(c.hidden_act, gate) * up
-        out = layers.dense(act, self.w_down[...], groups=c.intermediate_size)  # [B, T, E]
+        f = c.intermediate_size
+        out = layers.dense(act, self.w_down[...], groups=f, numerics=numerics)  # [B, T, E]
         if c.mlp_bias:
             out = out + self.b_down[...]
         return out
@@ -124,16 +129,20 @@ class LlamaBlock(nnx.Module):
         positions: jax.Array,  # [B, T] int, -1 for padding
         cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
         mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
+        *,
+        numerics: Numerics = PLAIN,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        attn, cache = self.attention(self.norm(x, self.attn_norm[...]), positions, cache, mask)
-        x = x + self.after_attention(attn)
-        return x + self.after_mlp(self.mlp(self.norm(x, self.mlp_norm[...]))), cache
+        h = self.norm(x, self.attn_norm[...], numerics)
+        attn, cache = self.attention(h, positions, cache, mask, numerics)
+        x = x + self.after_attention(attn, numerics)
+        out = self.mlp(self.norm(x, self.mlp_norm[...], numerics), numerics)
+        return x + self.after_mlp(out, numerics), cache
 
-    def after_attention(self, attn: jax.Array) -> jax.Array:
+    def after_attention(self, attn: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         """What the attention output goes through before the residual add (Gemma: a norm)."""
         return attn
 
-    def after_mlp(self, out: jax.Array) -> jax.Array:
+    def after_mlp(self, out: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         """What the MLP output goes through before the residual add (Gemma: a norm)."""
         return out
 
@@ -170,8 +179,9 @@ class LlamaModel(DecoderModel):
         # Clip so a pad id outside the vocabulary cannot produce NaN (take fills by default).
         return jnp.take(self.embedding[...], tokens, axis=0, mode="clip")  # [B, T, E]
 
-    def output_norm(self, x: jax.Array) -> jax.Array:
-        return layers.rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    def output_norm(self, x: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+        eps = self.config.rms_norm_eps
+        return layers.rms_norm(x, self.final_norm[...], eps, numerics=numerics)
 
     def head_weight(self) -> jax.Array:
         return self.embedding[...] if self.config.tie_word_embeddings else self.lm_head[...]

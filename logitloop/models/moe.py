@@ -31,6 +31,7 @@ from flax import nnx
 
 from logitloop.models import layers, llama
 from logitloop.models.config import MoeConfig, mixtral_config_from_hf, qwen3_moe_config_from_hf
+from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import CheckpointTensor
 
 
@@ -50,9 +51,10 @@ class MoeBlock(llama.LlamaBlock):
         self.w_up = p((x, e, f), ("experts", "embed", "mlp"))
         self.w_down = p((x, f, e), ("experts", "mlp", "embed"))
 
-    def mlp(self, h: jax.Array) -> jax.Array:
+    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+        # the routed mixture is not covered by the fixed-order modes (`fixed_order`)
         if not self.sparse:
-            return super().mlp(h)
+            return super().mlp(h, numerics)
         c = self.config
         b, t, e = h.shape
         flat = h.reshape(b * t, e)  # [N, E]

@@ -133,16 +133,16 @@ def test_model_parallel_mode_row_alone_equals_row_in_batch(gqa_llama):
 
 
 @pytest.mark.slow  # ~35 s; the kernel's own row test and the lowered program stay in default
-def test_the_gpu_kernel_path_row_alone_equals_row_in_batch(gqa_llama, monkeypatch):
+def test_the_gpu_kernel_path_row_alone_equals_row_in_batch(gqa_llama):
     """The GPU's path, run here with the Pallas tile kernel in interpret mode
-    (LOGITLOOP_TILE_KERNEL): every product is the kernel over the rows as they come (no row
-    tiles), and a row in a batch of 5 is bit for bit the row alone. Its raw logprobs are
-    within float32 rounding of the XLA path's."""
+    (`calibrate(tile_kernel="interpret")`): every product is the kernel over the rows as
+    they come (no row tiles), and a row in a batch of 5 is bit for bit the row alone. Its
+    raw logprobs are within float32 rounding of the XLA path's."""
     prompt = _target(512, 6)
     xla = _alone(gqa_llama, prompt)
-    monkeypatch.setenv("LOGITLOOP_TILE_KERNEL", "interpret")
-    alone = _alone(gqa_llama, prompt)
-    assert _in_batch(gqa_llama, prompt, 5, 13) == alone
+    interpret = fixed_order.calibrate(True, tile_kernel="interpret")
+    alone = _alone(gqa_llama, prompt, deterministic=interpret)
+    assert _in_batch(gqa_llama, prompt, 5, 13, deterministic=interpret) == alone
     np.testing.assert_allclose(alone[1], xla[1], rtol=0, atol=1e-4)
     assert alone[1] != xla[1]  # it is not the XLA path's program
 
@@ -204,18 +204,19 @@ def test_a_tile_product_ignores_the_other_rows_and_the_program(prompt, k, n, dty
     if split and not prompt and not fixed_order.split_tiles_keep_row_bits():
         pytest.xfail("this CPU's XLA product rounds a row by its place in an 8-row tile")
 
+    policy = fixed_order.calibrate("model-parallel" if split else True, dtype=dtype)
+    num = policy.for_pass(prompt=prompt)
+
     def product(w):
-        return lambda r: fixed_order.product(r, w, groups=k)
+        return lambda r: fixed_order.product(r, w, groups=k, numerics=num)
 
     def one(x, w):
-        with fixed_order.fixed_order(True, prompt=prompt, model_parallel=split):
-            return fixed_order.rowwise(product(w), x)
+        return fixed_order.rowwise(product(w), x, numerics=num)
 
     def two(x, w, w2):
-        with fixed_order.fixed_order(True, prompt=prompt, model_parallel=split):
-            return fixed_order.rowwise(product(w), x), fixed_order.rowwise(
-                lambda r: jnp.tanh(product(w2)(r)), x
-            )
+        return fixed_order.rowwise(product(w), x, numerics=num), fixed_order.rowwise(
+            lambda r: jnp.tanh(product(w2)(r)), x, numerics=num
+        )
 
     one, two = jax.jit(one, compiler_options=opts), jax.jit(two, compiler_options=opts)
     alone = np.asarray(one(jnp.asarray(row[None], dtype), w))[0]
@@ -241,9 +242,12 @@ def test_a_decode_head_product_ignores_the_row_count(dtype):
     head = jnp.asarray(rng.standard_normal((4098, 256)), dtype)
     row = rng.standard_normal(256)
 
+    num = fixed_order.calibrate(True, dtype=dtype)
+
     def logits(x):
-        with fixed_order.fixed_order(True):
-            return fixed_order.rowwise(lambda r: fixed_order.head_product(r, head), x, head=True)
+        return fixed_order.rowwise(
+            lambda r: fixed_order.head_product(r, head, numerics=num), x, numerics=num, head=True
+        )
 
     f = jax.jit(logits, compiler_options=fixed_order.compiler_options())
     alone = np.asarray(f(jnp.asarray(row[None], dtype)))[0]
@@ -283,9 +287,10 @@ def test_a_product_split_over_a_model_axis_gives_the_one_device_bits(k, n, group
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
     opts = fixed_order.compiler_options(model_parallel=True)
 
+    num = fixed_order.calibrate("model-parallel", dtype=dtype).for_pass(prompt=True)
+
     def fixed(x, w):
-        with fixed_order.fixed_order(True, prompt=True, model_parallel=True):
-            return fixed_order.product(x, w, groups=groups)
+        return fixed_order.product(x, w, groups=groups, numerics=num)
 
     def partials(x, w):  # [C, M, N] float32, as in `product`
         return fixed_order.chunk_partials(x, w, fixed_order.contraction_chunk(k, groups))
@@ -322,9 +327,10 @@ def test_the_lm_heads_column_tiles_are_fixed():
 
     opts = fixed_order.compiler_options(model_parallel=True)
 
+    num = fixed_order.calibrate("model-parallel")
+
     def fixed(rows, head):
-        with fixed_order.fixed_order(True, model_parallel=True):
-            return fixed_order.head_product(rows, head)
+        return fixed_order.head_product(rows, head, numerics=num)
 
     fixed = jax.jit(fixed, compiler_options=opts)
     full = np.asarray(fixed(rows, head))
@@ -388,8 +394,7 @@ def test_fixed_order_attention_matches_a_float64_reference():
                for shape in ((b, t, h, d), (b, hkv, s, d), (b, hkv, s, d)))
     pos = np.array([[10, 11, 12], [-1, 0, 1]])
     mask = np.arange(s)[None, None, :] <= pos[:, :, None]
-    with fixed_order.fixed_order(True):
-        got = np.asarray(layers._attend(q, k, v, mask, 0.3))
+    got = np.asarray(layers._attend(q, k, v, mask, 0.3, deterministic=True))
     kk, vv = np.repeat(k, h // hkv, 1).astype(np.float64), np.repeat(v, h // hkv, 1)
     scores = np.einsum("bthd,bhsd->bhts", q.astype(np.float64), kk) * 0.3
     scores = np.where(mask[:, None], scores, -np.inf)
@@ -408,11 +413,10 @@ def test_decode_attention_over_a_longer_cache_or_prefix_is_exact():
     k, v = (rng.standard_normal((3, 2, 1024, 8)).astype(np.float32) for _ in range(2))
     pos = np.array([[37], [100], [5]])
     outs = []
-    with fixed_order.fixed_order(True):
-        for slots in (48, 128, 1024):
-            mask = np.arange(slots)[None, None, :] <= pos[:, :, None]
-            att = jax.jit(lambda q, k, v, m: layers.attend(q, k, v, m, 0.3))
-            outs.append(np.asarray(att(q, k[:, :, :slots], v[:, :, :slots], mask)))
+    for slots in (48, 128, 1024):
+        mask = np.arange(slots)[None, None, :] <= pos[:, :, None]
+        att = jax.jit(lambda q, k, v, m: layers.attend(q, k, v, m, 0.3, deterministic=True))
+        outs.append(np.asarray(att(q, k[:, :, :slots], v[:, :, :slots], mask)))
     np.testing.assert_array_equal(outs[1][:2], outs[2][:2])
     np.testing.assert_array_equal(outs[0][0], outs[2][0])
     np.testing.assert_array_equal(outs[0][2], outs[2][2])
@@ -443,16 +447,15 @@ def test_fixed_order_attention_ignores_batch_columns_and_cache_length(hkv, g, d)
         compiler_options=fixed_order.compiler_options(),
     )
     outs = []
-    with fixed_order.fixed_order(True):  # while `att` is traced
-        for batch, columns, slots in ATTENTION_CALLS:
-            at, col = int(rng.integers(0, batch)), int(rng.integers(0, columns))
-            q = rng.standard_normal((batch, columns, hkv, g, d)).astype(np.float32)
-            k, v = (rng.standard_normal((batch, hkv, slots, d)).astype(np.float32) for _ in "kv")
-            q[at, col] = qrow
-            k[at, :, : pos + 1], v[at, :, : pos + 1] = krow, vrow
-            seen = pos - col + np.arange(columns)  # column c sees slots up to seen[c]
-            mask = np.broadcast_to(np.arange(slots) <= seen[:, None], (batch, columns, slots))
-            outs.append(np.asarray(att(q, k, v, mask))[at, col])
+    for batch, columns, slots in ATTENTION_CALLS:
+        at, col = int(rng.integers(0, batch)), int(rng.integers(0, columns))
+        q = rng.standard_normal((batch, columns, hkv, g, d)).astype(np.float32)
+        k, v = (rng.standard_normal((batch, hkv, slots, d)).astype(np.float32) for _ in "kv")
+        q[at, col] = qrow
+        k[at, :, : pos + 1], v[at, :, : pos + 1] = krow, vrow
+        seen = pos - col + np.arange(columns)  # column c sees slots up to seen[c]
+        mask = np.broadcast_to(np.arange(slots) <= seen[:, None], (batch, columns, slots))
+        outs.append(np.asarray(att(q, k, v, mask))[at, col])
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
 
@@ -475,3 +478,18 @@ def test_bad_deterministic_values_are_rejected(gqa_llama):
     job = plan(gqa_llama, Options(deterministic=True))
     with pytest.raises(ValueError, match="prefill_chunk"):
         host.initial_state(job.program, job.tables(params), [[1, 2]], prefill_chunk=0)
+
+
+def test_the_policy_is_one_static_value_per_setting():
+    """`calibrate` runs its probes once per setting, dtype and backend and returns one
+    hashable value (a runner's static field, so part of its programs' jit key); a policy
+    that mixes findings of different modes is refused, naming the field."""
+    policy = fixed_order.calibrate(True)
+    assert fixed_order.calibrate(True, dtype="float32") is policy
+    assert hash(policy) == hash(fixed_order.calibrate(True)) and policy != fixed_order.PLAIN
+    assert policy.for_pass(prompt=True) != policy
+    assert fixed_order.PLAIN.for_pass(prompt=True) is fixed_order.PLAIN
+    with pytest.raises(ValueError, match="deterministic must be True, False or"):
+        fixed_order.Numerics(deterministic="yes")
+    with pytest.raises(ValueError, match="unpadded decode rows"):
+        fixed_order.Numerics(deterministic="model-parallel", unpadded=frozenset({("float32", 0)}))

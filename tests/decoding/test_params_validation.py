@@ -409,3 +409,16 @@ def test_sample_rejects_inputs_that_do_not_fit(case, message):
             jax.eval_shape(fn, logits, params, positions, history)  # trace only, no run
         text = str(err.value)
         assert message in text and "\n" not in text, text
+
+
+def test_params_are_composed_of_parts_with_one_job_each():
+    """Every field lives in one part (the sampler's knobs, the stop rules, the output
+    options) and reads the same as an attribute of the params; `replace` by field name
+    changes that part alone."""
+    p = ll.SamplingParams.create(2, temperature=[0.5, 0.0], max_tokens=3, stop="x", logprobs=1)
+    assert p.temperature is p.knobs.temperature and p.seed is p.knobs.seed
+    assert p.max_tokens is p.stops.max_tokens and p.stop == p.stops.stop == (("x",), ("x",))
+    assert p.logprobs is p.output.logprobs
+    q = p.replace(top_p=jnp.full((2,), 0.5), max_tokens=jnp.full((2,), 7, jnp.int32))
+    assert q.top_p.tolist() == [0.5, 0.5] and q.max_tokens.tolist() == [7, 7]
+    assert q.temperature is p.temperature and q.output is p.output and q.stop == p.stop

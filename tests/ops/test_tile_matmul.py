@@ -9,7 +9,6 @@ compiled kernel runs on a GPU machine (docs/device_check.md).
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import jax
@@ -111,7 +110,7 @@ class TestCompiledOnGPU:
         from tests.decoding.test_deterministic import _alone, _in_batch, _target
 
         model = small_llama(512, 512, 5)
-        assert model_info(model, deterministic=True).runner.tile_kernel == "pallas"
+        assert model_info(model, deterministic=True).runner.numerics.tile_kernel == "pallas"
         prompt = _target(512, 3)
         assert _in_batch(model, prompt, batch, batch) == _alone(model, prompt)
 
@@ -155,8 +154,9 @@ def test_every_product_of_a_deterministic_gpu_forward_is_the_kernel(kernel):
     no XLA dot (attention's sums are elementwise, `fixed_order.attention`): every product,
     the LM head's too, is a Triton call. Without the kernel it holds XLA's dots."""
     model = small_llama(512, 64, 5)
-    info = model_info(model, deterministic=True)
-    runner = dataclasses.replace(info.runner, tile_kernel=kernel)
+    numerics = fixed_order.calibrate(True, tile_kernel=kernel, backend="gpu")
+    info = model_info(model, deterministic=numerics)
+    runner = info.runner
     cache = runner.init_cache(info.weights, 3, 64)
     tokens, positions = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 5, jnp.int32)
     step = jax.jit(lambda w, t, p, c: runner.forward(w, t, p, c))
@@ -172,23 +172,24 @@ def test_every_product_of_a_deterministic_gpu_forward_is_the_kernel(kernel):
         assert "__gpu$xla.gpu.triton" not in text and has_dots
 
 
-def test_which_runners_take_the_kernel(monkeypatch):
+def test_which_runners_take_the_kernel():
     """`deterministic=True` on a GPU takes it; the default mode, the model-parallel mode
-    and other backends do not; LOGITLOOP_TILE_KERNEL overrides it, checked."""
-    monkeypatch.delenv("LOGITLOOP_TILE_KERNEL", raising=False)
-    assert fixed_order.tile_kernel(True, "gpu") == "pallas"
-    assert fixed_order.tile_kernel(True, "cpu") is None
-    assert fixed_order.tile_kernel(False, "gpu") is None
-    assert fixed_order.tile_kernel("model-parallel", "gpu") is None
-    monkeypatch.setenv("LOGITLOOP_TILE_KERNEL", "interpret")
-    assert fixed_order.tile_kernel(True, "cpu") == "interpret"
-    assert fixed_order.tile_kernel(False, "cpu") is None
-    assert model_info(small_llama(64, 32, 0), deterministic=True).runner.tile_kernel == "interpret"
-    monkeypatch.setenv("LOGITLOOP_TILE_KERNEL", "off")
-    assert fixed_order.tile_kernel(True, "gpu") is None
-    monkeypatch.setenv("LOGITLOOP_TILE_KERNEL", "triton")
-    with pytest.raises(ValueError, match="LOGITLOOP_TILE_KERNEL = 'triton' is not one of"):
-        fixed_order.tile_kernel(True, "cpu")
+    and other backends do not; `calibrate(tile_kernel=...)` chooses it, checked."""
+
+    def kernel(deterministic, backend="cpu", **kw):
+        return fixed_order.calibrate(deterministic, backend=backend, **kw).tile_kernel
+
+    assert kernel(True, "gpu") == "pallas"
+    assert kernel(True, "cpu") is None
+    assert kernel(False, "gpu") is None
+    assert kernel("model-parallel", "gpu") is None
+    assert kernel(True, tile_kernel="interpret") == "interpret"
+    assert kernel(False, tile_kernel="interpret") is None
+    interpret = fixed_order.calibrate(True, tile_kernel="interpret")
+    info = model_info(small_llama(64, 32, 0), deterministic=interpret)
+    assert info.runner.numerics.tile_kernel == "interpret"
+    assert kernel(True, "gpu", tile_kernel="off") is None
+    with pytest.raises(ValueError, match="tile_kernel must be 'auto', 'off', None or one of"):
+        kernel(True, tile_kernel="triton")
     with pytest.raises(ValueError, match="does not split a model axis"):
-        with fixed_order.fixed_order(model_parallel=True, kernel="pallas"):
-            pass
+        fixed_order.Numerics(deterministic="model-parallel", tile_kernel="pallas")

@@ -7,9 +7,10 @@ keywords (the entry points that sample take sampling settings as keywords too:
 two sets apart and `sampling_params` turns settings into params over the checkpoint's
 defaults), and all start with `plan(model, options)`:
 
-- the static part, `Plan.program` (`loop.Program`): the model's runner (with its numerics:
-  `deterministic=` fixes the reduction order), the layout (one device, or a mesh) and the
-  resolved speculation strategy; the loop's programs compile against it;
+- the static part, `Plan.program` (`loop.Program`): the model's runner (with its numerics
+  policy, `fixed_order.Numerics`: `deterministic=` fixes the reduction order, and
+  `fixed_order.calibrate` runs this backend's probes once), the layout (one device, or a
+  mesh) and the resolved speculation strategy; the loop's programs compile against it;
 - the device part: the model's weights placed by the layout and a draft model's weights,
   then per batch `Plan.rows` (the prompts and params checked against the model, `n`
   samples per prompt, the model's EOS ids among the stop ids, a mesh's dummy rows) and
@@ -39,13 +40,14 @@ from logitloop.decoding.engine.host import (
 from logitloop.decoding.loop import sharding
 from logitloop.decoding.loop import speculative as speculation
 from logitloop.decoding.loop.decode_loop import Program, Tables
-from logitloop.decoding.loop.runner import ModelInfo, is_model_parallel, model_info
+from logitloop.decoding.loop.runner import ModelInfo, model_info
 from logitloop.decoding.sampling.constraints import Automata
 from logitloop.decoding.sampling.params import (
     SamplingParams,
     canonical_knobs,
     generation_defaults,
 )
+from logitloop.models.fixed_order import Numerics
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,7 +62,8 @@ class Options:
     processors: user transforms composed into every row's sampling step
       (`logitloop.decoding.sampling.processors`).
     deterministic: True or "model-parallel": a row's results do not depend on the batch
-      (`logitloop.models.fixed_order`).
+      (`logitloop.models.fixed_order`); or a policy made by `fixed_order.calibrate` (e.g.
+      `calibrate(True, tile_kernel="interpret")`, the GPU's tile kernel interpreted).
     speculative: `ll.PromptLookup(...)` or `ll.DraftModel(...)`
       (`logitloop.decoding.loop.speculative`).
     """
@@ -69,7 +72,7 @@ class Options:
     ignore_eos: bool = False
     mesh: Any = None
     processors: Sequence[Any] | None = None
-    deterministic: bool | str = False
+    deterministic: bool | str | Numerics = False
     speculative: Any = None
 
     def __post_init__(self):
@@ -208,7 +211,8 @@ def plan(model: Any, options: Options | None = None) -> Plan:
     """Resolve `model` under `options` (default `Options()`): its runner and weights, the
     layout, the speculation strategy and the draft's weights (see the module docstring)."""
     options = Options() if options is None else options
-    layout = sharding.layout_for(options.mesh, whole_vocab=is_model_parallel(options.deterministic))
-    info = layout.place(model_info(model, deterministic=options.deterministic))
+    info = model_info(model, deterministic=options.deterministic)  # numerics: calibrated
+    layout = sharding.layout_for(options.mesh, whole_vocab=info.runner.numerics.splits)
+    info = layout.place(info)
     spec, draft_weights = speculation.resolve(options.speculative, info, options.mesh)
     return Plan(options, info, Program(info.runner, layout, spec), draft_weights)

@@ -37,15 +37,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from logitloop.models import fixed_order, layers
+from logitloop.models.fixed_order import MODEL_PARALLEL, PLAIN, Numerics
 from logitloop.ops.attention import describe as describe_attention
 
-# `deterministic=` values: off, invariant to the batch and a data axis, and also to a model
-# axis (`fixed_order.fixed_order(model_parallel=True)`).
-MODEL_PARALLEL = "model-parallel"
+__all__ = ["MODEL_PARALLEL", "FunctionModel", "ModelInfo", "ModelRunner", "model_info"]
 
 
 def is_model_parallel(deterministic: Any) -> bool:
-    """Whether a `deterministic=` value is the model-parallel mode."""
+    """Whether a `deterministic=` value (True, False, MODEL_PARALLEL or a `Numerics`
+    policy) is the model-parallel mode."""
+    if isinstance(deterministic, Numerics):
+        return deterministic.splits
     return isinstance(deterministic, str) and deterministic == MODEL_PARALLEL
 
 
@@ -73,24 +75,15 @@ class ModelRunner:
     graphdef: Any = None  # nnx.GraphDef for NNX modules
     apply_fn: Callable | None = None  # for FunctionModel
     init_cache_fn: Callable | None = None
-    # The layers' reductions in a fixed order (`fixed_order`): False, True, or
-    # "model-parallel" (also the splits of a model axis).
-    deterministic: bool | str = False
-    # A deterministic runner's products as the Pallas tile kernel: None (XLA's dots in
-    # fixed row tiles), "pallas" or "interpret" (`fixed_order.tile_kernel`).
-    tile_kernel: str | None = None
+    # How the layers reduce (`fixed_order.Numerics`, from `fixed_order.calibrate`): plain
+    # XLA ops, or a fixed order (`deterministic=True` or "model-parallel"), with the tile
+    # kernel choice and this backend's probe results. Static, so part of the jit key.
+    numerics: Numerics = PLAIN
 
     @property
-    def model_parallel(self) -> bool:
-        return is_model_parallel(self.deterministic)
-
-    def _fixed_order(self, **kwargs):
-        return fixed_order.fixed_order(
-            bool(self.deterministic),
-            model_parallel=self.model_parallel,
-            kernel=self.tile_kernel,
-            **kwargs,
-        )
+    def deterministic(self) -> bool | str:
+        """The `deterministic=` mode: False, True or "model-parallel"."""
+        return self.numerics.deterministic
 
     def forward(
         self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None
@@ -100,8 +93,9 @@ class ModelRunner:
         prompt-sized row tiles (`fixed_order.PROMPT_TILE`). `mesh`: the rows lie over its
         "data" axis (a deterministic runner tiles each device's rows by themselves)."""
         if self.graphdef is not None:
-            with self._fixed_order(prompt=prompt, mesh=mesh):
-                logits, cache = nnx.merge(self.graphdef, weights)(tokens, positions, cache)
+            numerics = self.numerics.for_pass(prompt=prompt, mesh=mesh)
+            model = nnx.merge(self.graphdef, weights)
+            logits, cache = model(tokens, positions, cache, numerics=numerics)
         else:
             logits, cache = self.apply_fn(weights, tokens, positions, cache)
         if logits.ndim == 3:
@@ -112,9 +106,9 @@ class ModelRunner:
         """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts:
         generated tokens, so a deterministic runner treats the call as a decode step)."""
         if self.graphdef is not None:
-            with self._fixed_order():
-                model = nnx.merge(self.graphdef, weights)
-                return model(tokens, positions, cache, all_columns=True)
+            model = nnx.merge(self.graphdef, weights)
+            numerics = self.numerics.for_pass()
+            return model(tokens, positions, cache, all_columns=True, numerics=numerics)
         logits, cache = self.apply_fn(weights, tokens, positions, cache)
         if logits.ndim != 3:
             raise ValueError(
@@ -163,7 +157,7 @@ class ModelRunner:
 class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
     """`jax.jit(fn, **jit_kwargs)` for a function whose first argument is a `ModelRunner`
     (or holds one as `.runner`, as the loop's `Program` does): a deterministic runner's
-    programs are compiled with `fixed_order.compiler_options()` (XLA:CPU's size-dependent
+    programs are compiled with `Numerics.compiler_options()` (XLA:CPU's size-dependent
     library fusions off), every other runner's as usual."""
 
     def __init__(self, fn: Callable, **jit_kwargs):
@@ -176,9 +170,9 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         runner = getattr(runner, "runner", runner)
         # Inside another program (`generate_many`'s admission) the outer one's options rule.
         nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
-        if not runner.deterministic or nested:
+        if not runner.numerics.fixed or nested:
             return self._plain
-        options = fixed_order.compiler_options(runner.model_parallel)
+        options = runner.numerics.compiler_options()
         key = tuple(sorted(options.items()))
         if key not in self._fixed:
             self._fixed[key] = jax.jit(self._fn, compiler_options=options, **self._kwargs)
@@ -214,20 +208,25 @@ def _eos_tuple(eos: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
-def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
+def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> ModelInfo:
     """Resolve a FunctionModel or an NNX module into what the decode loop needs.
 
     `deterministic=True` (logitloop's models only) runs the model with its reductions in
     a fixed order, so a row's logits do not depend on the rest of the batch nor on a data
     axis; `deterministic="model-parallel"` also fixes the splits of a model axis, so they
-    do not depend on its size either (`logitloop.models.fixed_order`).
+    do not depend on its size either (`logitloop.models.fixed_order`). The runner carries
+    the policy `fixed_order.calibrate` builds for the setting and the model's dtype; a
+    `Numerics` given instead (e.g. `calibrate(True, tile_kernel="interpret")`) is taken as
+    it is.
     """
-    if not isinstance(deterministic, bool) and not is_model_parallel(deterministic):
+    if not isinstance(deterministic, (bool, Numerics)) and not is_model_parallel(deterministic):
         raise ValueError(
-            f"deterministic must be True, False or {MODEL_PARALLEL!r}, got {deterministic!r}"
+            f"deterministic must be True, False, {MODEL_PARALLEL!r} or a "
+            f"fixed_order.Numerics, got {deterministic!r}"
         )
+    fixed = deterministic.fixed if isinstance(deterministic, Numerics) else bool(deterministic)
     if isinstance(model, FunctionModel):
-        if deterministic:
+        if fixed:
             raise ValueError(
                 "deterministic=True needs a logitloop model: a FunctionModel's forward pass "
                 "is its own code, whose reduction order logitloop cannot fix"
@@ -241,7 +240,11 @@ def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
             tokenizer=model.tokenizer,
         )
     if isinstance(model, nnx.Module):
-        if is_model_parallel(deterministic) and not fixed_order.split_tiles_keep_row_bits():
+        numerics = deterministic
+        if not isinstance(numerics, Numerics):
+            dtype = getattr(model, "dtype", jnp.float32)
+            numerics = fixed_order.calibrate(deterministic, dtype=dtype)
+        if not numerics.split_rows_keep_bits:
             warnings.warn(
                 f"deterministic={MODEL_PARALLEL!r}: this CPU's XLA product rounds a row by "
                 "its place in a row tile (rows 6-7 of 8 otherwise than 0-5, as on an AMD "
@@ -256,14 +259,10 @@ def model_info(model: Any, *, deterministic: bool | str = False) -> ModelInfo:
             dtype=model.dtype,
             softcap=getattr(config, "attn_logit_softcapping", None),
             windows=config.sliding_windows,
-            deterministic=bool(deterministic),
+            deterministic=numerics.fixed,
         )
         return ModelInfo(
-            runner=ModelRunner(
-                graphdef=graphdef,
-                deterministic=deterministic,
-                tile_kernel=fixed_order.tile_kernel(deterministic),
-            ),
+            runner=ModelRunner(graphdef=graphdef, numerics=numerics),
             weights=weights,
             vocab_size=int(config.vocab_size),
             max_length=int(config.max_position_embeddings),

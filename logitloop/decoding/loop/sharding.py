@@ -196,8 +196,7 @@ class MeshLayout(Layout):
             return params
         padded = params.take(list(range(batch)) + [0] * pad)
         dummy = np.arange(batch + pad) >= batch
-        return dataclasses.replace(
-            padded,
+        return padded.replace(
             max_tokens=jnp.where(dummy, 1, padded.max_tokens),
             min_tokens=jnp.where(dummy, 0, padded.min_tokens),
             stop=padded.stop[:batch] + ((),) * pad if padded.stop else (),

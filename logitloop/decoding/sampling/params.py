@@ -10,6 +10,19 @@ Lists whose length varies (banned ids, bias entries, stop ids, stop sequences) a
 with -1 to a width rounded up to a power of two (at least `MIN_LIST_WIDTH`), so that a new
 list length recompiles only when it outgrows its bucket.
 
+`SamplingParams` is composed of parts with one job each, and keeps every field as an
+attribute of its own (`params.temperature` is `params.knobs.temperature`; `replace`
+takes the fields by those names too):
+
+- `knobs` (`SamplerKnobs`): how a row's logits become a draw (temperature, truncation,
+  penalties, bias, banned and allowed ids, seed): what the sampler reads;
+- `stops` (`StopRules`): when a row ends (max and min tokens, stop ids, stop sequences,
+  stop strings);
+- `output` (`OutputOptions`): what is reported beside the tokens (top logprobs, stop
+  strings in the text);
+- `constraints`: each row's structured-output constraint;
+- `processors`: the user's logits processors.
+
 Stop strings (`stop`) are host-side metadata: they are not a pytree leaf. `generate` and
 `stream` turn them into device tables (see `logitloop.decoding.loop.stop_strings`). So are the
 constraints (`json_schema`, `regex`, `choice`): `generate` compiles them against the model's
@@ -57,12 +70,9 @@ from logitloop.models.generation_config import read_generation_config
 
 
 @struct.dataclass
-class SamplingParams:
-    """Sampling settings for a batch, one row per request. Build with `SamplingParams.create`.
-
-    Every array field has a leading batch axis `B`; the sampler reads row `r` of each one.
-    The order in which the knobs act is fixed (see `logitloop.decoding.sampling.sampler.sample`).
-    """
+class SamplerKnobs:
+    """How each row's logits become a draw: what the sampler reads
+    (`logitloop.decoding.sampling.sampler`, the order in `sample`). Every field `[B, ...]`."""
 
     temperature: jax.Array  # [B] f32, 0 = greedy
     top_k: jax.Array  # [B] i32, <= 0 or >= vocab disables
@@ -77,26 +87,79 @@ class SamplingParams:
     allowed_ids: jax.Array  # [B, Na] i32, -1 = unused slot
     has_allowed: jax.Array  # [B] bool, whether allowed_ids restricts the row
     seed: jax.Array  # [B] u32
+
+
+@struct.dataclass
+class StopRules:
+    """When each row ends: the loop's bounds, stop ids and sequences (device), stop strings
+    (host). `min_tokens` also keeps the stop ids from being drawn before it
+    (`transforms.suppress_stop_tokens`)."""
+
     max_tokens: jax.Array  # [B] i32 >= 1
     min_tokens: jax.Array  # [B] i32 in [0, max_tokens]
     stop_token_ids: jax.Array  # [B, Ns] i32, -1 = unused slot
     stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
+    stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
+
+
+@struct.dataclass
+class OutputOptions:
+    """What each row reports beside its tokens."""
+
     logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
+    include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
+
+
+# The part that holds each field, by the field's name (`SamplingParams.replace`).
+PARTS = {
+    name: part
+    for part, cls in (("knobs", SamplerKnobs), ("stops", StopRules), ("output", OutputOptions))
+    for name in (f.name for f in dataclasses.fields(cls))
+}
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["knobs", "stops", "output", "processors"],
+    meta_fields=["constraints", "vocab_size"],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for a batch, one row per request. Build with `SamplingParams.create`.
+
+    Every array has a leading batch axis `B`; the sampler reads row `r` of each one. The
+    parts (module docstring) each hold one kind of setting; every field of a part is also
+    an attribute here (`params.top_p`, `params.max_tokens`, `params.stop`, ...).
+    The order in which the knobs act is fixed (see `logitloop.decoding.sampling.sampler.sample`).
+    """
+
+    knobs: SamplerKnobs
+    stops: StopRules
+    output: OutputOptions
     # User processors (`logitloop.decoding.sampling.processors`): pytrees whose leaves have a
     # leading row axis, so rows are taken, repeated and placed with the other fields.
     processors: tuple = ()
-    stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
-    include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
     # Each row's `constraints.Constraint` or None; () when no row has one.
-    constraints: tuple = struct.field(pytree_node=False, default=())
+    constraints: tuple = ()
     # The vocabulary size every token id was checked against (create's `vocab_size`), or
     # None. Static: `sample` checks it against the logits' V when it traces, without
     # reading an id back from the device.
-    vocab_size: int | None = struct.field(pytree_node=False, default=None)
+    vocab_size: int | None = None
+
+    def replace(self, **updates: Any) -> SamplingParams:
+        """The same params with `updates`, by field name (a part's fields included)."""
+        own = {k: v for k, v in updates.items() if k not in PARTS}
+        by_part: dict[str, dict[str, Any]] = {}
+        for name, value in updates.items():
+            if name in PARTS:
+                by_part.setdefault(PARTS[name], {})[name] = value
+        for part, changes in by_part.items():
+            own[part] = getattr(self, part).replace(**changes)
+        return dataclasses.replace(self, **own)
 
     @property
     def batch_size(self) -> int:
-        return self.temperature.shape[0]
+        return self.knobs.temperature.shape[0]
 
     @classmethod
     def create(
@@ -285,7 +348,7 @@ class SamplingParams:
         bias_val_arr = np.zeros((b, nb), np.float32)
         for i, vals in enumerate(bias_vals):
             bias_val_arr[i, : len(vals)] = vals
-        return cls(
+        knobs = SamplerKnobs(
             temperature=jnp.asarray(temp, jnp.float32),
             top_k=jnp.asarray(k, jnp.int32),
             top_p=jnp.asarray(p, jnp.float32),
@@ -299,13 +362,22 @@ class SamplingParams:
             allowed_ids=jnp.asarray(_pad_ids(allowed)),
             has_allowed=jnp.asarray(has_allowed, bool),
             seed=jnp.asarray(np.asarray(seeds, np.uint64).astype(np.uint32)),
+        )
+        stop_rules = StopRules(
             max_tokens=jnp.asarray(max_t, jnp.int32),
             min_tokens=jnp.asarray(min_t, jnp.int32),
             stop_token_ids=jnp.asarray(_pad_ids(stops)),
             stop_sequences=jnp.asarray(stop_seqs),
-            logprobs=jnp.asarray(n_logprobs, jnp.int32),
             stop=stop_strs,
+        )
+        output = OutputOptions(
+            logprobs=jnp.asarray(n_logprobs, jnp.int32),
             include_stop_str_in_output=tuple(bool(x) for x in include),
+        )
+        return cls(
+            knobs=knobs,
+            stops=stop_rules,
+            output=output,
             constraints=constrained,
             vocab_size=None if vocab_size is None else int(vocab_size),
         )
@@ -325,13 +397,7 @@ class SamplingParams:
 
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
-        return dataclasses.replace(
-            self,
-            stop=(),
-            include_stop_str_in_output=(),
-            constraints=(),
-            vocab_size=None,
-        )
+        return self.replace(stop=(), include_stop_str_in_output=(), constraints=(), vocab_size=None)
 
     # ------------------------------------------------------------------ rows and widths
 
@@ -400,8 +466,7 @@ class SamplingParams:
         arrays = jax.tree.map(lambda *xs: jax.device_put(np.concatenate(xs, axis=0)), *wide)
         has_stop = any(p.stop for p in parts)
         vocab = {p.vocab_size for p in parts}
-        return dataclasses.replace(
-            arrays,
+        return arrays.replace(
             stop=sum((p.stop or ((),) * p.batch_size for p in parts), ()) if has_stop else (),
             include_stop_str_in_output=(
                 sum((p.include_stop_str_in_output or (False,) * p.batch_size for p in parts), ())
@@ -436,8 +501,7 @@ class SamplingParams:
 
     def _with_arrays(self, arrays: SamplingParams) -> SamplingParams:
         """`arrays`' leaves with this params' host-side metadata."""
-        return dataclasses.replace(
-            arrays,
+        return arrays.replace(
             stop=self.stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
             constraints=self.constraints,
@@ -450,8 +514,7 @@ class SamplingParams:
         host = jax.device_get(self.device_only())
         # device_put, not jnp.asarray: a transfer, where jnp.asarray compiles a copy program
         arrays = jax.tree.map(lambda x: jax.device_put(x[idx]), host)
-        return dataclasses.replace(
-            arrays,
+        return arrays.replace(
             stop=tuple(self.stop[i] for i in idx) if self.stop else (),
             include_stop_str_in_output=tuple(self.include_stop_str_in_output[i] for i in idx)
             if self.include_stop_str_in_output
@@ -465,6 +528,15 @@ class SamplingParams:
         """`create` with the checkpoint's recommended settings (`generation_config.json`, see
         `generation_defaults`) wherever `overrides` set none."""
         return cls.create(batch_size, **{**generation_defaults(model), **overrides})
+
+
+def _part_field(part: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, part), name), doc=f"`{part}.{name}`")
+
+
+# Every field of a part, as an attribute of the params (`params.seed` is `params.knobs.seed`).
+for _name, _part in PARTS.items():
+    setattr(SamplingParams, _name, _part_field(_part, _name))
 
 
 DEFAULT_MAX_TOKENS = 16  # create's max_tokens when neither it nor max_new_tokens is given

@@ -27,6 +27,10 @@ Per row, in this order (each step is one pure function in `transforms.py` or
    `(seed, position)` only (`jax.random.fold_in`): a row's token does not depend on which
    rows share the batch or where it sits.
 
+Of the params (`SamplingParams`) the steps read the `knobs` part only, but for step 2,
+which reads the stop rules' `stop_token_ids` and `min_tokens`, the processors, and the
+output options' `logprobs` (how many top alternatives a row reports).
+
 Rows that cannot be sampled get a defined outcome, never NaN or an out-of-vocabulary id:
 logits holding NaN or +inf (or a processor writing +inf) give `status == STATUS_BAD_LOGITS`,
 rows where steps 1-2 or a processor mask every token give `status == STATUS_ALL_MASKED`;
@@ -166,27 +170,26 @@ def adjust_logits(
     def local(ids):
         return axes.local_ids(ids, width)
 
-    z = transforms.allowed_mask(raw, local(params.allowed_ids), params.has_allowed)
+    knobs, stops = params.knobs, params.stops
+    z = transforms.allowed_mask(raw, local(knobs.allowed_ids), knobs.has_allowed)
     if allowed_bits is not None:
         z = transforms.allowed_bitmask(z, allowed_bits, axes.offset(width))
-    z = transforms.logit_bias(z, local(params.bias_ids), params.bias_values)
-    z = transforms.ban_tokens(z, local(params.banned_ids))
-    z = transforms.suppress_stop_tokens(
-        z, local(params.stop_token_ids), positions, params.min_tokens
-    )
+    z = transforms.logit_bias(z, local(knobs.bias_ids), knobs.bias_values)
+    z = transforms.ban_tokens(z, local(knobs.banned_ids))
+    z = transforms.suppress_stop_tokens(z, local(stops.stop_token_ids), positions, stops.min_tokens)
     if history is not None:
         seen = distinct_tokens(history)
         if axes.vocab is not None:  # this device's columns only
             ids = seen.ids - axes.offset(width)
             mine = (ids >= 0) & (ids < width)
             seen = seen.replace(ids=jnp.where(mine, ids, 0), is_distinct=seen.is_distinct & mine)
-        z = transforms.repetition_penalty(z, seen, params.repetition_penalty)
+        z = transforms.repetition_penalty(z, seen, knobs.repetition_penalty)
         z = transforms.presence_frequency_penalty(
-            z, seen, params.presence_penalty, params.frequency_penalty
+            z, seen, knobs.presence_penalty, knobs.frequency_penalty
         )
-    greedy = (params.temperature == 0) | (params.top_k == 1)
+    greedy = (knobs.temperature == 0) | (knobs.top_k == 1)
     penalized = z
-    temperature = jnp.where(greedy, 0.0, params.temperature)
+    temperature = jnp.where(greedy, 0.0, knobs.temperature)
     if params.processors:
         if axes.vocab is not None:
             raise ValueError("processors need whole rows of the vocabulary on each device")
@@ -365,18 +368,19 @@ def sample_step(
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history, axes, states, done, allowed_bits)
-    key = row_keys(params.seed, positions)
+    knobs = params.knobs
+    key = row_keys(knobs.seed, positions)
     if axes.vocab is None and resolve_backend(backend) == "pallas":
         drawn, thr = filter_and_sample(
-            proc.scaled, params.top_k, params.top_p, params.min_p, proc.greedy, key, backend=backend
+            proc.scaled, knobs.top_k, knobs.top_p, knobs.min_p, proc.greedy, key, backend=backend
         )
     else:
         # Candidates and thresholds straight from the unscaled logits: no [B, V] write.
         drawn, thr = xla_filter_and_sample(
             proc.adjusted,
-            params.top_k,
-            params.top_p,
-            params.min_p,
+            knobs.top_k,
+            knobs.top_p,
+            knobs.min_p,
             proc.greedy,
             key,
             temperature=proc.temperature,
@@ -403,10 +407,10 @@ def sample_step(
         _no_top_logprobs(batch, 0)
         if num_top == 0
         else jax.lax.cond(
-            axes.any(params.logprobs > 0),
+            axes.any(params.output.logprobs > 0),
             lambda: _top_logprobs(
                 jnp.where(ok[:, None], proc.raw - proc.raw_max[:, None], 0.0) - norm[:, None],
-                jnp.where(ok, params.logprobs, 0),
+                jnp.where(ok, params.output.logprobs, 0),
                 axes,
                 num_top,
             ),
@@ -501,6 +505,7 @@ def sampling_distribution(
         logits, params, positions, history, states=states, allowed_bits=allowed_bits
     )
     cand_x, _ = candidates(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
-    thr = thresholds(proc.scaled, params.top_k, params.top_p, params.min_p, cand_x)
+    knobs = params.knobs
+    thr = thresholds(proc.scaled, knobs.top_k, knobs.top_p, knobs.min_p, cand_x)
     probs = kept_distribution(proc.scaled, thr, proc.greedy)
     return jnp.where((proc.status(thr.row_max) == STATUS_OK)[:, None], probs, 0.0)

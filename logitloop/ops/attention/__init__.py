@@ -3,6 +3,7 @@
 - `reference.py`: the one-einsum attention (the tests' reference) and `Mask`, the mask as
   positions that every implementation shares.
 - `blockwise.py`: key and query blocks with an online softmax; temporaries linear in T.
+- `fixed_order.py`: every sum in a fixed order (the deterministic modes' "fixed-order").
 - `api.py`: `attention(..., implementation="auto")` and the choice it makes (`choose`,
   `describe`).
 - `splash.py`: a whole prompt on a TPU through jax's splash attention Pallas kernel

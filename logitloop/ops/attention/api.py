@@ -5,7 +5,8 @@
 The choice (`choose`), made here once per call shape and reported by `describe` (which
 `logitloop.decoding.loop.runner.model_info` shows as `ModelInfo.attention`):
 
-- "fixed-order": the deterministic modes (`logitloop.models.fixed_order.attention`: every
+- "fixed-order": the deterministic modes (`attention(..., deterministic=True)`, which a
+  deterministic runner's numerics pass down; `fixed_order.fixed_order_attention`: every
   sum in 16-slot chunks at fixed boundaries; it builds the dense `[B, T, S]` mask).
 - "decode": a single query column (a decode step): the one-product reference over the
   shortest prefix of the cache that holds every visible slot (`decode_attention`), dense
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from logitloop.ops.attention.blockwise import blockwise_attention
+from logitloop.ops.attention.fixed_order import fixed_order_attention
 from logitloop.ops.attention.reference import Mask, masked_scores, reference_attention
 
 IMPLEMENTATIONS = ("auto", "reference", "blockwise", "decode", "cudnn", "splash", "fixed-order")
@@ -106,17 +108,17 @@ def attention(
     softcap: float | None = None,
     *,
     implementation: str = "auto",
+    deterministic: bool = False,
 ) -> jax.Array:
     """Grouped-query attention of T queries over S keys; returns `[B, T, H, D]`.
 
     Each of the Hkv key/value heads serves H // Hkv consecutive query heads. Scores and
     softmax are float32; with `softcap` the scaled scores become `softcap * tanh(score /
     softcap)` before masking (Gemma 2). Queries that see no key (padding) return finite
-    values that are never read.
+    values that are never read. `deterministic`: every sum in a fixed order (a
+    deterministic runner's pass, `logitloop.models.fixed_order.Numerics.fixed`); "auto"
+    then picks "fixed-order".
     """
-    # Imported here: logitloop.models imports this package (layers), not the other way.
-    from logitloop.models import fixed_order
-
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "auto":
@@ -126,14 +128,14 @@ def attention(
             dtype=q.dtype,
             softcap=softcap,
             ring=mask.k_pos is not None,
-            deterministic=fixed_order.active(),
+            deterministic=deterministic,
         )
     slots = k.shape[2]
     if implementation in ("fixed-order", "decode"):
-        # (dense_attention is the fixed-order path while a deterministic mode is active.)
+        fixed = {"deterministic": True} if implementation == "fixed-order" else {}
         if q.shape[1] == 1 and mask.k_pos is None:
-            return decode_attention(q, k, v, mask.dense(slots), scale, softcap)
-        return dense_attention(q, k, v, mask.dense(slots), scale, softcap)  # a ring: R + T
+            return decode_attention(q, k, v, mask.dense(slots), scale, softcap, **fixed)
+        return dense_attention(q, k, v, mask.dense(slots), scale, softcap, **fixed)  # R + T
     if implementation == "reference":
         return reference_attention(q, k, v, mask.dense(slots), scale, softcap)
     if implementation == "cudnn":
@@ -145,17 +147,15 @@ def attention(
     return blockwise_attention(q, k, v, mask, scale, softcap)
 
 
-def dense_attention(q, k, v, mask, scale, softcap=None):
-    """`reference_attention` over a dense `[B, T, S]` mask, or, in a deterministic mode,
-    the fixed-order attention (`logitloop.models.fixed_order`)."""
-    from logitloop.models import fixed_order
-
-    if not fixed_order.active():
+def dense_attention(q, k, v, mask, scale, softcap=None, *, deterministic: bool = False):
+    """`reference_attention` over a dense `[B, T, S]` mask, or with `deterministic` the
+    fixed-order attention (`fixed_order.fixed_order_attention`)."""
+    if not deterministic:
         return reference_attention(q, k, v, mask, scale, softcap)
     b, t, h, d = q.shape
     hkv = k.shape[1]
     q5 = q.reshape(b, t, hkv, h // hkv, d)  # [B, T, Hkv, G, D]
-    out = fixed_order.attention(
+    out = fixed_order_attention(
         q5,
         k.astype(q.dtype),
         v.astype(q.dtype),
@@ -172,16 +172,18 @@ def decode_attention(
     mask: jax.Array,  # [B, T, S] bool
     scale: float,
     softcap: float | None = None,
+    *,
+    deterministic: bool = False,
 ) -> jax.Array:
-    """`dense_attention`; a decode step (T = 1) over a cache of `MIN_PREFIX_SLOTS` slots
-    or more reads only the shortest of S/8, S/4, S/2 or S slots that holds every slot some
-    row may see: with a buffer sized for long outputs, the first steps then read a fraction
-    of the cache. Slots past the prefix are masked for every row, so the result is the same
-    up to the order of float32 sums.
+    """`dense_attention` (`deterministic`: its fixed-order path); a decode step (T = 1)
+    over a cache of `MIN_PREFIX_SLOTS` slots or more reads only the shortest of S/8, S/4,
+    S/2 or S slots that holds every slot some row may see: with a buffer sized for long
+    outputs, the first steps then read a fraction of the cache. Slots past the prefix are
+    masked for every row, so the result is the same up to the order of float32 sums.
     """
     slots = k.shape[2]
     if q.shape[1] != 1 or slots < MIN_PREFIX_SLOTS:
-        return dense_attention(q, k, v, mask, scale, softcap)
+        return dense_attention(q, k, v, mask, scale, softcap, deterministic=deterministic)
     extents = sorted({-(-slots // f) for f in PREFIX_FRACTIONS} | {slots})
     # One past the last slot any row may see (0 when no row sees any).
     needed = jnp.max(jnp.where(mask, jnp.arange(1, slots + 1), 0))
@@ -189,7 +191,7 @@ def decode_attention(
 
     def prefix(e):
         return lambda q, k, v, mask: dense_attention(
-            q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale, softcap
+            q, k[:, :, :e], v[:, :, :e], mask[..., :e], scale, softcap, deterministic=deterministic
         )
 
     return jax.lax.switch(branch, [prefix(e) for e in extents], q, k, v, mask)
