@@ -5,6 +5,7 @@ paged one when the job gives `kv_cache_tokens` (`paged_batching`).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from logitloop.decoding.engine.batcher import (
 )
 from logitloop.decoding.engine.host import GenerationResult, check_count
 from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.engine.prefix_cache import PrefixBatcher
 from logitloop.decoding.sampling.params import canonical_knobs, generation_defaults
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
@@ -35,6 +37,7 @@ def iter_generate_many(
     max_tokens_bound: int | None = None,
     kv_cache_tokens: int | None = None,
     page_size: int = 16,
+    prefix_cache: bool | None = None,
     stats: dict | None = None,
     **keywords: Any,
 ) -> Iterator[tuple[int, GenerationResult]]:
@@ -49,7 +52,7 @@ def iter_generate_many(
         "iter_generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
         prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
         max_tokens_bound=max_tokens_bound, kv_cache_tokens=kv_cache_tokens,
-        page_size=page_size, stats=stats, keywords=keywords,
+        page_size=page_size, prefix_cache=prefix_cache, stats=stats, keywords=keywords,
     )  # fmt: skip
 
 
@@ -66,6 +69,7 @@ def _job(
     max_tokens_bound: int | None,
     kv_cache_tokens: int | None,
     page_size: int,
+    prefix_cache: bool | None,
     stats: dict | None,
     keywords: Mapping[str, Any],
 ) -> Iterator[tuple[int, GenerationResult]]:
@@ -119,11 +123,24 @@ def _job(
         prefill_batch=group,
         defaults=defaults,
     )
+    if prefix_cache not in (None, True, False):
+        raise ValueError(f"prefix_cache must be True, False or None, got {prefix_cache!r}")
     if kv_cache_tokens is None:
-        return _Batcher(job, **bounds).run(requests)
+        if prefix_cache is None:
+            prefix_cache = paged_batching.pool_refusal(job) is None
+        if not prefix_cache:
+            return _Batcher(job, **bounds).run(requests)
+        refusal = paged_batching.pool_refusal(job)
+        if refusal is not None:
+            raise ValueError(f"prefix_cache=True needs a paged pool, and {refusal}")
+        kv_cache_tokens = paged_batching.slots_memory(
+            slots, max_prompt_len, max_tokens_bound, page_size
+        )
+    keep = prefix_cache is not False
     batcher = paged_batching.batcher(
-        job, requests, kv_cache_tokens, page_size, {} if stats is None else stats, **bounds
-    )
+        job, requests, kv_cache_tokens, page_size, {} if stats is None else stats,
+        factory=functools.partial(PrefixBatcher, keep=keep), **bounds,
+    )  # fmt: skip
     return batcher.run(requests)
 
 
@@ -139,6 +156,7 @@ def generate_many(
     max_tokens_bound: int | None = None,
     kv_cache_tokens: int | None = None,
     page_size: int = 16,
+    prefix_cache: bool | None = None,
     stats: dict | None = None,
     **keywords: Any,
 ) -> list[GenerationResult]:
@@ -187,7 +205,7 @@ def generate_many(
         "generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
         prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
         max_tokens_bound=max_tokens_bound, kv_cache_tokens=kv_cache_tokens,
-        page_size=page_size, stats=stats, keywords=keywords,
+        page_size=page_size, prefix_cache=prefix_cache, stats=stats, keywords=keywords,
     ):  # fmt: skip
         out[index] = result
     return [out[i] for i in range(len(out))]
