@@ -154,6 +154,8 @@ def _run_job(
             shapes["speculative"] = speculative
             if args.kv_cache_tokens is not None:  # one paged pool (`paged_batching`)
                 shapes.update(kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
+            if args.no_prefix_cache:
+                shapes["prefix_cache"] = False
             tokens = _run_requests(args, model, todo, shapes, sink.write, info.tokenizer)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds
