@@ -60,6 +60,7 @@ def test_n_rows_equal_single_row_runs(shipped, monkeypatch):
     assert len({tuple(t) for t in got.token_ids}) > 1  # the rows did sample apart
 
 
+@pytest.mark.slow
 def test_n_rows_of_two_prompts_with_stop_strings(shipped):
     """Two prompts (one a whole number of pages), n = 3, stop strings, a processor that
     reads the prompt (NoRepeatNGram): as the rows prefilled one by one; `stream`'s text is
@@ -114,7 +115,7 @@ def _shared_prefix_job(count: int, prefix_len: int, seed: int) -> list[Request]:
     ]
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("deterministic", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_prefix_cache_equals_no_cache(shipped, deterministic):
     """6 requests of n = 2 rows sharing a 40-token prefix: the prefix cache (the default)
     against `prefix_cache=False` (contiguous slots); tokens equal, bit for bit under
@@ -147,6 +148,7 @@ def test_a_small_pool_evicts_and_keeps_results(shipped):
         _same(a, b, bits=False)
 
 
+@pytest.mark.slow
 def test_structured_output_and_stop_strings_share_prefixes(shipped):
     """Requests with a regex, a choice, stop strings and processors behind a shared
     prefix: as without the cache."""

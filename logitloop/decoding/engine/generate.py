@@ -71,7 +71,9 @@ def generate(
     JAX: the same call gives the same tokens; pass `seed=` to draw differently.
     The other keywords are the shared options of `logitloop.decoding.engine.plan.Options`,
     below (an unknown keyword raises TypeError listing both sets). `n` samples per prompt
-    (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's).
+    (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's); with
+    `n > 1` each prompt is prefilled once and its rows share its KV pages
+    (`logitloop.decoding.loop.forked`).
     The model's EOS ids join every row's stop ids unless `ignore_eos`.
 
     Returns one `GenerationResult` for the batch: every field, `text` included, a list

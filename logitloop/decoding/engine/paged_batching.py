@@ -143,8 +143,10 @@ class PagedBatcher(_Batcher):
         it did (then the stalled rows run on at the next chunk)."""
         return False
 
-    def vacate(self, slot: int) -> None:
-        """The row in `slot` finished or was preempted: its pages are back in the pool."""
+    def vacate(self, slot: int) -> int:
+        """The row in `slot` finished or was preempted: its pages are back in the pool.
+        Returns how many of them stay held (by a prefix cache), not free."""
+        return 0
 
     def _running(self, occupant: dict) -> int:
         return sum(1 for slot in occupant if slot not in self.parked)
@@ -205,9 +207,9 @@ class PagedBatcher(_Batcher):
             victim = max(running, key=self.arrival.__getitem__)
             lengths = np.asarray(jax.device_get(s.pages.pages.lengths))
             self.state = pool.park(s, np.int32(victim))
-            self.free_pages += _cdiv(int(lengths[victim]), self.page_size)
             self.parked.add(victim)
-            self.vacate(victim)
+            kept = self.vacate(victim)  # its pages a prefix cache keeps are not free
+            self.free_pages += _cdiv(int(lengths[victim]), self.page_size) - kept
             self.stats["preemptions"] += 1
         for slot in occupant:
             if done[slot]:

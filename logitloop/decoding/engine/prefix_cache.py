@@ -175,10 +175,12 @@ class PrefixBatcher(PagedBatcher):
     def relieve(self) -> bool:
         return self._evict(self.slots) > 0  # a page for each row that may need one
 
-    def vacate(self, slot: int) -> None:
-        idle = self.cache.release(self.holding.pop(slot, []))
+    def vacate(self, slot: int) -> int:
+        held = self.holding.pop(slot, [])
+        idle = self.cache.release(held)
         if not self.keep:
             self.doomed += idle
+        return len(held)
 
     def _evict(self, count: int) -> int:
         pages = self.cache.evict(count, self.protect)
