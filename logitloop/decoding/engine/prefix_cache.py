@@ -225,7 +225,9 @@ class PrefixBatcher(PagedBatcher):
         for i in range(self.group):
             pages = matches[i if i < len(group) else 0]  # a dummy row repeats the first
             table[i, : len(pages)] = pages
-        super().admit_group(group, slot, table)
+        # A group that shares nothing is prefilled at the job's prompt bucket, as without a
+        # cache (one program); one that shares, at the bucket of its longest rest.
+        super().admit_group(group, slot, table if any(matches) else None)
         tables = np.asarray(jax.device_get(self.state.pages.pages.tables[slot[: len(group)]]))
         new = []
         for i, row in enumerate(group):
