@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per page of --kv-cache-tokens (a power of two; default: 16)",
     )
     io.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every prompt whole: no KV pages shared by prompts that start alike "
+        "(default: a prefix cache on the paged KV cache, docs/prefix_cache.md)",
+    )
+    io.add_argument(
         "--stream",
         action="store_true",
         help="print the PROMPTs' text as it is generated (-n and --batch-size apply)",

@@ -155,6 +155,8 @@ def _run_job(
             kv_cache_tokens = _kv_cache_tokens(args, info, shapes)
             if kv_cache_tokens is not None:  # one paged pool (`paged_batching`)
                 shapes.update(kv_cache_tokens=kv_cache_tokens, page_size=args.page_size)
+            if args.no_prefix_cache:
+                shapes["prefix_cache"] = False
             tokens = _run_requests(args, model, todo, shapes, sink.write, info.tokenizer)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds

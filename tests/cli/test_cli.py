@@ -491,3 +491,15 @@ def test_kv_cache_tokens_writes_what_the_contiguous_job_does(jobs, clean_run, mo
     assert proc.returncode == 0, proc.stderr
     want, _ = clean_run
     assert [r["token_ids"] for r in read_jsonl(out)] == [r["token_ids"] for r in want]
+
+
+@pytest.mark.slow
+def test_no_prefix_cache_writes_what_the_default_does(jobs, clean_run, model_args, tmp_path):
+    """`--no-prefix-cache`: contiguous slots, every prompt prefilled whole; every line gets
+    the tokens of the default run (a prefix cache on a paged pool)."""
+    out = tmp_path / "whole.jsonl"
+    flags = ["--no-prefix-cache"]
+    proc = run_cli("generate", "-i", str(jobs), "-o", str(out), *BASE_FLAGS, *flags, *model_args)
+    assert proc.returncode == 0, proc.stderr
+    want, _ = clean_run
+    assert [r["token_ids"] for r in read_jsonl(out)] == [r["token_ids"] for r in want]

@@ -59,6 +59,7 @@ from logitloop.decoding.engine.host import (
     constraint_vocabulary,
     prompt_batch,
     stop_tables,
+    suffix_batch,
     tokenize_prompt,
 )
 from logitloop.decoding.engine.plan import Plan
@@ -171,16 +172,18 @@ def _admit(
     prompts: PromptBatch,  # [G] new rows
     new: Tables,  # [G] the new rows' params and stop strings (no weights, no automata)
     fsm: jax.Array,  # [G] i32, the new rows' initial automaton states
+    prefix: Any = None,  # with a pool: (pages [G, P], count [G]), cached prompt pages shared
     *,
     buffer_len: int,
     num_top: int,
 ) -> tuple[DecodeState, Tables]:
     """Prefill G prompts and write their fresh rows (state, params, stop strings, automaton
-    states) into slots."""
+    states) into slots. With `prefix`, `prompts` holds only the columns after each row's
+    shared pages (`suffix_batch`): the prefill computes those and attends the rest."""
     rows = tables.replace(params=new.params, stops=new.stops)
     cache = None
     if state.pages is not None:  # the new rows' prefill writes into the shared pool
-        state, cache = pool.admit(state, slot, prompts.lengths)
+        state, cache = pool.admit(state, slot, prompts.lengths, prefix)
     fresh = prefill(program, rows, prompts, fsm, cache, buffer_len=buffer_len, num_top=num_top)
 
     def put(big, small):
@@ -433,36 +436,55 @@ class _Batcher:
             self._resize(need, rows[0].params)
         self._add_automata(rows)
         used = []
-        for start in range(0, len(rows), self.group):
-            group = list(rows[start : start + self.group])
+        for group in self.groups(rows):
             slot = np.full((self.group,), self.slots, np.int32)  # dummies: dropped
             for i, row in enumerate(group):
                 slot[i] = free.pop(0)
                 used.append(int(slot[i]))
                 self.slot_stops[slot[i]] = row.params.stop[0] if row.params.stop else ()
-            group += [group[0]] * (self.group - len(group))
-            batch = prompt_batch([row.ids for row in group], self.buffer_len, self.prompt_len)
-            new_params = SamplingParams.concat([row.params for row in group], self.widths)
-            new_stops = None
-            if self.tables.stops is not None:
-                new_stops = self._tables(new_params.stop or [()] * len(group))
-            fsm = np.asarray(
-                [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
-                np.int32,
-            )
-            new = Tables(None, new_params.device_only(), new_stops)
-            self.state, self.tables = _admit(
-                self.plan.program,
-                self.tables,
-                self.state,
-                slot,
-                batch,
-                new,
-                fsm,
-                buffer_len=self.buffer_len,
-                num_top=self.widths.top_logprobs,
-            )
+            self.admit_group(group, slot)
         return used
+
+    def groups(self, rows: Sequence[_Row]) -> Iterator[list[_Row]]:
+        """The rows in prefill groups of at most `prefill_batch` (a prefix cache's
+        batcher starts a new group where a row reuses pages a row before it writes)."""
+        for start in range(0, len(rows), self.group):
+            yield list(rows[start : start + self.group])
+
+    def admit_group(
+        self, group: list[_Row], slot: np.ndarray, shared: np.ndarray | None = None
+    ) -> None:
+        """Prefill one group of rows into `slot` ([prefill_batch], dummies out of range).
+        `shared` ([prefill_batch, P] int32, -1 past each row's pages): with a paged pool,
+        cached full pages of each row's prompt it reads instead of prefilling them."""
+        group = group + [group[0]] * (self.group - len(group))
+        batch = prompt_batch([row.ids for row in group], self.buffer_len, self.prompt_len)
+        prefix = None
+        if shared is not None:
+            count = np.sum(shared >= 0, axis=1).astype(np.int32)
+            batch = suffix_batch(batch, count * self.plan.program.pool.page_size)
+            prefix = (shared, count)
+        new_params = SamplingParams.concat([row.params for row in group], self.widths)
+        new_stops = None
+        if self.tables.stops is not None:
+            new_stops = self._tables(new_params.stop or [()] * len(group))
+        fsm = np.asarray(
+            [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
+            np.int32,
+        )
+        new = Tables(None, new_params.device_only(), new_stops)
+        self.state, self.tables = _admit(
+            self.plan.program,
+            self.tables,
+            self.state,
+            slot,
+            batch,
+            new,
+            fsm,
+            prefix,
+            buffer_len=self.buffer_len,
+            num_top=self.widths.top_logprobs,
+        )
 
     def admissible(self, waiting: Sequence[_Row], free: int, occupant: dict) -> int:
         """How many of the `waiting` rows to admit into `free` slots now (with a paged pool,

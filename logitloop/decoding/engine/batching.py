@@ -5,6 +5,7 @@ paged one when the job gives `kv_cache_tokens` (`paged_batching`).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from logitloop.decoding.engine.batcher import (
 )
 from logitloop.decoding.engine.host import GenerationResult, check_count
 from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.engine.prefix_cache import PrefixBatcher
 from logitloop.decoding.sampling.params import canonical_knobs, generation_defaults
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
@@ -35,6 +37,7 @@ def iter_generate_many(
     max_tokens_bound: int | None = None,
     kv_cache_tokens: int | None = None,
     page_size: int = 16,
+    prefix_cache: bool | None = None,
     stats: dict | None = None,
     **keywords: Any,
 ) -> Iterator[tuple[int, GenerationResult]]:
@@ -49,7 +52,7 @@ def iter_generate_many(
         "iter_generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
         prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
         max_tokens_bound=max_tokens_bound, kv_cache_tokens=kv_cache_tokens,
-        page_size=page_size, stats=stats, keywords=keywords,
+        page_size=page_size, prefix_cache=prefix_cache, stats=stats, keywords=keywords,
     )  # fmt: skip
 
 
@@ -66,6 +69,7 @@ def _job(
     max_tokens_bound: int | None,
     kv_cache_tokens: int | None,
     page_size: int,
+    prefix_cache: bool | None,
     stats: dict | None,
     keywords: Mapping[str, Any],
 ) -> Iterator[tuple[int, GenerationResult]]:
@@ -119,11 +123,26 @@ def _job(
         prefill_batch=group,
         defaults=defaults,
     )
+    if prefix_cache not in (None, True, False):
+        raise ValueError(f"prefix_cache must be True, False or None, got {prefix_cache!r}")
+    refusal = paged_batching.sharing_refusal(job)
+    if prefix_cache is None:
+        prefix_cache = refusal is None
+    elif prefix_cache and refusal is not None:
+        raise ValueError(f"prefix_cache=True: {refusal}")
     if kv_cache_tokens is None:
-        return _Batcher(job, **bounds).run(requests)
+        if not prefix_cache:
+            return _Batcher(job, **bounds).run(requests)
+        kv_cache_tokens = paged_batching.slots_memory(
+            slots, max_prompt_len, max_tokens_bound, page_size
+        )
+    factory = paged_batching.PagedBatcher  # every row owns its pages
+    if refusal is None:  # a request's n rows share its prompt's pages; the cache keeps them
+        factory = functools.partial(PrefixBatcher, keep=prefix_cache)
     batcher = paged_batching.batcher(
-        job, requests, kv_cache_tokens, page_size, {} if stats is None else stats, **bounds
-    )
+        job, requests, kv_cache_tokens, page_size, {} if stats is None else stats,
+        factory=factory, **bounds,
+    )  # fmt: skip
     return batcher.run(requests)
 
 
@@ -139,6 +158,7 @@ def generate_many(
     max_tokens_bound: int | None = None,
     kv_cache_tokens: int | None = None,
     page_size: int = 16,
+    prefix_cache: bool | None = None,
     stats: dict | None = None,
     **keywords: Any,
 ) -> list[GenerationResult]:
@@ -174,8 +194,17 @@ def generate_many(
     kv_cache_tokens, page_size: the slots share one paged pool of `kv_cache_tokens` tokens
       of keys and values in pages of `page_size` (a power of two), whatever `slots` is
       (`logitloop.decoding.engine.paged_batching`: admission by free pages, pages freed as
-      rows finish, preemption); default: a contiguous cache per slot. `stats`: a dict the
-      paged job fills with its counts (preemptions, rows in flight).
+      rows finish, preemption); default: a pool of the memory a contiguous cache per slot
+      holds (`slots * (max_prompt_len + max_tokens_bound)`, in the buckets), or with
+      `prefix_cache=False` (or `speculative`, `mesh`, a `FunctionModel`) that contiguous
+      cache itself.
+    prefix_cache: on a pool (default True): rows share the cached full pages of the
+      prompt prefix they have in common with earlier rows (and a request's `n` rows its
+      prompt's), and prefill only the rest; cached pages stay until the pool needs them,
+      least recently used first (`logitloop.decoding.engine.prefix_cache`). False: every
+      prompt prefilled whole (with `kv_cache_tokens`, only a request's own rows share).
+    stats: a dict the paged job fills with its counts (preemptions, rows in flight;
+      prompt, prefilled and cached tokens, evicted pages).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:
@@ -187,7 +216,7 @@ def generate_many(
         "generate_many", model, requests, params, slots=slots, chunk_steps=chunk_steps,
         prefill_batch=prefill_batch, max_prompt_len=max_prompt_len,
         max_tokens_bound=max_tokens_bound, kv_cache_tokens=kv_cache_tokens,
-        page_size=page_size, stats=stats, keywords=keywords,
+        page_size=page_size, prefix_cache=prefix_cache, stats=stats, keywords=keywords,
     ):  # fmt: skip
         out[index] = result
     return [out[i] for i in range(len(out))]

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding.engine import memory_check
 from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the public host-side names
     FINISH_REASON,
     MIN_BUFFER_BUCKET,
@@ -23,22 +24,28 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     GenerationResult,
     StopReason,
     bucket,
+    buffer_for,
     check_count,
     collect,
     initial_state,
     pad_prompts,
+    prompt_batch,
     row_stops,
     row_text,
     stop_reason,
     tokenize_prompts,
 )
+from logitloop.decoding.engine.paged_batching import sharing_refusal
 from logitloop.decoding.engine.plan import Options, Plan, plan, sampling_params
 from logitloop.decoding.engine.score import prompt_scores
+from logitloop.decoding.loop import pool, stop_strings
 from logitloop.decoding.loop import speculative as speculation
-from logitloop.decoding.loop import stop_strings
 from logitloop.decoding.loop.decode_loop import RUNNING, DecodeState, Tables, decode
+from logitloop.decoding.loop.forked import prefill_forked
 from logitloop.decoding.sampling.checks import MAX_TOP_LOGPROBS
 from logitloop.decoding.sampling.params import SamplingParams
+
+PAGE_SIZE = 16  # tokens per page of the pool that `n > 1` rows share
 
 
 def generate(
@@ -64,7 +71,9 @@ def generate(
     JAX: the same call gives the same tokens; pass `seed=` to draw differently.
     The other keywords are the shared options of `logitloop.decoding.engine.plan.Options`,
     below (an unknown keyword raises TypeError listing both sets). `n` samples per prompt
-    (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's).
+    (rows repeated prompt-major; sample i > 0 gets a seed derived from the row's); with
+    `n > 1` each prompt is prefilled once and its rows share its KV pages
+    (`logitloop.decoding.loop.forked`).
     The model's EOS ids join every row's stop ids unless `ignore_eos`.
 
     Returns one `GenerationResult` for the batch: every field, `text` included, a list
@@ -142,8 +151,31 @@ def _start(
     params = sampling_params(model, len(ids), params, settings)
     ids, params = plan.rows(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params)
-    state = initial_state(plan.program, tables, ids, fsm=fsm)
+    if plan.options.n > 1 and sharing_refusal(plan) is None:
+        plan, state = _forked_state(plan, tables, ids, params, fsm)
+    else:
+        state = initial_state(plan.program, tables, ids, fsm=fsm)
     return _Run(plan, ids, params, tables, state)
+
+
+def _forked_state(
+    plan: Plan, tables: Tables, ids: list[list[int]], params: SamplingParams, fsm: Any
+) -> tuple[Plan, DecodeState]:
+    """`n > 1`: each prompt prefilled once into a paged pool of the contiguous cache's
+    memory, its `n` rows sharing its pages (`logitloop.decoding.loop.forked`); the plan
+    with the pool's shape and the state after prefill."""
+    n = plan.options.n
+    buffer_len = buffer_for(params)
+    batch = prompt_batch(ids[::n], buffer_len)
+    entries = -(-batch.cache_len // PAGE_SIZE)
+    shape = pool.PoolShape(len(ids) * entries, PAGE_SIZE, entries)
+    plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
+    num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
+    state = memory_check.checked_call(
+        "prompts", batch.prompt.size, prefill_forked, plan.program, tables, batch, fsm,
+        n=n, buffer_len=buffer_len, num_top=num_top,
+    )  # fmt: skip
+    return plan, state
 
 
 @dataclasses.dataclass

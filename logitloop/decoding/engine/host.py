@@ -301,6 +301,20 @@ def prompt_batch(
     return PromptBatch(prompt, positions, lens, History(hist, lens, lens))
 
 
+def suffix_batch(batch: PromptBatch, cached: np.ndarray) -> PromptBatch:
+    """`batch` ([G] rows, from `prompt_batch`) for a prefill after each row's first
+    `cached[g]` prompt tokens, whose keys and values a paged pool already holds: the
+    columns before them become padding and the width shrinks to the longest rest,
+    bucketed (the prefill computes only the rest; `lengths` and `history` stay whole)."""
+    rest = int(np.max(np.asarray(batch.lengths) - cached))
+    width = min(bucket(max(rest, 1), MIN_PROMPT_BUCKET), batch.prompt.shape[1])
+    positions = np.asarray(batch.positions)[:, -width:]
+    positions = np.where(positions < np.asarray(cached)[:, None], -1, positions)
+    return batch.replace(
+        prompt=np.asarray(batch.prompt)[:, -width:], positions=positions.astype(np.int32)
+    )
+
+
 def buffer_for(params: SamplingParams) -> int:
     """The generation buffer of a batch: its largest max_tokens, bucketed."""
     return bucket(int(np.max(np.asarray(params.max_tokens))), MIN_BUFFER_BUCKET)

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from logitloop.decoding.engine.batcher import _Batcher, _bounds_from, _describe, _Row
+from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
 from logitloop.decoding.engine.plan import Plan
 from logitloop.decoding.loop import pages as paging
 from logitloop.decoding.loop import pool
@@ -127,6 +128,27 @@ class PagedBatcher(_Batcher):
             )
         return pending, rows
 
+    # Hooks of a prefix cache (`prefix_cache.PrefixBatcher`); without one, a row's prompt
+    # takes new pages and nothing else holds pages.
+
+    def pages_needed(self, row: _Row) -> int:
+        """New pages the prompt of `row` takes when it is admitted."""
+        return _cdiv(len(row.ids), self.page_size)
+
+    def room(self, pages: int) -> bool:
+        """Whether `pages` pages are free (a prefix cache first evicts pages to free them)."""
+        return pages <= self.free_pages
+
+    def relieve(self) -> bool:
+        """Free pages for a row refused one mid-chunk without preempting a row; whether
+        it did (then the stalled rows run on at the next chunk)."""
+        return False
+
+    def vacate(self, slot: int) -> int:
+        """The row in `slot` finished or was preempted: its pages are back in the pool.
+        Returns how many of them stay held (by a prefix cache), not free."""
+        return 0
+
     def _running(self, occupant: dict) -> int:
         return sum(1 for slot in occupant if slot not in self.parked)
 
@@ -136,8 +158,8 @@ class PagedBatcher(_Batcher):
         running = self._running(occupant)
         count = 0
         for row in list(waiting)[:free]:
-            need = _cdiv(len(row.ids), self.page_size)
-            if need + RESERVE_PAGES * (running + count) > self.free_pages:
+            need = self.pages_needed(row)
+            if not self.room(need + RESERVE_PAGES * (running + count)):
                 break
             self.free_pages -= need
             count += 1
@@ -157,7 +179,7 @@ class PagedBatcher(_Batcher):
             return
         for slot in sorted(self.parked, key=self.arrival.__getitem__):
             need = _cdiv(int(self.held[slot]), self.page_size)
-            if need + RESERVE_PAGES * self._running(occupant) > self.free_pages:
+            if not self.room(need + RESERVE_PAGES * self._running(occupant)):
                 return
             self.state = pool.resume(
                 self.plan.program, self.tables.weights, self.state, np.int32(slot)
@@ -176,18 +198,51 @@ class PagedBatcher(_Batcher):
         # A parked row holds, once resumed, its prompt and generated tokens but the last.
         self.held = np.asarray(prompt_len) + np.asarray(num_tokens) - 1
         self.stalled = bool(np.any(stalled))
+        for slot in occupant:
+            if done[slot]:
+                self.vacate(slot)
+        if self.stalled and self.relieve():  # pages freed without preempting a row
+            self.stalled = False
         if self.stalled:
             running = [slot for slot in occupant if not done[slot] and slot not in self.parked]
             victim = max(running, key=self.arrival.__getitem__)
             table = np.asarray(jax.device_get(s.pages.pages.tables[victim]))
             self.state = pool.park(s, np.int32(victim))
-            self.free_pages += int(np.sum(table >= 0))  # a window may have released some
             self.parked.add(victim)
+            kept = self.vacate(victim)  # its pages a prefix cache keeps are not free
+            # Its pages held (a window may have released some), less those the cache keeps.
+            self.free_pages += int(np.sum(table >= 0)) - kept
             self.stats["preemptions"] += 1
         for slot in occupant:
             if done[slot]:
                 self.arrival.pop(slot, None)
         return done
+
+
+def pool_refusal(job: Plan) -> str | None:
+    """Why a paged pool cannot run `job` (a sentence), or None when it can."""
+    if job.info.runner.graphdef is None:
+        return "a paged pool needs a logitloop model: a FunctionModel's cache is its own"
+    return None
+
+
+def sharing_refusal(job: Plan) -> str | None:
+    """Why `job`'s rows cannot share pages (a prefix cache, a request's n rows prefilled
+    once), or None when they can. Speculative decoding and meshes run on a pool of rows that
+    each own their pages (`PagedBatcher`); sharing is not built for them yet, so neither is
+    a default pool for them."""
+    if job.program.speculative is not None:
+        return "pages shared between rows do not work with speculative= yet"
+    if job.options.mesh is not None:
+        return "pages shared between rows do not work with mesh= yet"
+    return pool_refusal(job)
+
+
+def slots_memory(slots: int, max_prompt_len: int, max_tokens: int, page_size: int) -> int:
+    """The tokens of KV that `slots` contiguous rows of the job's buckets hold, in whole
+    pages: the pool a job without `kv_cache_tokens` gets."""
+    row = bucket(max_prompt_len, MIN_PROMPT_BUCKET) + bucket(max_tokens, MIN_BUFFER_BUCKET)
+    return slots * _cdiv(row, page_size) * page_size
 
 
 def batcher(
@@ -196,16 +251,17 @@ def batcher(
     kv_cache_tokens: Any,
     page_size: Any,
     stats: dict,
+    factory: Any = PagedBatcher,
     **bounds: Any,
 ) -> PagedBatcher:
-    """A `PagedBatcher` for `iter_generate_many`, every argument checked before any work."""
+    """A `PagedBatcher` (or what `factory`, a subclass, makes) for `iter_generate_many`,
+    every argument checked before any work."""
     check_pool(kv_cache_tokens, page_size)
-    if job.info.runner.graphdef is None:
-        raise ValueError(
-            "kv_cache_tokens needs a logitloop model: a FunctionModel's cache is its own"
-        )
+    refusal = pool_refusal(job)
+    if refusal is not None:
+        raise ValueError(f"kv_cache_tokens: {refusal}")
     if isinstance(requests, Sequence):
         check_requests(job.info, requests, bounds["defaults"], kv_cache_tokens, page_size)
-    return PagedBatcher(
+    return factory(
         job, kv_cache_tokens=kv_cache_tokens, page_size=page_size, stats=stats, **bounds
     )

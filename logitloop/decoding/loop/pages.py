@@ -152,27 +152,29 @@ def free(state: PageState, rows: jax.Array) -> PageState:
     )
 
 
+def share(state: PageState, rows: jax.Array, prefix: jax.Array, count: jax.Array) -> PageState:
+    """Each row b with `rows[b]` ([B] bool) drops its own pages and holds the first
+    `count[b]` ([B] int32) pages of `prefix[b]` ([B, P] int32: full pages another row or a
+    prefix cache holds, which it only reads): it then holds `page_size * count[b]` tokens,
+    and each shared page one more reference."""
+    ps = state.page_size
+    freed = free(state, rows)
+    shared = rows[:, None] & (jnp.arange(state.tables.shape[1])[None, :] < count[:, None])
+    return freed.replace(
+        ref_counts=_add_refs(freed.ref_counts, prefix, shared, 1),
+        tables=jnp.where(shared, prefix, freed.tables),
+        lengths=jnp.where(rows, count * ps, freed.lengths),
+    )
+
+
 def fork(state: PageState, parents: jax.Array, children: jax.Array) -> PageState:
     """Each row b with `children[b]` drops its own pages and shares the full pages of row
     `parents[b]` ([B] int32), as the parents were before the call: it then holds
     `page_size * (lengths[parent] // page_size)` tokens. The parent's partial last page is
     not shared; copying it (or recomputing its tokens) is the caller's job (module
     docstring)."""
-    ps = state.page_size
-    parent_tables = state.tables[parents]  # [B, P]
-    shared_lengths = state.lengths[parents] // ps * ps  # [B]
-    freed = free(state, children)
-    lengths = jnp.where(children, shared_lengths, freed.lengths)
-    shared = (
-        children[:, None]
-        & (jnp.arange(state.tables.shape[1])[None, :] < (shared_lengths // ps)[:, None])
-        & (parent_tables >= 0)
-    )
-    return freed.replace(
-        ref_counts=_add_refs(freed.ref_counts, parent_tables, shared, 1),
-        tables=jnp.where(shared, parent_tables, freed.tables),
-        lengths=lengths,
-    )
+    full = state.lengths[parents] // state.page_size
+    return share(state, children, state.tables[parents], full)
 
 
 def release_before(state: PageState, starts: jax.Array) -> PageState:
@@ -187,3 +189,9 @@ def release_before(state: PageState, starts: jax.Array) -> PageState:
         ref_counts=_add_refs(state.ref_counts, state.tables, gone, -1),
         tables=jnp.where(gone, NO_PAGE, state.tables),
     )
+
+
+def retain(state: PageState, pages: jax.Array, delta: int) -> PageState:
+    """`ref_counts` plus `delta` (1 or -1) once for each entry of `pages` ([K] int32, -1
+    entries skipped): a holder that is not a row (a prefix cache) takes or drops pages."""
+    return state.replace(ref_counts=_add_refs(state.ref_counts, pages, pages >= 0, delta))

@@ -144,13 +144,23 @@ def release(before: Any, after: Any) -> Any:
     return after.replace(pages=pool.replace(pages=paging.free(pool.pages, newly)))
 
 
-def admit(state: Any, slot: jax.Array, lengths: jax.Array) -> tuple[Any, Any]:
+def admit(
+    state: Any, slot: jax.Array, lengths: jax.Array, prefix: Any = None
+) -> tuple[Any, Any]:
     """Pages for G new rows' prompts (`slot` [G], S = a dummy row; `lengths` [G]); returns
-    the state and the pool attached to the new rows' tables (what their prefill writes)."""
+    the state and the pool attached to the new rows' tables (what their prefill writes).
+    `prefix`: `(pages [G, P], count [G])`, full pages of cached prompt prefixes each row
+    shares (`pages.share`) before it takes new pages for the rest of its prompt."""
     pool = state.pages
     batch = pool.arrival.shape[0]
     rows = jnp.zeros((batch,), bool).at[slot].set(True, mode="drop")
-    pages = paging.free(pool.pages, rows)
+    if prefix is None:
+        pages = paging.free(pool.pages, rows)
+    else:
+        shared = jnp.full(pool.pages.tables.shape, paging.NO_PAGE, jnp.int32)
+        count = jnp.zeros((batch,), jnp.int32).at[slot].set(prefix[1], mode="drop")
+        shared = shared.at[slot].set(prefix[0], mode="drop")
+        pages = paging.share(pool.pages, rows, shared, count)
     pages, _ = paging.allocate(pages, pages.lengths.at[slot].set(lengths, mode="drop"))
     arrival = jnp.max(pool.arrival) + 1 + jnp.arange(slot.shape[0], dtype=jnp.int32)
     tables = jnp.take(pages.tables, slot, axis=0, mode="fill", fill_value=paging.NO_PAGE)

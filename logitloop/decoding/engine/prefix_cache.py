@@ -1,0 +1,248 @@
+"""Shared prompt prefixes on a paged pool: a prompt's full pages are prefilled once and
+read by every row that starts with the same tokens (`generate_many(..., prefix_cache=True)`).
+
+A full page of a prompt is named by a key that hashes its tokens and every token before
+it (a chain: `key[i] = sha256(key[i - 1] + tokens of page i)`, as vLLM's automatic prefix
+caching does), so two prompts share page i exactly when their first `(i + 1) * page_size`
+tokens are equal. The host keeps the keys (`PrefixCache`); the pool holds the pages:
+
+- a new row looks up the keys of its prompt's full pages and shares the longest run of
+  cached ones (`pages.share`, a reference each); its prefill computes only the tokens
+  after them (`host.suffix_batch`), at least its last token, whose logits it samples;
+- after the prefill, the row's other full prompt pages are cached: the cache holds a
+  reference of its own on each (`pages.retain`), so a page outlives the rows that read it;
+- a cached page that no row holds is idle; idle pages are evicted, least recently used
+  first (deeper pages of a prompt before the pages they follow), when an admission, a
+  resumed row or a row's next token needs a page and none is free.
+
+The `n` rows of a request share their prompt's pages the same way: the first is
+prefilled, the others (in a later prefill group) read its pages. With
+`prefix_cache=False` the keys are salted with the request's index, so only a request's own
+rows share, and its pages leave the cache as soon as no row holds them.
+
+The keys and values of a shared page are those a prefill of the row's whole prompt
+writes, and the prefill after them attends them as the last chunks of a chunked prefill
+do: under `deterministic=True` a row's results are bit for bit those without sharing
+(`test_deterministic.test_chunked_prefill_equals_one_pass` holds the same invariance).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logitloop.decoding.engine.batcher import _Row
+from logitloop.decoding.engine.paged_batching import PagedBatcher, _cdiv
+from logitloop.decoding.loop import pages as paging
+
+
+def page_keys(ids: Sequence[int], page_size: int, salt: bytes = b"") -> list[bytes]:
+    """The keys of the full pages of the prompt `ids`: page i's hashes its tokens and
+    every key before it (and `salt`)."""
+    keys, key = [], salt
+    for start in range(0, len(ids) - page_size + 1, page_size):
+        page = np.asarray(ids[start : start + page_size], np.int64).tobytes()
+        key = hashlib.sha256(key + page).digest()
+        keys.append(key)
+    return keys
+
+
+class PrefixCache:
+    """Which pool page holds which cached key, how many rows hold each cached page, and
+    the idle ones (held by no row) in least-recently-used order."""
+
+    def __init__(self):
+        self.page_of: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.users: dict[int, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, keys: Sequence[bytes], limit: int) -> list[int]:
+        """The pages of the longest run of cached keys `keys[:limit]` starts with."""
+        pages = []
+        for key in keys[:limit]:
+            if key not in self.page_of:
+                break
+            pages.append(self.page_of[key])
+        return pages
+
+    def add(self, key: bytes, page: int) -> None:
+        self.page_of[key], self.key_of[page], self.users[page] = page, key, 0
+
+    def acquire(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self.users[page] += 1
+            self.idle.pop(page, None)
+
+    def release(self, pages: Sequence[int]) -> list[int]:
+        """Rows no longer hold `pages`; returns those now idle (deepest first)."""
+        idle = []
+        for page in reversed(pages):
+            self.users[page] -= 1
+            if self.users[page] == 0:
+                self.idle[page] = None
+                idle.append(page)
+        return idle
+
+    def evict(self, count: int, keep: set[int]) -> list[int]:
+        """Up to `count` idle pages, least recently used first, but none in `keep`,
+        dropped from the cache."""
+        out = []
+        for page in list(self.idle):
+            if len(out) == count:
+                break
+            if page not in keep:
+                out.append(page)
+        for page in out:
+            del self.idle[page], self.users[page], self.page_of[self.key_of.pop(page)]
+        return out
+
+
+@functools.partial(jax.jit, static_argnames=("delta",), donate_argnames=("state",))
+def _retain(state: Any, pages: jax.Array, delta: int) -> Any:
+    """The cache takes (`delta` 1) or drops (-1) a reference on `pages` ([K], -1 padded);
+    dropping also clears the rows refused a page (the pages it frees are theirs)."""
+    pool = state.pages
+    pool = pool.replace(pages=paging.retain(pool.pages, pages, delta))
+    if delta < 0:
+        pool = pool.replace(stalled=jnp.zeros_like(pool.stalled))
+    return state.replace(pages=pool)
+
+
+class PrefixBatcher(PagedBatcher):
+    """A `PagedBatcher` whose rows share their prompts' cached full pages (module
+    docstring). `keep=False` (`prefix_cache=False`): only a request's own rows share.
+
+    `stats` also gets "prompt_tokens" (the admitted rows' prompt tokens), "prefill_tokens"
+    (those the prefills computed; resumed rows' recomputation not counted),
+    "cached_tokens" (read from shared pages instead) and "evicted_pages"."""
+
+    def __init__(self, plan: Any, *, keep: bool = True, **kwargs: Any):
+        super().__init__(plan, **kwargs)
+        self.keep = keep
+        self.cache = PrefixCache()
+        self.entries = self.plan.program.pool.entries
+        self.num_pages = self.plan.program.pool.num_pages
+        self.holding: dict[int, list[int]] = {}  # slot -> the cached pages its row holds
+        self.protect: set[int] = set()  # pages rows being admitted will share
+        self.counted: set[bytes] = set()  # keys of the rows admissible counted this round
+        self.doomed: list[int] = []  # idle pages to drop at once (keep=False)
+        self.stats.update(prompt_tokens=0, prefill_tokens=0, cached_tokens=0, evicted_pages=0)
+
+    def _keys(self, row: _Row) -> list[bytes]:
+        salt = b"" if self.keep else row.request.to_bytes(8, "little")
+        return page_keys(row.ids, self.page_size, salt)
+
+    def _limit(self, row: _Row) -> int:
+        """Pages a row may share: its last prompt token is always computed (its logits)."""
+        return (len(row.ids) - 1) // self.page_size
+
+    def _send(self, pages: list[int], delta: int) -> None:
+        if pages:
+            padded = np.full((self.num_pages,), paging.NO_PAGE, np.int32)
+            padded[: len(pages)] = pages
+            self.state = _retain(self.state, padded, delta)
+
+    # ------------------------------------------------------------------ hooks
+
+    def admissible(self, waiting: Sequence[_Row], free: int, occupant: dict) -> int:
+        self.counted, self.protect = set(), set()
+        return super().admissible(waiting, free, occupant)
+
+    def pages_needed(self, row: _Row) -> int:
+        keys = self._keys(row)
+        shared = self.cache.match(keys, self._limit(row))
+        self.protect.update(shared)
+        depth = len(shared)
+        while depth < self._limit(row) and keys[depth] in self.counted:
+            depth += 1  # a row admitted before it in this round writes that page
+        self.counted.update(keys)
+        return _cdiv(len(row.ids), self.page_size) - depth
+
+    def room(self, pages: int) -> bool:
+        short = pages - self.free_pages
+        if short > 0:
+            self._evict(short)
+        return pages <= self.free_pages
+
+    def relieve(self) -> bool:
+        return self._evict(self.slots) > 0  # a page for each row that may need one
+
+    def vacate(self, slot: int) -> int:
+        held = self.holding.pop(slot, [])
+        idle = self.cache.release(held)
+        if not self.keep:
+            self.doomed += idle
+        return len(held)
+
+    def _evict(self, count: int) -> int:
+        pages = self.cache.evict(count, self.protect)
+        self._send(pages, -1)
+        self.free_pages += len(pages)
+        self.stats["evicted_pages"] += len(pages)
+        return len(pages)
+
+    def done(self, occupant: dict) -> np.ndarray:
+        done = super().done(occupant)
+        if self.doomed:
+            pages, self.doomed = self.cache.evict(len(self.doomed), set()), []
+            self._send(pages, -1)
+            self.free_pages += len(pages)
+        return done
+
+    # ------------------------------------------------------------------ admission
+
+    def groups(self, rows: Sequence[_Row]) -> Iterator[list[_Row]]:
+        """Prefill groups in which no row reads a page another row of the group writes:
+        such a row starts the next group, after the pages it reads are cached."""
+        group: list[_Row] = []
+        written: set[bytes] = set()
+        for row in rows:
+            keys = self._keys(row)[: self._limit(row)]
+            cached = len(self.cache.match(keys, len(keys)))
+            if len(group) == self.group or (cached < len(keys) and keys[cached] in written):
+                yield group
+                group, written = [], set()
+                cached = len(self.cache.match(keys, len(keys)))
+            group.append(row)
+            written.update(keys[cached:])
+        if group:
+            yield group
+        self.protect = set()
+
+    def admit_group(self, group: list[_Row], slot: np.ndarray, shared: Any = None) -> None:
+        ps = self.page_size
+        keys = [self._keys(row) for row in group]
+        matches = [self.cache.match(k, self._limit(r)) for k, r in zip(keys, group, strict=True)]
+        table = np.full((self.group, self.entries), paging.NO_PAGE, np.int32)
+        for i in range(self.group):
+            pages = matches[i if i < len(group) else 0]  # a dummy row repeats the first
+            table[i, : len(pages)] = pages
+        # A group that shares nothing is prefilled at the job's prompt bucket, as without a
+        # cache (one program); one that shares, at the bucket of its longest rest.
+        super().admit_group(group, slot, table if any(matches) else None)
+        tables = np.asarray(jax.device_get(self.state.pages.pages.tables[slot[: len(group)]]))
+        new = []
+        for i, row in enumerate(group):
+            held = list(matches[i])
+            self.cache.acquire(held)
+            for j in range(len(held), len(row.ids) // ps):
+                if keys[i][j] in self.cache.page_of:  # another row cached it first
+                    break
+                page = int(tables[i, j])
+                self.cache.add(keys[i][j], page)
+                self.cache.acquire([page])
+                held.append(page)
+                new.append(page)
+            self.holding[int(slot[i])] = held
+            self.stats["prompt_tokens"] += len(row.ids)
+            self.stats["cached_tokens"] += len(matches[i]) * ps
+            self.stats["prefill_tokens"] += len(row.ids) - len(matches[i]) * ps
+        self._send(new, 1)

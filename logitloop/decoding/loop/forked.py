@@ -1,0 +1,91 @@
+"""`n > 1` samples of each prompt on a paged pool: the prompt is prefilled once, its n rows
+share its full pages and each copies its partial last page (`generate(..., n=16)`).
+
+The batch's rows are prompt-major (`host.request_rows`): rows `u * n .. u * n + n - 1` are
+the samples of prompt u, and row `u * n` (the parent) is the one prefilled:
+
+1. each parent takes the pages of its prompt (`pages.allocate`) and the prefill of the
+   U distinct prompts writes them (`decode_loop.forward_prompt` through the parents'
+   tables);
+2. the other rows `fork` their parent's full pages (a reference each; nobody writes a
+   full prompt page again), take a page of their own for the partial last page and copy
+   the parent's into it (`layers.copy_pages`, copy-on-write), so each row writes only
+   its own pages from there on;
+3. every row draws its first token from its prompt's logits, with its own params.
+
+The loop then runs as with `generate_many`'s pool (`pool`: rows grow page by page and
+return their pages when they finish), in a pool of the memory the contiguous cache of
+the batch would hold. A row's logits are those of its prompt prefilled alone, so its
+tokens are those of the same row without sharing (bit for bit under `deterministic=True`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from logitloop.decoding.loop import pages as paging
+from logitloop.decoding.loop import pool as paged
+from logitloop.decoding.loop.decode_loop import (
+    DecodeState,
+    Program,
+    PromptBatch,
+    Tables,
+    forward_prompt,
+    sample_state,
+)
+from logitloop.decoding.loop.runner import runner_jit
+from logitloop.decoding.sampling import processors as procs
+from logitloop.models import layers
+
+
+@functools.partial(runner_jit, static_argnames=("program", "n", "buffer_len", "num_top"))
+def prefill_forked(
+    program: Program,
+    tables: Tables,  # [U * n] rows
+    prompts: PromptBatch,  # [U] distinct prompts
+    fsm: jax.Array | None = None,  # [U * n] i32, the rows' initial automaton states
+    *,
+    n: int,
+    buffer_len: int,
+    num_top: int,
+) -> DecodeState:
+    """The state after prefill of `n` rows per prompt sharing its pages (module docstring);
+    `program.pool` sizes the pool."""
+    shape = program.pool
+    ps = shape.page_size
+    unique = prompts.prompt.shape[0]
+    batch = unique * n
+    cache, pool = paged.init(program.runner, tables.weights, shape, batch)
+    rows = jnp.arange(batch)
+    parents = rows // n * n
+    child = rows != parents
+    lengths = jnp.repeat(prompts.lengths, n)
+    pages, _ = paging.allocate(pool.pages, jnp.where(child, 0, lengths))
+    logits, cache = forward_prompt(
+        program.runner, tables.weights, prompts.prompt, prompts.positions, 0,
+        cache=paged.attach(cache, pages.tables[::n]),
+    )  # fmt: skip
+    pages = paging.fork(pages, parents, child)
+    pages, _ = paging.allocate(pages, lengths)
+    last = (lengths // ps)[:, None]  # the partial page's table entry
+    source = jnp.take_along_axis(pages.tables[parents], last, axis=1)[:, 0]
+    target = jnp.take_along_axis(pages.tables, last, axis=1)[:, 0]
+    target = jnp.where(child & (lengths % ps != 0), target, shape.num_pages)  # else skipped
+    cache = layers.copy_pages(paged.detach(cache), source, target)
+    state = DecodeState.empty(
+        cache=cache,
+        history=jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), prompts.history),
+        prompt_len=lengths,
+        buffer_len=buffer_len,
+        num_top=num_top,
+        window=tables.params.stop_sequences.shape[2],
+        text=0 if tables.stops is None else tables.stops.window,
+        processor_states=procs.init_states(tables.params.processors, batch, logits.shape[1]),
+        fsm=fsm,
+    )
+    state = sample_state(program.layout, tables, jnp.repeat(logits, n, axis=0), state)
+    pool = pool.replace(pages=paging.free(pages, state.done), arrival=rows.astype(jnp.int32))
+    return state.replace(pages=pool)

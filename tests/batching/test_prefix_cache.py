@@ -1,0 +1,225 @@
+"""Shared prefixes (issue 45): `generate(..., n=N)` prefills each prompt once and its rows
+share its pages; `generate_many` shares the full pages of common prompt prefixes across
+requests (`prefix_cache`, on by default). Every row's results are those of its prompt
+prefilled alone: tokens equal, and bit for bit under `deterministic=True`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import logitloop as ll
+from logitloop.decoding.engine import generate as generate_module
+from logitloop.decoding.engine.batching import Request, generate_many
+from logitloop.decoding.engine.prefix_cache import PrefixCache, page_keys
+
+PAGE = 16  # generate_many's default page size
+# One set of bounds for every job here: the jobs share their compiled programs.
+BOUNDS = dict(slots=4, prefill_batch=2, chunk_steps=4, max_prompt_len=64, max_tokens_bound=12)
+POOL = 4 * (64 + 16)  # the default pool of BOUNDS: 4 slots of the buckets' 64 + 16 tokens
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return ll.load_pretrained(dtype="float32")  # with its tokenizer: stop strings, regexes
+
+
+def _prompt(seed: int, length: int, vocab: int = 200) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, length).tolist()
+
+
+def _same(got, want, bits: bool):
+    assert got.token_ids == want.token_ids
+    assert got.finish_reason == want.finish_reason
+    if bits:
+        assert got.raw_logprobs == want.raw_logprobs
+        assert got.logprobs == want.logprobs
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def test_n_rows_equal_single_row_runs(shipped, monkeypatch):
+    """`n = 16` rows of a 37-token prompt (two full pages and a partial one, shared and
+    copied) against 16 runs of one row each with the row's seed: bit for bit under
+    `deterministic=True`; and the prompt is prefilled once (`_forked_state`)."""
+    forked = []
+    start = generate_module._forked_state
+    monkeypatch.setattr(generate_module, "_forked_state", lambda *a: forked.append(1) or start(*a))
+    prompt = _prompt(0, 37)
+    knobs = dict(temperature=1.0, max_tokens=6, seed=7, logprobs=1, ignore_eos=True)
+    got = ll.generate(shipped, [prompt], n=16, deterministic=True, **knobs)
+    assert forked == [1]
+    rows = ll.SamplingParams.create(1, **{k: v for k, v in knobs.items() if k != "ignore_eos"})
+    rows = rows.samples(16)
+    for i in range(16):
+        alone = ll.generate(shipped, [prompt], rows.take([i]), deterministic=True, ignore_eos=True)
+        assert got.token_ids[i] == alone.token_ids[0], i
+        assert got.raw_logprobs[i] == alone.raw_logprobs[0], i
+        assert got.finish_reason[i] == alone.finish_reason[0], i
+    assert len({tuple(t) for t in got.token_ids}) > 1  # the rows did sample apart
+
+
+@pytest.mark.slow
+def test_n_rows_of_two_prompts_with_stop_strings(shipped):
+    """Two prompts (one a whole number of pages), n = 3, stop strings, a processor that
+    reads the prompt (NoRepeatNGram): as the rows prefilled one by one; `stream`'s text is
+    `generate`'s."""
+    prompts = [_prompt(1, 32), _prompt(2, 21)]
+    knobs = dict(temperature=0.9, max_tokens=10, seed=[1, 2], stop=["e", "a"])
+    procs = [ll.NoRepeatNGram.create(2, size=2)]
+    got = ll.generate(shipped, prompts, n=3, processors=procs, **knobs)
+    params = ll.SamplingParams.create(2, **knobs).samples(3)
+    rows = [p for p in prompts for _ in range(3)]
+    want = ll.generate(shipped, rows, params, processors=[ll.NoRepeatNGram.create(6, size=2)])
+    _same(got, want, bits=False)
+    assert got.text == want.text
+    streamed = [""] * 6
+    for event in ll.stream(shipped, prompts, n=3, processors=procs, chunk_steps=3, **knobs):
+        streamed[event.row] += event.text
+    assert streamed == got.text
+
+
+# ----------------------------------------------------------------------------- generate_many
+
+
+def _expected_prefill(rows: list[list[int]]) -> int:
+    """Prefill tokens with a cache that evicts nothing: each row shares the full pages it
+    has in common with an earlier row, but never its last token."""
+    total = 0
+    for i, ids in enumerate(rows):
+        best = 0
+        for other in rows[:i]:
+            same = 0
+            while same < min(len(ids), len(other)) and ids[same] == other[same]:
+                same += 1
+            best = max(best, same // PAGE)
+        total += len(ids) - min(best, (len(ids) - 1) // PAGE) * PAGE
+    return total
+
+
+def _shared_prefix_job(count: int, prefix_len: int, seed: int) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    prefix = _prompt(seed, prefix_len)
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.0, presence_penalty=0.5),
+        dict(temperature=0.8, top_k=8),
+    ]
+    return [
+        Request(
+            prefix + rng.integers(3, 200, int(rng.integers(1, 20))).tolist(),
+            dict(settings[i % 3], max_tokens=int(rng.integers(1, 8)), seed=i),
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("deterministic", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_prefix_cache_equals_no_cache(shipped, deterministic):
+    """6 requests of n = 2 rows sharing a 40-token prefix: the prefix cache (the default)
+    against `prefix_cache=False` (contiguous slots); tokens equal, bit for bit under
+    `deterministic=True`; the prefill computes only what no earlier row holds."""
+    requests = _shared_prefix_job(6, 40, 0)
+    bounds = dict(BOUNDS, n=2, deterministic=deterministic)
+    want = generate_many(shipped, requests, prefix_cache=False, **bounds)
+    stats = {}
+    got = generate_many(shipped, requests, stats=stats, **bounds)
+    for a, b in zip(got, want, strict=True):
+        _same(a, b, bits=deterministic)
+    rows = [r.prompt for r in requests for _ in range(2)]
+    assert stats["prompt_tokens"] == sum(map(len, rows))
+    assert stats["prefill_tokens"] == _expected_prefill(rows)
+    assert stats["prefill_tokens"] + stats["cached_tokens"] == stats["prompt_tokens"]
+    assert stats["prefill_tokens"] < stats["prompt_tokens"] // 3
+
+
+def test_a_small_pool_evicts_and_keeps_results(shipped):
+    """The default pool of 20 pages for 4 slots cannot cache 16 requests' pages: cached
+    pages are evicted (least recently used) to admit and grow rows, and the results stay
+    those without a cache."""
+    requests = _shared_prefix_job(16, 40, 1)
+    want = generate_many(shipped, requests, prefix_cache=False, **BOUNDS)
+    stats = {}
+    got = generate_many(shipped, requests, kv_cache_tokens=POOL, stats=stats, **BOUNDS)
+    assert stats["evicted_pages"] > 0
+    assert stats["cached_tokens"] > 0
+    for a, b in zip(got, want, strict=True):
+        _same(a, b, bits=False)
+
+
+@pytest.mark.slow
+def test_structured_output_and_stop_strings_share_prefixes(shipped):
+    """Requests with a regex, a choice, stop strings and processors behind a shared
+    prefix: as without the cache."""
+    prefix = "The list of answers to the questions below is long. " * 2
+    requests = [
+        Request(
+            prefix + "Pick one:", dict(choice=["yes", "no"], seed=1, temperature=1.0, max_tokens=8)
+        ),
+        Request(prefix + "Digits:", dict(regex="[0-9]{3}", seed=2, temperature=1.0, max_tokens=8)),
+        Request(prefix + "Say", dict(stop=["e"], seed=3, temperature=1.0, max_tokens=12)),
+        Request(
+            prefix + "Again",
+            dict(seed=4, temperature=0.7, max_tokens=12),
+            processors=[ll.NoRepeatNGram.create(1, size=2)],
+        ),
+    ]
+    processors = [ll.NoRepeatNGram.create(1, size=0)]  # the job's, for the other requests
+    bounds = dict(BOUNDS, processors=processors)
+    want = generate_many(shipped, requests, prefix_cache=False, **bounds)
+    stats = {}
+    got = generate_many(shipped, requests, stats=stats, **bounds)
+    assert stats["cached_tokens"] > 0
+    for a, b in zip(got, want, strict=True):
+        _same(a, b, bits=False)
+        assert a.text == b.text
+
+
+def test_prefix_cache_false_with_a_pool_shares_only_a_requests_rows(shipped):
+    requests = _shared_prefix_job(3, 40, 2)
+    stats = {}
+    generate_many(
+        shipped, requests, n=2, kv_cache_tokens=POOL, prefix_cache=False, stats=stats, **BOUNDS
+    )
+    first_rows = sum(len(r.prompt) for r in requests)
+    second_rows = sum(len(r.prompt) - (len(r.prompt) - 1) // PAGE * PAGE for r in requests)
+    assert stats["prefill_tokens"] == first_rows + second_rows
+
+
+def test_bad_prefix_cache(shipped):
+    with pytest.raises(ValueError, match="prefix_cache must be True, False or None"):
+        generate_many(shipped, [[1, 2]], prefix_cache="yes")
+    draft = ll.PromptLookup(max_ngram=2, num_draft=2)
+    with pytest.raises(ValueError, match="prefix_cache=True: .*speculative"):
+        generate_many(shipped, [[1, 2]], prefix_cache=True, speculative=draft)
+
+
+def test_page_keys_chain_the_tokens_before():
+    a = page_keys([1, 2, 3, 4, 5], 2)
+    assert len(a) == 2  # full pages only
+    assert page_keys([1, 2, 3, 4], 2) == a
+    assert page_keys([9, 2, 3, 4], 2)[1] != a[1]  # same page, another page before it
+    cache = PrefixCache()
+    cache.add(a[0], 5)
+    cache.add(a[1], 6)
+    assert cache.match(a, 2) == [5, 6] and cache.match(a, 1) == [5]
+    cache.acquire([5, 6])
+    assert cache.release([5, 6]) == [6, 5]  # deeper pages go idle (and are evicted) first
+    assert cache.evict(1, keep=set()) == [6]
+    assert cache.match(a, 2) == [5]
+
+
+@pytest.mark.slow
+def test_64_requests_with_a_1k_prefix_bit_for_bit(shipped):
+    """The issue's job: 64 requests sharing a ~1K-token prefix (960 tokens: the shipped
+    model's context is 1024), bit for bit under `deterministic=True` against
+    `prefix_cache=False`."""
+    requests = _shared_prefix_job(64, 960, 3)
+    bounds = dict(slots=16, deterministic=True)
+    want = generate_many(shipped, requests, prefix_cache=False, **bounds)
+    stats = {}
+    got = generate_many(shipped, requests, stats=stats, **bounds)
+    for a, b in zip(got, want, strict=True):
+        _same(a, b, bits=True)
+    assert stats["prefill_tokens"] == _expected_prefill([r.prompt for r in requests])
