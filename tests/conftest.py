@@ -46,6 +46,14 @@ def compile_counter() -> CompileWatch:
 # the families whose logits parity (default) already covers every layer; the processor
 # agreement test across generate/stream/generate_many (the mesh worker covers the loop).
 SLOW_CASES = (
+    # The paged pool's and the prefix cache's costliest cases, each beside a default case of
+    # the same path: speculation on a pool with preemptions (the 12-request paged job and
+    # the speculative tests stay), eviction under a small pool (the deterministic prefix-cache
+    # job stays), and prompt lookup over a copying model at 23 tokens (21 stays, both modes).
+    "tests/batching/test_paged_generate_many.py::test_speculative_paged_job_equals_the_contiguous_one",
+    "tests/batching/test_prefix_cache.py::test_a_small_pool_evicts_and_keeps_results",
+    "tests/decoding/test_speculative.py::test_prompt_lookup_accepts_every_draft_of_a_model_that_copies[23-strict]",
+    "tests/decoding/test_speculative.py::test_prompt_lookup_accepts_every_draft_of_a_model_that_copies[23-rejection]",
     # Beam search against transformers on GPT-2 (the Llama case stays), and the CLI's
     # --num-beams against ll.beam_search (the score CLI's cases stay).
     "tests/decoding/test_beam.py::test_matches_transformers[gpt2]",

@@ -225,6 +225,33 @@ def sample_state(
     return record(state, out, params, tables.stops, automata, bits, where=where)
 
 
+def first_state(
+    layout: Layout,
+    tables: Tables,
+    logits: jax.Array,
+    cache: Any,
+    history: Any,
+    prompt_len: jax.Array,
+    buffer_len: int,
+    num_top: int,
+    fsm: Any,
+) -> DecodeState:
+    """The state after a prefill: the rows' `cache`, prompt `history` and `prompt_len` [B],
+    their first tokens drawn from the prompts' last `logits` [B, V] (`sample_state`)."""
+    state = DecodeState.empty(
+        cache=cache,
+        history=history,
+        prompt_len=prompt_len,
+        buffer_len=buffer_len,
+        num_top=num_top,
+        window=tables.params.stop_sequences.shape[2],
+        text=0 if tables.stops is None else tables.stops.window,
+        processor_states=procs.init_states(tables.params.processors, *logits.shape),
+        fsm=fsm,
+    )
+    return sample_state(layout, tables, logits, state)
+
+
 def push_token(window: jax.Array, tok: jax.Array) -> jax.Array:
     """The window of the last L generated tokens [B, L] after appending `tok` [B]."""
     return jnp.concatenate([window[:, 1:], tok[:, None]], axis=1)
@@ -407,18 +434,9 @@ def prefill(
         program.runner, tables.weights, prompt, positions, plen + buffer_len, layout,
         prefill_chunk, cache,
     )  # fmt: skip
-    state = DecodeState.empty(
-        cache=cache,
-        history=prompts.history,
-        prompt_len=prompts.lengths,
-        buffer_len=buffer_len,
-        num_top=num_top,
-        window=tables.params.stop_sequences.shape[2],
-        text=0 if tables.stops is None else tables.stops.window,
-        processor_states=procs.init_states(tables.params.processors, batch, logits.shape[1]),
-        fsm=fsm,
+    state = first_state(
+        layout, tables, logits, cache, prompts.history, prompts.lengths, buffer_len, num_top, fsm
     )
-    state = sample_state(layout, tables, logits, state)
     if program.speculative is not None:
         spec = program.speculative.init(
             tables.draft_weights, prompt, positions, plen + buffer_len, layout

@@ -33,11 +33,10 @@ from logitloop.decoding.loop.decode_loop import (
     Program,
     PromptBatch,
     Tables,
+    first_state,
     forward_prompt,
-    sample_state,
 )
 from logitloop.decoding.loop.runner import runner_jit
-from logitloop.decoding.sampling import processors as procs
 from logitloop.models import layers
 
 
@@ -75,17 +74,16 @@ def prefill_forked(
     target = jnp.take_along_axis(pages.tables, last, axis=1)[:, 0]
     target = jnp.where(child & (lengths % ps != 0), target, shape.num_pages)  # else skipped
     cache = layers.copy_pages(paged.detach(cache), source, target)
-    state = DecodeState.empty(
-        cache=cache,
-        history=jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), prompts.history),
-        prompt_len=lengths,
-        buffer_len=buffer_len,
-        num_top=num_top,
-        window=tables.params.stop_sequences.shape[2],
-        text=0 if tables.stops is None else tables.stops.window,
-        processor_states=procs.init_states(tables.params.processors, batch, logits.shape[1]),
-        fsm=fsm,
+    state = first_state(
+        program.layout,
+        tables,
+        jnp.repeat(logits, n, axis=0),
+        cache,
+        jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), prompts.history),
+        lengths,
+        buffer_len,
+        num_top,
+        fsm,
     )
-    state = sample_state(program.layout, tables, jnp.repeat(logits, n, axis=0), state)
     pool = pool.replace(pages=paging.free(pages, state.done), arrival=rows.astype(jnp.int32))
     return state.replace(pages=pool)

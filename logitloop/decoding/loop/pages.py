@@ -159,7 +159,11 @@ def share(state: PageState, rows: jax.Array, prefix: jax.Array, count: jax.Array
     and each shared page one more reference."""
     ps = state.page_size
     freed = free(state, rows)
-    shared = rows[:, None] & (jnp.arange(state.tables.shape[1])[None, :] < count[:, None])
+    shared = (
+        rows[:, None]
+        & (jnp.arange(state.tables.shape[1])[None, :] < count[:, None])
+        & (prefix >= 0)  # an entry a sliding window released (`release_before`) stays empty
+    )
     return freed.replace(
         ref_counts=_add_refs(freed.ref_counts, prefix, shared, 1),
         tables=jnp.where(shared, prefix, freed.tables),
