@@ -41,8 +41,10 @@ def _same(got, want, bits: bool):
 
 def test_n_rows_equal_single_row_runs(shipped, monkeypatch):
     """`n = 16` rows of a 37-token prompt (two full pages and a partial one, shared and
-    copied) against 16 runs of one row each with the row's seed: bit for bit under
-    `deterministic=True`; and the prompt is prefilled once (`_forked_state`)."""
+    copied) against the prompt given 16 times, each row with its own seed and its own
+    prefill in the contiguous cache: bit for bit under `deterministic=True` (in which a row
+    in a batch is the row alone, `test_deterministic.py`); and the prompt is prefilled
+    once (`_forked_state`)."""
     forked = []
     start = generate_module._forked_state
     monkeypatch.setattr(generate_module, "_forked_state", lambda *a: forked.append(1) or start(*a))
@@ -51,12 +53,11 @@ def test_n_rows_equal_single_row_runs(shipped, monkeypatch):
     got = ll.generate(shipped, [prompt], n=16, deterministic=True, **knobs)
     assert forked == [1]
     rows = ll.SamplingParams.create(1, **{k: v for k, v in knobs.items() if k != "ignore_eos"})
-    rows = rows.samples(16)
-    for i in range(16):
-        alone = ll.generate(shipped, [prompt], rows.take([i]), deterministic=True, ignore_eos=True)
-        assert got.token_ids[i] == alone.token_ids[0], i
-        assert got.raw_logprobs[i] == alone.raw_logprobs[0], i
-        assert got.finish_reason[i] == alone.finish_reason[0], i
+    want = ll.generate(
+        shipped, [prompt] * 16, rows.samples(16), deterministic=True, ignore_eos=True
+    )
+    assert forked == [1]  # 16 prompts of n = 1 are not forked
+    _same(got, want, bits=True)
     assert len({tuple(t) for t in got.token_ids}) > 1  # the rows did sample apart
 
 
