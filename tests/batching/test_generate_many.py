@@ -11,6 +11,7 @@ from flax import nnx
 import logitloop as ll
 from logitloop.decoding.engine.batching import Request, generate_many, iter_generate_many
 from logitloop.models import LlamaConfig, LlamaModel
+from tests.decoding.scripted import ByteTokenizer
 
 from .scripted import expected, make_model
 
@@ -174,22 +175,6 @@ def test_ignore_eos(model, table):
     assert got[0].token_ids[0] == expected(table, [3], 30)[0]
     assert got[0].finish_reason == ["length"]
 
-
-class ByteTokenizer:
-    """Token i is the byte string `pieces[i]` (as in tests/decoding/test_stop_strings.py)."""
-
-    def __init__(self, pieces):
-        self.pieces = pieces
-        self.vocab_size = len(pieces)
-
-    def token_bytes(self, i):
-        return self.pieces[i]
-
-    def encode(self, text):
-        return [self.pieces.index(bytes([b])) for b in text.encode()]
-
-    def decode(self, ids):
-        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
 
 def test_stop_strings_added_mid_job(table):

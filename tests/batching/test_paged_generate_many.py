@@ -12,24 +12,12 @@ from logitloop.decoding.engine import paged_batching
 from logitloop.decoding.engine.batching import Request, generate_many
 from logitloop.decoding.loop import pages
 from tests.decoding.random_llama import small_llama
+from tests.decoding.scripted import ByteTokenizer
 
 V = 48
 PAGE = 4
 BOUNDS = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens_bound=24)
 
-
-class ByteTokenizer:
-    """Token i is the byte `pieces[i]` (enough for stop strings)."""
-
-    def __init__(self, pieces: list[bytes]):
-        self.pieces = pieces
-        self.vocab_size = len(pieces)
-
-    def token_bytes(self, i: int) -> bytes:
-        return self.pieces[i]
-
-    def decode(self, ids) -> str:
-        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
 
 @pytest.fixture(scope="module")

@@ -59,3 +59,21 @@ def expected(table, prompt, max_tokens, stop_ids=(), stop_seqs=(), min_tokens=0)
             return out, "stop"
         tok, pos = nxt, pos + 1
     return out, "length"
+
+
+class ByteTokenizer:
+    """A tokenizer whose token i is the byte string `pieces[i]` (no merges, no specials):
+    enough for stop strings."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+        self.vocab_size = len(pieces)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.pieces[i]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.pieces.index(bytes([b])) for b in text.encode()]
+
+    def decode(self, ids) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")

@@ -9,21 +9,7 @@ from hypothesis import strategies as st
 
 import logitloop as ll
 
-from .scripted import make_model
-
-
-class ByteTokenizer:
-    """A tokenizer whose token i is the byte string `pieces[i]` (no merges, no specials)."""
-
-    def __init__(self, pieces: list[bytes]):
-        self.pieces = pieces
-        self.vocab_size = len(pieces)
-
-    def token_bytes(self, i: int) -> bytes:
-        return self.pieces[i]
-
-    def decode(self, ids) -> str:
-        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+from .scripted import ByteTokenizer, make_model
 
 
 def forced_model(pieces: list[bytes], outputs: list[list[int]]):
