@@ -196,7 +196,7 @@ def generate_many(
       (`logitloop.decoding.engine.paged_batching`: admission by free pages, pages freed as
       rows finish, preemption); default: a pool of the memory a contiguous cache per slot
       holds (`slots * (max_prompt_len + max_tokens_bound)`, in the buckets), or with
-      `prefix_cache=False` (or `speculative`, `mesh`, a `FunctionModel`) that contiguous
+      `prefix_cache=False` (or `mesh`, a `FunctionModel`) that contiguous
       cache itself.
     prefix_cache: on a pool (default True): rows share the cached full pages of the
       prompt prefix they have in common with earlier rows (and a request's `n` rows its

@@ -12,8 +12,9 @@ The host side of the pool, on top of `batcher._Batcher`:
 - when a running row is refused a page the chunk ends and the newest running row is
   preempted (`pool.park`): it keeps its slot and its sampling state and is resumed, before
   any new request is admitted, when its prompt and generated tokens fit again
-  (`pool.resume` recomputes their keys and values), with the same tokens it would have
-  drawn without preemption (its noise is keyed by (seed, position)).
+  (`pool.resume` recomputes their keys and values, but for the prompt's pages a prefix
+  cache holds, which it reads), with the same tokens it would have drawn without
+  preemption (its noise is keyed by (seed, position)).
 
 A request that alone needs more than N tokens raises `ValueError` before any work when the
 requests are a sequence (else when it is read).
@@ -149,6 +150,14 @@ class PagedBatcher(_Batcher):
         Returns how many of them stay held (by a prefix cache), not free."""
         return 0
 
+    def cached_prompt(self, row: _Row) -> list[int]:
+        """Pages of `row`'s prompt (its first full pages) a resumed row reads instead of
+        recomputing them: none without a prefix cache."""
+        return []
+
+    def resumed(self, slot: int, row: _Row, shared: list[int]) -> None:
+        """The parked row in `slot` holds pages again, `shared` first."""
+
     def _running(self, occupant: dict) -> int:
         return sum(1 for slot in occupant if slot not in self.parked)
 
@@ -177,13 +186,21 @@ class PagedBatcher(_Batcher):
     def resume(self, occupant: dict) -> None:
         if self.stalled:  # the pages just freed are for the row that was refused
             return
+        ps = self.page_size
         for slot in sorted(self.parked, key=self.arrival.__getitem__):
-            need = _cdiv(int(self.held[slot]), self.page_size)
+            row = occupant[slot]
+            shared = self.cached_prompt(row)
+            need = _cdiv(int(self.held[slot]), ps) - len(shared)
             if not self.room(need + RESERVE_PAGES * self._running(occupant)):
                 return
+            table = np.full((self.plan.program.pool.entries,), paging.NO_PAGE, np.int32)
+            table[: len(shared)] = shared
+            rest = bucket(max(len(row.ids) - len(shared) * ps, 1), MIN_PROMPT_BUCKET)
             self.state = pool.resume(
-                self.plan.program, self.tables.weights, self.state, np.int32(slot)
-            )
+                self.plan.program, self.tables.weights, self.state, np.int32(slot), table,
+                width=min(rest, self.prompt_len),
+            )  # fmt: skip
+            self.resumed(slot, row, shared)
             self.free_pages -= need
             self.parked.discard(slot)
             self.stats["resumed"] += 1
@@ -228,11 +245,12 @@ def pool_refusal(job: Plan) -> str | None:
 
 def sharing_refusal(job: Plan) -> str | None:
     """Why `job`'s rows cannot share pages (a prefix cache, a request's n rows prefilled
-    once), or None when they can. Speculative decoding and meshes run on a pool of rows that
-    each own their pages (`PagedBatcher`); sharing is not built for them yet, so neither is
-    a default pool for them."""
-    if job.program.speculative is not None:
-        return "pages shared between rows do not work with speculative= yet"
+    once), or None when they can. A mesh runs on a pool of rows that each own their pages
+    (`PagedBatcher`); sharing is not built for it yet, so neither is a default pool.
+    Speculative decoding shares: a verification writes at the row's positions from its
+    prompt's length on, past every shared page (shared pages are full prompt pages), and a
+    draft model's own cache is prefilled with the whole prompt
+    (`decode_loop.speculation_state`)."""
     if job.options.mesh is not None:
         return "pages shared between rows do not work with mesh= yet"
     return pool_refusal(job)

@@ -13,7 +13,10 @@ tokens are equal. The host keeps the keys (`PrefixCache`); the pool holds the pa
   reference of its own on each (`pages.retain`), so a page outlives the rows that read it;
 - a cached page that no row holds is idle; idle pages are evicted, least recently used
   first (deeper pages of a prompt before the pages they follow), when an admission, a
-  resumed row or a row's next token needs a page and none is free.
+  resumed row or a row's next token needs a page and none is free;
+- a preempted row, when it resumes, shares the cached full pages of its prompt (all of
+  them: it needs no prompt logits) and recomputes only the rest of its history
+  (`pool.resume`); the prompt pages it recomputes are cached again.
 
 The `n` rows of a request share their prompt's pages the same way: the first is
 prefilled, the others (in a later prefill group) read its pages. With
@@ -122,7 +125,9 @@ class PrefixBatcher(PagedBatcher):
 
     `stats` also gets "prompt_tokens" (the admitted rows' prompt tokens), "prefill_tokens"
     (those the prefills computed; resumed rows' recomputation not counted),
-    "cached_tokens" (read from shared pages instead) and "evicted_pages"."""
+    "cached_tokens" (read from shared pages instead), "evicted_pages" and
+    "resume_cached_tokens" (prompt tokens preempted rows read from the cache when they
+    resumed, instead of recomputing them)."""
 
     def __init__(self, plan: Any, *, keep: bool = True, **kwargs: Any):
         super().__init__(plan, **kwargs)
@@ -134,7 +139,10 @@ class PrefixBatcher(PagedBatcher):
         self.protect: set[int] = set()  # pages rows being admitted will share
         self.counted: set[bytes] = set()  # keys of the rows admissible counted this round
         self.doomed: list[int] = []  # idle pages to drop at once (keep=False)
-        self.stats.update(prompt_tokens=0, prefill_tokens=0, cached_tokens=0, evicted_pages=0)
+        self.stats.update(
+            prompt_tokens=0, prefill_tokens=0, cached_tokens=0, evicted_pages=0,
+            resume_cached_tokens=0,
+        )  # fmt: skip
 
     def _keys(self, row: _Row) -> list[bytes]:
         salt = b"" if self.keep else row.request.to_bytes(8, "little")
@@ -181,6 +189,42 @@ class PrefixBatcher(PagedBatcher):
         if not self.keep:
             self.doomed += idle
         return len(held)
+
+    def cached_prompt(self, row: _Row) -> list[int]:
+        # Every full prompt page: a resumed row needs no prompt logits. Kept from eviction
+        # while its resumption makes room.
+        shared = self.cache.match(self._keys(row), len(row.ids) // self.page_size)
+        self.protect = set(shared)
+        return shared
+
+    def resume(self, occupant: dict) -> None:
+        super().resume(occupant)
+        self.protect = set()
+
+    def resumed(self, slot: int, row: _Row, shared: list[int]) -> None:
+        self.cache.acquire(shared)
+        table = np.asarray(jax.device_get(self.state.pages.pages.tables[slot]))
+        held = list(shared)
+        self._send(self._cache_pages(self._keys(row), held, len(row.ids), table), 1)
+        self.holding[slot] = held
+        self.stats["resume_cached_tokens"] += len(shared) * self.page_size
+
+    def _cache_pages(
+        self, keys: list[bytes], held: list[int], length: int, table: np.ndarray
+    ) -> list[int]:
+        """Cache the full pages of a prompt of `length` tokens after those the row `held`s
+        (`table`: its page table), up to the first another row cached first; the row
+        holds them too (appended to `held`). Returns the new ones."""
+        new = []
+        for j in range(len(held), length // self.page_size):
+            if keys[j] in self.cache.page_of:
+                break
+            page = int(table[j])
+            self.cache.add(keys[j], page)
+            self.cache.acquire([page])
+            held.append(page)
+            new.append(page)
+        return new
 
     def _evict(self, count: int) -> int:
         pages = self.cache.evict(count, self.protect)
@@ -233,14 +277,7 @@ class PrefixBatcher(PagedBatcher):
         for i, row in enumerate(group):
             held = list(matches[i])
             self.cache.acquire(held)
-            for j in range(len(held), len(row.ids) // ps):
-                if keys[i][j] in self.cache.page_of:  # another row cached it first
-                    break
-                page = int(tables[i, j])
-                self.cache.add(keys[i][j], page)
-                self.cache.acquire([page])
-                held.append(page)
-                new.append(page)
+            new += self._cache_pages(keys[i], held, len(row.ids), tables[i])
             self.holding[int(slot[i])] = held
             self.stats["prompt_tokens"] += len(row.ids)
             self.stats["cached_tokens"] += len(matches[i]) * ps

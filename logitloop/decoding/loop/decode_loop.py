@@ -94,6 +94,15 @@ class PromptBatch:
     def cache_len(self) -> int:
         return self.history.tokens.shape[1]
 
+    def whole(self, width: int) -> tuple[jax.Array, jax.Array]:
+        """Each whole prompt left-padded to `width` columns, rebuilt from `history`, and its
+        positions, as `host.prompt_batch` lays them out: the batch again after
+        `host.suffix_batch` cut it to the columns after shared pages."""
+        pos = jnp.arange(width)[None, :] - (width - self.lengths)[:, None]  # [B, width]
+        at = jnp.clip(pos, 0, self.cache_len - 1)
+        tokens = jnp.take_along_axis(self.history.tokens, at, axis=1)
+        return jnp.where(pos >= 0, tokens, 0), jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
+
 
 @struct.dataclass
 class DecodeState:
@@ -438,11 +447,24 @@ def prefill(
         layout, tables, logits, cache, prompts.history, prompts.lengths, buffer_len, num_top, fsm
     )
     if program.speculative is not None:
-        spec = program.speculative.init(
-            tables.draft_weights, prompt, positions, plen + buffer_len, layout
-        )
-        state = state.replace(speculation=spec)
+        state = state.replace(speculation=speculation_state(program, tables, prompts, buffer_len))
     return layout.state(state)
+
+
+def speculation_state(
+    program: Program, tables: Tables, prompts: PromptBatch, buffer_len: int
+) -> Any:
+    """Speculation's per-row state after a prefill of `prompts` (`speculative.init`). A
+    draft model's cache is its own (contiguous, `cache_len` slots a row): its prefill takes
+    each whole prompt, also where the target's prefill computed only the columns after
+    shared pages (`host.suffix_batch`)."""
+    prompt, positions = prompts.prompt, prompts.positions
+    width = prompts.cache_len - buffer_len
+    if prompt.shape[1] != width:
+        prompt, positions = prompts.whole(width)
+    return program.speculative.init(
+        tables.draft_weights, prompt, positions, prompts.cache_len, program.layout
+    )
 
 
 def last_tokens(state: DecodeState) -> jax.Array:

@@ -11,7 +11,8 @@ the samples of prompt u, and row `u * n` (the parent) is the one prefilled:
    full prompt page again), take a page of their own for the partial last page and copy
    the parent's into it (`layers.copy_pages`, copy-on-write), so each row writes only
    its own pages from there on;
-3. every row draws its first token from its prompt's logits, with its own params.
+3. every row draws its first token from its prompt's logits, with its own params (with
+   a draft model, its own contiguous cache is prefilled once per prompt and repeated).
 
 The loop then runs as with `generate_many`'s pool (`pool`: rows grow page by page and
 return their pages when they finish), in a pool of the memory the contiguous cache of
@@ -35,6 +36,7 @@ from logitloop.decoding.loop.decode_loop import (
     Tables,
     first_state,
     forward_prompt,
+    speculation_state,
 )
 from logitloop.decoding.loop.runner import runner_jit
 from logitloop.models import layers
@@ -85,5 +87,8 @@ def prefill_forked(
         num_top,
         fsm,
     )
+    if program.speculative is not None:  # a draft model's own cache: prefilled once too
+        spec = speculation_state(program, tables, prompts, buffer_len)
+        state = state.replace(speculation=jax.tree.map(lambda x: jnp.repeat(x, n, 0), spec))
     pool = pool.replace(pages=paging.free(pages, state.done), arrival=rows.astype(jnp.int32))
     return state.replace(pages=pool)

@@ -17,9 +17,10 @@ the loop runs as it always did.
   the prefill writes into the shared pool through the new rows' tables.
 - Preemption (`park`): the host frees a row's pages and parks it in its slot; its sampling
   state (tokens, history, stop windows, processor states, automaton state) stays as it is.
-  `resume` gives it pages again and recomputes the keys and values of its prompt and the
-  tokens it generated in one prompt pass, so it continues exactly where it stopped: its
-  noise is keyed by (seed, position), which have not changed.
+  `resume` gives it pages again (sharing the prompt's pages a prefix cache holds) and
+  recomputes the keys and values of the rest of its prompt and the tokens it generated,
+  so it continues exactly where it stopped: its noise is keyed by (seed, position), which
+  have not changed.
 """
 
 from __future__ import annotations
@@ -198,35 +199,48 @@ def park(state: Any, slot: jax.Array) -> Any:
     )
 
 
-@functools.partial(runner_jit, static_argnames=("program",), donate_argnames=("state",))
-def resume(program: Any, weights: Any, state: Any, slot: jax.Array) -> Any:
+@functools.partial(
+    runner_jit, static_argnames=("program", "width"), donate_argnames=("state",)
+)
+def resume(
+    program: Any, weights: Any, state: Any, slot: jax.Array, shared: jax.Array, *, width: int
+) -> Any:
     """Give the parked row in `slot` ([] i32) pages again and recompute the keys and values
     of its prompt and generated tokens but the last (which the next step feeds): its prompt
     in a prompt pass, its generated tokens in one decode-kind pass over the buffer's columns
     (as a speculative verification is), so a deterministic runner computes every position
     with the products and sums it had the first time and the row's keys and values come
-    back bit for bit."""
+    back bit for bit.
+
+    `shared` ([P] i32, -1 past them): full pages of the row's prompt that a prefix cache
+    holds; the row reads them (`pages.share`) and its prompt pass computes only the
+    `width` (static, at least the rest of the prompt) columns from the first position after
+    them, as an admission's prefill after cached pages does."""
     pool = state.pages
     rows = jnp.arange(pool.arrival.shape[0]) == slot
     prompt_len = state.prompt_len[slot]
     length = prompt_len + state.num_tokens[slot] - 1
-    pages, _ = paging.allocate(pool.pages, jnp.where(rows, length, pool.pages.lengths))
+    count = jnp.sum(shared >= 0, dtype=jnp.int32)
+    tables = jnp.broadcast_to(shared, pool.pages.tables.shape)
+    pages = paging.share(pool.pages, rows, tables, jnp.where(rows, count, 0))
+    pages, _ = paging.allocate(pages, jnp.where(rows, length, pages.lengths))
     cache = attach(state.cache, pages.tables[slot][None])
     history = state.history.tokens[slot][None]  # [1, P + N]
-    width = state.tokens.shape[1]  # N: the generated tokens' buffer
-    bucket = history.shape[1] - width  # P >= prompt_len
-    cols = jnp.arange(bucket)[None]
+    buffer = state.tokens.shape[1]  # N: the generated tokens' buffer
+    start = count * pages.page_size  # the prompt's first position not in a shared page
+    begin = jnp.minimum(start, history.shape[1] - width)
+    cols = begin + jnp.arange(width)[None]
     _, cache = program.runner.forward(
         weights,
-        jnp.maximum(history[:, :bucket], 0),
-        jnp.where(cols < prompt_len, cols, -1),
+        jnp.maximum(jax.lax.dynamic_slice_in_dim(history, begin, width, axis=1), 0),
+        jnp.where((cols >= start) & (cols < prompt_len), cols, -1),
         cache,
         prompt=True,
     )
-    cols = prompt_len + jnp.arange(width)[None]
+    cols = prompt_len + jnp.arange(buffer)[None]
     _, cache = program.runner.forward(
         weights,
-        jnp.maximum(jax.lax.dynamic_slice_in_dim(history, prompt_len, width, axis=1), 0),
+        jnp.maximum(jax.lax.dynamic_slice_in_dim(history, prompt_len, buffer, axis=1), 0),
         jnp.where(cols < length, cols, -1),
         cache,
     )
