@@ -104,9 +104,7 @@ class PagedBatcher(_Batcher):
         entries = _cdiv(self.prompt_len + self.buffer_len, page_size)
         window = pool.window_of(plan.info.runner.sliding_windows(plan.info.weights))
         shape = pool.PoolShape(num_pages, page_size, entries, window)
-        self.plan = dataclasses.replace(
-            plan, program=dataclasses.replace(plan.program, pool=shape)
-        )
+        self.plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
         self.free_pages = num_pages  # the host's view: the last count read, less admissions
         self.arrival: dict[int, int] = {}  # slot -> admission number
         self.arrivals = 0
@@ -280,6 +278,4 @@ def batcher(
         raise ValueError(f"kv_cache_tokens: {refusal}")
     if isinstance(requests, Sequence):
         check_requests(job.info, requests, bounds["defaults"], kv_cache_tokens, page_size)
-    return factory(
-        job, kv_cache_tokens=kv_cache_tokens, page_size=page_size, stats=stats, **bounds
-    )
+    return factory(job, kv_cache_tokens=kv_cache_tokens, page_size=page_size, stats=stats, **bounds)

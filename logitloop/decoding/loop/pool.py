@@ -145,9 +145,7 @@ def release(before: Any, after: Any) -> Any:
     return after.replace(pages=pool.replace(pages=paging.free(pool.pages, newly)))
 
 
-def admit(
-    state: Any, slot: jax.Array, lengths: jax.Array, prefix: Any = None
-) -> tuple[Any, Any]:
+def admit(state: Any, slot: jax.Array, lengths: jax.Array, prefix: Any = None) -> tuple[Any, Any]:
     """Pages for G new rows' prompts (`slot` [G], S = a dummy row; `lengths` [G]); returns
     the state and the pool attached to the new rows' tables (what their prefill writes).
     `prefix`: `(pages [G, P], count [G])`, full pages of cached prompt prefixes each row
@@ -199,9 +197,7 @@ def park(state: Any, slot: jax.Array) -> Any:
     )
 
 
-@functools.partial(
-    runner_jit, static_argnames=("program", "width"), donate_argnames=("state",)
-)
+@functools.partial(runner_jit, static_argnames=("program", "width"), donate_argnames=("state",))
 def resume(
     program: Any, weights: Any, state: Any, slot: jax.Array, shared: jax.Array, *, width: int
 ) -> Any:
