@@ -52,10 +52,14 @@ def _tokens(results):
 
 @pytest.fixture(scope="module")
 def job(model):
-    """12 requests of 2 rows: without pages (4 slots of 40 tokens each), and with a pool of
-    64 tokens for 8 slots (16 pages: rows must wait for pages and be preempted)."""
+    """12 requests of 2 rows, half of them behind a common 8-token prefix: without pages
+    (4 contiguous slots of 40 tokens each), and with a pool of 64 tokens for 8 slots and
+    its prefix cache, the default (16 pages: rows must wait for pages, and the rows
+    running hold the cached pages, so eviction cannot help and rows are preempted)."""
     reqs = _requests(12, 0)
-    want = generate_many(model, reqs, slots=4, n=2, **BOUNDS)
+    prefix = [int(t) for t in np.random.default_rng(1).integers(0, V, 2 * PAGE)]
+    reqs[::2] = [Request((prefix + r.prompt)[:15], r.params, r.id) for r in reqs[::2]]
+    want = generate_many(model, reqs, slots=4, n=2, prefix_cache=False, **BOUNDS)
     stats = {}
     got = generate_many(
         model, reqs, slots=8, n=2, kv_cache_tokens=64, page_size=PAGE, stats=stats, **BOUNDS
@@ -72,9 +76,14 @@ def test_paged_job_equals_the_contiguous_job(job):
 
 
 def test_a_small_pool_preempts_and_resumes(job):
+    """Preemption together with the prefix cache: rows share cached pages (a request's two
+    rows, the common prefix), and a preempted row reads its prompt's cached pages when it
+    resumes instead of recomputing them."""
     _, _, stats = job
     assert stats["preemptions"] > 0
     assert stats["resumed"] == stats["preemptions"]
+    assert stats["cached_tokens"] > 0
+    assert stats["resume_cached_tokens"] > 0
     # 16 pages of 4 tokens: never more rows than pages, whatever the 8 slots allow
     assert 1 <= stats["most_rows_in_flight"] <= 8
 
@@ -159,7 +168,7 @@ def test_speculative_paged_job_equals_the_contiguous_one(model):
         period = [int(t) for t in rng.integers(0, V, int(rng.integers(2, 5)))]
         knobs = dict(temperature=0.0 if i % 2 else 0.9, max_tokens=int(rng.integers(8, 25)))
         reqs.append(Request((period * 5)[: int(rng.integers(6, 16))], dict(knobs, seed=i)))
-    want = generate_many(model, reqs, slots=3, speculative=spec, **BOUNDS)
+    want = generate_many(model, reqs, slots=3, speculative=spec, prefix_cache=False, **BOUNDS)
     stats = {}
     got = generate_many(
         model, reqs, slots=6, speculative=spec, kv_cache_tokens=48, page_size=PAGE,
@@ -262,7 +271,9 @@ def test_draft_model_paged_job_equals_the_contiguous_one(model):
 
     spec = ll.DraftModel(model=model, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
     reqs = _requests(8, 6)
-    want = generate_many(model, reqs, slots=4, n=2, speculative=spec, **BOUNDS)
+    want = generate_many(
+        model, reqs, slots=4, n=2, speculative=spec, prefix_cache=False, **BOUNDS
+    )
     stats = {}
     got = generate_many(
         model, reqs, slots=8, n=2, speculative=spec, kv_cache_tokens=48, page_size=PAGE,

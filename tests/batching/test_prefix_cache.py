@@ -5,13 +5,19 @@ prefilled alone: tokens equal, and bit for bit under `deterministic=True`."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 import logitloop as ll
 from logitloop.decoding.engine import generate as generate_module
 from logitloop.decoding.engine.batching import Request, generate_many
+from logitloop.decoding.engine.host import prompt_batch, suffix_batch
 from logitloop.decoding.engine.prefix_cache import PrefixCache, page_keys
+from logitloop.decoding.loop import speculative
+from logitloop.decoding.loop.decode_loop import Program, PromptBatch, Tables, speculation_state
+from logitloop.decoding.loop.runner import model_info
+from tests.decoding.random_llama import small_llama
 
 PAGE = 16  # generate_many's default page size
 # One set of bounds for every job here: the jobs share their compiled programs.
@@ -180,9 +186,11 @@ def test_structured_output_and_stop_strings_share_prefixes(shipped):
 def test_prefix_cache_false_with_a_pool_shares_only_a_requests_rows(shipped):
     requests = _shared_prefix_job(3, 40, 2)
     stats = {}
+    # deterministic: the programs of `test_prefix_cache_equals_no_cache[True]` (same pool)
     generate_many(
-        shipped, requests, n=2, kv_cache_tokens=POOL, prefix_cache=False, stats=stats, **BOUNDS
-    )
+        shipped, requests, n=2, kv_cache_tokens=POOL, prefix_cache=False, stats=stats,
+        deterministic=True, **BOUNDS,
+    )  # fmt: skip
     first_rows = sum(len(r.prompt) for r in requests)
     second_rows = sum(len(r.prompt) - (len(r.prompt) - 1) // PAGE * PAGE for r in requests)
     assert stats["prefill_tokens"] == first_rows + second_rows
@@ -191,9 +199,87 @@ def test_prefix_cache_false_with_a_pool_shares_only_a_requests_rows(shipped):
 def test_bad_prefix_cache(shipped):
     with pytest.raises(ValueError, match="prefix_cache must be True, False or None"):
         generate_many(shipped, [[1, 2]], prefix_cache="yes")
-    draft = ll.PromptLookup(max_ngram=2, num_draft=2)
-    with pytest.raises(ValueError, match="prefix_cache=True: .*speculative"):
-        generate_many(shipped, [[1, 2]], prefix_cache=True, speculative=draft)
+
+
+# ----------------------------------------------------------------------------- speculation
+
+SMALL = dict(slots=4, prefill_batch=2, chunk_steps=4, max_prompt_len=40, max_tokens_bound=16)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return small_llama(48, 64, 3)
+
+
+def _draft(model) -> ll.DraftModel:
+    """The model as its own draft (greedy rows accept every draft), never switched off."""
+    return ll.DraftModel(model=model, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
+
+
+def test_a_draft_model_prefills_the_whole_prompt(small):
+    """What kept speculation off shared pages: a prefill after cached pages computes only
+    the rest of each prompt (`host.suffix_batch`), but a draft model's cache is its own.
+    Its prefill (`decode_loop.speculation_state`) rebuilds the whole prompts
+    (`PromptBatch.whole`): its cache is the whole batch's, bit for bit."""
+    info = model_info(small)
+    spec, draft_weights = speculative.resolve(_draft(small), info)
+    program = Program(info.runner, speculative=spec)
+    tables = Tables(info.weights, None, draft_weights=draft_weights)
+    batch = prompt_batch([_prompt(1, 37, 48), _prompt(2, 20, 48)], 16, 64)
+    cut = suffix_batch(batch, np.array([32, 16]))
+    assert cut.prompt.shape == (2, 16)
+    whole = jax.jit(PromptBatch.whole, static_argnums=1)(cut, 64)
+    np.testing.assert_array_equal(whole[0], batch.prompt)
+    np.testing.assert_array_equal(whole[1], batch.positions)
+    state = jax.jit(speculation_state, static_argnums=(0, 3))
+    want, got = state(program, tables, batch, 16), state(program, tables, cut, 16)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_draft_model_on_shared_pages(small, deterministic):
+    """Speculation's default is the pool with a prefix cache: 5 requests of n = 2 behind a
+    24-token prefix, whose target prefill computes only the columns after the cached pages
+    (16, under the prompt bucket of 64) while the draft model's own cache is prefilled
+    with the whole prompt. Tokens and draft counts are those of `prefix_cache=False`
+    (contiguous slots), and raw logprobs bit for bit under `deterministic=True`."""
+    rng = np.random.default_rng(4)
+    prefix = _prompt(4, 24, 48)
+    requests = [
+        Request(
+            prefix + rng.integers(3, 48, int(rng.integers(1, 9))).tolist(),
+            dict(temperature=0.0 if i % 2 else 0.9, max_tokens=int(rng.integers(6, 13)), seed=i),
+        )
+        for i in range(5)
+    ]
+    bounds = dict(SMALL, n=2, speculative=_draft(small), deterministic=deterministic)
+    want = generate_many(small, requests, prefix_cache=False, **bounds)
+    stats = {}
+    got = generate_many(small, requests, stats=stats, **bounds)
+    assert stats["cached_tokens"] >= 9 * 16  # every row but the first reads the prefix
+    for a, b in zip(got, want, strict=True):
+        _same(a, b, bits=deterministic)
+        assert a.speculation == b.speculation
+    assert sum(row["accepted"] for r in got for row in r.speculation) > 0
+
+
+@pytest.mark.slow
+def test_n_rows_with_speculation_equal_single_row_runs(small, monkeypatch):
+    """`generate(..., n=3, speculative=...)` prefills each prompt once, the draft model's
+    cache too (its rows repeated), and its rows are those of each prompt given 3 times."""
+    forked = []
+    start = generate_module._forked_state
+    monkeypatch.setattr(generate_module, "_forked_state", lambda *a: forked.append(1) or start(*a))
+    prompts = [(_prompt(5, 3, 48) * 8)[:21], _prompt(6, 17, 48)]
+    knobs = dict(temperature=[0.0, 0.9], max_tokens=8, seed=[7, 8])
+    got = ll.generate(small, prompts, n=3, speculative=_draft(small), ignore_eos=True, **knobs)
+    assert forked == [1]
+    rows = ll.SamplingParams.create(2, **knobs).samples(3)
+    repeated = [p for p in prompts for _ in range(3)]
+    want = ll.generate(small, repeated, rows, speculative=_draft(small), ignore_eos=True)
+    assert got.token_ids == want.token_ids
+    assert got.speculation == want.speculation
 
 
 def test_page_keys_chain_the_tokens_before():
