@@ -19,7 +19,6 @@ PAGE = 4
 BOUNDS = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens_bound=24)
 
 
-
 @pytest.fixture(scope="module")
 def model():
     m = small_llama(V, 64, 3)
@@ -271,9 +270,7 @@ def test_draft_model_paged_job_equals_the_contiguous_one(model):
 
     spec = ll.DraftModel(model=model, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
     reqs = _requests(8, 6)
-    want = generate_many(
-        model, reqs, slots=4, n=2, speculative=spec, prefix_cache=False, **BOUNDS
-    )
+    want = generate_many(model, reqs, slots=4, n=2, speculative=spec, prefix_cache=False, **BOUNDS)
     stats = {}
     got = generate_many(
         model, reqs, slots=8, n=2, speculative=spec, kv_cache_tokens=48, page_size=PAGE,
