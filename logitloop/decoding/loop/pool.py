@@ -145,7 +145,9 @@ def release(before: Any, after: Any) -> Any:
     return after.replace(pages=pool.replace(pages=paging.free(pool.pages, newly)))
 
 
-def admit(state: Any, slot: jax.Array, lengths: jax.Array, prefix: Any = None) -> tuple[Any, Any]:
+def admit(
+    state: Any, slot: jax.Array, lengths: jax.Array, prefix: Any = None
+) -> tuple[Any, Any]:
     """Pages for G new rows' prompts (`slot` [G], S = a dummy row; `lengths` [G]); returns
     the state and the pool attached to the new rows' tables (what their prefill writes).
     `prefix`: `(pages [G, P], count [G])`, full pages of cached prompt prefixes each row
