@@ -125,7 +125,7 @@ def _job(
     )
     if prefix_cache not in (None, True, False):
         raise ValueError(f"prefix_cache must be True, False or None, got {prefix_cache!r}")
-    refusal = paged_batching.sharing_refusal(job)
+    refusal = paged_batching.prefix_refusal(job)
     if prefix_cache is None:
         prefix_cache = refusal is None
     elif prefix_cache and refusal is not None:
