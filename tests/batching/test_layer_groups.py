@@ -16,7 +16,7 @@ from tests.decoding.random_llama import small_gemma
 V = 48
 PAGE = 4
 WINDOW = 4  # the local layer's; the other layer is global
-BOUNDS = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=8, max_tokens_bound=24)
+BOUNDS = dict(chunk_steps=4, prefill_batch=2, max_prompt_len=8, max_tokens_bound=16)
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +25,12 @@ def gemma():
 
 
 def _requests() -> list[Request]:
-    """Two rows of 27 and 31 tokens (prompts of 3 and 7, 24 new tokens each), one greedy,
+    """Two rows of 19 and 23 tokens (prompts of 3 and 7, 16 new tokens each), one greedy,
     one sampled."""
     rng = np.random.default_rng(5)
     return [
         Request([int(t) for t in rng.integers(0, V, 3 + 4 * i)], dict(
-            temperature=0.9 * i, max_tokens=24, seed=i
+            temperature=0.9 * i, max_tokens=16, seed=i
         ))
         for i in range(2)
     ]  # fmt: skip
@@ -50,7 +50,7 @@ def test_shape_for_groups_layers_by_window():
 
 
 def test_local_pages_return_while_global_pages_stay(gemma):
-    """Two rows in a pool of 12 pages of 4 tokens (the global layer's: the rows need 15,
+    """Two rows in a pool of 8 pages of 4 tokens (the global layer's: the rows need 11,
     so one is preempted and resumed): at every chunk's end the local group holds at most
     the pages its window spans, 2 a row, while the global group holds every page written;
     the tokens are those of the contiguous job, logprobs within float32 rounding."""
@@ -58,7 +58,7 @@ def test_local_pages_return_while_global_pages_stay(gemma):
     want = generate_many(gemma, reqs, slots=2, **BOUNDS)
     stats = {}
     got = generate_many(
-        gemma, reqs, slots=2, kv_cache_tokens=48, page_size=PAGE, stats=stats, **BOUNDS
+        gemma, reqs, slots=2, kv_cache_tokens=32, page_size=PAGE, stats=stats, **BOUNDS
     )
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     for a, b in zip(got, want, strict=True):
@@ -79,7 +79,7 @@ def test_deterministic_grouped_job_is_the_contiguous_job_bit_for_bit(gemma, monk
     want = generate_many(gemma, reqs, slots=2, **kwargs)
     stats = {}
     got = generate_many(
-        gemma, reqs, slots=2, kv_cache_tokens=48, page_size=PAGE, stats=stats, **kwargs
+        gemma, reqs, slots=2, kv_cache_tokens=32, page_size=PAGE, stats=stats, **kwargs
     )
     assert stats["preemptions"] > 0
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
