@@ -20,6 +20,9 @@ the loop runs as it always did.
   `resume` gives it pages again and recomputes the keys and values of its prompt and the
   tokens it generated in one prompt pass, so it continues exactly where it stopped: its
   noise is keyed by (seed, position), which have not changed.
+- Layer groups (`shape_for`): a model whose layers' windows differ has one page table and
+  one pool of pages per window (`Pool.groups`); every hook above acts in each group, and a
+  row is granted a page only where every group grants it.
 """
 
 from __future__ import annotations
