@@ -84,3 +84,33 @@ def test_deterministic_grouped_job_is_the_contiguous_job_bit_for_bit(gemma, monk
     assert stats["preemptions"] > 0
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.raw_logprobs for r in got] == [r.raw_logprobs for r in want]
+
+
+def test_a_mixed_window_model_has_no_prefix_cache(gemma):
+    """The prefix cache shares one page table's pages: asked for with layer groups, it is
+    refused before any work, naming why."""
+    with pytest.raises(ValueError, match="prefix_cache=True: .* layers of different windows"):
+        generate_many(gemma, _requests(), slots=2, prefix_cache=True, **BOUNDS)
+
+
+@pytest.mark.slow
+def test_speculative_grouped_job_equals_the_contiguous_one(gemma):
+    """Prompt lookup on the grouped pool: a verification takes its drafts' pages in every
+    group (`pool.grow_drafts`), and the tokens are the contiguous speculative job's."""
+    import logitloop as ll
+
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0, cycle_cost=1.0)
+    reqs = [
+        Request([5, 9, 5, 9, 5, 9, 5][: 4 + i], dict(temperature=0.0, max_tokens=16))
+        for i in range(2)
+    ]
+    want = generate_many(gemma, reqs, slots=2, speculative=spec, **BOUNDS)
+    stats = {}
+    got = generate_many(
+        gemma, reqs, slots=2, speculative=spec, kv_cache_tokens=32, page_size=PAGE,
+        stats=stats, **BOUNDS,
+    )  # fmt: skip
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert sum(row["drafted"] for r in got for row in r.speculation) > 0
+    held_global, held_local = stats["most_pages_held"]
+    assert held_local < held_global
