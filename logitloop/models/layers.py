@@ -327,7 +327,7 @@ def init_layer_caches(
 
 def init_paged_caches(
     num_layers: int,
-    num_pages: int,
+    num_pages: int | Sequence[int],
     page_size: int,
     tables: jax.Array,  # [B, P] int32
     num_kv_heads: int,
@@ -335,12 +335,14 @@ def init_paged_caches(
     dtype,
 ) -> KVCache:
     """Zeros: per layer a pool `dict(k_pages=[Hkv, N, page_size, D], v_pages=..., tables)`
-    of N = `num_pages` pages, every layer with the same page tables (the caller replaces
-    `tables` in every layer when rows gain or lose pages)."""
-    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    of N = `num_pages` pages (or `num_pages[i]` for layer i), every layer with the same page
+    tables (the caller replaces `tables` when rows gain or lose pages)."""
+    if isinstance(num_pages, int):
+        num_pages = (num_pages,) * num_layers
+    shapes = [(num_kv_heads, n, page_size, head_dim) for n in num_pages]
     return [
         {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype), "tables": tables}
-        for _ in range(num_layers)
+        for shape in shapes
     ]
 
 
@@ -427,9 +429,7 @@ def write_ring(
     return {
         "k": jax.vmap(put)(cache["k"], k, slot),
         "v": jax.vmap(put)(cache["v"], v, slot),
-        "pos": jax.vmap(lambda p, x, s: p.at[s].set(x, mode="drop"))(
-            cache["pos"], positions, slot
-        ),
+        "pos": jax.vmap(lambda p, x, s: p.at[s].set(x, mode="drop"))(cache["pos"], positions, slot),
     }
 
 

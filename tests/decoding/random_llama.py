@@ -1,4 +1,5 @@
-"""A small random Llama (grouped-query attention, tied head) for decode-loop tests."""
+"""A small random Llama (grouped-query attention, tied head) for decode-loop tests, and a
+Gemma-2-style one (local and global layers, soft-capping)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ from typing import Any
 
 from flax import nnx
 
-from logitloop.models import LlamaConfig, LlamaModel
+from logitloop.models import GemmaConfig, GemmaModel, LlamaConfig, LlamaModel
 
 
-def small_llama(vocab_size: int, max_length: int, seed: int, **config: Any) -> LlamaModel:
+def small_llama(
+    vocab_size: int, max_length: int, seed: int, *, gemma: bool = False, **config: Any
+) -> LlamaModel:
     """2 layers, 4 query / 2 kv heads of 8; weights 25x the default init, so that the logits
-    are far from ties and greedy tokens are stable. `config`: other `LlamaConfig` fields."""
-    config = LlamaConfig(
+    are far from ties and greedy tokens are stable. `config`: other `LlamaConfig` fields.
+    `gemma`: a `GemmaModel` (`small_gemma`)."""
+    config_class, model_class = (GemmaConfig, GemmaModel) if gemma else (LlamaConfig, LlamaModel)
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
@@ -24,8 +29,15 @@ def small_llama(vocab_size: int, max_length: int, seed: int, **config: Any) -> L
         tie_word_embeddings=True,
         **config,
     )
-    model = LlamaModel(config, rngs=nnx.Rngs(seed))
+    model = model_class(config, rngs=nnx.Rngs(seed))
     for _, p in nnx.iter_graph(model):
         if isinstance(p, nnx.Param) and p[...].ndim > 1:
             p[...] = p[...] * 25.0
     return model
+
+
+def small_gemma(vocab_size: int, max_length: int, seed: int, **config: Any) -> GemmaModel:
+    """`small_llama` as Gemma 2 builds it (`config`: other `GemmaConfig` fields, e.g.
+    `sliding_windows` mixing local and global layers), with attention soft-capping."""
+    config = dict(query_pre_attn_scalar=8.0, attn_logit_softcapping=50.0) | config
+    return small_llama(vocab_size, max_length, seed, gemma=True, **config)

@@ -176,3 +176,21 @@ def test_fork_shares_full_pages_only():
 def test_bad_sizes_name_the_argument(args, message):
     with pytest.raises(ValueError, match=message):
         pages.init_pages(*args)
+
+
+def test_a_row_refused_in_one_layer_group_is_unchanged_in_every_group():
+    """Two layer groups (`pool.Pool.groups`): the second has one free page, so of two rows
+    that each need a page (row 1 served first) row 1 takes it in both groups and row 0
+    takes none in either, although the first group had pages for it."""
+    from logitloop.decoding.loop import pool
+
+    wide = pages.init_pages(NUM_PAGES, 2, ENTRIES, PAGE_SIZE)
+    narrow = pages.init_pages(3, 2, ENTRIES, PAGE_SIZE)
+    grow = jax.jit(pool._allocate)
+    (wide, narrow), _ = grow((wide, narrow), jnp.array([0, 4]))  # 2 of 3 narrow pages held
+    (wide, narrow), granted = grow((wide, narrow), jnp.array([1, 5]), jnp.array([1, 0]))
+    assert granted.tolist() == [False, True]
+    for state in (wide, narrow):
+        assert state.lengths.tolist() == [0, 5]
+        assert int(jnp.sum(state.tables[0] >= 0)) == 0
+    assert [int(pages.free_pages(s)) for s in (wide, narrow)] == [NUM_PAGES - 3, 0]

@@ -37,7 +37,6 @@ Results are `GenerationResult`s with one prompt each (`n` rows when `n > 1`), in
 from `generate_many`, in completion order from `iter_generate_many`.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -183,7 +182,7 @@ def _admit(
     rows = tables.replace(params=new.params, stops=new.stops)
     cache = None
     if state.pages is not None:  # the new rows' prefill writes into the shared pool
-        state, cache = pool.admit(state, slot, prompts.lengths, prefix)
+        state, cache = pool.admit(state, slot, prompts.lengths, prefix, shape=program.pool)
     fresh = prefill(program, rows, prompts, fsm, cache, buffer_len=buffer_len, num_top=num_top)
 
     def put(big, small):

@@ -125,7 +125,7 @@ def _job(
     )
     if prefix_cache not in (None, True, False):
         raise ValueError(f"prefix_cache must be True, False or None, got {prefix_cache!r}")
-    refusal = paged_batching.sharing_refusal(job)
+    refusal = paged_batching.prefix_refusal(job)
     if prefix_cache is None:
         prefix_cache = refusal is None
     elif prefix_cache and refusal is not None:
@@ -196,15 +196,18 @@ def generate_many(
       (`logitloop.decoding.engine.paged_batching`: admission by free pages, pages freed as
       rows finish, preemption); default: a pool of the memory a contiguous cache per slot
       holds (`slots * (max_prompt_len + max_tokens_bound)`, in the buckets), or with
-      `prefix_cache=False` (or `mesh`, a `FunctionModel`) that contiguous
-      cache itself.
+      `prefix_cache=False` (or `mesh`, a `FunctionModel`, a model whose layers' windows
+      differ) that contiguous cache itself. A model whose layers' windows differ (Gemma 2
+      and 3) gets a page table per window: `kv_cache_tokens` is then the global layers'
+      tokens, and each window's layers get the pages their windows need
+      (docs/paged_cache.md).
     prefix_cache: on a pool (default True): rows share the cached full pages of the
       prompt prefix they have in common with earlier rows (and a request's `n` rows its
       prompt's), and prefill only the rest; cached pages stay until the pool needs them,
       least recently used first (`logitloop.decoding.engine.prefix_cache`). False: every
       prompt prefilled whole (with `kv_cache_tokens`, only a request's own rows share).
-    stats: a dict the paged job fills with its counts (preemptions, rows in flight;
-      prompt, prefilled and cached tokens, evicted pages).
+    stats: a dict the paged job fills with its counts (preemptions, rows in flight, pages
+      held per layer group; prompt, prefilled and cached tokens, evicted pages).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:

@@ -151,11 +151,20 @@ def _start(
     params = sampling_params(model, len(ids), params, settings)
     ids, params = plan.rows(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params)
-    if plan.options.n > 1 and sharing_refusal(plan) is None:
+    if on_pool(plan):
         plan, state = _forked_state(plan, tables, ids, params, fsm)
     else:
         state = initial_state(plan.program, tables, ids, fsm=fsm)
     return _Run(plan, ids, params, tables, state)
+
+
+def on_pool(plan: Plan) -> bool:
+    """Whether `generate` and `stream` run on a paged pool: with `n > 1`, where rows may
+    share pages (`sharing_refusal`). With `n = 1` they keep the contiguous cache: on the
+    pool a float32 llama-40m's whole call took 1.12-1.14x the time (the loop's page
+    bookkeeping), bfloat16 rows' greedy tokens changed, and sliding-window layers would
+    hold pages instead of rings (`scripts/bench_layout.py`, docs/paged_cache.md)."""
+    return plan.options.n > 1 and sharing_refusal(plan) is None
 
 
 def _forked_state(

@@ -32,7 +32,6 @@ import numpy as np
 from logitloop.decoding.engine.batcher import _Batcher, _bounds_from, _describe, _Row
 from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
 from logitloop.decoding.engine.plan import Plan
-from logitloop.decoding.loop import pages as paging
 from logitloop.decoding.loop import pool
 from logitloop.decoding.loop.runner import ModelInfo
 
@@ -91,8 +90,10 @@ def check_requests(
 class PagedBatcher(_Batcher):
     """`_Batcher` whose slots share one paged pool (the module docstring).
 
-    `stats` (a dict, filled as the job runs): "preemptions", "resumed" and
-    "most_rows_in_flight" (rows holding pages at once, at the admission points)."""
+    `stats` (a dict, filled as the job runs): "preemptions", "resumed",
+    "most_rows_in_flight" (rows holding pages at once, at the admission points) and
+    "most_pages_held" (pages held at the end of a chunk, the most seen, one count per layer
+    group: the main group first, `pool.PoolShape.groups`)."""
 
     def __init__(
         self, plan: Plan, *, kv_cache_tokens: int, page_size: int, stats: dict, **kwargs: Any
@@ -102,17 +103,21 @@ class PagedBatcher(_Batcher):
         self.kv_cache_tokens = kv_cache_tokens
         self.page_size = page_size
         entries = _cdiv(self.prompt_len + self.buffer_len, page_size)
-        window = pool.window_of(plan.info.runner.sliding_windows(plan.info.weights))
-        shape = pool.PoolShape(num_pages, page_size, entries, window)
+        windows = plan.info.runner.sliding_windows(plan.info.weights)
+        shape = pool.shape_for(windows, num_pages, page_size, entries, self.slots)
         self.plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
         self.free_pages = num_pages  # the host's view: the last count read, less admissions
+        # The same for each further layer group (`pool.PoolShape.groups`; empty without).
+        self.group_free = np.array([n for _, n in shape.groups], np.int64)
         self.arrival: dict[int, int] = {}  # slot -> admission number
         self.arrivals = 0
         self.parked: set[int] = set()
         self.held = np.zeros(self.slots, np.int64)  # tokens each slot held at the last read
         self.stalled = False
         self.stats = stats
+        self.group_pages = np.array([num_pages, *self.group_free], np.int64)
         stats.update(preemptions=0, resumed=0, most_rows_in_flight=0)
+        stats.update(most_pages_held=[0] * len(self.group_pages))
 
     def prepare(self, index: int, item: Any) -> tuple[Any, list[_Row]]:
         pending, rows = super().prepare(index, item)
@@ -135,8 +140,14 @@ class PagedBatcher(_Batcher):
         return _cdiv(len(row.ids), self.page_size)
 
     def room(self, pages: int) -> bool:
-        """Whether `pages` pages are free (a prefix cache first evicts pages to free them)."""
-        return pages <= self.free_pages
+        """Whether `pages` pages are free in every layer group (a prefix cache first evicts
+        pages to free them)."""
+        return pages <= self.free_pages and bool(np.all(pages <= self.group_free))
+
+    def _take(self, pages: int) -> None:
+        """The host's view after a row took `pages` pages in every layer group."""
+        self.free_pages -= pages
+        self.group_free -= pages
 
     def relieve(self) -> bool:
         """Free pages for a row refused one mid-chunk without preempting a row; whether
@@ -168,7 +179,7 @@ class PagedBatcher(_Batcher):
             need = self.pages_needed(row)
             if not self.room(need + RESERVE_PAGES * (running + count)):
                 break
-            self.free_pages -= need
+            self._take(need)
             count += 1
         in_flight = running + count
         self.stats["most_rows_in_flight"] = max(self.stats["most_rows_in_flight"], in_flight)
@@ -199,7 +210,7 @@ class PagedBatcher(_Batcher):
                 width=min(rest, self.prompt_len),
             )  # fmt: skip
             self.resumed(slot, row, shared)
-            self.free_pages -= need
+            self._take(need)
             self.parked.discard(slot)
             self.stats["resumed"] += 1
 
@@ -207,9 +218,11 @@ class PagedBatcher(_Batcher):
         done = super().done(occupant)
         s = self.state
         stalled, free, num_tokens, prompt_len = jax.device_get(
-            (s.pages.stalled, paging.free_pages(s.pages.pages), s.num_tokens, s.prompt_len)
+            (s.pages.stalled, pool.free_counts(s.pages), s.num_tokens, s.prompt_len)
         )
-        self.free_pages = int(free)
+        self.free_pages, self.group_free = int(free[0]), np.asarray(free[1:], np.int64)
+        most = np.maximum(self.stats["most_pages_held"], self.group_pages - free)
+        self.stats["most_pages_held"] = [int(x) for x in most]
         # A parked row holds, once resumed, its prompt and generated tokens but the last.
         self.held = np.asarray(prompt_len) + np.asarray(num_tokens) - 1
         self.stalled = bool(np.any(stalled))
@@ -221,12 +234,14 @@ class PagedBatcher(_Batcher):
         if self.stalled:
             running = [slot for slot in occupant if not done[slot] and slot not in self.parked]
             victim = max(running, key=self.arrival.__getitem__)
-            table = np.asarray(jax.device_get(s.pages.pages.tables[victim]))
+            tables = jax.device_get([state.tables[victim] for state in s.pages.states()])
+            held = np.array([np.sum(table >= 0) for table in tables], np.int64)
             self.state = pool.park(s, np.int32(victim))
             self.parked.add(victim)
             kept = self.vacate(victim)  # its pages a prefix cache keeps are not free
             # Its pages held (a window may have released some), less those the cache keeps.
-            self.free_pages += int(np.sum(table >= 0)) - kept
+            self.free_pages += int(held[0]) - kept
+            self.group_free += held[1:]
             self.stats["preemptions"] += 1
         for slot in occupant:
             if done[slot]:
@@ -252,6 +267,17 @@ def sharing_refusal(job: Plan) -> str | None:
     if job.options.mesh is not None:
         return "pages shared between rows do not work with mesh= yet"
     return pool_refusal(job)
+
+
+def prefix_refusal(job: Plan) -> str | None:
+    """Why `generate_many`'s rows cannot share pages (`sharing_refusal`), or a model whose
+    layers' windows differ: its pool has a page table per layer group (`pool.shape_for`),
+    and the prefix cache shares one table's pages only. Its default then stays the
+    contiguous slots (their windows are rings); `kv_cache_tokens` gives the grouped pool."""
+    refusal = sharing_refusal(job)
+    if refusal is None and len(set(job.info.runner.sliding_windows(job.info.weights))) > 1:
+        return "pages shared between rows do not work with layers of different windows yet"
+    return refusal
 
 
 def slots_memory(slots: int, max_prompt_len: int, max_tokens: int, page_size: int) -> int:

@@ -482,8 +482,8 @@ def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState
     if s.pages is None:
         live, cache = ~s.done, s.cache
     else:
-        s, live = paged.grow(s, program.pool.window)
-        cache = paged.attach(s.cache, s.pages.pages.tables)
+        s, live = paged.grow(s, program.pool)
+        cache = paged.attach(s.cache, paged.layer_tables(s.pages, program.pool))
     # Finished rows feed a padding position, so their cache is never written again.
     pos = jnp.where(live, s.prompt_len + s.num_tokens - 1, -1)[:, None]
     logits, cache = program.runner.forward(

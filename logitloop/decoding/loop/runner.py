@@ -137,10 +137,11 @@ class ModelRunner:
         shapes = jax.eval_shape(lambda: self.init_pool(weights, 1, 1))
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
-    def init_pool(self, weights, num_pages: int, page_size: int) -> Any:
+    def init_pool(self, weights, num_pages: int | tuple[int, ...], page_size: int) -> Any:
         """A paged pool of zeros: per layer `dict(k_pages, v_pages)`, each `[Hkv, num_pages,
         page_size, D]` (`layers.init_paged_caches`, without tables: the loop keeps those in
-        `pool.Pool`)."""
+        `pool.Pool`); `num_pages` one count for every layer or one per layer (a pool with
+        layer groups, `pool.PoolShape.layer_pages`)."""
         if self.graphdef is None:
             raise ValueError(
                 "kv_cache_tokens needs a logitloop model: a FunctionModel's cache is its own"

@@ -291,9 +291,9 @@ class _Speculation:
         tokens = jnp.concatenate([loop.last_tokens(s)[:, None], jnp.maximum(drafts, 0)], axis=1)
         before, live, cache = s, ~s.done, s.cache
         if s.pages is not None:
-            s, live = paged.grow(s, program.pool.window)
+            s, live = paged.grow(s, program.pool)
             s, num = paged.grow_drafts(s, live, num)
-            cache = paged.attach(s.cache, s.pages.pages.tables)
+            cache = paged.attach(s.cache, paged.layer_tables(s.pages, program.pool))
         num = jnp.where(live, num, 0)
         pos = jnp.where(live[:, None] & (col <= num[:, None]), base + col, -1)  # [B, K+1]
         logits, cache = program.runner.forward_columns(tables.weights, tokens, pos, cache)
