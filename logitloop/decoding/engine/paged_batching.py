@@ -32,6 +32,7 @@ import numpy as np
 from logitloop.decoding.engine.batcher import _Batcher, _bounds_from, _describe, _Row
 from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
 from logitloop.decoding.engine.plan import Plan
+from logitloop.decoding.loop import pages as paging
 from logitloop.decoding.loop import pool
 from logitloop.decoding.loop.runner import ModelInfo
 
