@@ -100,6 +100,15 @@ def main(shapes: list[str]) -> None:
             )
             rows = [_rows(res) for res in many]
             out[f"{name}/many_{shape}"] = {k: [r[k][0] for r in rows] for k in rows[0]}
+        if "2x1" in shapes:  # a paged pool of 48 tokens per data shard: rows are preempted
+            stats: dict = {}
+            many = ll.generate_many(
+                model, requests, slots=4, kv_cache_tokens=96, page_size=4, ignore_eos=True,
+                deterministic=True, mesh=jax.make_mesh((2, 1), ("data", "model")), stats=stats,
+            )  # fmt: skip
+            rows = [_rows(res) for res in many]
+            out[f"{name}/paged_2x1"] = {k: [r[k][0] for r in rows] for k in rows[0]}
+            out[f"{name}/paged_2x1_preemptions"] = stats["preemptions"]
     print("RESULT:" + json.dumps(out))
 
 

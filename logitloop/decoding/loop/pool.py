@@ -41,12 +41,15 @@ from logitloop.decoding.loop.runner import runner_jit
 class PoolShape:
     """The static shape of a pool: `num_pages` pages of `page_size` tokens, `entries`
     table entries per row (enough for the job's longest row); `window`: the longest
-    sliding window of a model whose every layer has one (`window_of`), or None."""
+    sliding window of a model whose every layer has one (`window_of`), or None; `shards`:
+    the pool split into this many pools, one per data shard of a mesh (`PageState.shards`).
+    """
 
     num_pages: int
     page_size: int
     entries: int
     window: int | None = None
+    shards: int = 1
 
 
 def window_of(windows: Any) -> int | None:
@@ -78,7 +81,7 @@ class Pool:
 def init(runner: Any, weights: Any, shape: PoolShape, batch: int) -> tuple[Any, Pool]:
     """An empty pool: the layers' pages (zeros) and every row holding none."""
     cache = runner.init_pool(weights, shape.num_pages, shape.page_size)
-    state = paging.init_pages(shape.num_pages, batch, shape.entries, shape.page_size)
+    state = paging.init_pages(shape.num_pages, batch, shape.entries, shape.page_size, shape.shards)
     no = jnp.zeros((batch,), bool)
     return cache, Pool(state, jnp.zeros((batch,), jnp.int32), no, no)
 
@@ -144,9 +147,7 @@ def release(before: Any, after: Any) -> Any:
     return after.replace(pages=pool.replace(pages=paging.free(pool.pages, newly)))
 
 
-def admit(
-    state: Any, slot: jax.Array, lengths: jax.Array, prefix: Any = None
-) -> tuple[Any, Any]:
+def admit(state: Any, slot: jax.Array, lengths: jax.Array, prefix: Any = None) -> tuple[Any, Any]:
     """Pages for G new rows' prompts (`slot` [G], S = a dummy row; `lengths` [G]); returns
     the state and the pool attached to the new rows' tables (what their prefill writes).
     `prefix`: `(pages [G, P], count [G])`, full pages of cached prompt prefixes each row
@@ -207,28 +208,37 @@ def resume(program: Any, weights: Any, state: Any, slot: jax.Array) -> Any:
     with the products and sums it had the first time and the row's keys and values come
     back bit for bit."""
     pool = state.pages
-    rows = jnp.arange(pool.arrival.shape[0]) == slot
+    batch = pool.arrival.shape[0]
+    rows = jnp.arange(batch) == slot
     prompt_len = state.prompt_len[slot]
     length = prompt_len + state.num_tokens[slot] - 1
     pages, _ = paging.allocate(pool.pages, jnp.where(rows, length, pool.pages.lengths))
-    cache = attach(state.cache, pages.tables[slot][None])
-    history = state.history.tokens[slot][None]  # [1, P + N]
+    # On a mesh the pass takes one row per data shard, the slot's and a row that writes
+    # nothing in each other shard, so each device reads and writes its own pages only.
+    per = batch // program.layout.row_multiple
+    take = slot % per + per * jnp.arange(program.layout.row_multiple)  # [d]
+    real = (take == slot)[:, None]
+    cache = attach(state.cache, jnp.where(real, pages.tables[take], paging.NO_PAGE))
+    history = state.history.tokens[take]  # [d, P + N]
     width = state.tokens.shape[1]  # N: the generated tokens' buffer
     bucket = history.shape[1] - width  # P >= prompt_len
     cols = jnp.arange(bucket)[None]
+    mesh = program.layout.row_mesh
     _, cache = program.runner.forward(
         weights,
         jnp.maximum(history[:, :bucket], 0),
-        jnp.where(cols < prompt_len, cols, -1),
+        jnp.where(real & (cols < prompt_len), cols, -1),
         cache,
         prompt=True,
+        mesh=mesh,
     )
     cols = prompt_len + jnp.arange(width)[None]
     _, cache = program.runner.forward(
         weights,
         jnp.maximum(jax.lax.dynamic_slice_in_dim(history, prompt_len, width, axis=1), 0),
-        jnp.where(cols < length, cols, -1),
+        jnp.where(real & (cols < length), cols, -1),
         cache,
+        mesh=mesh,
     )
     return state.replace(
         cache=detach(cache), pages=pool.replace(pages=pages, parked=pool.parked & ~rows)
