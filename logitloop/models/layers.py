@@ -345,19 +345,24 @@ def init_paged_caches(
     ]
 
 
-def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
+def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array, mesh=None) -> KVCache:
     """Every paged layer with page `source[i]` copied onto page `target[i]` (`[R]` int32; a
     target outside the pool is skipped): the copy-on-write of a forked row's partial last
-    page (`logitloop.decoding.loop.pages.fork`)."""
+    page (`logitloop.decoding.loop.pages.fork`). `mesh`: the R rows and the pages lie over
+    its data axis, each row's two pages in its shard (`by_page_shard`)."""
 
-    def copy(pages):  # [Hkv, N, page_size, D]
-        rows = pages[:, jnp.clip(source, 0, pages.shape[1] - 1)]
-        return pages.at[:, target].set(rows, mode="drop")
+    def copy(rows, pools, pairs):
+        source, target = pairs[:, 0], pairs[:, 1]
 
-    return [
-        dict(layer, k_pages=copy(layer["k_pages"]), v_pages=copy(layer["v_pages"]))
-        for layer in cache
-    ]
+        def one(pages):  # [Hkv, N, page_size, D]
+            taken = pages[:, jnp.clip(source, 0, pages.shape[1] - 1)]
+            return pages.at[:, target].set(taken, mode="drop")
+
+        return rows, jax.tree.map(one, pools)
+
+    pools = [(layer["k_pages"], layer["v_pages"]) for layer in cache]
+    _, pools = by_page_shard(copy, mesh, (), pools, jnp.stack([source, target], axis=1))
+    return [dict(layer, k_pages=k, v_pages=v) for layer, (k, v) in zip(cache, pools, strict=True)]
 
 
 def layer_slots(layer: dict[str, jax.Array]) -> int:
@@ -568,7 +573,7 @@ def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softca
 def by_page_shard(fn: Callable, mesh, rows: tuple, pools: tuple, tables: jax.Array):
     """`fn(rows, pools, tables) -> (row outputs, pools)`, on each data shard of `mesh` by
     itself: its block of the rows (`rows`: arrays `[B, ...]`, `tables` `[B, P]`) and its
-    block of the pages (`pools`: `[Hkv, N, page_size, D]`, N split over "data"), the table
+    block of the pages (`pools`: arrays `[Hkv, N, page_size, D]`, N over "data"), the table
     entries made block-local. The page bookkeeping gives a row of block i pages of block i
     only (`logitloop.decoding.loop.pages`, `PageState.shards`), so no device reads or
     writes another's pages and GSPMD never gathers the pool. Without a mesh, a data axis
@@ -577,7 +582,7 @@ def by_page_shard(fn: Callable, mesh, rows: tuple, pools: tuple, tables: jax.Arr
     if shards == 1 or tables.shape[0] % shards:
         return fn(rows, pools, tables)
     axis = DATA_AXIS
-    block = pools[0].shape[1] // shards
+    block = jax.tree.leaves(pools)[0].shape[1] // shards
 
     def local(rows, pools, tables):
         first = jax.lax.axis_index(axis) * block

@@ -39,3 +39,12 @@ def test_prefix_cache_on_mesh_equals_no_cache(paged):
         np.testing.assert_allclose(a, b, atol=1e-4)
     assert paged["prefix_True_stats"]["cached_tokens"] > 0
     assert "cached_tokens" not in paged["prefix_False_stats"]  # no pool at all
+
+
+def test_n_rows_sharing_a_prompt_on_mesh_equal_one_device(paged):
+    """`generate(..., n=2)` on the (2, 4) mesh: each data shard prefills its two prompts
+    once into its own pool, their rows fork the pages; the tokens are one device's."""
+    got, want = paged["forked_2x4"], paged["forked_single"]
+    assert got["token_ids"] == want["token_ids"]
+    assert got["finish_reason"] == want["finish_reason"]
+    assert len(got["token_ids"]) == 8

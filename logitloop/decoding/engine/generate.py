@@ -151,7 +151,10 @@ def _start(
     params = sampling_params(model, len(ids), params, settings)
     ids, params = plan.rows(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params)
-    if plan.options.n > 1 and sharing_refusal(plan) is None:
+    # On a mesh each data shard's rows are whole prompts' n rows when the prompts split
+    # over the data axis: they share pages in their shard's pool.
+    prompts_split = len(ids) // plan.options.n % plan.layout.row_multiple == 0
+    if plan.options.n > 1 and sharing_refusal(plan) is None and prompts_split:
         plan, state = _forked_state(plan, tables, ids, params, fsm)
     else:
         state = initial_state(plan.program, tables, ids, fsm=fsm)
@@ -168,7 +171,8 @@ def _forked_state(
     buffer_len = buffer_for(params)
     batch = prompt_batch(ids[::n], buffer_len)
     entries = -(-batch.cache_len // PAGE_SIZE)
-    shape = pool.PoolShape(len(ids) * entries, PAGE_SIZE, entries)
+    shards = plan.layout.row_multiple  # one pool per data shard
+    shape = pool.PoolShape(len(ids) * entries, PAGE_SIZE, entries, shards=shards)
     plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
     num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
     state = memory_check.checked_call(
