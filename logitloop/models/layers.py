@@ -62,7 +62,7 @@ from flax import nnx
 from logitloop.models import fixed_order
 from logitloop.models.config import RopeConfig
 from logitloop.models.fixed_order import PLAIN, Numerics
-from logitloop.models.partitioning import DATA_AXIS
+from logitloop.models.partitioning import DATA_AXIS, MODEL_AXIS
 from logitloop.ops import attention as ops_attention
 from logitloop.ops.attention import MASK_VALUE, Mask, soft_cap  # noqa: F401 - re-exported
 
@@ -582,7 +582,13 @@ def by_page_shard(fn: Callable, mesh, rows: tuple, pools: tuple, tables: jax.Arr
     if shards == 1 or tables.shape[0] % shards:
         return fn(rows, pools, tables)
     axis = DATA_AXIS
-    block = jax.tree.leaves(pools)[0].shape[1] // shards
+    heads, block = jax.tree.leaves(pools)[0].shape[:2]
+    block //= shards
+    # A model axis that splits the pool's heads stays GSPMD's (the heads' work splits over
+    # it); one that does not leaves every device of a data shard the shard's whole pool,
+    # and the shard's work then runs whole on each (else GSPMD splits the writes over the
+    # model axis and gathers the pool back every step).
+    names = {axis} if heads % mesh.shape[MODEL_AXIS] == 0 else {axis, MODEL_AXIS}
 
     def local(rows, pools, tables):
         first = jax.lax.axis_index(axis) * block
@@ -594,7 +600,7 @@ def by_page_shard(fn: Callable, mesh, rows: tuple, pools: tuple, tables: jax.Arr
         mesh=mesh,
         in_specs=(row, pool, row),
         out_specs=(row, pool),
-        axis_names={axis},
+        axis_names=names,
         check_vma=False,
     )(rows, pools, tables)
 

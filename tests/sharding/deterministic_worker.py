@@ -100,10 +100,13 @@ def main(shapes: list[str]) -> None:
             )
             rows = [_rows(res) for res in many]
             out[f"{name}/many_{shape}"] = {k: [r[k][0] for r in rows] for k in rows[0]}
-        if "2x1" in shapes:  # a paged pool of 48 tokens per data shard: rows are preempted
+        if "2x1" in shapes:  # a pool per data shard that holds the longest row alone
+            most = np.asarray(params.max_tokens).tolist()
+            lengths = [len(p) + m - 1 for p, m in zip(prompts, most, strict=True)]
             stats: dict = {}
             many = ll.generate_many(
-                model, requests, slots=4, kv_cache_tokens=96, page_size=4, ignore_eos=True,
+                model, requests, slots=4, kv_cache_tokens=2 * -(-max(lengths) // 4) * 4,
+                page_size=4, ignore_eos=True,
                 deterministic=True, mesh=jax.make_mesh((2, 1), ("data", "model")), stats=stats,
             )  # fmt: skip
             rows = [_rows(res) for res in many]
