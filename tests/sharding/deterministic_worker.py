@@ -105,8 +105,8 @@ def main(shapes: list[str]) -> None:
             lengths = [len(p) + m - 1 for p, m in zip(prompts, most, strict=True)]
             stats: dict = {}
             many = ll.generate_many(
-                model, requests, slots=4, kv_cache_tokens=2 * -(-max(lengths) // 4) * 4,
-                page_size=4, ignore_eos=True,
+                model, requests, slots=8, kv_cache_tokens=2 * -(-max(lengths) // 4) * 4,
+                page_size=4, prefix_cache=False, ignore_eos=True,
                 deterministic=True, mesh=jax.make_mesh((2, 1), ("data", "model")), stats=stats,
             )  # fmt: skip
             rows = [_rows(res) for res in many]

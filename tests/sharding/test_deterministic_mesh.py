@@ -60,7 +60,7 @@ def runs() -> dict:
 @pytest.mark.parametrize("model", ["shipped", "gqa_llama"])
 @pytest.mark.parametrize("run", ["8x1", "2x1", "many_8x1", "paged_2x1"])
 def test_data_parallel_mesh_equals_one_device_bit_for_bit(runs, model, run):
-    """`paged_2x1`: `generate_many` on 4 slots, each data shard's pool just large enough
+    """`paged_2x1`: `generate_many` on 8 slots, each data shard's pool just large enough
     for the longest row: rows are preempted and resumed within their shard."""
     assert runs[f"{model}/{run}"] == runs[f"{model}/one"]
     if run == "paged_2x1":
