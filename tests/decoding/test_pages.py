@@ -142,7 +142,7 @@ def test_random_operations_match_the_pool_model(ops):
 
 
 @settings(
-    max_examples=15,
+    max_examples=10,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -48,3 +48,13 @@ def test_n_rows_sharing_a_prompt_on_mesh_equal_one_device(paged):
     assert got["token_ids"] == want["token_ids"]
     assert got["finish_reason"] == want["finish_reason"]
     assert len(got["token_ids"]) == 8
+
+
+def test_deterministic_paged_job_on_mesh_is_one_devices_bit_for_bit(paged):
+    """`deterministic=True` on a (2, 1) mesh, one pool of 24 tokens per data shard, rows
+    preempted and resumed in their shard: tokens, raw logprobs and logprobs are one
+    device's `generate` bit for bit."""
+    got, want = paged["det_paged_2x1"], paged["det_single"]
+    for key in ("token_ids", "finish_reason", "raw_logprobs", "logprobs"):
+        assert got[key] == want[key], key
+    assert paged["det_paged_stats"]["preemptions"] > 0

@@ -262,7 +262,8 @@ def _paged_job(model, requests, mesh, stats, **options) -> dict:
 def worker_paged_mesh() -> None:
     """The paged pool on the (2, 4) mesh: the collectives of its compiled decode step, the
     prefix cache on the mesh against prefix_cache=False (requests behind a shared 8-token
-    prefix, two pages of 4), and `generate` with n = 2 against one device."""
+    prefix, two pages of 4), a deterministic job with preemptions on a (2, 1) mesh and
+    `generate` with n = 2, each against one device."""
     model, params, mesh = tiny_model(), mixed_params(), make_mesh((2, 4))
     requests = [(p, params.take([r])) for r, p in enumerate(PROMPTS)]
     out: dict = {}
@@ -279,6 +280,12 @@ def worker_paged_mesh() -> None:
         many = [summarize(res) for res in many]
         out[f"prefix_{cache}"] = {k: [m[k] and m[k][0] for m in many] for k in many[0]}
         out[f"prefix_{cache}_stats"] = stats
+    # deterministic=True on a (2, 1) mesh with rows preempted: one device's bits.
+    stats = {}
+    det = make_mesh((2, 1), jax.devices()[:2])
+    out["det_paged_2x1"] = _paged_job(model, requests, det, stats, deterministic=True)
+    out["det_paged_stats"] = stats
+    out["det_single"] = summarize(ll.generate(model, PROMPTS, params, deterministic=True))
     # generate with n = 2: 4 prompts, two per data shard, each prefilled once.
     forked = params.take([0, 1, 2, 3])
     out["forked_single"] = summarize(ll.generate(model, PROMPTS[:4], forked, n=2))
