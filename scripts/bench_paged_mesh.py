@@ -62,6 +62,19 @@ def collective_bytes(hlo: str) -> int:
     return total
 
 
+def compiled_step(info, row_mesh, keep: NamedSharding):
+    """The model's forward pass, jitted, its rows over `row_mesh`'s data axis (None: the
+    layers read the pool as one array); the pool stays at `keep`, as the decode loop's
+    state does (`layout.state`)."""
+
+    def forward(weights, tokens, positions, cache):
+        logits, cache = info.runner.forward(weights, tokens, positions, cache, mesh=row_mesh)
+        pools = [{k: layer[k] for k in ("k_pages", "v_pages")} for layer in cache]
+        return logits, jax.lax.with_sharding_constraint(pools, keep)
+
+    return jax.jit(forward)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size", default="llama-40m", choices=sorted(MODELS))
@@ -94,7 +107,9 @@ def main() -> None:
                 for part in np.split(lengths, d)
             ]
         )
-        tables = np.where(tables >= 0, tables + np.repeat(np.arange(d), args.slots // d)[:, None] * block, -1)
+        tables = np.where(
+            tables >= 0, tables + np.repeat(np.arange(d), args.slots // d)[:, None] * block, -1
+        )
         pool, _ = paged_cache(model, lengths[:1], num_pages, args.page_size, entries)
         heads = "model" if model.config.num_kv_heads % m == 0 else None
         for layout, spec, row_mesh in (
@@ -102,21 +117,12 @@ def main() -> None:
             ("per shard", P(heads, "data"), mesh),
         ):
             placed = jax.device_put(pool, NamedSharding(mesh, spec))
-            step = step_args(info, lengths, placed, jnp.asarray(tables))
-            step = jax.device_put(step[:2], NamedSharding(mesh, P("data"))) + (
-                [dict(layer, tables=jax.device_put(layer["tables"], NamedSharding(mesh, P("data")))) for layer in step[2]],
-            )
-
-            def forward(weights, tokens, positions, cache, row_mesh=row_mesh, spec=spec):
-                logits, cache = info.runner.forward(weights, tokens, positions, cache, mesh=row_mesh)
-                # The pool stays where it lies, as the decode loop's state does (`layout.state`).
-                keep = NamedSharding(mesh, spec)
-                return logits, [
-                    {k: jax.lax.with_sharding_constraint(layer[k], keep) for k in pool[0]}
-                    for layer in cache
-                ]
-
-            compiled = jax.jit(forward).lower(info.weights, *step).compile()
+            rows_over_data = NamedSharding(mesh, P("data"))
+            tokens, positions, cache = step_args(info, lengths, placed, jnp.asarray(tables))
+            tokens, positions = jax.device_put((tokens, positions), rows_over_data)
+            cache = [dict(c, tables=jax.device_put(c["tables"], rows_over_data)) for c in cache]
+            step = compiled_step(info, row_mesh, NamedSharding(mesh, spec))
+            compiled = step.lower(info.weights, tokens, positions, cache).compile()
             memory = compiled.memory_analysis()
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list) else cost
