@@ -6,7 +6,8 @@ With a pool, `DecodeState.cache` holds per layer `dict(k_pages, v_pages)` of
 `Pool`: which row holds which pages (`pages.PageState`, the one copy of the page tables,
 `attach`ed to the layers for each forward pass), each row's arrival number, and the rows
 parked (preempted) or stalled (refused a page). Without a pool both hooks are skipped and
-the loop runs as it always did.
+the loop runs as it always did. On a mesh the pool is one pool per data shard
+(`PoolShape.shards`): a row takes pages of its own shard only (`pages.PageState.shards`).
 
 - Each decode step first grows every running row to the tokens the step writes
   (`grow`: `pages.allocate` in arrival order, so the newest rows are the ones refused);
