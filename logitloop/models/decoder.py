@@ -13,8 +13,10 @@ parameters under the names its checkpoint map targets and puts its blocks in
 Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`
 (`mask`: a `layers.layer_mask`, positions, never a `[T, S]` array); under a deterministic
 policy with `numerics=` too (the pass's `fixed_order.Numerics`, which the block hands to
-every layer function it calls; so does `output_norm`). A plain pass passes no `numerics`,
-so a family written without it runs as before, and needs it only for `deterministic=`. What
+every layer function it calls; so does `output_norm`), and on a mesh (whose data axis a
+paged pool's layers read from it). A plain pass on one device passes no `numerics`, so a
+family written without it runs as before, and needs it only for `deterministic=` and
+meshes. What
 happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
 config supplies `num_layers`, `num_kv_heads`, `head_dim` and `sliding_windows` (one
 window or None per layer).
@@ -32,9 +34,10 @@ from logitloop.models.layers import KVCache
 
 
 def policy(numerics: Numerics) -> dict[str, Numerics]:
-    """The keywords a block and `output_norm` get: `numerics=` under a deterministic policy,
-    none in a plain pass (see the module docstring)."""
-    return {"numerics": numerics} if numerics.fixed else {}
+    """The keywords a block and `output_norm` get: `numerics=` under a deterministic policy
+    or with the rows over a mesh (a paged pool's layers split its pages the same way), none
+    in a plain pass on one device (see the module docstring)."""
+    return {"numerics": numerics} if numerics.fixed or numerics.row_mesh is not None else {}
 
 
 class DecoderModel(nnx.Module):

@@ -177,7 +177,8 @@ class Numerics:
     prompt: the pass is (part of) a prompt pass (row tiles of PROMPT_TILE), not a decode
       step, a verification or the LM head (DECODE_TILE); set per call (`for_pass`).
     row_mesh: the mesh whose "data" axis holds the pass's rows, if any (each device tiles
-      its own rows, `rowwise`); set per call (`for_pass`).
+      its own rows, `rowwise`; a paged pool's pages lie over it too,
+      `layers.cached_attention`); set per call (`for_pass`), whatever the mode.
     """
 
     deterministic: bool | str = False
@@ -221,8 +222,8 @@ class Numerics:
     def for_pass(self, *, prompt: bool = False, mesh: Mesh | None = None) -> Numerics:
         """This policy for one forward pass: a prompt pass or not, the rows over `mesh`'s
         "data" axis or not."""
-        if not self.fixed:
-            return self
+        if not self.fixed:  # only the rows' mesh matters (a paged pool's shards, `layers`)
+            return self if mesh is None else dataclasses.replace(self, row_mesh=mesh)
         return dataclasses.replace(self, prompt=prompt, row_mesh=mesh)
 
     def compiler_options(self) -> dict[str, str]:

@@ -62,6 +62,7 @@ from flax import nnx
 from logitloop.models import fixed_order
 from logitloop.models.config import RopeConfig
 from logitloop.models.fixed_order import PLAIN, Numerics
+from logitloop.models.partitioning import DATA_AXIS, MODEL_AXIS
 from logitloop.ops import attention as ops_attention
 from logitloop.ops.attention import MASK_VALUE, Mask, soft_cap  # noqa: F401 - re-exported
 
@@ -346,19 +347,24 @@ def init_paged_caches(
     ]
 
 
-def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
+def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array, mesh=None) -> KVCache:
     """Every paged layer with page `source[i]` copied onto page `target[i]` (`[R]` int32; a
     target outside the pool is skipped): the copy-on-write of a forked row's partial last
-    page (`logitloop.decoding.loop.pages.fork`)."""
+    page (`logitloop.decoding.loop.pages.fork`). `mesh`: the R rows and the pages lie over
+    its data axis, each row's two pages in its shard (`by_page_shard`)."""
 
-    def copy(pages):  # [Hkv, N, page_size, D]
-        rows = pages[:, jnp.clip(source, 0, pages.shape[1] - 1)]
-        return pages.at[:, target].set(rows, mode="drop")
+    def copy(rows, pools, pairs):
+        source, target = pairs[:, 0], pairs[:, 1]
 
-    return [
-        dict(layer, k_pages=copy(layer["k_pages"]), v_pages=copy(layer["v_pages"]))
-        for layer in cache
-    ]
+        def one(pages):  # [Hkv, N, page_size, D]
+            taken = pages[:, jnp.clip(source, 0, pages.shape[1] - 1)]
+            return pages.at[:, target].set(taken, mode="drop")
+
+        return rows, jax.tree.map(one, pools)
+
+    pools = [(layer["k_pages"], layer["v_pages"]) for layer in cache]
+    _, pools = by_page_shard(copy, mesh, (), pools, jnp.stack([source, target], axis=1))
+    return [dict(layer, k_pages=k, v_pages=v) for layer, (k, v) in zip(cache, pools, strict=True)]
 
 
 def layer_slots(layer: dict[str, jax.Array]) -> int:
@@ -524,40 +530,79 @@ def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softca
     """`cached_attention` for a paged layer: write, then a decode step (T = 1) runs paged
     decode attention over each row's live pages, from the first position its window shows
     to its own; a longer call, or a fixed-order one, attends the pages gathered into the
-    full layout (slot == position, so `mask` applies as it is)."""
+    full layout (slot == position, so `mask` applies as it is). With the rows over a
+    mesh's data axis (`numerics.row_mesh`) the writes and reads run on each data shard's
+    own rows and pages (`by_page_shard`)."""
     # Imported here: Pallas takes a tenth of a second to import, and only paged caches
     # need it.
     from logitloop.ops.attention import paged
 
-    tables = cache["tables"]
-    cache = {
-        "k_pages": write_pages(cache["k_pages"], k, positions, tables),
-        "v_pages": write_pages(cache["v_pages"], v, positions, tables),
-        "tables": tables,
-    }
-    if q.shape[1] == 1 and not numerics.fixed:
+    decode = q.shape[1] == 1 and not numerics.fixed
+    mesh = numerics.row_mesh
+
+    def write_and_read(rows, pools, tables):
+        q, k, v, positions = rows
+        pools = tuple(
+            write_pages(p, x, positions, tables) for p, x in zip(pools, (k, v), strict=True)
+        )
+        if not decode:
+            return tuple(paged.gather_pages(p, tables) for p in pools), pools  # [B, Hkv, S, D]
         pos = positions[:, 0]  # [B], -1 for a row that feeds nothing
         lengths = jnp.maximum(pos + 1, 0).astype(jnp.int32)  # [B]
         starts = jnp.zeros_like(lengths)
         if mask.window is not None:
             starts = jnp.maximum(pos - mask.window + 1, 0).astype(jnp.int32)
         out = paged.paged_attention(
-            q[:, 0],
-            cache["k_pages"],
-            cache["v_pages"],
-            tables,
-            lengths,
-            starts,
-            scale=scale,
-            softcap=softcap,
-        )  # [B, H, D]
-        return out[:, None], cache
-    keys = paged.gather_pages(cache["k_pages"], tables)  # [B, Hkv, S, D]
-    values = paged.gather_pages(cache["v_pages"], tables)
-    fixed = numerics.fixed
+            q[:, 0], *pools, tables, lengths, starts, scale=scale, softcap=softcap,
+            sharded=mesh is not None,
+        )  # fmt: skip
+        return out[:, None], pools  # [B, 1, H, D]
+
+    tables = cache["tables"]
+    pools = (cache["k_pages"], cache["v_pages"])
+    out, pools = by_page_shard(write_and_read, mesh, (q, k, v, positions), pools, tables)
+    cache = {"k_pages": pools[0], "v_pages": pools[1], "tables": tables}
+    if decode:
+        return out, cache
+    keys, values = out
     return ops_attention.attention(
-        q, keys, values, mask, scale, softcap, deterministic=fixed
+        q, keys, values, mask, scale, softcap, deterministic=numerics.fixed
     ), cache
+
+
+def by_page_shard(fn: Callable, mesh, rows: tuple, pools: tuple, tables: jax.Array):
+    """`fn(rows, pools, tables) -> (row outputs, pools)`, on each data shard of `mesh` by
+    itself: its block of the rows (`rows`: arrays `[B, ...]`, `tables` `[B, P]`) and its
+    block of the pages (`pools`: arrays `[Hkv, N, page_size, D]`, N over "data"), the table
+    entries made block-local. The page bookkeeping gives a row of block i pages of block i
+    only (`logitloop.decoding.loop.pages`, `PageState.shards`), so no device reads or
+    writes another's pages and GSPMD never gathers the pool. Without a mesh, a data axis
+    of 1 or rows that do not split over it, `fn` runs on the whole arrays."""
+    shards = 1 if mesh is None else mesh.shape[DATA_AXIS]
+    if shards == 1 or tables.shape[0] % shards:
+        return fn(rows, pools, tables)
+    axis = DATA_AXIS
+    heads, block = jax.tree.leaves(pools)[0].shape[:2]
+    block //= shards
+    # A model axis that splits the pool's heads stays GSPMD's (the heads' work splits over
+    # it); one that does not leaves every device of a data shard the shard's whole pool,
+    # and the shard's work then runs whole on each (else GSPMD splits the writes over the
+    # model axis and gathers the pool back every step).
+    names = {axis} if heads % mesh.shape[MODEL_AXIS] == 0 else {axis, MODEL_AXIS}
+
+    def local(rows, pools, tables):
+        first = jax.lax.axis_index(axis) * block
+        return fn(rows, pools, jnp.where(tables >= 0, tables - first, -1))
+
+    row, pool = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec(None, axis)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(row, pool, row),
+        out_specs=(row, pool),
+        axis_names=names,
+        check_vma=False,
+    )(rows, pools, tables)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,6 +134,28 @@ def test_bad_pool(model, kwargs, match):
         generate_many(model, reqs, slots=2, **kwargs)
 
 
+def test_a_pool_on_a_mesh_splits_into_whole_pages_per_data_shard(model):
+    """On a mesh with a data axis of 2, `kv_cache_tokens` is two pools' worth, each of
+    whole pages, and a request must fit one of them (its rows take pages of one shard)."""
+
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_tokens = 100 does not split into the mesh's data axis of 2 shards "
+        r"\(one pool each\) in whole pages of page_size = 16: give a multiple of 32 "
+        r"\(e.g. 96 or 128\)",
+    ):
+        paged_batching.check_pool(100, 16, shards=2)
+    assert paged_batching.check_pool(96, 16, shards=2) == (6, 16)
+    reqs = [Request([1, 2], dict(max_tokens=3)), Request([1] * 10, dict(max_tokens=17), "long")]
+    paged_batching.check_requests(_plan(model).info, reqs, {}, 48, 4)  # fits the whole pool
+    with pytest.raises(
+        ValueError,
+        match=r"requests\[1\] \(id 'long'\) needs 28 tokens .* over kv_cache_tokens = 48 / 2 "
+        r"data shards",
+    ):
+        paged_batching.check_requests(_plan(model).info, reqs, {}, 48, 4, shards=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_tokens", [1024, 64])
 def test_deterministic_paged_job(model, kv_cache_tokens):

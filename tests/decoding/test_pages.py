@@ -141,6 +141,51 @@ def test_random_operations_match_the_pool_model(ops):
         _assert_same(state, model)
 
 
+@settings(
+    max_examples=10,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 5), min_size=ROWS, max_size=ROWS),
+            st.one_of(st.none(), st.permutations(range(ROWS))),
+            _rows,
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_shards_are_pools_of_their_own(ops):
+    """`shards=2`: rows 0-1 hold pages 0-4 only and rows 2-3 pages 5-9, each block served
+    as an unsharded pool of its rows and pages would be (in the order's order within it),
+    whatever the other block does. Each op grows the rows by 0-5 tokens, then frees some."""
+    half, block_pages = ROWS // 2, NUM_PAGES // 2
+    state = pages.init_pages(NUM_PAGES, ROWS, ENTRIES, PAGE_SIZE, shards=2)
+    blocks = [pages.init_pages(block_pages, half, ENTRIES, PAGE_SIZE) for _ in range(2)]
+    for grow, order, drop in ops:
+        lengths = np.asarray(state.lengths) + np.asarray(grow)
+        ordered = None if order is None else jnp.asarray(order, jnp.int32)
+        state, granted = _allocate(state, jnp.asarray(lengths, jnp.int32), ordered)
+        tables = np.asarray(state.tables)
+        for i in range(2):
+            rows = slice(i * half, (i + 1) * half)
+            mine = None if order is None else [b - i * half for b in order if b // half == i]
+            mine = None if mine is None else jnp.asarray(mine, jnp.int32)
+            blocks[i], want = _allocate(blocks[i], jnp.asarray(lengths[rows], jnp.int32), mine)
+            assert np.asarray(granted)[rows].tolist() == np.asarray(want).tolist()
+            local = np.asarray(blocks[i].tables)
+            assert (tables[rows] == np.where(local >= 0, local + i * block_pages, -1)).all()
+            held = np.asarray(state.ref_counts)[i * block_pages : (i + 1) * block_pages]
+            assert held.tolist() == np.asarray(blocks[i].ref_counts).tolist()
+            blocks[i] = _free(blocks[i], jnp.asarray(drop[rows]))
+        state = _free(state, jnp.asarray(drop))
+        free = [int(pages.free_pages(b)) for b in blocks]
+        assert np.asarray(pages.free_by_shard(state)).tolist() == free
+
+
 def test_freed_pages_go_to_the_next_request_at_once():
     state = pages.init_pages(4, 2, 4, 4)
     state, granted = _allocate(state, jnp.int32([16, 0]))
@@ -171,6 +216,8 @@ def test_fork_shares_full_pages_only():
         ((8, 2, 4, 0), "page_size = 0 must be a positive power of two"),
         ((0, 2, 4, 4), "num_pages = 0 must be at least 1"),
         ((8, 2, 0, 4), "pages_per_row = 0 must be at least 1"),
+        ((9, 2, 4, 4, 2), "num_pages = 9 does not split into shards = 2 blocks"),
+        ((8, 3, 4, 4, 2), "batch_size = 3 does not split into shards = 2 blocks"),
     ],
 )
 def test_bad_sizes_name_the_argument(args, message):

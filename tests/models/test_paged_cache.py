@@ -107,7 +107,8 @@ def test_write_pages_puts_each_token_in_its_rows_page():
 
 def test_a_paged_decode_step_lowers_for_cuda_with_the_kernel(monkeypatch):
     """On a GPU ("auto") a decode step's attention is the Pallas kernel (whose Triton loads
-    need a head dimension of 16 or more: the small Llama's 8 is widened)."""
+    need a head dimension of 16 or more: the small Llama's 8 is widened); with the rows
+    over a mesh, the XLA path (GSPMD would run the kernel, a custom call, whole)."""
     config = dataclasses.replace(_model().config, head_dim=16)
     model = LlamaModel(config, rngs=nnx.Rngs(0))
     c = model.config
@@ -127,6 +128,10 @@ def test_a_paged_decode_step_lowers_for_cuda_with_the_kernel(monkeypatch):
     tokens = jnp.zeros((ROWS, 1), jnp.int32)
     text = step.trace(info.weights, tokens, tokens, cache).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in text.as_text()
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    step = jax.jit(lambda w, t, p, cache: info.runner.forward(w, t, p, cache, mesh=mesh))
+    text = step.trace(info.weights, tokens, tokens, cache).lower(lowering_platforms=("cuda",))
+    assert "triton" not in text.as_text()
 
 
 def test_a_forked_row_continues_as_its_parent():

@@ -188,6 +188,7 @@ def test_dispatch_picks_the_backend(monkeypatch):
     assert paged.resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert paged.resolve_backend("auto") == "pallas"
+    assert paged.resolve_backend("auto", sharded=True) == "xla"  # on a mesh
     # Shapes Triton cannot load take the XLA path ("auto") or are refused ("pallas").
     assert paged.resolve_backend("auto", head_dim=80) == "xla"
     assert paged.resolve_backend("auto", head_dim=128, page_size=12) == "xla"

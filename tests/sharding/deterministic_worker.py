@@ -100,6 +100,16 @@ def main(shapes: list[str]) -> None:
             )
             rows = [_rows(res) for res in many]
             out[f"{name}/many_{shape}"] = {k: [r[k][0] for r in rows] for k in rows[0]}
+        if "2x1" in shapes:  # a pool per data shard that holds the longest row alone
+            most = np.asarray(params.max_tokens).tolist()
+            lengths = [len(p) + m - 1 for p, m in zip(prompts, most, strict=True)]
+            many = ll.generate_many(
+                model, requests, slots=8, kv_cache_tokens=2 * -(-max(lengths) // 4) * 4,
+                page_size=4, prefix_cache=False, ignore_eos=True,
+                deterministic=True, mesh=jax.make_mesh((2, 1), ("data", "model")),
+            )  # fmt: skip
+            rows = [_rows(res) for res in many]
+            out[f"{name}/paged_2x1"] = {k: [r[k][0] for r in rows] for k in rows[0]}
     print("RESULT:" + json.dumps(out))
 
 

@@ -58,8 +58,11 @@ def runs() -> dict:
 
 
 @pytest.mark.parametrize("model", ["shipped", "gqa_llama"])
-@pytest.mark.parametrize("run", ["8x1", "2x1", "many_8x1"])
+@pytest.mark.parametrize("run", ["8x1", "2x1", "many_8x1", "paged_2x1"])
 def test_data_parallel_mesh_equals_one_device_bit_for_bit(runs, model, run):
+    """`paged_2x1`: `generate_many` on 8 slots, one pool per data shard, each just large
+    enough for the longest row (these rows are not preempted; the preempting job is
+    `test_paged_mesh.py`'s)."""
     assert runs[f"{model}/{run}"] == runs[f"{model}/one"]
 
 

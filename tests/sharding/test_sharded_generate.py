@@ -66,14 +66,22 @@ def test_generate_many_on_mesh_matches(meshes):
 
 
 def test_paged_generate_many_on_mesh_matches(meshes):
-    """`kv_cache_tokens` on the (2, 4) mesh: the pool's heads over "model", replicated over
-    "data", the page tables' rows over "data"; a pool of 32 tokens preempts, and every
-    request gets the contiguous job's tokens."""
+    """`kv_cache_tokens=48` on the (2, 4) mesh: one pool of 24 tokens per data shard, from
+    which only that shard's slots take pages; rows are preempted and resumed in their
+    shard, and every request gets the single device's tokens."""
     got, want = meshes["paged_2x4"], meshes["many_2x4"]
-    assert got["token_ids"] == want["token_ids"]
+    assert got["token_ids"] == want["token_ids"] == meshes["single"]["token_ids"]
     assert got["finish_reason"] == want["finish_reason"]
     assert meshes["paged_stats"]["preemptions"] > 0
-    assert meshes["pool_specs"] == {"k_pages": "P('model',)", "tables": "P('data', None)"}
+
+
+def test_the_pool_divides_over_the_data_axis(meshes):
+    """Each device holds N / d tokens of keys: 6 of the 12 pages of 4, for its one KV head
+    (`tests/sharding/test_paged_mesh.py`: no decode step gathers them)."""
+    pool = meshes["paged_pool"]
+    assert pool["shape"] == [4, 12, 4, 8]  # [Hkv, 48 / 4 pages, page_size, head_dim]
+    assert pool["spec"] == "P('model', 'data')"
+    assert pool["shards"] == [[1, 6, 4, 8]]
 
 
 def test_orbax_restore_onto_mesh(meshes):

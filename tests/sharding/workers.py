@@ -194,18 +194,13 @@ def worker_meshes() -> None:
     requests = [(p, params.take([r])) for r, p in enumerate(PROMPTS)]
     many = [summarize(res) for res in ll.generate_many(model, requests, slots=4, mesh=mesh)]
     out["many_2x4"] = {k: [m[k] and m[k][0] for m in many] for k in many[0]}
-    # ... and with a paged pool of 32 tokens (pages of 4: rows preempted and resumed), its
-    # heads over the model axis, replicated over the data axis.
+    # ... and with a paged pool of 48 tokens, 24 per data shard (pages of 4: rows preempted
+    # and resumed), its heads over the model axis and its pages over the data axis.
     stats: dict = {}
-    paged = ll.generate_many(
-        model, requests, slots=4, mesh=mesh, kv_cache_tokens=32, page_size=4, stats=stats
-    )
-    paged = [summarize(res) for res in paged]
-    out["paged_2x4"] = {k: [m[k] and m[k][0] for m in paged] for k in paged[0]}
+    with _first_decode(compile=False) as first:
+        out["paged_2x4"] = _paged_job(model, requests, mesh, stats)
     out["paged_stats"] = stats
-    pool = [{"k_pages": jnp.zeros((4, 8, 4, 8)), "tables": jnp.zeros((4, 8), jnp.int32)}]
-    layout = sharding.layout_for(mesh).cache_shardings(pool, 4)[0]
-    out["pool_specs"] = {k: str(v.spec) for k, v in layout.items()}
+    out["paged_pool"] = first
     # Orbax: restore a converted checkpoint straight onto the (2, 4) mesh's shardings.
     with tempfile.TemporaryDirectory() as tmp:
         save_converted(model, os.path.join(tmp, "conv"))
@@ -251,6 +246,83 @@ _COLLECTIVE = re.compile(
     r"(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter|collective-broadcast)"
     r"(?:-start)?\("
 )
+
+
+def _paged_job(model, requests, mesh, stats, **options) -> dict:
+    """`generate_many` of `requests` on 4 slots sharing a pool of 48 tokens in pages of 4
+    (on a mesh: 24 per data shard), each request's one row."""
+    results = ll.generate_many(
+        model, requests, slots=4, mesh=mesh, kv_cache_tokens=48, page_size=4, stats=stats,
+        **options,
+    )  # fmt: skip
+    rows = [summarize(res) for res in results]
+    return {k: [m[k] and m[k][0] for m in rows] for k in rows[0]}
+
+
+def worker_paged_mesh() -> None:
+    """The paged pool on the (2, 4) mesh: the collectives of its compiled decode step, the
+    prefix cache on the mesh against prefix_cache=False (requests behind a shared 8-token
+    prefix, two pages of 4), a deterministic job with preemptions on a (2, 1) mesh and
+    `generate` with n = 2, each against one device."""
+    model, params, mesh = tiny_model(), mixed_params(), make_mesh((2, 4))
+    requests = [(p, params.take([r])) for r, p in enumerate(PROMPTS)]
+    out: dict = {}
+    with _first_decode(compile=True) as first:
+        _paged_job(model, requests, mesh, {})
+    out["paged_pool"] = first
+    shared = [[30 + i for i in range(8)] + p for p in PROMPTS]
+    for cache in (True, False):
+        stats: dict = {}
+        many = ll.generate_many(
+            model, [(p, params.take([r])) for r, p in enumerate(shared)], slots=4, mesh=mesh,
+            page_size=4, prefix_cache=cache, stats=stats,
+        )  # fmt: skip
+        many = [summarize(res) for res in many]
+        out[f"prefix_{cache}"] = {k: [m[k] and m[k][0] for m in many] for k in many[0]}
+        out[f"prefix_{cache}_stats"] = stats
+    # deterministic=True on a (2, 1) mesh with rows preempted: one device's bits.
+    stats = {}
+    det = make_mesh((2, 1), jax.devices()[:2])
+    out["det_paged_2x1"] = _paged_job(model, requests, det, stats, deterministic=True)
+    out["det_paged_stats"] = stats
+    out["det_single"] = summarize(ll.generate(model, PROMPTS, params, deterministic=True))
+    # generate with n = 2: 4 prompts, two per data shard, each prefilled once.
+    forked = params.take([0, 1, 2, 3])
+    out["forked_single"] = summarize(ll.generate(model, PROMPTS[:4], forked, n=2))
+    out["forked_2x4"] = summarize(ll.generate(model, PROMPTS[:4], forked, n=2, mesh=mesh))
+    emit(out)
+
+
+class _first_decode:
+    """Within `with _first_decode(compile) as first:`, `generate_many`'s first decode chunk
+    fills `first` with its pool's layout (the first layer's `k_pages`: global shape, spec,
+    each device's shard shape) and, with `compile`, the collectives of its compiled
+    program (compiled once more: a default-suite test skips that)."""
+
+    def __init__(self, compile: bool):
+        self.compile = compile
+
+    def __enter__(self) -> dict:
+        from logitloop.decoding.engine import batcher
+
+        self.module, self.decode, first = batcher, batcher.decode, {}
+
+        def spy(program, tables, state, steps):
+            if not first:
+                pages = state.cache[0]["k_pages"]
+                first["shape"] = list(pages.shape)
+                first["spec"] = str(pages.sharding.spec)
+                first["shards"] = sorted({s.data.shape for s in pages.addressable_shards})
+            if self.compile and "collectives" not in first:
+                compiled = self.decode.trace(program, tables, state, steps).lower().compile()
+                first["collectives"] = collective_results(compiled.as_text())
+            return self.decode(program, tables, state, steps)
+
+        batcher.decode = spy
+        return first
+
+    def __exit__(self, *exc) -> None:
+        self.module.decode = self.decode
 
 
 def collective_results(hlo_text: str) -> list:
@@ -517,6 +589,8 @@ if __name__ == "__main__":
         worker_structured()
     elif name == "meshes":
         worker_meshes()
+    elif name == "paged_mesh":
+        worker_paged_mesh()
     elif name == "sampler":
         worker_sampler()
     elif name == "multiprocess":

@@ -216,6 +216,7 @@ class _Row:
     params: SamplingParams  # batch size 1
     widths: Widths
     automaton: HostAutomaton | None = None  # its constraint's, compiled
+    shard: int = 0  # the block of slots (a mesh's data shard) it is admitted to
 
 
 @dataclasses.dataclass
@@ -272,6 +273,9 @@ class _Batcher:
         self.chunk_steps = chunk_steps
         self.group = prefill_batch
         self.defaults = dict(defaults)
+        # Blocks of slots a row is admitted to by itself (`_Row.shard`): a mesh's data shards
+        # when they hold separate pools (`paged_batching`); 1 here.
+        self.shards = 1
         self.structure = None  # the processors' tree structure, fixed by the first request
         # Room for a few stop sequences from the start, so most jobs never widen them.
         self.widths = Widths(sequences=MIN_LIST_WIDTH, sequence_len=MIN_LIST_WIDTH)
@@ -434,29 +438,59 @@ class _Batcher:
         if self.state is None or need != self.widths:
             self._resize(need, rows[0].params)
         self._add_automata(rows)
-        used = []
+        used = {}
         for group in self.groups(rows):
-            slot = np.full((self.group,), self.slots, np.int32)  # dummies: dropped
-            for i, row in enumerate(group):
-                slot[i] = free.pop(0)
-                used.append(int(slot[i]))
-                self.slot_stops[slot[i]] = row.params.stop[0] if row.params.stop else ()
-            self.admit_group(group, slot)
-        return used
+            placed, slot = self.place(group, free)
+            for row, where in zip(placed, slot, strict=True):
+                if row is not None:
+                    used[id(row)] = int(where)
+                    self.slot_stops[where] = row.params.stop[0] if row.params.stop else ()
+            self.admit_group(placed, slot)
+        return [used[id(row)] for row in rows]
+
+    def full(self, group: Sequence[_Row], row: _Row) -> bool:
+        """Whether `group` has no place left for `row`: `prefill_batch / shards` places per
+        block of slots (`place`)."""
+        return sum(r.shard == row.shard for r in group) == self.group // self.shards
+
+    def place(self, group: Sequence[_Row], free: list[int]) -> tuple[list, np.ndarray]:
+        """The prefill batch of `group`: `[prefill_batch]` places, None for a dummy, and
+        the slot of each (taken from `free`; S, out of range, for a dummy). Block i of the
+        places (rows of one data shard) takes rows and slots of block i of the slots."""
+        per, block = self.group // self.shards, self.slots // self.shards
+        placed: list[_Row | None] = [None] * self.group
+        slot = np.full((self.group,), self.slots, np.int32)  # dummies: dropped
+        filled = [0] * self.shards
+        for row in group:
+            i = row.shard * per + filled[row.shard]
+            filled[row.shard] += 1
+            placed[i] = row
+            slot[i] = next(s for s in free if s // block == row.shard)
+            free.remove(slot[i])
+        return placed, slot
 
     def groups(self, rows: Sequence[_Row]) -> Iterator[list[_Row]]:
-        """The rows in prefill groups of at most `prefill_batch` (a prefix cache's
-        batcher starts a new group where a row reuses pages a row before it writes)."""
-        for start in range(0, len(rows), self.group):
-            yield list(rows[start : start + self.group])
+        """The rows in prefill groups that `place` can hold (a prefix cache's batcher also
+        starts a new group where a row reuses pages a row before it writes)."""
+        group: list[_Row] = []
+        for row in rows:
+            if self.full(group, row):
+                yield group
+                group = []
+            group.append(row)
+        if group:
+            yield group
 
     def admit_group(
-        self, group: list[_Row], slot: np.ndarray, shared: np.ndarray | None = None
+        self, group: list[_Row | None], slot: np.ndarray, shared: np.ndarray | None = None
     ) -> None:
-        """Prefill one group of rows into `slot` ([prefill_batch], dummies out of range).
+        """Prefill one group of rows into `slot` ([prefill_batch], dummies out of range;
+        `group`: `place`'s rows, None for a dummy, which repeats the first row).
         `shared` ([prefill_batch, P] int32, -1 past each row's pages): with a paged pool,
         cached full pages of each row's prompt it reads instead of prefilling them."""
-        group = group + [group[0]] * (self.group - len(group))
+        first = next(row for row in group if row is not None)
+        group = [first if row is None else row for row in group]
+        group = group + [first] * (self.group - len(group))
         batch = prompt_batch([row.ids for row in group], self.buffer_len, self.prompt_len)
         prefix = None
         if shared is not None:
@@ -485,10 +519,10 @@ class _Batcher:
             num_top=self.widths.top_logprobs,
         )
 
-    def admissible(self, waiting: Sequence[_Row], free: int, occupant: dict) -> int:
-        """How many of the `waiting` rows to admit into `free` slots now (with a paged pool,
-        `paged_batching`: as many as its free pages hold)."""
-        return min(len(waiting), free)
+    def admissible(self, waiting: Sequence[_Row], free: list[int], occupant: dict) -> int:
+        """How many of the `waiting` rows to admit into the `free` slots now (with a paged
+        pool, `paged_batching`: as many as its free pages hold, each to a shard)."""
+        return min(len(waiting), len(free))
 
     def resume(self, occupant: dict) -> None:
         """Resume preempted rows (a paged pool's, `paged_batching`); nothing here."""
@@ -559,7 +593,7 @@ class _Batcher:
             read(len(free))
             self.resume(occupant)
             if waiting and free:
-                count = self.admissible(waiting, len(free), occupant)
+                count = self.admissible(waiting, free, occupant)
                 take = [waiting.popleft() for _ in range(count)]
                 for slot, row in zip(self.admit(take, free) if take else [], take, strict=True):
                     occupant[slot] = row

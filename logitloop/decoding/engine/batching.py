@@ -196,11 +196,12 @@ def generate_many(
       (`logitloop.decoding.engine.paged_batching`: admission by free pages, pages freed as
       rows finish, preemption); default: a pool of the memory a contiguous cache per slot
       holds (`slots * (max_prompt_len + max_tokens_bound)`, in the buckets), or with
-      `prefix_cache=False` (or `mesh`, a `FunctionModel`, a model whose layers' windows
-      differ) that contiguous cache itself. A model whose layers' windows differ (Gemma 2
-      and 3) gets a page table per window: `kv_cache_tokens` is then the global layers'
-      tokens, and each window's layers get the pages their windows need
-      (docs/paged_cache.md).
+      `prefix_cache=False` (or a `FunctionModel`, a model whose layers' windows differ) that
+      contiguous cache itself. A model whose layers' windows differ (Gemma 2 and 3) gets a
+      page table per window: `kv_cache_tokens` is then the global layers' tokens, and each
+      window's layers get the pages their windows need (docs/paged_cache.md). On a mesh:
+      one pool per data shard (`kv_cache_tokens` a multiple of the data-axis size times
+      `page_size`), each serving its shard's slots.
     prefix_cache: on a pool (default True): rows share the cached full pages of the
       prompt prefix they have in common with earlier rows (and a request's `n` rows its
       prompt's), and prefill only the rest; cached pages stay until the pool needs them,

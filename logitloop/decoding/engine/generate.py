@@ -151,20 +151,23 @@ def _start(
     params = sampling_params(model, len(ids), params, settings)
     ids, params = plan.rows(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params)
-    if on_pool(plan):
+    if on_pool(plan, len(ids)):
         plan, state = _forked_state(plan, tables, ids, params, fsm)
     else:
         state = initial_state(plan.program, tables, ids, fsm=fsm)
     return _Run(plan, ids, params, tables, state)
 
 
-def on_pool(plan: Plan) -> bool:
+def on_pool(plan: Plan, rows: int) -> bool:
     """Whether `generate` and `stream` run on a paged pool: with `n > 1`, where rows may
     share pages (`sharing_refusal`). With `n = 1` they keep the contiguous cache: on the
     pool a float32 llama-40m's whole call took 1.12-1.14x the time (the loop's page
     bookkeeping), bfloat16 rows' greedy tokens changed, and sliding-window layers would
     hold pages instead of rings (`scripts/bench_layout.py`, docs/paged_cache.md)."""
-    return plan.options.n > 1 and sharing_refusal(plan) is None
+    # On a mesh each data shard's rows must be whole prompts' n rows (the prompts split
+    # over the data axis): they share pages in their shard's pool.
+    prompts_split = rows // plan.options.n % plan.layout.row_multiple == 0
+    return plan.options.n > 1 and sharing_refusal(plan) is None and prompts_split
 
 
 def _forked_state(
@@ -177,7 +180,8 @@ def _forked_state(
     buffer_len = buffer_for(params)
     batch = prompt_batch(ids[::n], buffer_len)
     entries = -(-batch.cache_len // PAGE_SIZE)
-    shape = pool.PoolShape(len(ids) * entries, PAGE_SIZE, entries)
+    shards = plan.layout.row_multiple  # one pool per data shard
+    shape = pool.PoolShape(len(ids) * entries, PAGE_SIZE, entries, shards=shards)
     plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
     num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
     state = memory_check.checked_call(

@@ -43,8 +43,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_pool(kv_cache_tokens: Any, page_size: Any) -> tuple[int, int]:
-    """The pool's size in tokens and its page size, checked: `(num_pages, page_size)`."""
+def check_pool(kv_cache_tokens: Any, page_size: Any, shards: int = 1) -> tuple[int, int]:
+    """The pool's size in tokens and its page size, checked: `(num_pages, page_size)`.
+    `shards`: the mesh's data-axis size; the pool is one pool per data shard, so
+    `kv_cache_tokens` must split into them in whole pages."""
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
         raise ValueError(f"page_size must be an int, got {page_size!r}")
     if page_size < 1 or page_size & (page_size - 1):
@@ -55,6 +57,15 @@ def check_pool(kv_cache_tokens: Any, page_size: Any) -> tuple[int, int]:
         raise ValueError(
             f"kv_cache_tokens = {kv_cache_tokens} is under one page (page_size = {page_size})"
         )
+    step = shards * page_size
+    if shards > 1 and kv_cache_tokens % step:
+        below = kv_cache_tokens // step * step
+        near = f"{below} or {below + step}" if below else f"{step}"
+        raise ValueError(
+            f"kv_cache_tokens = {kv_cache_tokens} does not split into the mesh's data axis "
+            f"of {shards} shards (one pool each) in whole pages of page_size = {page_size}: "
+            f"give a multiple of {step} (e.g. {near})"
+        )
     return int(kv_cache_tokens) // int(page_size), int(page_size)
 
 
@@ -64,13 +75,16 @@ def tokens_needed(prompt_len: int, max_tokens: int, page_size: int) -> int:
     return _cdiv(prompt_len + max_tokens - 1, page_size) * page_size
 
 
-def _too_long(name: str, prompt_len: int, max_tokens: int, kv_cache_tokens: int, ps: int):
+def _too_long(
+    name: str, prompt_len: int, max_tokens: int, kv_cache_tokens: int, ps: int, shards: int
+):
     need = tokens_needed(prompt_len, max_tokens, ps)
-    if need > kv_cache_tokens // ps * ps:
+    if need > kv_cache_tokens // ps // shards * ps:
+        where = "" if shards == 1 else f" / {shards} data shards (a row holds pages of one)"
         raise ValueError(
             f"{name} needs {need} tokens of KV cache (a prompt of {prompt_len} tokens and "
             f"max_tokens = {max_tokens}, in pages of {ps}), over kv_cache_tokens = "
-            f"{kv_cache_tokens}"
+            f"{kv_cache_tokens}{where}"
         )
 
 
@@ -80,16 +94,18 @@ def check_requests(
     defaults: Mapping[str, Any],
     kv_cache_tokens: int,
     page_size: int,
+    shards: int = 1,
 ) -> None:
-    """Before any work: every request of a sequence fits the pool alone."""
+    """Before any work: every request of a sequence fits the pool (a shard's) alone."""
     for index, item in enumerate(requests):
         length, most = _bounds_from(info, [item], defaults)
         name = _describe(index, getattr(item, "id", None))
-        _too_long(name, length, most, kv_cache_tokens, page_size)
+        _too_long(name, length, most, kv_cache_tokens, page_size, shards)
 
 
 class PagedBatcher(_Batcher):
-    """`_Batcher` whose slots share one paged pool (the module docstring).
+    """`_Batcher` whose slots share one paged pool (the module docstring); on a mesh one
+    pool per data shard, each serving that shard's block of slots.
 
     `stats` (a dict, filled as the job runs): "preemptions", "resumed",
     "most_rows_in_flight" (rows holding pages at once, at the admission points) and
@@ -100,15 +116,19 @@ class PagedBatcher(_Batcher):
         self, plan: Plan, *, kv_cache_tokens: int, page_size: int, stats: dict, **kwargs: Any
     ):
         super().__init__(plan, **kwargs)
-        num_pages, _ = check_pool(kv_cache_tokens, page_size)
+        self.shards = plan.layout.row_multiple
+        num_pages, _ = check_pool(kv_cache_tokens, page_size, self.shards)
         self.kv_cache_tokens = kv_cache_tokens
         self.page_size = page_size
         entries = _cdiv(self.prompt_len + self.buffer_len, page_size)
         windows = plan.info.runner.sliding_windows(plan.info.weights)
         shape = pool.shape_for(windows, num_pages, page_size, entries, self.slots)
+        shape = dataclasses.replace(shape, shards=self.shards)
         self.plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
-        self.free_pages = num_pages  # the host's view: the last count read, less admissions
-        # The same for each further layer group (`pool.PoolShape.groups`; empty without).
+        # The host's view of each shard's free pages: the last count read, less admissions.
+        self.free_pages = np.full(self.shards, num_pages // self.shards, np.int64)
+        # The same for each further layer group (`pool.PoolShape.groups`; empty without; a
+        # pool with layer groups has one shard, `pool_refusal`).
         self.group_free = np.array([n for _, n in shape.groups], np.int64)
         self.arrival: dict[int, int] = {}  # slot -> admission number
         self.arrivals = 0
@@ -130,29 +150,37 @@ class PagedBatcher(_Batcher):
                 most,
                 self.kv_cache_tokens,
                 self.page_size,
+                self.shards,
             )
         return pending, rows
+
+    def shard_of(self, slot: int) -> int:
+        """The data shard (block of slots, pool) of `slot`."""
+        return slot // (self.slots // self.shards)
 
     # Hooks of a prefix cache (`prefix_cache.PrefixBatcher`); without one, a row's prompt
     # takes new pages and nothing else holds pages.
 
-    def pages_needed(self, row: _Row) -> int:
-        """New pages the prompt of `row` takes when it is admitted."""
+    def pages_needed(self, row: _Row, shard: int) -> int:
+        """New pages the prompt of `row` takes when it is admitted to `shard`."""
         return _cdiv(len(row.ids), self.page_size)
 
-    def room(self, pages: int) -> bool:
-        """Whether `pages` pages are free in every layer group (a prefix cache first evicts
-        pages to free them)."""
-        return pages <= self.free_pages and bool(np.all(pages <= self.group_free))
+    def claim(self, row: _Row, shard: int) -> None:
+        """`row` is admitted to `shard` (a prefix cache keeps the pages it will share)."""
 
-    def _take(self, pages: int) -> None:
-        """The host's view after a row took `pages` pages in every layer group."""
-        self.free_pages -= pages
+    def room(self, pages: int, shard: int) -> bool:
+        """Whether `pages` pages are free in `shard`, in every layer group (a prefix cache
+        first evicts pages to free them)."""
+        return pages <= self.free_pages[shard] and bool(np.all(pages <= self.group_free))
+
+    def _take(self, pages: int, shard: int) -> None:
+        """The host's view after a row took `pages` pages in `shard`, in every layer group."""
+        self.free_pages[shard] -= pages
         self.group_free -= pages
 
-    def relieve(self) -> bool:
-        """Free pages for a row refused one mid-chunk without preempting a row; whether
-        it did (then the stalled rows run on at the next chunk)."""
+    def relieve(self, shard: int) -> bool:
+        """Free pages in `shard` for a row refused one mid-chunk without preempting a row;
+        whether it did (then the stalled rows run on at the next chunk)."""
         return False
 
     def vacate(self, slot: int) -> int:
@@ -160,29 +188,51 @@ class PagedBatcher(_Batcher):
         Returns how many of them stay held (by a prefix cache), not free."""
         return 0
 
-    def cached_prompt(self, row: _Row) -> list[int]:
-        """Pages of `row`'s prompt (its first full pages) a resumed row reads instead of
-        recomputing them: none without a prefix cache."""
+    def cached_prompt(self, row: _Row, shard: int) -> list[int]:
+        """Pages of `row`'s prompt (its first full pages) in `shard` a resumed row reads
+        instead of recomputing them: none without a prefix cache."""
         return []
 
     def resumed(self, slot: int, row: _Row, shared: list[int]) -> None:
         """The parked row in `slot` holds pages again, `shared` first."""
 
-    def _running(self, occupant: dict) -> int:
-        return sum(1 for slot in occupant if slot not in self.parked)
+    def _running(self, occupant: dict, shard: int) -> int:
+        return sum(
+            1 for slot in occupant if slot not in self.parked and self.shard_of(slot) == shard
+        )
 
-    def admissible(self, waiting: Sequence[_Row], free: int, occupant: dict) -> int:
-        if self.parked:  # preempted rows come first
-            return 0
-        running = self._running(occupant)
+    def admissible(self, waiting: Sequence[_Row], free: list[int], occupant: dict) -> int:
+        """As many waiting rows, in order, as free slots and pages hold; each to the shard
+        whose pool it needs fewest new pages of (then: the most free pages). A shard with
+        a preempted row admits nothing (that row comes first)."""
+        blocked = {self.shard_of(slot) for slot in self.parked}
+        running = [self._running(occupant, shard) for shard in range(self.shards)]
+        open_slots = [
+            0 if shard in blocked else sum(self.shard_of(slot) == shard for slot in free)
+            for shard in range(self.shards)
+        ]
         count = 0
-        for row in list(waiting)[:free]:
-            need = self.pages_needed(row)
-            if not self.room(need + RESERVE_PAGES * (running + count)):
+        for row in list(waiting)[: len(free)]:
+            shards = [shard for shard in range(self.shards) if open_slots[shard]]
+            needs = {shard: self.pages_needed(row, shard) for shard in shards}
+            shards.sort(key=lambda shard: (needs[shard], -self.free_pages[shard]))
+            chosen = next(
+                (
+                    shard
+                    for shard in shards
+                    if self.room(needs[shard] + RESERVE_PAGES * running[shard], shard)
+                ),
+                None,
+            )
+            if chosen is None:
                 break
-            self._take(need)
+            row.shard = chosen
+            self.claim(row, chosen)
+            self._take(needs[chosen], chosen)
+            open_slots[chosen] -= 1
+            running[chosen] += 1
             count += 1
-        in_flight = running + count
+        in_flight = sum(running)
         self.stats["most_rows_in_flight"] = max(self.stats["most_rows_in_flight"], in_flight)
         return count
 
@@ -197,12 +247,16 @@ class PagedBatcher(_Batcher):
         if self.stalled:  # the pages just freed are for the row that was refused
             return
         ps = self.page_size
+        waits = set()  # shards whose oldest preempted row does not fit yet
         for slot in sorted(self.parked, key=self.arrival.__getitem__):
+            shard = self.shard_of(slot)
             row = occupant[slot]
-            shared = self.cached_prompt(row)
+            shared = [] if shard in waits else self.cached_prompt(row, shard)
             need = _cdiv(int(self.held[slot]), ps) - len(shared)
-            if not self.room(need + RESERVE_PAGES * self._running(occupant)):
-                return
+            running = self._running(occupant, shard)
+            if shard in waits or not self.room(need + RESERVE_PAGES * running, shard):
+                waits.add(shard)
+                continue
             table = np.full((self.plan.program.pool.entries,), paging.NO_PAGE, np.int32)
             table[: len(shared)] = shared
             rest = bucket(max(len(row.ids) - len(shared) * ps, 1), MIN_PROMPT_BUCKET)
@@ -211,37 +265,53 @@ class PagedBatcher(_Batcher):
                 width=min(rest, self.prompt_len),
             )  # fmt: skip
             self.resumed(slot, row, shared)
-            self._take(need)
+            self._take(need, shard)
             self.parked.discard(slot)
             self.stats["resumed"] += 1
 
     def done(self, occupant: dict) -> np.ndarray:
         done = super().done(occupant)
         s = self.state
-        stalled, free, num_tokens, prompt_len = jax.device_get(
-            (s.pages.stalled, pool.free_counts(s.pages), s.num_tokens, s.prompt_len)
+        stalled, free, counts, num_tokens, prompt_len = jax.device_get(
+            self.plan.layout.host_view(
+                (
+                    s.pages.stalled,
+                    paging.free_by_shard(s.pages.pages),
+                    pool.free_counts(s.pages),
+                    s.num_tokens,
+                    s.prompt_len,
+                )
+            )
         )
-        self.free_pages, self.group_free = int(free[0]), np.asarray(free[1:], np.int64)
-        most = np.maximum(self.stats["most_pages_held"], self.group_pages - free)
+        self.free_pages = np.asarray(free, np.int64)
+        self.group_free = np.asarray(counts[1:], np.int64)
+        most = np.maximum(self.stats["most_pages_held"], self.group_pages - counts)
         self.stats["most_pages_held"] = [int(x) for x in most]
         # A parked row holds, once resumed, its prompt and generated tokens but the last.
         self.held = np.asarray(prompt_len) + np.asarray(num_tokens) - 1
-        self.stalled = bool(np.any(stalled))
         for slot in occupant:
             if done[slot]:
                 self.vacate(slot)
-        if self.stalled and self.relieve():  # pages freed without preempting a row
-            self.stalled = False
-        if self.stalled:
-            running = [slot for slot in occupant if not done[slot] and slot not in self.parked]
+        # Each shard whose row was refused a page frees pages without preempting a row
+        # if it can (then its stalled rows run on at the next chunk), else preempts its
+        # newest running row.
+        short = {self.shard_of(int(slot)) for slot in np.flatnonzero(stalled)}
+        short = {shard for shard in short if not self.relieve(shard)}
+        self.stalled = bool(short)
+        for shard in sorted(short):
+            running = [
+                slot
+                for slot in occupant
+                if not done[slot] and slot not in self.parked and self.shard_of(slot) == shard
+            ]
             victim = max(running, key=self.arrival.__getitem__)
             tables = jax.device_get([state.tables[victim] for state in s.pages.states()])
             held = np.array([np.sum(table >= 0) for table in tables], np.int64)
-            self.state = pool.park(s, np.int32(victim))
+            self.state = pool.park(self.state, np.int32(victim))
             self.parked.add(victim)
             kept = self.vacate(victim)  # its pages a prefix cache keeps are not free
             # Its pages held (a window may have released some), less those the cache keeps.
-            self.free_pages += int(held[0]) - kept
+            self.free_pages[shard] += int(held[0]) - kept
             self.group_free += held[1:]
             self.stats["preemptions"] += 1
         for slot in occupant:
@@ -254,19 +324,19 @@ def pool_refusal(job: Plan) -> str | None:
     """Why a paged pool cannot run `job` (a sentence), or None when it can."""
     if job.info.runner.graphdef is None:
         return "a paged pool needs a logitloop model: a FunctionModel's cache is its own"
+    windows = job.info.runner.sliding_windows(job.info.weights)
+    if job.options.mesh is not None and len(set(windows)) > 1:
+        return "a pool of a page table per window (layers' windows differ) on a mesh is not built"
     return None
 
 
 def sharing_refusal(job: Plan) -> str | None:
     """Why `job`'s rows cannot share pages (a prefix cache, a request's n rows prefilled
-    once), or None when they can. A mesh runs on a pool of rows that each own their pages
-    (`PagedBatcher`); sharing is not built for it yet, so neither is a default pool.
+    once), or None when they can. On a mesh rows share within their data shard's pool.
     Speculative decoding shares: a verification writes at the row's positions from its
     prompt's length on, past every shared page (shared pages are full prompt pages), and a
     draft model's own cache is prefilled with the whole prompt
     (`decode_loop.speculation_state`)."""
-    if job.options.mesh is not None:
-        return "pages shared between rows do not work with mesh= yet"
     return pool_refusal(job)
 
 
@@ -299,10 +369,11 @@ def batcher(
 ) -> PagedBatcher:
     """A `PagedBatcher` (or what `factory`, a subclass, makes) for `iter_generate_many`,
     every argument checked before any work."""
-    check_pool(kv_cache_tokens, page_size)
+    shards = job.layout.row_multiple
+    check_pool(kv_cache_tokens, page_size, shards)
     refusal = pool_refusal(job)
     if refusal is not None:
         raise ValueError(f"kv_cache_tokens: {refusal}")
     if isinstance(requests, Sequence):
-        check_requests(job.info, requests, bounds["defaults"], kv_cache_tokens, page_size)
+        check_requests(job.info, requests, bounds["defaults"], kv_cache_tokens, page_size, shards)
     return factory(job, kv_cache_tokens=kv_cache_tokens, page_size=page_size, stats=stats, **bounds)

@@ -121,7 +121,9 @@ def _retain(state: Any, pages: jax.Array, delta: int) -> Any:
 
 class PrefixBatcher(PagedBatcher):
     """A `PagedBatcher` whose rows share their prompts' cached full pages (module
-    docstring). `keep=False` (`prefix_cache=False`): only a request's own rows share.
+    docstring). `keep=False` (`prefix_cache=False`): only a request's own rows share. On a
+    mesh each data shard's pool has its own cache: a cached page lives in one shard and
+    only rows admitted to that shard share it.
 
     `stats` also gets "prompt_tokens" (the admitted rows' prompt tokens), "prefill_tokens"
     (those the prefills computed; resumed rows' recomputation not counted),
@@ -132,13 +134,13 @@ class PrefixBatcher(PagedBatcher):
     def __init__(self, plan: Any, *, keep: bool = True, **kwargs: Any):
         super().__init__(plan, **kwargs)
         self.keep = keep
-        self.cache = PrefixCache()
+        self.caches = [PrefixCache() for _ in range(self.shards)]
         self.entries = self.plan.program.pool.entries
         self.num_pages = self.plan.program.pool.num_pages
         self.holding: dict[int, list[int]] = {}  # slot -> the cached pages its row holds
         self.protect: set[int] = set()  # pages rows being admitted will share
-        self.counted: set[bytes] = set()  # keys of the rows admissible counted this round
-        self.doomed: list[int] = []  # idle pages to drop at once (keep=False)
+        self.counted: set[tuple[int, bytes]] = set()  # (shard, key) admissible counted
+        self.doomed: list[tuple[int, int]] = []  # (shard, idle page) to drop (keep=False)
         self.stats.update(
             prompt_tokens=0, prefill_tokens=0, cached_tokens=0, evicted_pages=0,
             resume_cached_tokens=0,
@@ -160,40 +162,43 @@ class PrefixBatcher(PagedBatcher):
 
     # ------------------------------------------------------------------ hooks
 
-    def admissible(self, waiting: Sequence[_Row], free: int, occupant: dict) -> int:
+    def admissible(self, waiting: Sequence[_Row], free: list[int], occupant: dict) -> int:
         self.counted, self.protect = set(), set()
         return super().admissible(waiting, free, occupant)
 
-    def pages_needed(self, row: _Row) -> int:
+    def pages_needed(self, row: _Row, shard: int) -> int:
         keys = self._keys(row)
-        shared = self.cache.match(keys, self._limit(row))
-        self.protect.update(shared)
-        depth = len(shared)
-        while depth < self._limit(row) and keys[depth] in self.counted:
+        depth = len(self.caches[shard].match(keys, self._limit(row)))
+        while depth < self._limit(row) and (shard, keys[depth]) in self.counted:
             depth += 1  # a row admitted before it in this round writes that page
-        self.counted.update(keys)
         return _cdiv(len(row.ids), self.page_size) - depth
 
-    def room(self, pages: int) -> bool:
-        short = pages - self.free_pages
-        if short > 0:
-            self._evict(short)
-        return pages <= self.free_pages
+    def claim(self, row: _Row, shard: int) -> None:
+        keys = self._keys(row)
+        self.protect.update(self.caches[shard].match(keys, self._limit(row)))
+        self.counted.update((shard, key) for key in keys)
 
-    def relieve(self) -> bool:
-        return self._evict(self.slots) > 0  # a page for each row that may need one
+    def room(self, pages: int, shard: int) -> bool:
+        short = pages - self.free_pages[shard]
+        if short > 0 and short <= self._idle(shard):
+            self._evict(short, shard)
+        return pages <= self.free_pages[shard]
+
+    def relieve(self, shard: int) -> bool:
+        return self._evict(self.slots // self.shards, shard) > 0  # a page for each row
 
     def vacate(self, slot: int) -> int:
+        shard = self.shard_of(slot)
         held = self.holding.pop(slot, [])
-        idle = self.cache.release(held)
+        idle = self.caches[shard].release(held)
         if not self.keep:
-            self.doomed += idle
+            self.doomed += [(shard, page) for page in idle]
         return len(held)
 
-    def cached_prompt(self, row: _Row) -> list[int]:
+    def cached_prompt(self, row: _Row, shard: int) -> list[int]:
         # Every full prompt page: a resumed row needs no prompt logits. Kept from eviction
         # while its resumption makes room.
-        shared = self.cache.match(self._keys(row), len(row.ids) // self.page_size)
+        shared = self.caches[shard].match(self._keys(row), len(row.ids) // self.page_size)
         self.protect = set(shared)
         return shared
 
@@ -202,43 +207,51 @@ class PrefixBatcher(PagedBatcher):
         self.protect = set()
 
     def resumed(self, slot: int, row: _Row, shared: list[int]) -> None:
-        self.cache.acquire(shared)
+        cache = self.caches[self.shard_of(slot)]
+        cache.acquire(shared)
         table = np.asarray(jax.device_get(self.state.pages.pages.tables[slot]))
         held = list(shared)
-        self._send(self._cache_pages(self._keys(row), held, len(row.ids), table), 1)
+        self._send(self._cache_pages(cache, self._keys(row), held, len(row.ids), table), 1)
         self.holding[slot] = held
         self.stats["resume_cached_tokens"] += len(shared) * self.page_size
 
     def _cache_pages(
-        self, keys: list[bytes], held: list[int], length: int, table: np.ndarray
+        self, cache: Any, keys: list[bytes], held: list[int], length: int, table: np.ndarray
     ) -> list[int]:
-        """Cache the full pages of a prompt of `length` tokens after those the row `held`s
-        (`table`: its page table), up to the first another row cached first; the row
-        holds them too (appended to `held`). Returns the new ones."""
+        """Cache in `cache` (a shard's) the full pages of a prompt of `length` tokens after
+        those the row `held`s (`table`: its page table), up to the first another row cached
+        first; the row holds them too (appended to `held`). Returns the new ones."""
         new = []
         for j in range(len(held), length // self.page_size):
-            if keys[j] in self.cache.page_of:
+            if keys[j] in cache.page_of:
                 break
             page = int(table[j])
-            self.cache.add(keys[j], page)
-            self.cache.acquire([page])
+            cache.add(keys[j], page)
+            cache.acquire([page])
             held.append(page)
             new.append(page)
         return new
 
-    def _evict(self, count: int) -> int:
-        pages = self.cache.evict(count, self.protect)
+    def _idle(self, shard: int) -> int:
+        """Cached pages of `shard` no row holds or is about to share."""
+        return sum(page not in self.protect for page in self.caches[shard].idle)
+
+    def _evict(self, count: int, shard: int) -> int:
+        pages = self.caches[shard].evict(count, self.protect)
         self._send(pages, -1)
-        self.free_pages += len(pages)
+        self.free_pages[shard] += len(pages)
         self.stats["evicted_pages"] += len(pages)
         return len(pages)
 
     def done(self, occupant: dict) -> np.ndarray:
         done = super().done(occupant)
-        if self.doomed:
-            pages, self.doomed = self.cache.evict(len(self.doomed), set()), []
-            self._send(pages, -1)
-            self.free_pages += len(pages)
+        doomed, self.doomed = self.doomed, []
+        for shard in range(self.shards):
+            count = sum(s == shard for s, _ in doomed)
+            if count:
+                pages = self.caches[shard].evict(count, set())
+                self._send(pages, -1)
+                self.free_pages[shard] += len(pages)
         return done
 
     # ------------------------------------------------------------------ admission
@@ -247,37 +260,45 @@ class PrefixBatcher(PagedBatcher):
         """Prefill groups in which no row reads a page another row of the group writes:
         such a row starts the next group, after the pages it reads are cached."""
         group: list[_Row] = []
-        written: set[bytes] = set()
+        written: set[tuple[int, bytes]] = set()
         for row in rows:
+            cache = self.caches[row.shard]
             keys = self._keys(row)[: self._limit(row)]
-            cached = len(self.cache.match(keys, len(keys)))
-            if len(group) == self.group or (cached < len(keys) and keys[cached] in written):
+            cached = len(cache.match(keys, len(keys)))
+            if self.full(group, row) or (
+                cached < len(keys) and (row.shard, keys[cached]) in written
+            ):
                 yield group
                 group, written = [], set()
-                cached = len(self.cache.match(keys, len(keys)))
+                cached = len(cache.match(keys, len(keys)))
             group.append(row)
-            written.update(keys[cached:])
+            written.update((row.shard, key) for key in keys[cached:])
         if group:
             yield group
         self.protect = set()
 
-    def admit_group(self, group: list[_Row], slot: np.ndarray, shared: Any = None) -> None:
+    def admit_group(self, group: list, slot: np.ndarray, shared: Any = None) -> None:
         ps = self.page_size
-        keys = [self._keys(row) for row in group]
-        matches = [self.cache.match(k, self._limit(r)) for k, r in zip(keys, group, strict=True)]
+        real = [i for i, row in enumerate(group) if row is not None]
+        keys = {i: self._keys(group[i]) for i in real}
+        matches = {
+            i: self.caches[group[i].shard].match(keys[i], self._limit(group[i])) for i in real
+        }
         table = np.full((self.group, self.entries), paging.NO_PAGE, np.int32)
         for i in range(self.group):
-            pages = matches[i if i < len(group) else 0]  # a dummy row repeats the first
+            pages = matches.get(i, matches[real[0]])  # a dummy row repeats the first
             table[i, : len(pages)] = pages
         # A group that shares nothing is prefilled at the job's prompt bucket, as without a
         # cache (one program); one that shares, at the bucket of its longest rest.
-        super().admit_group(group, slot, table if any(matches) else None)
-        tables = np.asarray(jax.device_get(self.state.pages.pages.tables[slot[: len(group)]]))
+        super().admit_group(group, slot, table if any(matches.values()) else None)
+        tables = self.plan.layout.host_view(self.state.pages.pages.tables)
+        tables = np.asarray(jax.device_get(tables))
         new = []
-        for i, row in enumerate(group):
+        for i in real:
+            row, cache = group[i], self.caches[group[i].shard]
             held = list(matches[i])
-            self.cache.acquire(held)
-            new += self._cache_pages(keys[i], held, len(row.ids), tables[i])
+            cache.acquire(held)
+            new += self._cache_pages(cache, keys[i], held, len(row.ids), tables[slot[i]])
             self.holding[int(slot[i])] = held
             self.stats["prompt_tokens"] += len(row.ids)
             self.stats["cached_tokens"] += len(matches[i]) * ps

@@ -16,8 +16,10 @@ the samples of prompt u, and row `u * n` (the parent) is the one prefilled:
 
 The loop then runs as with `generate_many`'s pool (`pool`: rows grow page by page and
 return their pages when they finish), in a pool of the memory the contiguous cache of
-the batch would hold. A row's logits are those of its prompt prefilled alone, so its
-tokens are those of the same row without sharing (bit for bit under `deterministic=True`).
+the batch would hold. On a mesh whose data axis splits the U prompts, each data shard
+holds its prompts' n rows and one pool of their pages (`pages.PageState.shards`). A
+row's logits are those of its prompt prefilled alone, so its tokens are those of the
+same row without sharing (bit for bit under `deterministic=True`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def prefill_forked(
     lengths = jnp.repeat(prompts.lengths, n)
     pages, _ = paging.allocate(pool.pages, jnp.where(child, 0, lengths))
     logits, cache = forward_prompt(
-        program.runner, tables.weights, prompts.prompt, prompts.positions, 0,
+        program.runner, tables.weights, prompts.prompt, prompts.positions, 0, program.layout,
         cache=paged.attach(cache, pages.tables[::n]),
     )  # fmt: skip
     pages = paging.fork(pages, parents, child)
@@ -75,7 +77,7 @@ def prefill_forked(
     source = jnp.take_along_axis(pages.tables[parents], last, axis=1)[:, 0]
     target = jnp.take_along_axis(pages.tables, last, axis=1)[:, 0]
     target = jnp.where(child & (lengths % ps != 0), target, shape.num_pages)  # else skipped
-    cache = layers.copy_pages(paged.detach(cache), source, target)
+    cache = layers.copy_pages(paged.detach(cache), source, target, program.layout.row_mesh)
     state = first_state(
         program.layout,
         tables,

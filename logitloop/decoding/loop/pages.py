@@ -19,6 +19,12 @@ the decode loop can allocate and free inside its compiled body with no host roun
   returns the pages a sliding window has left behind (their entries become -1: a row's
   held entries are then its first `pages_held` ones that are not -1).
 
+- `shards` (static, 1 by default): the pool is `shards` pools of `N / shards` pages and the
+  rows `shards` blocks of `B / shards`, contiguous both (a mesh's data shards): a row of
+  block i takes pages of block i only (`allocate` runs per block), so its reads and writes
+  stay on the device that holds its block of rows and pages (`logitloop.models.layers`).
+  Page ids in `tables` stay global; the functions other than `allocate` need no change.
+
 Example: page_size = 4, pages 0-5 free. `allocate(lengths=[6, 3])` gives row 0 pages
 [0, 1] and row 1 page [2]. `fork(parents=[0, 0], children=[False, True])` frees row 1
 (page 2 returns) and gives it row 0's one full page: tables [[0, 1], [0]], lengths [6, 4],
@@ -45,16 +51,21 @@ class PageState:
     tables: Int[B, P] - row b's pages in token order; entries past its held pages -1.
     lengths: Int[B] - tokens each row holds (it holds cdiv(lengths, page_size) pages).
     page_size: int (static) - tokens per page.
+    shards: int (static) - blocks of pages and of rows; block i's rows hold block i's pages.
     """
 
     ref_counts: jax.Array
     tables: jax.Array
     lengths: jax.Array
     page_size: int = struct.field(pytree_node=False)
+    shards: int = struct.field(pytree_node=False, default=1)
 
 
-def init_pages(num_pages: int, batch_size: int, pages_per_row: int, page_size: int) -> PageState:
-    """Every page free, every row empty. `page_size` must be a positive power of two."""
+def init_pages(
+    num_pages: int, batch_size: int, pages_per_row: int, page_size: int, shards: int = 1
+) -> PageState:
+    """Every page free, every row empty. `page_size` must be a positive power of two;
+    `shards` must divide `num_pages` and `batch_size`."""
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size = {page_size} must be a positive power of two")
     for name, value in (
@@ -64,11 +75,15 @@ def init_pages(num_pages: int, batch_size: int, pages_per_row: int, page_size: i
     ):
         if value < 1:
             raise ValueError(f"{name} = {value} must be at least 1")
+    for name, value in (("num_pages", num_pages), ("batch_size", batch_size)):
+        if shards < 1 or value % shards:
+            raise ValueError(f"{name} = {value} does not split into shards = {shards} blocks")
     return PageState(
         ref_counts=jnp.zeros(num_pages, jnp.int32),
         tables=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32),
         lengths=jnp.zeros(batch_size, jnp.int32),
         page_size=page_size,
+        shards=shards,
     )
 
 
@@ -89,6 +104,43 @@ def free_pages(state: PageState) -> jax.Array:
     return jnp.sum(state.ref_counts == 0, dtype=jnp.int32)
 
 
+def free_by_shard(state: PageState) -> jax.Array:
+    """`[shards]` int32: pages no row holds in each block of the pool."""
+    free = (state.ref_counts == 0).reshape(state.shards, -1)
+    return jnp.sum(free, axis=1, dtype=jnp.int32)
+
+
+def _allocate_by_shard(
+    state: PageState, lengths: jax.Array, order: jax.Array | None
+) -> tuple[PageState, jax.Array]:
+    """`allocate` in each block of rows from its block of pages (`PageState.shards`)."""
+    d = state.shards
+    (b, p), n = state.tables.shape, state.ref_counts.shape[0]
+    base = (jnp.arange(d, dtype=jnp.int32) * (n // d))[:, None, None]  # [d, 1, 1]
+    tables = state.tables.reshape(d, b // d, p)
+    blocks = PageState(
+        state.ref_counts.reshape(d, n // d),
+        jnp.where(tables >= 0, tables - base, NO_PAGE),  # ids within the block
+        state.lengths.reshape(d, b // d),
+        state.page_size,
+    )
+    if order is None:
+        order = jnp.arange(b)
+    rank = jnp.argsort(order).reshape(d, b // d)  # each row's place in the serving order
+    served, granted = jax.vmap(allocate)(
+        blocks, lengths.reshape(d, b // d), jnp.argsort(rank, axis=1)
+    )
+    tables = jnp.where(served.tables >= 0, served.tables + base, NO_PAGE).reshape(b, p)
+    return (
+        state.replace(
+            ref_counts=served.ref_counts.reshape(n),
+            tables=tables,
+            lengths=served.lengths.reshape(b),
+        ),
+        granted.reshape(b),
+    )
+
+
 def _add_refs(ref_counts: jax.Array, pages: jax.Array, where: jax.Array, delta: int) -> jax.Array:
     """`ref_counts` plus `delta` once per entry of `pages` where `where` (duplicates add)."""
     n = ref_counts.shape[0]
@@ -105,8 +157,11 @@ def allocate(
     take the lowest-numbered free pages, served in `order` ([B] int32, a permutation of
     the rows, e.g. by arrival; default row order), until the first that does not fit: it,
     and every row served after it that needs a page, is refused (a refused row is
-    unchanged), so the rows served last are the ones refused.
+    unchanged), so the rows served last are the ones refused. With `shards` > 1 each
+    block of rows is served so from its own block of pages.
     """
+    if state.shards > 1:
+        return _allocate_by_shard(state, lengths, order)
     if order is not None:
         back = jnp.argsort(order)
         served, granted = allocate(

@@ -6,7 +6,8 @@ With a pool, `DecodeState.cache` holds per layer `dict(k_pages, v_pages)` of
 `Pool`: which row holds which pages (`pages.PageState`, the one copy of the page tables,
 `attach`ed to the layers for each forward pass), each row's arrival number, and the rows
 parked (preempted) or stalled (refused a page). Without a pool both hooks are skipped and
-the loop runs as it always did.
+the loop runs as it always did. On a mesh the pool is one pool per data shard
+(`PoolShape.shards`): a row takes pages of its own shard only (`pages.PageState.shards`).
 
 - Each decode step first grows every running row to the tokens the step writes
   (`grow`: `pages.allocate` in arrival order, so the newest rows are the ones refused);
@@ -45,7 +46,9 @@ from logitloop.decoding.loop.runner import runner_jit
 class PoolShape:
     """The static shape of a pool: `num_pages` pages of `page_size` tokens, `entries`
     table entries per row (enough for the job's longest row); `window`: the sliding window
-    of the layers the main page table serves (None: global layers, or none of them has one).
+    of the layers the main page table serves (None: global layers, or none of them has one);
+    `shards`: the pool split into this many pools, one per data shard of a mesh
+    (`PageState.shards`; every group's pool is split so).
 
     Layer groups (`layer_groups`): a model whose layers' windows differ (Gemma 2 and 3
     alternate local and global layers) gets one page table and one pool of pages per
@@ -60,6 +63,7 @@ class PoolShape:
     window: int | None = None
     groups: tuple[tuple[int, int], ...] = ()
     layer_groups: tuple[int, ...] = ()
+    shards: int = 1
 
     def layer_pages(self) -> int | tuple[int, ...]:
         """Pages of each layer's pool (`ModelRunner.init_pool`): `num_pages`, or one count
@@ -122,7 +126,10 @@ def init(runner: Any, weights: Any, shape: PoolShape, batch: int) -> tuple[Any, 
     """An empty pool: the layers' pages (zeros) and every row holding none."""
     cache = runner.init_pool(weights, shape.layer_pages(), shape.page_size)
     counts = (shape.num_pages, *(n for _, n in shape.groups))
-    states = [paging.init_pages(n, batch, shape.entries, shape.page_size) for n in counts]
+    states = [
+        paging.init_pages(n, batch, shape.entries, shape.page_size, shape.shards)
+        for n in counts
+    ]
     no = jnp.zeros((batch,), bool)
     return cache, Pool(states[0], jnp.zeros((batch,), jnp.int32), no, no, tuple(states[1:]))
 
@@ -299,7 +306,8 @@ def resume(
     `width` (static, at least the rest of the prompt) columns from the first position after
     them, as an admission's prefill after cached pages does."""
     pool = state.pages
-    rows = jnp.arange(pool.arrival.shape[0]) == slot
+    batch = pool.arrival.shape[0]
+    rows = jnp.arange(batch) == slot
     prompt_len = state.prompt_len[slot]
     length = prompt_len + state.num_tokens[slot] - 1
     count = jnp.sum(shared >= 0, dtype=jnp.int32)
@@ -307,25 +315,35 @@ def resume(
     pool = pool.replace(pages=paging.share(pool.pages, rows, tables, jnp.where(rows, count, 0)))
     states, _ = _allocate(pool.states(), jnp.where(rows, length, pool.pages.lengths))
     pool = pool.with_states(states)
-    tables = jax.tree.map(lambda t: t[slot][None], layer_tables(pool, program.pool))
+    # On a mesh the passes take one row per data shard, the slot's and a row that writes
+    # nothing in each other shard, so each device reads and writes its own pages only.
+    per = batch // program.layout.row_multiple
+    take = slot % per + per * jnp.arange(program.layout.row_multiple)  # [d]
+    real = (take == slot)[:, None]
+    tables = jax.tree.map(
+        lambda t: jnp.where(real, t[take], paging.NO_PAGE), layer_tables(pool, program.pool)
+    )
     cache = attach(state.cache, tables)
-    history = state.history.tokens[slot][None]  # [1, P + N]
+    history = state.history.tokens[take]  # [d, P + N]
     buffer = state.tokens.shape[1]  # N: the generated tokens' buffer
     start = count * program.pool.page_size  # the prompt's first position not in a shared page
     begin = jnp.minimum(start, history.shape[1] - width)
     cols = begin + jnp.arange(width)[None]
+    mesh = program.layout.row_mesh
     _, cache = program.runner.forward(
         weights,
         jnp.maximum(jax.lax.dynamic_slice_in_dim(history, begin, width, axis=1), 0),
-        jnp.where((cols >= start) & (cols < prompt_len), cols, -1),
+        jnp.where(real & (cols >= start) & (cols < prompt_len), cols, -1),
         cache,
         prompt=True,
+        mesh=mesh,
     )
     cols = prompt_len + jnp.arange(buffer)[None]
     _, cache = program.runner.forward(
         weights,
         jnp.maximum(jax.lax.dynamic_slice_in_dim(history, prompt_len, buffer, axis=1), 0),
-        jnp.where(cols < length, cols, -1),
+        jnp.where(real & (cols < length), cols, -1),
         cache,
+        mesh=mesh,
     )
     return state.replace(cache=detach(cache), pages=pool.replace(parked=pool.parked & ~rows))

@@ -14,9 +14,11 @@ of `layout.ONE_DEVICE`, over a `jax.sharding.Mesh` with axes "data" and "model":
 - The KV cache (`[B, H, S, D]` per layer and per k/v) has its rows over "data" and its
   heads over "model" when the head count is divisible, like the k/v projections. A paged
   pool (`generate_many(..., kv_cache_tokens=N)`, `[Hkv, pages, page_size, D]`) has its
-  heads over "model" the same way and is replicated over "data": its pages belong to no
-  row in particular (the page tables, `[B, P]`, go over "data" with the rows), so every
-  data shard holds the whole pool and writes every row's keys and values into it.
+  heads over "model" the same way and its pages over "data": one pool of N / d pages per
+  data shard, from which only that shard's rows take pages (`pages.PageState.shards`),
+  so a row's reads and writes stay on its devices (`layers.by_page_shard`) and a data
+  axis of d divides the pool's memory by d. The page tables, `[B, P]`, go over "data"
+  with the rows.
 - Inside the jit-compiled prefill and decode, `with_sharding_constraint` pins the inputs
   and the loop state to these layouts and GSPMD propagates them through the model. The
   logits come out of the LM head vocabulary-sharded; the sampling step then runs in one
@@ -129,10 +131,17 @@ class MeshLayout(Layout):
     def cache_shardings(self, cache: Any, batch: int) -> Any:
         size = self.mesh.shape[MODEL_AXIS]
 
+        shards = self.mesh.shape[DATA_AXIS]
+
         def spec(path, x):
             if getattr(path[-1], "key", None) in POOL_KEYS:  # a paged pool (module docstring)
-                heads = np.shape(x)[0]
-                return self._named(P(MODEL_AXIS if size > 1 and heads % size == 0 else None))
+                heads, pages = np.shape(x)[:2]
+                return self._named(
+                    P(
+                        MODEL_AXIS if size > 1 and heads % size == 0 else None,
+                        DATA_AXIS if shards > 1 and pages % shards == 0 else None,
+                    )
+                )
             return self._named(_cache_spec(x, batch, size))
 
         return jax.tree_util.tree_map_with_path(spec, cache)

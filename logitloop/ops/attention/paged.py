@@ -359,14 +359,18 @@ def kernel_fits(head_dim: int, page_size: int) -> bool:
     return head_dim >= 16 and not head_dim & (head_dim - 1) and not page_size & (page_size - 1)
 
 
-def resolve_backend(backend: str, head_dim: int = 128, page_size: int = 16) -> str:
-    """ "auto" -> "pallas" on a GPU when `kernel_fits`, else "xla"; other names are checked
-    and returned."""
+def resolve_backend(
+    backend: str, head_dim: int = 128, page_size: int = 16, sharded: bool = False
+) -> str:
+    """ "auto" -> "pallas" on a GPU when `kernel_fits` and the call is not `sharded`, else
+    "xla"; other names are checked and returned. `sharded`: the arrays lie over a mesh,
+    whose partitioner would run the kernel (a custom call) whole on every device, with its
+    heads gathered; it partitions the XLA path."""
     if backend not in BACKENDS:
         raise ValueError(f"backend = {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
         gpu = jax.default_backend() == "gpu"
-        return "pallas" if gpu and kernel_fits(head_dim, page_size) else "xla"
+        return "pallas" if gpu and not sharded and kernel_fits(head_dim, page_size) else "xla"
     return backend
 
 
@@ -383,16 +387,17 @@ def paged_attention(
     window: int | None = None,
     backend: str = "auto",
     interpret: bool = False,
+    sharded: bool = False,
 ) -> jax.Array:
     """Decode attention of one query per row over its pages (the module docstring), `[B, H,
     D]`. `scale` defaults to `D ** -0.5`. `backend="xla"` is the gather reference over the
     live prefix of the tables (any platform), `"pallas"` the kernel (`interpret=True` runs
-    it on any platform, slowly), `"auto"` the kernel on a GPU and the XLA path elsewhere;
-    chosen while tracing."""
+    it on any platform, slowly), `"auto"` the kernel on a GPU and the XLA path elsewhere
+    or when `sharded` (on a mesh: `resolve_backend`); chosen while tracing."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k_pages, v_pages, block_tables, lengths, starts)
     kw = dict(scale=scale, softcap=softcap, window=window)
-    if resolve_backend(backend, q.shape[-1], k_pages.shape[2]) == "xla":
+    if resolve_backend(backend, q.shape[-1], k_pages.shape[2], sharded) == "xla":
         return _table_prefix(*args, **kw)
     return paged_attention_pallas(*args, **kw, interpret=interpret)
 
