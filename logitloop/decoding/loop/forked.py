@@ -11,7 +11,12 @@ the samples of prompt u, and row `u * n` (the parent) is the one prefilled:
    full prompt page again), take a page of their own for the partial last page and copy
    the parent's into it (`layers.copy_pages`, copy-on-write), so each row writes only
    its own pages from there on;
-3. every row draws its first token from its prompt's logits, with its own params.
+3. every row draws its first token from its prompt's logits, with its own params;
+4. the layers are told the groups (`layers.share_prefix`: each prompt's full pages, and
+   at most `cdiv(page_size - 1 + buffer_len, page_size)` pages of a row's own after
+   them), so each decode step reads a prompt's shared pages once for its n rows
+   (`logitloop.ops.attention.paged.cascade_attention`; the deterministic mode keeps its
+   fixed-order attention over each row's pages).
 
 The loop then runs as with `generate_many`'s pool (`pool`: rows grow page by page and
 return their pages when they finish), in a pool of the memory the contiguous cache of
@@ -74,6 +79,14 @@ def prefill_forked(
     target = jnp.take_along_axis(pages.tables, last, axis=1)[:, 0]
     target = jnp.where(child & (lengths % ps != 0), target, shape.num_pages)  # else skipped
     cache = layers.copy_pages(paged.detach(cache), source, target)
+    shared_width = prompts.prompt.shape[1] // ps  # the most full pages a prompt has
+    if shared_width:
+        cache = layers.share_prefix(
+            cache,
+            pages.tables[::n, :shared_width],
+            prompts.lengths // ps * ps,
+            suffix_entries=-(-(ps - 1 + buffer_len) // ps),
+        )
     state = first_state(
         program.layout,
         tables,
