@@ -11,7 +11,10 @@ A random `bench_generate` Llama (`--size`, float32, context 4096), on this machi
     its pages (`logitloop.decoding.loop.forked`). Wall time against N = 1 (goal: N = 16 at
     most 2x N = 1), and, for N up to `--unshared-max`, the same rows without sharing
     (`generate` of the prompt repeated N times, each row prefilled: today's cost before
-    shared prefixes).
+    shared prefixes). For N > 1 also the decode loop alone on the state after prefill and
+    XLA's bytes accessed by one decode step, with the shared-prefix (cascade) attention
+    that reads the prompt's pages once per step, and without it (each row gathering its
+    whole table, as before it).
 (b) `generate_many` of `--requests` requests: one few-shot prefix of `--prefix` random
     tokens, then a distinct question of 8-24 tokens each, `--answer` tokens each, with the
     prefix cache (the default) against `prefix_cache=False` (goal: at least 3x); the
@@ -40,7 +43,10 @@ from bench_generate import config  # scripts/ is on the path when run as a scrip
 from flax import nnx
 
 import logitloop as ll
+from logitloop.decoding.engine import generate as generate_module
 from logitloop.decoding.engine.batching import Request, generate_many
+from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.loop.decode_loop import decode, decode_step
 from logitloop.decoding.runtime.compiles import CompileWatch
 from logitloop.models import LlamaModel
 
@@ -61,6 +67,56 @@ def timed(fn, repeats: int, warm_up=None) -> tuple[float, object, int]:
     return statistics.median(times), out, compiled
 
 
+def without_prefix(state):
+    """The state with its layers' shared-prefix descriptor dropped (`layers.share_prefix`):
+    each decode step then gathers every row's whole table, as before the cascade."""
+    cache = [{k: v for k, v in layer.items() if k != "prefix"} for layer in state.cache]
+    return state.replace(cache=cache)
+
+
+def kv_bytes(state) -> dict:
+    """Bytes of keys and values one decode step gathers from the pool (every layer) once
+    the rows are at their longest: each row's whole table (the gather path, whose table
+    prefix is then all P entries), or each group's shared pages once and each row's
+    `suffix_entries` after them (the cascade)."""
+    layer = state.cache[0]
+    hkv, _, page_size, d = layer["k_pages"].shape
+    page = 2 * hkv * page_size * d * layer["k_pages"].dtype.itemsize * len(state.cache)
+    rows, entries = state.pages.pages.tables.shape
+    groups, width = layer["prefix"].tables.shape
+    own = layer["prefix"].suffix_entries
+    return dict(
+        gather_kv_bytes=rows * entries * page, cascade_kv_bytes=(groups * width + rows * own) * page
+    )
+
+
+def decode_costs(model, prompt, n: int, knobs, repeats: int) -> dict:
+    """`generate(model, [prompt], n=n, **knobs)`'s decode loop on its state after prefill,
+    with the cascade (the library) and without it (`without_prefix`): XLA's bytes accessed
+    by one decode step, and the loop's median time over `repeats` calls of each, in turns
+    (each on a fresh copy of the state, which `decode` donates)."""
+    options, settings = Options.split("generate", dict(n=n, **knobs))
+    run = generate_module._start(model, plan(model, options), [prompt], None, settings)
+    program, tables = run.plan.program, run.tables
+    states = {"cascade": run.state, "gather": without_prefix(run.state)}
+    out, times = kv_bytes(run.state), {name: [] for name in states}
+    for name, state in states.items():
+        step = jax.jit(decode_step, static_argnums=0).lower(program, tables, state).compile()
+        cost = step.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[f"{name}_step_bytes"] = float(cost.get("bytes accessed", float("nan")))
+    for i in range(repeats + 1):  # the first round compiles (warm-up)
+        for name, state in states.items():
+            fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+            t0 = time.perf_counter()
+            jax.block_until_ready(decode(program, tables, fresh, jnp.asarray(2**30, jnp.int32)))
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    for name, values in times.items():
+        out[f"{name}_decode_seconds"] = statistics.median(values)
+    return out
+
+
 def part_a(model, args, rng) -> list[dict]:
     prompt = rng.integers(0, model.config.vocab_size, args.prompt).tolist()
     knobs = dict(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
@@ -70,6 +126,8 @@ def part_a(model, args, rng) -> list[dict]:
             lambda n=n: ll.generate(model, [prompt], n=n, **knobs), args.repeats
         )
         row = dict(n=n, seconds=secs, compiles=compiled, prefill_tokens=args.prompt)
+        if n > 1:
+            row.update(decode_costs(model, prompt, n, knobs, args.repeats))
         if n <= args.unshared_max:
             params = ll.SamplingParams.create(1, max_tokens=args.new_tokens).samples(n)
             unshared_s, alone, _ = timed(
@@ -181,11 +239,23 @@ def main() -> None:
     if "a" in args.parts:
         record["a"] = part_a(model, args, rng)
         print(f"\n(a) generate, one prompt of {args.prompt} tokens, {args.new_tokens} new tokens")
-        print(f"{'n':>4}{'seconds':>10}{'vs n=1':>8}{'unshared s':>12}{'prefill tokens':>16}")
+        print(f"{'n':>4}{'seconds':>10}{'vs n=1':>8}{'unshared s':>12}{'prefill tokens':>16}"
+              f"{'decode s':>10}{'gather s':>10}{'KV MB':>8}{'gather':>8}"
+              f"{'XLA MB':>9}{'gather':>9}")  # fmt: skip
         for r in record["a"]:
             un = f"{r['unshared_seconds']:.2f}" if "unshared_seconds" in r else "-"
+            costs = ""
+            if "cascade_step_bytes" in r:
+                costs = (f"{r['cascade_decode_seconds']:>10.2f}{r['gather_decode_seconds']:>10.2f}"
+                         f"{r['cascade_kv_bytes'] / 1e6:>8.1f}{r['gather_kv_bytes'] / 1e6:>8.1f}"
+                         f"{r['cascade_step_bytes'] / 1e6:>9.1f}"
+                         f"{r['gather_step_bytes'] / 1e6:>9.1f}")  # fmt: skip
             print(f"{r['n']:>4}{r['seconds']:>10.2f}{r['vs_n1']:>8.2f}{un:>12}"
-                  f"{r['prefill_tokens']:>16}")  # fmt: skip
+                  f"{r['prefill_tokens']:>16}{costs}")  # fmt: skip
+        print("decode s: the decode loop on the state after prefill with the cascade (the "
+              "library); gather: the same with each row gathering its whole table. KV MB: keys "
+              "and values one step gathers at the rows' longest (`kv_bytes`); XLA MB: XLA's "
+              "cost_analysis bytes accessed by one decode step")  # fmt: skip
     if "b" in args.parts:
         record["b"] = part_b(model, args, rng)
         print(f"\n(b) generate_many, {args.requests} requests, a {args.prefix}-token prefix")

@@ -1,4 +1,5 @@
-"""Decode attention over a paged KV cache: a gather reference, a Pallas GPU kernel, one dispatch.
+"""Decode attention over a paged KV cache: a gather reference, a Pallas GPU kernel, a
+shared-prefix (cascade) path, one dispatch.
 
 The cache of one layer is a pool of pages shared by every row, and each row owns a list of
 pages (after jax's `jax/experimental/pallas/ops/gpu/paged_attention.py`):
@@ -40,6 +41,11 @@ interpret mode; it lowers for CUDA from a CPU-only jaxlib through the Triton bac
 Triton loads only arrays whose sizes are powers of two, so the compiled kernel takes
 power-of-two head dimensions (16 or more) and page sizes (`kernel_fits`); `backend="auto"`
 runs the XLA path for other shapes.
+`cascade_attention` (XLA, any platform; `paged_attention(..., prefix=SharedPrefix(...))`)
+serves rows in groups whose tables start with the same pages (`generate`'s n samples of a
+prompt): a group's shared pages are read once and attended by all its rows' queries in one
+product, each row's own pages after them per row, and the two partial softmaxes are merged
+by their log-sum-exp (`merge_partials`, which also combines the kernel's splits).
 """
 
 from __future__ import annotations
