@@ -300,14 +300,14 @@ def _takes_the_cascade(args, prefix, starts=None, window=None) -> bool:
     return bool(jnp.all(end <= shared + prefix.suffix_entries))
 
 
-@pytest.mark.parametrize("option", [*OPTIONS, "starts"])
+@pytest.mark.parametrize("option", OPTIONS)
 def test_cascade_matches_float64(option):
-    """Groups sharing their first pages, a finished row, a window, soft-capping, per-row
-    first keys: the cascade (read once per group, merged with each row's own pages)
-    against float64 NumPy over each row's own table."""
+    """Groups sharing their first pages, a finished row, soft-capping, a window with
+    per-row first keys: the cascade (read once per group, merged with each row's own
+    pages) against float64 NumPy over each row's own table."""
     args, prefix, counts = _grouped_inputs(f"cascade-{option}")
-    kw = dict(scale=0.3, **OPTIONS.get(option, {}))
-    starts = _starts(args) if option == "starts" else None
+    kw = dict(scale=0.3, **OPTIONS[option])
+    starts = _starts(args) if option == "window" else None
     assert _takes_the_cascade(args, prefix, starts, kw.get("window"))
     got = paged.paged_attention(*args, starts, prefix=prefix, **kw)
     want = _numpy_attention(*args, starts, **kw)
