@@ -19,9 +19,11 @@ the samples of prompt u, and row `u * n` (the parent) is the one prefilled:
    fixed-order attention over each row's pages).
 
 The loop then runs as with `generate_many`'s pool (`pool`: rows grow page by page and
-return their pages when they finish), in a pool of the memory the contiguous cache of
-the batch would hold. A row's logits are those of its prompt prefilled alone, so its
-tokens are those of the same row without sharing (bit for bit under `deterministic=True`).
+return their pages when they finish), in a pool that holds each prompt's pages once and
+each row's own pages (`pool_shape`: for 64 rows of a 2K-token prompt and 16 new tokens,
+129 + 64 x 2 pages of 16 tokens against the contiguous cache's 64 x 129). A row's logits
+are those of its prompt prefilled alone, so its tokens are those of the same row without
+sharing (bit for bit under `deterministic=True`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,22 @@ from logitloop.decoding.loop.decode_loop import (
 )
 from logitloop.decoding.loop.runner import runner_jit
 from logitloop.models import layers
+
+
+def own_pages(page_size: int, buffer_len: int) -> int:
+    """The most pages a row holds after its prompt's full (shared) pages: its partial
+    prompt page and its generated tokens', `cdiv(page_size - 1 + buffer_len, page_size)`."""
+    return -(-(page_size - 1 + buffer_len) // page_size)
+
+
+def pool_shape(prompts: int, n: int, cache_len: int, page_size: int, buffer_len: int):
+    """The pool of `prompts * n` rows of at most `cache_len` tokens that share their
+    prompts' full pages: each prompt's pages once and each row's `own_pages`, so no row is
+    ever refused a page (at most the contiguous cache's memory; far less for n > 1)."""
+    entries = -(-cache_len // page_size)
+    pages = min(prompts * n * entries, prompts * entries + prompts * n * own_pages(
+        page_size, buffer_len))  # fmt: skip
+    return paged.PoolShape(pages, page_size, entries)
 
 
 @functools.partial(runner_jit, static_argnames=("program", "n", "buffer_len", "num_top"))
@@ -85,7 +103,7 @@ def prefill_forked(
             cache,
             pages.tables[::n, :shared_width],
             prompts.lengths // ps * ps,
-            suffix_entries=-(-(ps - 1 + buffer_len) // ps),
+            suffix_entries=own_pages(ps, buffer_len),
         )
     state = first_state(
         program.layout,
