@@ -11,7 +11,10 @@ A random `bench_generate` Llama (`--size`, float32, context 4096), on this machi
     its pages (`logitloop.decoding.loop.forked`). Wall time against N = 1 (goal: N = 16 at
     most 2x N = 1), and, for N up to `--unshared-max`, the same rows without sharing
     (`generate` of the prompt repeated N times, each row prefilled: today's cost before
-    shared prefixes).
+    shared prefixes). For N > 1 the same calls also run, in turns with them, without the
+    shared-prefix (cascade) decode attention that reads the prompt's pages once per step
+    (`plain_gather`: each row gathers its whole table, as before it), and one decode
+    step's KV bytes gathered and XLA's bytes accessed are given both ways.
 (b) `generate_many` of `--requests` requests: one few-shot prefix of `--prefix` random
     tokens, then a distinct question of 8-24 tokens each, `--answer` tokens each, with the
     prefix cache (the default) against `prefix_cache=False` (goal: at least 3x); the
@@ -27,11 +30,13 @@ Every timing is the median of `--repeats` runs after one warm-up run of the same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -40,25 +45,89 @@ from bench_generate import config  # scripts/ is on the path when run as a scrip
 from flax import nnx
 
 import logitloop as ll
+from logitloop.decoding.engine import generate as generate_module
 from logitloop.decoding.engine.batching import Request, generate_many
+from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.loop.decode_loop import decode_step
 from logitloop.decoding.runtime.compiles import CompileWatch
 from logitloop.models import LlamaModel
 
 
-def timed(fn, repeats: int, warm_up=None) -> tuple[float, object, int]:
-    """Median seconds of `repeats` calls after one warm-up call (of `warm_up`, a cheaper
-    call of the same shapes, when given), the last result, and the programs the timed
-    calls compiled."""
-    (warm_up or fn)()
-    counter, times, out = CompileWatch(), [], None
-    compiled = 0
+def timed_turns(fns: dict, repeats: int, warm_ups: dict | None = None) -> dict:
+    """For each of `fns` (name -> call), `(median seconds, last result, programs the timed
+    calls compiled)` of `repeats` calls after one warm-up call (of `warm_ups[name]`, a
+    cheaper call of the same shapes, when given); the calls run in turns, so that load on
+    the machine falls on each alike."""
+    for name, fn in fns.items():
+        (warm_ups or {}).get(name, fn)()
+    counter = CompileWatch()
+    times, outs, compiled = {name: [] for name in fns}, {}, dict.fromkeys(fns, 0)
     for _ in range(repeats):
-        with counter:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t0)
-        compiled += counter.count
-    return statistics.median(times), out, compiled
+        for name, fn in fns.items():
+            with counter:
+                t0 = time.perf_counter()
+                outs[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+            compiled[name] += counter.count
+    return {name: (statistics.median(times[name]), outs[name], compiled[name]) for name in fns}
+
+
+def timed(fn, repeats: int, warm_up=None) -> tuple[float, object, int]:
+    """`timed_turns` of one call."""
+    return timed_turns({"": fn}, repeats, None if warm_up is None else {"": warm_up})[""]
+
+
+def without_prefix(state):
+    """The state with its layers' shared-prefix descriptor dropped (`layers.share_prefix`):
+    each decode step then gathers every row's whole table, as before the cascade."""
+    cache = [{k: v for k, v in layer.items() if k != "prefix"} for layer in state.cache]
+    return state.replace(cache=cache)
+
+
+@contextlib.contextmanager
+def plain_gather():
+    """`generate`'s n > 1 rows decode without the cascade (`without_prefix` on the state
+    after prefill): the benchmark's switch for "before" in the same run."""
+    start = generate_module._forked_state
+
+    def forked_state(*args):
+        plan, state = start(*args)
+        return plan, without_prefix(state)
+
+    with mock.patch.object(generate_module, "_forked_state", forked_state):
+        yield
+
+
+def kv_bytes(state) -> dict:
+    """Bytes of keys and values one decode step gathers from the pool (every layer) once
+    the rows are at their longest: each row's whole table (the gather path, whose table
+    prefix is then all P entries), or each group's shared pages once and each row's
+    `suffix_entries` after them (the cascade)."""
+    layer = state.cache[0]
+    hkv, _, page_size, d = layer["k_pages"].shape
+    page = 2 * hkv * page_size * d * layer["k_pages"].dtype.itemsize * len(state.cache)
+    rows, entries = state.pages.pages.tables.shape
+    groups, width = layer["prefix"].tables.shape
+    own = layer["prefix"].suffix_entries
+    return dict(
+        gather_kv_bytes=rows * entries * page, cascade_kv_bytes=(groups * width + rows * own) * page
+    )
+
+
+def step_costs(model, prompt, n: int, knobs) -> dict:
+    """One decode step of `generate(model, [prompt], n=n, **knobs)` after its prefill, with
+    the cascade and without it (`without_prefix`): `kv_bytes` and XLA's cost_analysis
+    bytes accessed of each compiled step."""
+    options, settings = Options.split("generate", dict(n=n, **knobs))
+    run = generate_module._start(model, plan(model, options), [prompt], None, settings)
+    program, tables = run.plan.program, run.tables
+    out = kv_bytes(run.state)
+    for name, state in (("cascade", run.state), ("gather", without_prefix(run.state))):
+        step = jax.jit(decode_step, static_argnums=0).lower(program, tables, state).compile()
+        cost = step.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[f"{name}_step_bytes"] = float(cost.get("bytes accessed", float("nan")))
+    return out
 
 
 def part_a(model, args, rng) -> list[dict]:
@@ -66,10 +135,23 @@ def part_a(model, args, rng) -> list[dict]:
     knobs = dict(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
     rows = []
     for n in args.ns:
-        secs, shared, compiled = timed(
-            lambda n=n: ll.generate(model, [prompt], n=n, **knobs), args.repeats
-        )
+
+        def run(n=n):
+            return ll.generate(model, [prompt], n=n, **knobs)
+
+        def run_gather(n=n):
+            with plain_gather():
+                return ll.generate(model, [prompt], n=n, **knobs)
+
+        fns = {"cascade": run} if n == 1 else {"cascade": run, "gather": run_gather}
+        times = timed_turns(fns, args.repeats)
+        secs, shared, compiled = times["cascade"]
         row = dict(n=n, seconds=secs, compiles=compiled, prefill_tokens=args.prompt)
+        if n > 1:
+            gather_s, gathered, gather_compiled = times["gather"]
+            row.update(step_costs(model, prompt, n, knobs), gather_seconds=gather_s)
+            row["compiles"] += gather_compiled
+            row["gather_tokens_equal"] = gathered.token_ids == shared.token_ids
         if n <= args.unshared_max:
             params = ll.SamplingParams.create(1, max_tokens=args.new_tokens).samples(n)
             unshared_s, alone, _ = timed(
@@ -84,6 +166,8 @@ def part_a(model, args, rng) -> list[dict]:
     base = rows[0]["seconds"]
     for row in rows:
         row["vs_n1"] = row["seconds"] / base
+        if "gather_seconds" in row:
+            row["gather_vs_n1"] = row["gather_seconds"] / base
     return rows
 
 
@@ -181,11 +265,25 @@ def main() -> None:
     if "a" in args.parts:
         record["a"] = part_a(model, args, rng)
         print(f"\n(a) generate, one prompt of {args.prompt} tokens, {args.new_tokens} new tokens")
-        print(f"{'n':>4}{'seconds':>10}{'vs n=1':>8}{'unshared s':>12}{'prefill tokens':>16}")
+        print(f"{'n':>4}{'seconds':>10}{'vs n=1':>8}{'gather s':>10}{'vs n=1':>8}"
+              f"{'unshared s':>12}{'prefill tokens':>16}{'KV MB':>8}{'gather':>8}"
+              f"{'XLA MB':>9}{'gather':>9}")  # fmt: skip
         for r in record["a"]:
             un = f"{r['unshared_seconds']:.2f}" if "unshared_seconds" in r else "-"
-            print(f"{r['n']:>4}{r['seconds']:>10.2f}{r['vs_n1']:>8.2f}{un:>12}"
-                  f"{r['prefill_tokens']:>16}")  # fmt: skip
+            gather, costs = f"{'-':>10}{'-':>8}", ""
+            if "gather_seconds" in r:
+                gather = f"{r['gather_seconds']:>10.2f}{r['gather_vs_n1']:>8.2f}"
+                costs = (f"{r['cascade_kv_bytes'] / 1e6:>8.1f}{r['gather_kv_bytes'] / 1e6:>8.1f}"
+                         f"{r['cascade_step_bytes'] / 1e6:>9.1f}"
+                         f"{r['gather_step_bytes'] / 1e6:>9.1f}")  # fmt: skip
+            print(f"{r['n']:>4}{r['seconds']:>10.2f}{r['vs_n1']:>8.2f}{gather}{un:>12}"
+                  f"{r['prefill_tokens']:>16}{costs}")  # fmt: skip
+        equal = all(r.get("gather_tokens_equal", True) for r in record["a"])
+        print("seconds: generate as the library runs it (n > 1: the cascade); gather s: the "
+              "same calls, in turns with them, with each row gathering its whole table "
+              f"(tokens equal: {equal}). KV MB: keys and values one decode step gathers at "
+              "the rows' longest (`kv_bytes`); XLA MB: XLA's cost_analysis bytes accessed by "
+              "one decode step")  # fmt: skip
     if "b" in args.parts:
         record["b"] = part_b(model, args, rng)
         print(f"\n(b) generate_many, {args.requests} requests, a {args.prefix}-token prefix")

@@ -38,7 +38,8 @@ row b's token at position p is slot `p % page_size` of page `tables[b, p // page
 with the same masks: a call writes its columns into the pages (`write_pages`), then a
 decode step (T = 1) runs paged decode attention over the row's live pages, and a longer
 call attends the row's pages gathered into the full layout. Sliding windows are masks
-there, not rings.
+there, not rings. A layer may also hold `prefix` (`share_prefix`): rows in groups that
+share their first pages, which a decode step then reads once per group.
 
 Example: S = 8, two rows, a prefill of T = 4 with row 0 holding 2 real tokens:
 
@@ -367,6 +368,24 @@ def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array, mesh=None) 
     return [dict(layer, k_pages=k, v_pages=v) for layer, (k, v) in zip(cache, pools, strict=True)]
 
 
+def share_prefix(
+    cache: KVCache,
+    tables: jax.Array,  # [U, Ps] int32
+    lengths: jax.Array,  # [U] int32, multiples of page_size
+    suffix_entries: int,
+) -> KVCache:
+    """Every paged layer told that its rows come in U groups of `B // U` consecutive rows,
+    group u's tables starting with the `lengths[u]` tokens of full pages `tables[u]`, and
+    no row holding more than `suffix_entries` pages after them (`ops.attention.paged.
+    SharedPrefix`): a decode step then reads those pages once per group, not once per row
+    (`paged.cascade_attention`). Safe when a row stops sharing: it is then read through its
+    own table."""
+    from logitloop.ops.attention import paged  # as `_paged_cached_attention`: Pallas
+
+    prefix = paged.SharedPrefix(tables, lengths, suffix_entries)
+    return [dict(layer, prefix=prefix) for layer in cache]
+
+
 def layer_slots(layer: dict[str, jax.Array]) -> int:
     """The slots S one layer's masks span: the full layout's S, a ring's R, or for a paged
     layer its table's P * page_size."""
@@ -529,10 +548,11 @@ def cached_attention(
 def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softcap, numerics):
     """`cached_attention` for a paged layer: write, then a decode step (T = 1) runs paged
     decode attention over each row's live pages, from the first position its window shows
-    to its own; a longer call, or a fixed-order one, attends the pages gathered into the
-    full layout (slot == position, so `mask` applies as it is). With the rows over a
-    mesh's data axis (`numerics.row_mesh`) the writes and reads run on each data shard's
-    own rows and pages (`by_page_shard`)."""
+    to its own (with the layer's `prefix`, `share_prefix`, a group's shared pages are read
+    once for the group's rows; not on a mesh); a longer call, or a fixed-order one, attends
+    the pages gathered into the full layout (slot == position, so `mask` applies as it
+    is). With the rows over a mesh's data axis (`numerics.row_mesh`) the writes and reads
+    run on each data shard's own rows and pages (`by_page_shard`)."""
     # Imported here: Pallas takes a tenth of a second to import, and only paged caches
     # need it.
     from logitloop.ops.attention import paged
@@ -554,14 +574,17 @@ def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softca
             starts = jnp.maximum(pos - mask.window + 1, 0).astype(jnp.int32)
         out = paged.paged_attention(
             q[:, 0], *pools, tables, lengths, starts, scale=scale, softcap=softcap,
-            sharded=mesh is not None,
+            sharded=mesh is not None, prefix=prefix,
         )  # fmt: skip
         return out[:, None], pools  # [B, 1, H, D]
 
     tables = cache["tables"]
+    # A group's shared pages (`share_prefix`) hold global page numbers and groups of rows
+    # across the data shards: a mesh reads each row's own table.
+    prefix = cache.get("prefix") if mesh is None else None
     pools = (cache["k_pages"], cache["v_pages"])
     out, pools = by_page_shard(write_and_read, mesh, (q, k, v, positions), pools, tables)
-    cache = {"k_pages": pools[0], "v_pages": pools[1], "tables": tables}
+    cache = dict(cache, k_pages=pools[0], v_pages=pools[1])
     if decode:
         return out, cache
     keys, values = out

@@ -6,6 +6,7 @@ prefilled alone: tokens equal, and bit for bit under `deterministic=True`."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -49,22 +50,39 @@ def test_n_rows_equal_single_row_runs(shipped, monkeypatch):
     """`n = 16` rows of a 37-token prompt (two full pages and a partial one, shared and
     copied) against the prompt given 16 times, each row with its own seed and its own
     prefill in the contiguous cache: bit for bit under `deterministic=True` (in which a row
-    in a batch is the row alone, `test_deterministic.py`); and the prompt is prefilled
-    once (`_forked_state`)."""
-    forked = []
+    in a batch is the row alone, `test_deterministic.py`); in float32, where each decode
+    step reads the two shared pages once for the 16 rows (`paged.cascade_attention`), the
+    same tokens and logprobs to float32 rounding. The prompt is prefilled once
+    (`_forked_state`), and every row shares both pages."""
+    from logitloop.ops.attention import paged
+
+    shared = []
     start = generate_module._forked_state
-    monkeypatch.setattr(generate_module, "_forked_state", lambda *a: forked.append(1) or start(*a))
+
+    def forked_state(*args):
+        plan, state = start(*args)
+        pool = state.pages.pages  # read before `decode` takes (donates) the state
+        zeros = jnp.zeros_like(pool.lengths)
+        shared.append(paged.shared_entries(pool.tables, zeros, state.cache[0]["prefix"], PAGE))
+        return plan, state
+
+    monkeypatch.setattr(generate_module, "_forked_state", forked_state)
     prompt = _prompt(0, 37)
     knobs = dict(temperature=1.0, max_tokens=6, seed=7, logprobs=1, ignore_eos=True)
     got = ll.generate(shipped, [prompt], n=16, deterministic=True, **knobs)
-    assert forked == [1]
+    assert len(shared) == 1
     rows = ll.SamplingParams.create(1, **{k: v for k, v in knobs.items() if k != "ignore_eos"})
     want = ll.generate(
         shipped, [prompt] * 16, rows.samples(16), deterministic=True, ignore_eos=True
     )
-    assert forked == [1]  # 16 prompts of n = 1 are not forked
+    assert len(shared) == 1  # 16 prompts of n = 1 are not forked
     _same(got, want, bits=True)
     assert len({tuple(t) for t in got.token_ids}) > 1  # the rows did sample apart
+    fast = ll.generate(shipped, [prompt], n=16, **knobs)
+    assert shared[1].tolist() == [37 // PAGE] * 16
+    assert fast.token_ids == want.token_ids
+    np.testing.assert_allclose(np.asarray(fast.raw_logprobs), np.asarray(want.raw_logprobs),
+                               atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -254,3 +254,92 @@ def test_the_kernel_lowers_for_cuda(
     f = lambda *a: paged.paged_attention(*a, backend="pallas", window=window, softcap=30.0)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+
+# ------------------------------------------------------------------ shared prefixes (cascade)
+
+
+def _grouped_inputs(case: str, groups=3, n=4, h=4, hkv=2, d=16, ps=4, entries=9, suffix=3):
+    """Random q, pools and tables of `groups` groups of `n` rows: group u's rows share its
+    first `count[u]` pages (0 to entries - suffix, in random order across the pool), then
+    hold up to `suffix` pages of their own; one row has finished (length 0, no pages).
+    Returns the arguments, the `SharedPrefix` and the counts."""
+    b, width = groups * n, entries - suffix
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    num_pages = b * entries + 3
+    order = iter(rng.permutation(num_pages).tolist())
+    counts = rng.integers(0, width + 1, size=groups)
+    counts[0] = width  # a group whose shared pages fill the descriptor
+    prefix = np.full((groups, width), -1)
+    tables = np.full((b, entries), -1)
+    lengths = np.zeros(b, int)
+    for u in range(groups):
+        prefix[u, : counts[u]] = [next(order) for _ in range(counts[u])]
+        for row in range(u * n, u * n + n):
+            lengths[row] = counts[u] * ps + int(rng.integers(0, suffix * ps + 1))
+            live = -(-lengths[row] // ps)
+            tables[row, : counts[u]] = prefix[u, : counts[u]]
+            tables[row, counts[u] : live] = [next(order) for _ in range(live - counts[u])]
+    lengths[1], tables[1] = 0, -1  # a finished row
+    q = rng.standard_normal((b, h, d))
+    k = rng.standard_normal((hkv, num_pages, ps, d)) * 2
+    v = rng.standard_normal((hkv, num_pages, ps, d))
+    arrays = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+    args = (*arrays, jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    shared = paged.SharedPrefix(
+        jnp.asarray(prefix, jnp.int32), jnp.asarray(counts * ps, jnp.int32), suffix
+    )
+    return args, shared, counts
+
+
+def _takes_the_cascade(args, prefix, starts=None, window=None) -> bool:
+    """Whether `cascade_attention` runs its two parts (not the reference) on these rows."""
+    q, k, v, tables, lengths = args
+    first = paged.first_keys(lengths, window, starts)
+    shared = paged.shared_entries(tables, first, prefix, k.shape[2])
+    end = paged.live_page_range(first, lengths, k.shape[2])[1]
+    return bool(jnp.all(end <= shared + prefix.suffix_entries))
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_cascade_matches_float64(option):
+    """Groups sharing their first pages, a finished row, soft-capping, a window with
+    per-row first keys: the cascade (read once per group, merged with each row's own
+    pages) against float64 NumPy over each row's own table."""
+    args, prefix, counts = _grouped_inputs(f"cascade-{option}")
+    kw = dict(scale=0.3, **OPTIONS[option])
+    starts = _starts(args) if option == "window" else None
+    assert _takes_the_cascade(args, prefix, starts, kw.get("window"))
+    got = paged.paged_attention(*args, starts, prefix=prefix, **kw)
+    want = _numpy_attention(*args, starts, **kw)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-6, rtol=2e-6)
+    assert not np.asarray(got)[1].any()  # the finished row: zeros
+
+
+def test_cascade_reads_only_pages_a_row_holds():
+    """A row that no longer holds its group's pages (given copies of its own, longer than
+    the suffix bound) is not read through the group's pages: the batch takes the
+    reference, and a group page scribbled over changes nothing for that row."""
+    (q, k, v, tables, lengths), prefix, counts = _grouped_inputs("cascade-own")
+    ps, width = k.shape[2], prefix.tables.shape[1]
+    row = 2  # of group 0, whose pages fill the descriptor
+    copies = jnp.arange(k.shape[1] - 3, k.shape[1])[:width]  # 3 spare pages
+    assert counts[0] == width and width > copies.shape[0]
+    tables = tables.at[row, : copies.shape[0]].set(copies)
+    k = k.at[:, copies].set(k[:, prefix.tables[0, : copies.shape[0]]])
+    v = v.at[:, copies].set(v[:, prefix.tables[0, : copies.shape[0]]])
+    args = (q, k, v, tables, lengths)
+    assert int(paged.shared_entries(tables, jnp.zeros_like(lengths), prefix, ps)[row]) == 0
+    assert not _takes_the_cascade(args, prefix)
+    got = paged.paged_attention(*args, prefix=prefix, scale=0.3)
+    np.testing.assert_allclose(np.asarray(got, np.float64), _numpy_attention(*args, scale=0.3),
+                               atol=2e-6, rtol=2e-6)  # fmt: skip
+
+
+def test_cascade_bad_descriptor_names_the_field():
+    args, prefix, _ = _grouped_inputs("cascade-bad")
+    call = lambda p: paged.paged_attention(*args, prefix=p, scale=0.3)
+    with pytest.raises(ValueError, match=r"rows \(12\) must be a multiple of the groups"):
+        call(prefix.replace(tables=prefix.tables[:, :5].repeat(5, 0)[:5]))
+    with pytest.raises(ValueError, match=r"prefix.lengths must be int32 \[U=3\]"):
+        call(prefix.replace(lengths=prefix.lengths[:2]))

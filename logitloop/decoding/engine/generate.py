@@ -38,7 +38,7 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
 from logitloop.decoding.engine.paged_batching import sharing_refusal
 from logitloop.decoding.engine.plan import Options, Plan, plan, sampling_params
 from logitloop.decoding.engine.score import prompt_scores
-from logitloop.decoding.loop import pool, stop_strings
+from logitloop.decoding.loop import forked, stop_strings
 from logitloop.decoding.loop import speculative as speculation
 from logitloop.decoding.loop.decode_loop import RUNNING, DecodeState, Tables, decode
 from logitloop.decoding.loop.forked import prefill_forked
@@ -173,15 +173,14 @@ def on_pool(plan: Plan, rows: int) -> bool:
 def _forked_state(
     plan: Plan, tables: Tables, ids: list[list[int]], params: SamplingParams, fsm: Any
 ) -> tuple[Plan, DecodeState]:
-    """`n > 1`: each prompt prefilled once into a paged pool of the contiguous cache's
-    memory, its `n` rows sharing its pages (`logitloop.decoding.loop.forked`); the plan
-    with the pool's shape and the state after prefill."""
+    """`n > 1`: each prompt prefilled once into a paged pool, its `n` rows sharing its
+    pages (`logitloop.decoding.loop.forked`, `forked.pool_shape`: each prompt's pages once,
+    each row's own); the plan with the pool's shape and the state after prefill."""
     n = plan.options.n
     buffer_len = buffer_for(params)
     batch = prompt_batch(ids[::n], buffer_len)
-    entries = -(-batch.cache_len // PAGE_SIZE)
     shards = plan.layout.row_multiple  # one pool per data shard
-    shape = pool.PoolShape(len(ids) * entries, PAGE_SIZE, entries, shards=shards)
+    shape = forked.pool_shape(len(ids) // n, n, batch.cache_len, PAGE_SIZE, buffer_len, shards)
     plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
     num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
     state = memory_check.checked_call(

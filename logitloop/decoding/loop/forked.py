@@ -12,14 +12,21 @@ the samples of prompt u, and row `u * n` (the parent) is the one prefilled:
    the parent's into it (`layers.copy_pages`, copy-on-write), so each row writes only
    its own pages from there on;
 3. every row draws its first token from its prompt's logits, with its own params (with
-   a draft model, its own contiguous cache is prefilled once per prompt and repeated).
+   a draft model, its own contiguous cache is prefilled once per prompt and repeated);
+4. the layers are told the groups (`layers.share_prefix`: each prompt's full pages, and
+   at most `cdiv(page_size - 1 + buffer_len, page_size)` pages of a row's own after
+   them), so each decode step reads a prompt's shared pages once for its n rows
+   (`logitloop.ops.attention.paged.cascade_attention`; the deterministic mode keeps its
+   fixed-order attention over each row's pages, and a mesh reads each row's table).
 
 The loop then runs as with `generate_many`'s pool (`pool`: rows grow page by page and
-return their pages when they finish), in a pool of the memory the contiguous cache of
-the batch would hold. On a mesh whose data axis splits the U prompts, each data shard
-holds its prompts' n rows and one pool of their pages (`pages.PageState.shards`). A
-row's logits are those of its prompt prefilled alone, so its tokens are those of the
-same row without sharing (bit for bit under `deterministic=True`).
+return their pages when they finish), in a pool that holds each prompt's pages once and
+each row's own pages (`pool_shape`: for 64 rows of a 2K-token prompt and 16 new tokens,
+129 + 64 x 2 pages of 16 tokens against the contiguous cache's 64 x 129). On a mesh whose
+data axis splits the U prompts, each data shard holds its prompts' n rows and one pool of
+their pages (`pages.PageState.shards`). A row's logits are those of its prompt prefilled
+alone, so its tokens are those of the same row without sharing (bit for bit under
+`deterministic=True`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,25 @@ from logitloop.decoding.loop.decode_loop import (
 )
 from logitloop.decoding.loop.runner import runner_jit
 from logitloop.models import layers
+
+
+def own_pages(page_size: int, buffer_len: int) -> int:
+    """The most pages a row holds after its prompt's full (shared) pages: its partial
+    prompt page and its generated tokens', `cdiv(page_size - 1 + buffer_len, page_size)`."""
+    return -(-(page_size - 1 + buffer_len) // page_size)
+
+
+def pool_shape(
+    prompts: int, n: int, cache_len: int, page_size: int, buffer_len: int, shards: int = 1
+):
+    """The pool of `prompts * n` rows of at most `cache_len` tokens that share their
+    prompts' full pages: each prompt's pages once and each row's `own_pages`, so no row is
+    ever refused a page (at most the contiguous cache's memory; far less for n > 1).
+    `shards`: one pool per data shard, each of its prompts' pages (they split evenly)."""
+    entries = -(-cache_len // page_size)
+    pages = min(prompts * n * entries, prompts * entries + prompts * n * own_pages(
+        page_size, buffer_len))  # fmt: skip
+    return paged.PoolShape(pages, page_size, entries, shards=shards)
 
 
 @functools.partial(runner_jit, static_argnames=("program", "n", "buffer_len", "num_top"))
@@ -78,6 +104,14 @@ def prefill_forked(
     target = jnp.take_along_axis(pages.tables, last, axis=1)[:, 0]
     target = jnp.where(child & (lengths % ps != 0), target, shape.num_pages)  # else skipped
     cache = layers.copy_pages(paged.detach(cache), source, target, program.layout.row_mesh)
+    shared_width = prompts.prompt.shape[1] // ps  # the most full pages a prompt has
+    if shared_width and program.layout.row_mesh is None:
+        cache = layers.share_prefix(
+            cache,
+            pages.tables[::n, :shared_width],
+            prompts.lengths // ps * ps,
+            suffix_entries=own_pages(ps, buffer_len),
+        )
     state = first_state(
         program.layout,
         tables,

@@ -1,4 +1,5 @@
-"""Decode attention over a paged KV cache: a gather reference, a Pallas GPU kernel, one dispatch.
+"""Decode attention over a paged KV cache: a gather reference, a Pallas GPU kernel, a
+shared-prefix (cascade) path, one dispatch.
 
 The cache of one layer is a pool of pages shared by every row, and each row owns a list of
 pages (after jax's `jax/experimental/pallas/ops/gpu/paged_attention.py`):
@@ -40,6 +41,11 @@ interpret mode; it lowers for CUDA from a CPU-only jaxlib through the Triton bac
 Triton loads only arrays whose sizes are powers of two, so the compiled kernel takes
 power-of-two head dimensions (16 or more) and page sizes (`kernel_fits`); `backend="auto"`
 runs the XLA path for other shapes.
+`cascade_attention` (XLA, any platform; `paged_attention(..., prefix=SharedPrefix(...))`)
+serves rows in groups whose tables start with the same pages (`generate`'s n samples of a
+prompt): a group's shared pages are read once and attended by all its rows' queries in one
+product, each row's own pages after them per row, and the two partial softmaxes are merged
+by their log-sum-exp (`merge_partials`, which also combines the kernel's splits).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.experimental import pallas as pl
 
 from logitloop.ops.sampling.pallas import COMPILER_PARAMS
@@ -344,13 +351,26 @@ def paged_attention_pallas(
     o, denom, row_max = jax.vmap(row, in_axes=(0, None, None, 0, 0))(
         qg, k_pages, v_pages, tables, jnp.stack([starts, lengths], axis=1)
     )  # [B, splits, Hkv, G', D], [B, splits, Hkv, G'] twice
-    top = row_max.max(axis=1, keepdims=True)
-    correction = jnp.exp(row_max - top)  # 0 for a split that read nothing
-    o = (o * correction[..., None]).sum(axis=1)  # [B, Hkv, G', D]
-    denom = (denom * correction).sum(axis=1)  # [B, Hkv, G']
-    safe = jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = jnp.where(denom[..., None] > 0, o / safe, 0.0)  # a row that sees nothing: zeros
+    out = merge_partials(o, denom, row_max, axis=1)  # [B, Hkv, G', D]
     return out[:, :, :group].reshape(b, h, d).astype(q.dtype)
+
+
+def merge_partials(
+    o: jax.Array,  # [..., K, ..., D] f32: unnormalised outputs of K parts of the keys
+    denom: jax.Array,  # [..., K, ...] f32: each part's softmax denominator
+    row_max: jax.Array,  # [..., K, ...] f32: each part's largest score (MASK_VALUE: none)
+    axis: int,
+) -> jax.Array:
+    """The softmax over the union of K disjoint parts of the keys from each part's
+    `(o, denom, row_max)`, exactly (each rescaled by `exp(row_max - max)`, the log-sum-exp
+    merge); `axis` is the parts' axis, dropped. A query that sees no key in any part gets
+    zeros."""
+    top = row_max.max(axis=axis, keepdims=True)
+    correction = jnp.exp(row_max - top)  # 0 for a part that read nothing
+    o = (o * correction[..., None]).sum(axis=axis)
+    denom = (denom * correction).sum(axis=axis)
+    safe = jnp.where(denom > 0, denom, 1.0)[..., None]
+    return jnp.where(denom[..., None] > 0, o / safe, 0.0)
 
 
 def kernel_fits(head_dim: int, page_size: int) -> bool:
@@ -385,6 +405,7 @@ def paged_attention(
     scale: float | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    prefix: SharedPrefix | None = None,
     backend: str = "auto",
     interpret: bool = False,
     sharded: bool = False,
@@ -393,11 +414,17 @@ def paged_attention(
     D]`. `scale` defaults to `D ** -0.5`. `backend="xla"` is the gather reference over the
     live prefix of the tables (any platform), `"pallas"` the kernel (`interpret=True` runs
     it on any platform, slowly), `"auto"` the kernel on a GPU and the XLA path elsewhere
-    or when `sharded` (on a mesh: `resolve_backend`); chosen while tracing."""
+    or when `sharded` (on a mesh: `resolve_backend`); chosen while tracing. With `prefix`
+    (rows in groups that share their first pages), `"auto"` and `"xla"` run
+    `cascade_attention` (XLA, any platform), which reads a group's shared pages once for
+    all its rows; `"pallas"` runs the kernel, each row reading its own table whole."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k_pages, v_pages, block_tables, lengths, starts)
     kw = dict(scale=scale, softcap=softcap, window=window)
-    if resolve_backend(backend, q.shape[-1], k_pages.shape[2], sharded) == "xla":
+    chosen = resolve_backend(backend, q.shape[-1], k_pages.shape[2], sharded)
+    if prefix is not None and backend != "pallas":
+        return cascade_attention(*args, prefix=prefix, **kw)
+    if chosen == "xla":
         return _table_prefix(*args, **kw)
     return paged_attention_pallas(*args, **kw, interpret=interpret)
 
@@ -420,3 +447,169 @@ def _table_prefix(q, k_pages, v_pages, block_tables, lengths, starts, **kw):
         )
 
     return jax.lax.switch(branch, [prefix(e) for e in extents], block_tables)
+
+
+@struct.dataclass
+class SharedPrefix:
+    """Rows in groups of `n = B // U` consecutive rows (group u: rows `u * n .. u * n + n -
+    1`, as `generate(..., n=n)` lays out a prompt's samples) whose tables start with their
+    group's shared pages (`cascade_attention`).
+
+    tables: Int[U, Ps] - group u's shared pages in token order; entries from
+      `lengths[u] // page_size` on are not read.
+    lengths: Int[U] - tokens the shared pages hold, a multiple of page_size (full pages).
+    suffix_entries: int (static) - the most table entries a row holds after its group's
+      shared pages (its own pages: a partial prompt page and the generated tokens').
+    """
+
+    tables: jax.Array
+    lengths: jax.Array
+    suffix_entries: int = struct.field(pytree_node=False)
+
+
+def shared_entries(
+    block_tables: jax.Array,  # [B, P] int32
+    starts: jax.Array,  # [B] int32: first visible key (`first_keys`)
+    prefix: SharedPrefix,
+    page_size: int,
+) -> jax.Array:
+    """`[B]` int32: how many leading entries of each row's table are its group's shared
+    pages: entries that name the group's page, or that lie wholly before the row's first
+    visible key (never read unmasked: a sliding window may have released them). A row
+    that no longer holds its group's pages (a finished row, a row given other pages)
+    shares only as many as still match, so the cascade never reads a page the row does
+    not hold."""
+    groups, width = prefix.tables.shape
+    n = block_tables.shape[0] // groups
+    i = jnp.arange(width)[None, :]  # [1, Ps]
+    count = jnp.repeat(prefix.lengths // page_size, n)[:, None]  # [B, 1]
+    same = block_tables[:, :width] == jnp.repeat(prefix.tables, n, axis=0)
+    ok = (i < count) & (same | (i < (starts // page_size)[:, None]))  # [B, Ps]
+    return jnp.sum(jnp.cumprod(ok, axis=1), axis=1, dtype=jnp.int32)
+
+
+def _check_prefix(prefix: SharedPrefix, rows: int, entries: int) -> None:
+    groups, width = prefix.tables.shape if prefix.tables.ndim == 2 else (0, 0)
+    if prefix.tables.ndim != 2 or prefix.tables.dtype != jnp.int32 or not groups:
+        raise ValueError(f"prefix.tables must be int32 [U, Ps], got {prefix.tables.dtype} "
+                         f"{prefix.tables.shape}")  # fmt: skip
+    if rows % groups or width > entries:
+        raise ValueError(
+            f"prefix.tables has {groups} groups of {width} entries: the rows ({rows}) must be "
+            f"a multiple of the groups and the entries at most block_tables' {entries}"
+        )
+    if prefix.lengths.shape != (groups,) or prefix.lengths.dtype != jnp.int32:
+        raise ValueError(f"prefix.lengths must be int32 [U={groups}], got "
+                         f"{prefix.lengths.dtype} {prefix.lengths.shape}")  # fmt: skip
+    if prefix.suffix_entries < 1:
+        raise ValueError(f"prefix.suffix_entries = {prefix.suffix_entries} must be at least 1")
+
+
+def _partial_softmax(raw, visible, v, spec: str, scale: float, softcap: float | None):
+    """`(o, denom, row_max)` of one part of the keys (`merge_partials`): `raw` scores
+    `[..., S]`, `visible` broadcast to them, `spec` the einsum of probabilities and `v`."""
+    s = jnp.where(visible, _scores(raw, scale, softcap), MASK_VALUE)
+    row_max = s.max(axis=-1)
+    p = jnp.where(visible, jnp.exp(s - row_max[..., None]), 0.0)
+    return jnp.einsum(spec, p, v.astype(jnp.float32)), p.sum(axis=-1), row_max
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "window"))
+def cascade_attention(
+    q: jax.Array,  # [B, H, D]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
+    v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
+    block_tables: jax.Array,  # [B, P] int32
+    lengths: jax.Array,  # [B] int32
+    starts: jax.Array | None = None,  # [B] int32
+    *,
+    prefix: SharedPrefix,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """`[B, H, D]`: the module's attention for rows in groups that share their first pages
+    (shared-prefix or "cascade" attention, after FlashInfer and Hydragen), in two parts:
+
+    1. the group's shared pages are gathered once per group, and the queries of its n rows
+       times the G query heads of each KV head attend them in one product (`[n * G, Ps *
+       page_size]` per group and KV head), each row masked to its own visible keys;
+    2. each row attends its own `suffix_entries` table entries after its shared ones (its
+       partial prompt page and its generated tokens), gathered per row;
+
+    and the two partial softmaxes are merged exactly (`merge_partials`). The keys a row
+    reads are those of the reference: a row shares only the entries of its table that are
+    its group's pages (`shared_entries`). When some row holds more than `suffix_entries`
+    entries past them (it shares fewer pages than its group, or the bound is too small),
+    the whole batch runs the reference over the live prefix of the tables instead (one
+    `lax.cond`), so the result never depends on the descriptor being right."""
+    _check(q, k_pages, v_pages, block_tables, lengths, window, starts)
+    _check_prefix(prefix, q.shape[0], block_tables.shape[1])
+    page_size = k_pages.shape[2]
+    starts = first_keys(lengths, window, starts)
+    shared = shared_entries(block_tables, starts, prefix, page_size)
+    suffix = min(prefix.suffix_entries, block_tables.shape[1])
+    fits = jnp.all(live_page_range(starts, lengths, page_size)[1] <= shared + suffix)
+    args = (q, k_pages, v_pages, block_tables, lengths, starts)
+    kw = dict(scale=scale, softcap=softcap)
+    return jax.lax.cond(
+        fits,
+        lambda: _cascade(*args, shared, prefix.tables, prefix.lengths, suffix, **kw),
+        lambda: _table_prefix(*args, **kw),
+    )
+
+
+def _cascade(
+    q,  # [B, H, D]
+    k_pages,  # [Hkv, num_pages, page_size, D]
+    v_pages,
+    block_tables,  # [B, P]
+    lengths,  # [B]
+    starts,  # [B]: first visible key
+    shared,  # [B]: shared entries (`shared_entries`)
+    prefix_tables,  # [U, Ps]
+    prefix_lengths,  # [U]
+    suffix: int,
+    *,
+    scale,
+    softcap,
+):
+    """`cascade_attention`'s two parts and their merge, every row within its bound."""
+    b, h, d = q.shape
+    hkv, _, page_size, _ = k_pages.shape
+    groups, width = prefix_tables.shape
+    n, g = b // groups, h // hkv
+    entries = block_tables.shape[1]
+    part = functools.partial(_partial_softmax, scale=scale, softcap=softcap)
+
+    # 1. The shared pages, once per group: [U, Hkv, Ps * page_size, D].
+    count = (prefix_lengths // page_size)[:, None]
+    tables = jnp.where(jnp.arange(width)[None, :] < count, prefix_tables, 0)
+    k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)
+    qg = q.reshape(groups, n, hkv, g, d)
+    raw = jnp.einsum(
+        "unkgd,uksd->ukngs", qg, k.astype(q.dtype), preferred_element_type=jnp.float32
+    )  # [U, Hkv, n, G, Ps * page_size]: M = n * G queries per group and KV head
+    s = jnp.arange(width * page_size)[None, :]
+    end = jnp.minimum(shared * page_size, lengths)[:, None]  # [B, 1]
+    visible = ((s >= starts[:, None]) & (s < end)).reshape(groups, 1, n, 1, -1)
+    first = part(raw, visible, v, "ukngs,uksd->ukngd")
+    # [U, Hkv, n, G, ...] -> [B, Hkv, G, ...]
+    first = [jnp.moveaxis(x, 2, 1).reshape(b, hkv, g, *x.shape[4:]) for x in first]
+
+    # 2. Each row's own entries after its shared ones: [B, Hkv, suffix * page_size, D].
+    i = shared[:, None] + jnp.arange(suffix)[None, :]  # [B, suffix]
+    live_from, live_end = live_page_range(starts, lengths, page_size)
+    own = jnp.take_along_axis(block_tables, jnp.minimum(i, entries - 1), axis=1)
+    tables = jnp.where((i >= live_from[:, None]) & (i < live_end[:, None]), own, 0)
+    k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)
+    raw = jnp.einsum(
+        "bkgd,bksd->bkgs", q.reshape(b, hkv, g, d), k.astype(q.dtype),
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    s = shared[:, None] * page_size + jnp.arange(suffix * page_size)[None, :]  # [B, S']
+    visible = ((s >= starts[:, None]) & (s < lengths[:, None]))[:, None, None, :]
+    second = part(raw, visible, v, "bkgs,bksd->bkgd")
+
+    out = merge_partials(*(jnp.stack(pair) for pair in zip(first, second, strict=True)), axis=0)
+    return out.reshape(b, h, d).astype(q.dtype)
