@@ -104,11 +104,12 @@ def test_the_default_mode_is_not_batch_invariant(shipped):
 
 SLOW = pytest.mark.slow
 # (model fixture, vocabulary, prompt seed, batch): the default suite runs one batch per
-# model; `-m slow` the rest of 2, 3, 8, 17, 64 for each model and dtype.
+# model (the shipped model's odd batch of 3: 17 cost 36 s of the suite's 15 minutes);
+# `-m slow` the rest of 2, 3, 8, 17, 64 for each model and dtype.
 BATCH_CASES = [
-    ("shipped", 4096, 0, 17),
+    ("shipped", 4096, 0, 3),
     ("gqa_llama", 512, 3, 64),
-    *(pytest.param("shipped", 4096, 0, b, marks=SLOW) for b in (2, 3, 8, 64)),
+    *(pytest.param("shipped", 4096, 0, b, marks=SLOW) for b in (2, 8, 17, 64)),
     *(pytest.param("shipped_f32", 4096, 2, b, marks=SLOW) for b in (2, 3, 8, 17, 64)),
     *(pytest.param("gqa_llama", 512, 3, b, marks=SLOW) for b in (2, 3, 8, 17)),
 ]
