@@ -559,6 +559,9 @@ def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softca
 
     decode = q.shape[1] == 1 and not numerics.fixed
     mesh = numerics.row_mesh
+    # A group's shared pages (`share_prefix`) hold global page numbers and groups of rows
+    # across the data shards: a mesh reads each row's own table.
+    prefix = cache.get("prefix") if mesh is None else None
 
     def write_and_read(rows, pools, tables):
         q, k, v, positions = rows
@@ -579,9 +582,6 @@ def _paged_cached_attention(q, k, v, positions, cache, mask: Mask, scale, softca
         return out[:, None], pools  # [B, 1, H, D]
 
     tables = cache["tables"]
-    # A group's shared pages (`share_prefix`) hold global page numbers and groups of rows
-    # across the data shards: a mesh reads each row's own table.
-    prefix = cache.get("prefix") if mesh is None else None
     pools = (cache["k_pages"], cache["v_pages"])
     out, pools = by_page_shard(write_and_read, mesh, (q, k, v, positions), pools, tables)
     cache = dict(cache, k_pages=pools[0], v_pages=pools[1])
