@@ -149,6 +149,14 @@ CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "xla_cpu_experimental_xnn_fusion_type": "",
 }
+# Every backend's deterministic program: no excess precision. XLA's default
+# (`xla_allow_excess_precision=true`) lets a bfloat16 value stay in float32 between two ops
+# when they land in one fusion and be rounded to bfloat16 when they do not; the block's
+# residual adds are fused one way inside the decode step's `while_loop` and another in a
+# prompt or scoring pass, so bfloat16 log-probs of the same token differed by up to 0.008
+# nats between `generate` and `score`. Off, every bfloat16 op rounds where the program
+# says it does, whatever the fusion (float32 programs are unaffected).
+EXACT_PRECISION_OPTIONS = {"xla_allow_excess_precision": False}
 # ... and of a model-parallel-invariant one: YNNPACK's dots off too. YNNPACK's dot rounds a
 # column differently with the number of columns in the call, and a model-parallel mesh
 # gives each device a slice of them; XLA:CPU's own product of a fixed row tile with a
@@ -345,8 +353,9 @@ def compiler_options(model_parallel: bool = False) -> dict[str, str]:
     """XLA options for a deterministic program on the default backend (`model_parallel`:
     a program whose products split in fixed chunks, `Numerics.splits`)."""
     if jax.default_backend() != "cpu":
-        return {}
-    return dict(CPU_SPLIT_OPTIONS if model_parallel else CPU_COMPILER_OPTIONS)
+        return dict(EXACT_PRECISION_OPTIONS)
+    cpu = CPU_SPLIT_OPTIONS if model_parallel else CPU_COMPILER_OPTIONS
+    return cpu | EXACT_PRECISION_OPTIONS
 
 
 @functools.cache
