@@ -350,6 +350,22 @@ def continuation_logits(
     return jnp.concatenate([first[:, None], rest], axis=1).astype(jnp.float32)
 
 
+def raw_logprobs(
+    logits: jax.Array,  # [B, C, V] f32
+    tokens: jax.Array,  # [B, C] i32
+    valid: jax.Array,  # [B, C] bool
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """[B, C] f32: each token's float32 log-softmax under the model, -inf where not `valid`
+    or the position's logits are bad, with the sampler's own normalizer (`raw_normalizer`,
+    the one `generate` reports `raw_logprobs` with; `jax.nn.logsumexp` differs in the last
+    bits); and that normalizer's (row max, log-sum, bad) [B, C] each."""
+    raw_max, raw_norm, bad = raw_normalizer(logits)  # [B, C] each
+    norm = jnp.where(bad, 0.0, raw_norm)
+    raw_tok = jnp.take_along_axis(logits, tokens[..., None], axis=2)[..., 0]
+    raw = jnp.where(valid & ~bad, (raw_tok - raw_max) - norm, NEG_INF)
+    return raw, (raw_max, norm, bad)
+
+
 def processed_logprobs(
     logits: jax.Array,  # [B, C, V] f32
     tokens: jax.Array,  # [B, C] i32
@@ -358,10 +374,15 @@ def processed_logprobs(
     history: History,  # the prompts, room for C more tokens
     automata: constraints.Automata | None = None,
     fsm: jax.Array | None = None,  # [B] i32, the rows' initial automaton states
-) -> jax.Array:
+    *,
+    keep_mask: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
     """[B, C] f32: each token's log-probability under its row's final distribution, the
     continuation's earlier tokens taken as generated (a scan over the positions: the
-    history, processor states and automaton states advance by each token in turn)."""
+    history, processor states and automaton states advance by each token in turn); and
+    with `keep_mask` the [B, C, V] bool tokens that distribution keeps at each position
+    (the filters' survivors; a greedy row's argmax alone; none where the row's logits are
+    bad or every token was masked), else None."""
     batch, width, _ = logits.shape
     states = procs.init_states(params.processors, batch, logits.shape[2])
     if fsm is None:
@@ -387,7 +408,14 @@ def processed_logprobs(
         lp = jnp.where(tok == drawn.tokens, drawn.logprobs, jnp.where(kept, other, NEG_INF))
         greedy_lp = jnp.where(tok == drawn.tokens, 0.0, NEG_INF)
         lp = jnp.where(proc.greedy, greedy_lp, lp)
-        lp = jnp.where(proc.status(thr.row_max) == STATUS_OK, lp, NEG_INF)
+        ok_row = proc.status(thr.row_max) == STATUS_OK
+        lp = jnp.where(ok_row, lp, NEG_INF)
+        keep = None
+        if keep_mask:
+            scaled = scale_logits(proc.adjusted, proc.temperature)  # [B, V]
+            kept_all = scaled >= thr.kept[:, None]
+            argmax = jax.nn.one_hot(drawn.tokens, scaled.shape[1], dtype=jnp.bool_)
+            keep = jnp.where(proc.greedy[:, None], argmax, kept_all) & ok_row[:, None]
         if params.processors:
             step = procs.Step(positions=positions, history=history, done=~ok)
             new = procs.update_all(params.processors, states, tok, step)
@@ -396,7 +424,7 @@ def processed_logprobs(
             )
         if automata is not None:
             fsm = constraints.advance(automata, fsm, bits, tok, ok)
-        return (history.append(tok, where=ok), states, fsm), lp
+        return (history.append(tok, where=ok), states, fsm), (lp, keep)
 
     xs = (
         jnp.moveaxis(logits, 1, 0),
@@ -404,8 +432,8 @@ def processed_logprobs(
         valid.T,
         jnp.arange(width, dtype=jnp.int32),
     )
-    _, lp = jax.lax.scan(one, (history, states, fsm), xs)
-    return lp.T
+    _, (lp, keep) = jax.lax.scan(one, (history, states, fsm), xs)
+    return lp.T, None if keep is None else jnp.moveaxis(keep, 0, 1)
 
 
 @functools.partial(runner_jit, static_argnames=("runner", "num_top", "layout"))
@@ -436,14 +464,11 @@ def score_batch(
         history.tokens.shape[1], layout,
     )  # fmt: skip
     valid = jnp.arange(width)[None, :] < cont_len[:, None]  # [B, C]
-    raw_max, raw_norm, bad = raw_normalizer(logits)  # [B, C] each
-    norm = jnp.where(bad, 0.0, raw_norm)
-    raw_tok = jnp.take_along_axis(logits, cont[..., None], axis=2)[..., 0]
-    raw = jnp.where(valid & ~bad, (raw_tok - raw_max) - norm, NEG_INF)
+    raw, (raw_max, norm, bad) = raw_logprobs(logits, cont, valid)
     best = first_argmax(logits.reshape(batch * width, -1)).reshape(batch, width)
     out = dict(raw=raw, is_argmax=valid & ~bad & (best == cont))
     if params is not None:
-        lp = processed_logprobs(logits, cont, valid, params, history, automata, fsm)
+        lp, _ = processed_logprobs(logits, cont, valid, params, history, automata, fsm)
         out["processed"] = jnp.where(valid, lp, NEG_INF)
     if num_top:
         log_sm = (logits - raw_max[..., None]) - norm[..., None]

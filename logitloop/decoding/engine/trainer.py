@@ -1,0 +1,296 @@
+"""`token_logprobs`: the trainer's side of an RL rollout, the sampler's numbers under grad.
+
+An RL trainer (GRPO, PPO, RLOO) needs, for every sampled token, the log-probability the
+policy gave it, as a function of the weights it can differentiate. `token_logprobs` is
+`score`'s device computation with the weights as an argument: the same prompt pass, the
+same pass over the completion (`score.continuation_logits`), the same log-softmax
+normalizer and the same processed pipeline (`score.processed_logprobs`, which runs the
+sampler's own `adjust_logits` and truncation), compiled with the same numerics policy. So
+with `deterministic=True` its values are bit for bit the ones `generate` reported for the
+tokens it drew, in float32 and bfloat16 (docs/rl.md, "Exactness").
+
+Index bookkeeping, for one row `[a, b, c, x, y, z, pad]` with prompt length 3 and length
+6 (`lengths`, default the row's width T = 7):
+
+    position t      0  1  2  3  4  5  6
+    token           a  b  c  x  y  z  pad
+    raw_logprobs    0  0  0  lp(x|abc)  lp(y|abcx)  lp(z|abcxy)  0
+
+position t holds token t's value given the tokens before it; prompt positions
+(t < prompt_lengths) and padding (t >= lengths) hold 0.0 (so a masked sum needs no
+`where`), and their `keep_mask` rows are all False.
+
+Under differentiation the values stay the forward program's: XLA fuses a value-and-grad
+program otherwise than the forward alone (on XLA:CPU a float32 `a * b + c` becomes a
+fused multiply-add or not by fusion: 61 of 72 tokens differed by up to 4e-6), so the
+function is a `custom_vjp` whose forward runs the forward program and whose backward is
+the gradient of that same computation, taken in a program of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from logitloop.decoding.engine.host import MIN_PROMPT_BUCKET, bucket
+from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.engine.score import (
+    MIN_CONTINUATION_BUCKET,
+    continuation_logits,
+    processed_logprobs,
+    raw_logprobs,
+)
+from logitloop.decoding.loop.layout import Layout
+from logitloop.decoding.loop.runner import ModelRunner, runner_jit
+from logitloop.decoding.sampling.history import History
+from logitloop.decoding.sampling.params import SamplingParams
+
+__all__ = ["TokenLogprobs", "token_logprobs"]
+
+
+@struct.dataclass
+class TokenLogprobs:
+    """`token_logprobs`' result, aligned with `token_ids` (module docstring: position t is
+    token t given the tokens before it; 0.0 / False at prompt and padding positions)."""
+
+    raw_logprobs: jax.Array  # [B, T] f32, log_softmax(model logits)[token]
+    logprobs: jax.Array | None = None  # [B, T] f32 under the row's processed distribution
+    keep_mask: jax.Array | None = None  # [B, T, V] bool, the tokens that distribution keeps
+
+
+def token_logprobs(
+    model: Any,
+    token_ids: Any,  # [B, T] int: each row's prompt, then its completion, then padding
+    prompt_lengths: Any,  # [B] int, 1..T
+    params: SamplingParams | None = None,
+    *,
+    lengths: Any = None,  # [B] int, prompt_lengths..T; default T
+    deterministic: bool | str = True,
+    keep_mask: bool = False,
+) -> TokenLogprobs:
+    """Each completion token's log-probability under `model`, pure and differentiable
+    with respect to the model's weights (`nnx.grad`, `jax.grad` of a function of the
+    weights, `nnx.value_and_grad`), usable inside `jax.jit` / `nnx.jit`.
+
+    token_ids: `[B, T]` rows of prompt, completion and padding (padding's ids are not
+    read by any real position; any id in the vocabulary). prompt_lengths: `[B]`, each at
+    least 1 and at most the row's length. lengths: `[B]` prompt plus completion tokens per
+    row (default: T). Returns `TokenLogprobs` (`[B, T]`, module docstring):
+
+    - `raw_logprobs`: the float32 log-softmax of the logits (as `generate` and `score`
+      report `raw_logprobs`);
+    - `logprobs` (with `params`, one row per row of `token_ids`): under the row's
+      processed distribution, the sampler's own steps 1-7 (temperature, top-k, top-p,
+      min-p, bias, penalties and processors with the history as it was at that
+      position), -inf where a filter removed the token, as `score` computes it. The
+      model's EOS ids join every row's stop ids, as in `score`. Rows sampled with
+      `generate(..., n=k)` are `params.samples(k)`'s rows (their seeds decide which token
+      the pipeline's own draw picks, whose value is the sampler's bit for bit);
+    - `keep_mask` (`keep_mask=True`): `[B, T, V]` bool, the tokens that distribution
+      keeps at each position (a greedy row: its argmax), to replay the filters.
+
+    `deterministic=True` (the default here, unlike `generate`): the values are bit for
+    bit those `generate(..., deterministic=True)` and `score(..., deterministic=True)`
+    report for the same tokens, in float32 and bfloat16, and stay so under
+    differentiation (a `custom_vjp`: the forward program's values, the backward of the
+    same computation). Inside your own `jax.jit` the computation is traced into your
+    program and compiled with your program's options: compile it with
+    `logitloop.models.fixed_order.compiler_options()` to keep bfloat16 exact there.
+    New weights of the same structure (`nnx.update`) compile nothing.
+    """
+    job = plan(model, Options(deterministic=deterministic))
+    info = job.info
+    ids, prompt_len, lengths = _checked_rows(token_ids, prompt_lengths, lengths, info.vocab_size)
+    if params is not None:
+        params = _checked_params(params, ids.shape[0], info)
+    inputs = _Inputs(ids, prompt_len, lengths, params)
+    raw, processed = _exact(info.runner, job.layout, info.weights, inputs)
+    keep = None
+    if keep_mask:
+        if params is None:
+            raise ValueError("keep_mask is the processed distribution's: pass params with it")
+        no_grad = jax.lax.stop_gradient(info.weights)
+        keep = _program(info.runner, no_grad, inputs, keep_mask=True, layout=job.layout)[2]
+    return TokenLogprobs(raw, None if params is None else processed, keep)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _is_traced(x: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+
+
+def _checked_rows(token_ids, prompt_lengths, lengths, vocab_size: int):
+    """int32 device arrays, their shapes checked, and their values when they are concrete
+    (inside a trace only the shapes can be)."""
+    ids = jnp.asarray(token_ids)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] < 2:
+        raise ValueError(
+            f"token_ids must be a [B, T] array of token ids with B >= 1 and T >= 2 (a prompt "
+            f"token and a completion token), got shape {tuple(ids.shape)}"
+        )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+    batch, width = ids.shape
+    plen = jnp.asarray(prompt_lengths)
+    total = jnp.full((batch,), width, jnp.int32) if lengths is None else jnp.asarray(lengths)
+    for name, value in (("prompt_lengths", plen), ("lengths", total)):
+        if value.shape != (batch,) or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be {batch} integers (one per row of token_ids), got "
+                f"shape {tuple(value.shape)} of {value.dtype}"
+            )
+    if not _is_traced((ids, plen, total)):
+        host_ids, host_p, host_t = (np.asarray(x) for x in (ids, plen, total))
+        for r in range(batch):
+            if not 1 <= host_t[r] <= width:
+                raise ValueError(
+                    f"lengths[{r}] = {host_t[r]} is outside the allowed range [1, {width}] "
+                    "(the width of token_ids)"
+                )
+            if not 1 <= host_p[r] <= host_t[r]:
+                raise ValueError(
+                    f"prompt_lengths[{r}] = {host_p[r]} is outside the allowed range "
+                    f"[1, {host_t[r]}] (a prompt token at least, at most the row's length)"
+                )
+            row = host_ids[r, : host_t[r]]
+            bad = np.flatnonzero((row < 0) | (row >= vocab_size))
+            if bad.size:
+                raise ValueError(
+                    f"token_ids[{r}, {bad[0]}] = {row[bad[0]]} is outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
+    return ids.astype(jnp.int32), plen.astype(jnp.int32), total.astype(jnp.int32)
+
+
+def _checked_params(params: SamplingParams, batch: int, info) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
+    if params.batch_size != batch:
+        raise ValueError(
+            f"params has batch_size {params.batch_size} but token_ids has {batch} rows: "
+            "one row of params per row"
+        )
+    if params.constraints:
+        raise ValueError(
+            "params has constraints (structured output): token_logprobs does not replay "
+            "automata; score them with ll.score"
+        )
+    params.check_vocab(info.vocab_size)
+    if info.eos_token_ids:
+        params = params.with_stop_token_ids(info.eos_token_ids)
+    return params.device_only()
+
+
+# ----------------------------------------------------------------------------- device side
+
+
+@struct.dataclass
+class _Inputs:
+    """What the log-probs are of (nothing here is differentiated)."""
+
+    token_ids: jax.Array  # [B, T] i32
+    prompt_lengths: jax.Array  # [B] i32
+    lengths: jax.Array  # [B] i32
+    params: SamplingParams | None
+
+
+def _rows_at(x: jax.Array, index: jax.Array, ok: jax.Array, fill) -> jax.Array:
+    """`x[b, index[b, j]]` where `ok`, else `fill`: `[B, W] -> [B, J]`."""
+    got = jnp.take_along_axis(x, jnp.clip(index, 0, x.shape[1] - 1), axis=1)
+    return jnp.where(ok, got, fill)
+
+
+def _forward(
+    runner: ModelRunner,
+    weights: Any,
+    inputs: _Inputs,
+    keep_mask: bool,
+    layout: Layout,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """raw [B, T], processed [B, T] (zeros without params) and the keep mask [B, T, V]
+    (or None): `score_batch`'s computation, the rows laid out as `score` lays them."""
+    ids, plen, total = inputs.token_ids, inputs.prompt_lengths, inputs.lengths
+    batch, width = ids.shape
+    # The prompt left-padded to P columns (its last token in the last column), the
+    # completion right-padded to C, as `score._score_rows` buckets them.
+    p_width = bucket(width, MIN_PROMPT_BUCKET)
+    c_width = bucket(width, MIN_CONTINUATION_BUCKET)
+    col = jnp.arange(p_width)[None, :]  # [1, P]
+    src = col - (p_width - plen[:, None])  # the prompt token in column c
+    prompt = _rows_at(ids, src, src >= 0, 0)
+    positions = jnp.where(src >= 0, src, -1).astype(jnp.int32)
+    at = plen[:, None] + jnp.arange(c_width)[None, :]  # [B, C] the completion's tokens
+    cont_len = total - plen
+    valid = jnp.arange(c_width)[None, :] < cont_len[:, None]
+    cont = _rows_at(ids, at, valid, 0)
+    cache_len = p_width + bucket(c_width, MIN_PROMPT_BUCKET)
+    hist_col = jnp.arange(cache_len)[None, :]
+    history = History(_rows_at(ids, hist_col, hist_col < plen[:, None], -1), plen, plen)
+    params = inputs.params
+    logits = continuation_logits(
+        runner, weights, prompt, positions, plen, cont, cont_len, cache_len, layout
+    )  # [B, C, V]
+    raw, _ = raw_logprobs(logits, cont, valid)
+    processed = keep = None
+    if params is not None:
+        processed, keep = processed_logprobs(
+            logits, cont, valid, params, history, keep_mask=keep_mask
+        )
+    # Back to token_ids' columns: position t is completion token t - prompt_lengths.
+    t = jnp.arange(width)[None, :]
+    j = t - plen[:, None]  # [B, T]
+    real = (j >= 0) & (t < total[:, None])
+    raw = _rows_at(raw, j, real, 0.0)
+    processed = jnp.zeros_like(raw) if processed is None else _rows_at(processed, j, real, 0.0)
+    if keep is not None:
+        k = jnp.take_along_axis(keep, jnp.clip(j, 0, c_width - 1)[..., None], axis=1)
+        keep = k & real[..., None]
+    return raw, processed, keep
+
+
+_program = runner_jit(_forward, static_argnames=("runner", "keep_mask", "layout"))
+
+
+def _values(runner: ModelRunner, weights: Any, inputs: _Inputs, layout: Layout):
+    raw, processed, _ = _program(runner, weights, inputs, keep_mask=False, layout=layout)
+    return raw, processed
+
+
+def _backward(runner: ModelRunner, weights: Any, inputs: _Inputs, cotangents, layout: Layout):
+    """The gradient with respect to the weights of `_forward`'s (raw, processed), for the
+    given output cotangents: the same computation, differentiated."""
+
+    def values(w):
+        raw, processed, _ = _forward(runner, w, inputs, False, layout)
+        return raw, processed
+
+    _, vjp = jax.vjp(values, weights)
+    return vjp(cotangents)[0]
+
+
+_backward_program = runner_jit(_backward, static_argnames=("runner", "layout"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _exact(runner: ModelRunner, layout: Layout, weights: Any, inputs: _Inputs):
+    return _values(runner, weights, inputs, layout)
+
+
+def _exact_fwd(runner, layout, weights, inputs):
+    return _values(runner, weights, inputs, layout), (weights, inputs)
+
+
+def _exact_bwd(runner, layout, residuals, cotangents):
+    weights, inputs = residuals
+    grads = _backward_program(runner, weights, inputs, cotangents, layout=layout)
+    return grads, None
+
+
+_exact.defvjp(_exact_fwd, _exact_bwd)
