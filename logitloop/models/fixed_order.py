@@ -54,7 +54,10 @@ Keys and values are read from the cache, where slot == position, so chunked pref
 one pass give the same sums. Sliding-window rings (`layers.ring_keys`) hold slots in
 `position % R` order plus this call's columns, so for a layer with a ring the order is
 fixed for a given call shape only (batch size and composition, not prefill chunking or
-the bucket); the mixture-of-experts MLP (`moe.py`) is not covered.
+the bucket). The mixture-of-experts MLP (`moe.py`) runs its router and its dense mixture
+over the pass's row tiles (`rowwise`): covered by `deterministic=True` with XLA's row
+tiles; not by the GPU tile kernel (whose `rowwise` takes the rows as they come) nor by the
+model-parallel splits (the experts' products are single einsums).
 
 Fixed orders are not enough by themselves on XLA:CPU: above a size threshold it hands
 fusions (a reduce, an `exp(x - max)`, elementwise code around a product) to YNNPACK

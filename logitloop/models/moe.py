@@ -18,6 +18,10 @@ experts' weights per token; anything else (prefill, large batches) runs every ex
 every token and weights the outputs by a dense `[N, X]` matrix that is zero off the
 chosen experts. Both give the routed sum up to float32 summation order.
 
+Under a fixed-order policy (`deterministic=True`, `fixed_order`) every call takes the dense
+path over the pass's row tiles: the same order for a token in a prompt pass, a decode step
+of any batch and a scoring pass, at the dense path's cost (every expert on every token).
+
 Routing ties: `jax.lax.top_k` keeps the lower expert id; torch's CPU `topk` breaks exact
 ties in an order of its own (not always the lower id), so two experts with bit-identical
 router scores may be chosen differently. With real router weights exact ties do not occur.
@@ -29,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import layers, llama
+from logitloop.models import fixed_order, layers, llama
 from logitloop.models.config import MoeConfig, mixtral_config_from_hf, qwen3_moe_config_from_hf
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import CheckpointTensor
@@ -52,22 +56,34 @@ class MoeBlock(llama.LlamaBlock):
         self.w_down = p((x, f, e), ("experts", "mlp", "embed"))
 
     def mlp(self, h: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
-        # the routed mixture is not covered by the fixed-order modes (`fixed_order`)
         if not self.sparse:
             return super().mlp(h, numerics)
         c = self.config
         b, t, e = h.shape
         flat = h.reshape(b * t, e)  # [N, E]
+        if numerics.fixed:
+            # A fixed order: the router and the dense mixture over row tiles of the pass's
+            # one shape (`fixed_order.rowwise`), never the gathered path, whose sum runs in
+            # another order (a bfloat16 Mixtral's decode step and its scoring pass differed
+            # by 0.0017 nats), so a token's experts and sum do not depend on the batch.
+            out = fixed_order.rowwise(
+                lambda rows: self._dense(rows, *self._route(rows)), flat, numerics=numerics
+            )
+        elif t == 1 and b * c.num_experts_per_tok < c.num_experts:
+            out = self._routed(flat, *self._route(flat))
+        else:
+            out = self._dense(flat, *self._route(flat))
+        return out.astype(h.dtype).reshape(b, t, e)
+
+    def _route(self, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`[N, E]` -> each token's k expert weights `[N, k]` f32 and expert ids `[N, k]`."""
+        c = self.config
         logits = flat @ self.router[...]  # [N, X]
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, c.num_experts_per_tok)  # [N, k]
         if c.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        if t == 1 and b * c.num_experts_per_tok < c.num_experts:
-            out = self._routed(flat, weights, experts)
-        else:
-            out = self._dense(flat, weights, experts)
-        return out.astype(h.dtype).reshape(b, t, e)
+        return weights, experts
 
     def _expert_mlp(self, x, w_gate, w_up, w_down, spec):
         act = layers.activation(self.config.hidden_act, jnp.einsum(spec[0], x, w_gate))

@@ -18,7 +18,7 @@ FAMILIES = ("llama", "gemma", "qwen3_moe")
 
 def family_model(family: str, dtype: str = "float32", seed: int = 0):
     """2 layers, 4 query / 2 kv heads of 8, hidden 32; weights 8x the default init (logits
-    far from flat, so sampled tokens vary and filters cut); Qwen3-MoE with 4 experts, 2 per
+    far from flat, so sampled tokens vary and filters cut); Qwen3-MoE with 8 experts, 3 per
     token and QK-norm, Gemma 2 with soft-capping (global layers: pages shared by n samples need one
     window for every layer)."""
     common = dict(
@@ -36,7 +36,7 @@ def family_model(family: str, dtype: str = "float32", seed: int = 0):
         model = GemmaModel(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
     elif family == "qwen3_moe":
         config = MoeConfig(
-            model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+            model_type="qwen3_moe", num_experts=8, num_experts_per_tok=3,
             moe_intermediate_size=16, norm_topk_prob=True, qk_norm=True, **common,
         )  # fmt: skip
         model = MoeModel(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
