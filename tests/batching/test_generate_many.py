@@ -30,7 +30,9 @@ def model(table):
 
 
 def alone(model, prompt, knobs, n=1):
-    return ll.generate(model, [prompt], ll.SamplingParams.create(1, **knobs), n=n)
+    if not isinstance(knobs, ll.SamplingParams):
+        knobs = ll.SamplingParams.create(1, **knobs)
+    return ll.generate(model, [prompt], knobs, n=n)
 
 
 def assert_same(got, want, exact=True):
@@ -83,6 +85,8 @@ def _requests(table, count, rng):
         path = expected(table, prompt, 16)[0]
         start = int(rng.integers(0, 8))
         knobs["stop_sequences"] = [path[start : start + 2]]
+        if i % 4 == 3:  # a settings object as vLLM users write one: no batch_size
+            knobs = ll.SamplingParams.create(**knobs)
         reqs.append(Request(prompt, knobs, id=f"r{i}"))
     return reqs
 

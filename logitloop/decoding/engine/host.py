@@ -218,10 +218,7 @@ def request_rows(
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
-    if params.batch_size != len(ids):
-        raise ValueError(
-            f"params has batch_size {params.batch_size} but there are {len(ids)} prompts"
-        )
+    params = params.broadcast_to(len(ids))
     check_count("n", n, 1)
     if processors is not None:
         params = params.replace(processors=procs.as_tuple(processors, params.batch_size))

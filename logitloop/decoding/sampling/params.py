@@ -121,7 +121,7 @@ PARTS = {
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["knobs", "stops", "output", "processors"],
-    meta_fields=["constraints", "vocab_size"],
+    meta_fields=["constraints", "vocab_size", "broadcasts"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -145,6 +145,9 @@ class SamplingParams:
     # None. Static: `sample` checks it against the logits' V when it traces, without
     # reading an id back from the device.
     vocab_size: int | None = None
+    # True for params made without a batch_size (`create()`): one row that every entry point
+    # repeats to its batch (`broadcast_to`), as vLLM's one SamplingParams serves every prompt.
+    broadcasts: bool = False
 
     def replace(self, **updates: Any) -> SamplingParams:
         """The same params with `updates`, by field name (a part's fields included)."""
@@ -164,7 +167,7 @@ class SamplingParams:
     @classmethod
     def create(
         cls,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
         temperature: Any = 1.0,
         top_k: Any = 0,
@@ -191,6 +194,12 @@ class SamplingParams:
         max_new_tokens: Any = None,
     ) -> SamplingParams:
         """Validate the knobs on the host and build the per-row device pytree.
+
+        Without `batch_size` (`SamplingParams.create(temperature=0.8, top_p=0.95)`) the
+        params hold one row that every entry point (`sample`, `generate`, `stream`,
+        `generate_many` requests, `score`, `beam_search`, `chat`, ...) repeats to its batch
+        (`broadcast_to`); each knob then takes a scalar. With `batch_size`, the params have
+        exactly that many rows and fit only a batch of that size.
 
         `max_tokens` (default `DEFAULT_MAX_TOKENS` = 16) bounds the generated tokens of a
         row; `max_new_tokens` is its alias (transformers' name): give one or the other.
@@ -221,6 +230,9 @@ class SamplingParams:
         `generate` checks the ids against the model's vocabulary in any case. Raises
         `ValueError` naming the argument, the row and the allowed range.
         """
+        broadcasts = batch_size is None
+        if broadcasts:
+            batch_size = 1
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if batch_size < 1:
@@ -380,7 +392,28 @@ class SamplingParams:
             output=output,
             constraints=constrained,
             vocab_size=None if vocab_size is None else int(vocab_size),
+            broadcasts=broadcasts,
         )
+
+    def broadcast_to(self, batch_size: int, what: str = "prompts") -> SamplingParams:
+        """These params for a batch of `batch_size` rows: themselves when they have that
+        many rows; their one row repeated when made without a batch_size (`create()`);
+        otherwise ValueError ("params has batch_size 2 but there are 3 prompts", `what`
+        naming the batch's items). Traceable: under `jit` the rows repeat on device."""
+        if self.batch_size == batch_size:
+            return self
+        if not self.broadcasts:
+            raise ValueError(
+                f"params has batch_size {self.batch_size} but there are {batch_size} {what} "
+                "(SamplingParams.create without batch_size makes one row for any batch)"
+            )
+        rows = [0] * batch_size
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(self)):
+            arrays = jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (batch_size, *x.shape[1:])), self.device_only()
+            )
+            return self._rows_metadata(arrays, rows)
+        return self.take(rows)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Host-side check that every token id in these params lies in [0, vocab_size)."""
@@ -397,7 +430,10 @@ class SamplingParams:
 
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
-        return self.replace(stop=(), include_stop_str_in_output=(), constraints=(), vocab_size=None)
+        return self.replace(
+            stop=(), include_stop_str_in_output=(), constraints=(), vocab_size=None,
+            broadcasts=False,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ rows and widths
 
@@ -506,14 +542,20 @@ class SamplingParams:
             include_stop_str_in_output=self.include_stop_str_in_output,
             constraints=self.constraints,
             vocab_size=self.vocab_size,
+            broadcasts=self.broadcasts,
         )
 
     def take(self, rows: Any) -> SamplingParams:
-        """Select (or repeat) rows: `params.take([0, 0, 1])` (on the host: compiles nothing)."""
+        """Select (or repeat) rows: `params.take([0, 0, 1])` (on the host: compiles nothing).
+        The result has exactly those rows (it does not broadcast)."""
         idx = np.asarray(rows, np.int64)
         host = jax.device_get(self.device_only())
         # device_put, not jnp.asarray: a transfer, where jnp.asarray compiles a copy program
         arrays = jax.tree.map(lambda x: jax.device_put(x[idx]), host)
+        return self._rows_metadata(arrays, idx)
+
+    def _rows_metadata(self, arrays: SamplingParams, idx: Any) -> SamplingParams:
+        """`arrays` (rows `idx` of these params' leaves) with the same rows' host metadata."""
         return arrays.replace(
             stop=tuple(self.stop[i] for i in idx) if self.stop else (),
             include_stop_str_in_output=tuple(self.include_stop_str_in_output[i] for i in idx)
@@ -521,12 +563,16 @@ class SamplingParams:
             else (),
             constraints=tuple(self.constraints[i] for i in idx) if self.constraints else (),
             vocab_size=self.vocab_size,
+            broadcasts=False,
         )
 
     @classmethod
-    def from_model(cls, model: Any, batch_size: int, **overrides: Any) -> SamplingParams:
+    def from_model(
+        cls, model: Any, batch_size: int | None = None, **overrides: Any
+    ) -> SamplingParams:
         """`create` with the checkpoint's recommended settings (`generation_config.json`, see
-        `generation_defaults`) wherever `overrides` set none."""
+        `generation_defaults`) wherever `overrides` set none (without `batch_size`: one row
+        for any batch, as `create`)."""
         return cls.create(batch_size, **{**generation_defaults(model), **overrides})
 
 

@@ -266,7 +266,7 @@ def sample(
     columns, -1 / -inf after them (`TopLogprobs`). Randomness comes from each row's explicit
     `seed` and `positions` only (JAX's convention): the same inputs give the same tokens.
     """
-    check_shapes("ll.sample", logits, params, positions, history)
+    params = check_shapes("ll.sample", logits, params, positions, history)
     check_constraint_masks("ll.sample", params, allowed_bits)
     params, states = with_processors("ll.sample", logits, params, processors, states)
     return sample_step(
@@ -298,19 +298,23 @@ def with_processors(
     return params, states
 
 
-def check_shapes(name: str, logits: jax.Array, params: SamplingParams, positions, history) -> None:
+def check_shapes(
+    name: str, logits: jax.Array, params: SamplingParams, positions, history
+) -> SamplingParams:
     """One-line ValueErrors for inputs whose shapes do not fit together, at trace time (the
-    shapes and `params.vocab_size` are static: nothing is read back from the device)."""
+    shapes and `params.vocab_size` are static: nothing is read back from the device).
+    Returns `params` for the logits' rows (a `create()` row repeated: `broadcast_to`)."""
     shape = tuple(jnp.shape(logits))
     if len(shape) != 2:
         raise ValueError(f"{name}: logits must be [B, V] (2-D), got shape {shape}")
     batch, vocab = shape
     if vocab == 0:
         raise ValueError(f"{name}: logits have V = 0 tokens (shape {shape})")
-    if params.batch_size != batch:
+    if params.batch_size != batch and not params.broadcasts:
         raise ValueError(
             f"{name}: params has batch_size {params.batch_size} but logits have {batch} rows"
         )
+    params = params.broadcast_to(batch)
     if params.vocab_size is not None and params.vocab_size > vocab:
         raise ValueError(
             f"{name}: params were checked against vocab_size = {params.vocab_size}, but the "
@@ -328,6 +332,7 @@ def check_shapes(name: str, logits: jax.Array, params: SamplingParams, positions
         )
     for i, p in enumerate(params.processors):
         procs.check_rows(f"{name}: processors[{i}] ({type(p).__name__})", p, batch)
+    return params
 
 
 def check_constraint_masks(name: str, params: SamplingParams, allowed_bits) -> None:
@@ -496,7 +501,7 @@ def sampling_distribution(
     `processors`, `states`, `allowed_bits`: as in `sample`.
     """
     name = "ll.sampling_distribution"
-    check_shapes(name, logits, params, positions, history)
+    params = check_shapes(name, logits, params, positions, history)
     check_constraint_masks(name, params, allowed_bits)
     params, states = with_processors(name, logits, params, processors, states)
     params = params.device_only()
