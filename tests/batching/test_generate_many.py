@@ -173,6 +173,22 @@ def test_n_samples_and_logprobs_added_mid_job(model):
         assert got.logprobs == want.logprobs
 
 
+@pytest.mark.slow  # about 35 s: programs of three widths
+def test_top_logprobs_widen_mid_job_and_rows_in_flight_keep_theirs(model):
+    """Top logprobs are as wide as the widest request asks: a wider request admitted while
+    a narrower one runs widens the slots' buffers, and the running rows keep theirs."""
+    knobs = dict(temperature=5.0, seed=4, max_tokens=30, logprobs=2)
+    reqs = [
+        ([4], knobs),  # these two fill the 4 slots; [4]'s rows run on
+        ([5], dict(knobs, logprobs=0, max_tokens=3, seed=6)),
+        ([2, 3], dict(knobs, seed=5, logprobs=4, max_tokens=12)),  # admitted while [4] runs
+    ]
+    results = generate_many(model, reqs, **BOUNDS, n=2)
+    for (p, k), got in zip(reqs, results, strict=True):
+        assert_same(got, alone(model, p, k, n=2))
+    assert [len(d) for d in results[2].top_logprobs[0]] == [4] * results[2].num_tokens[0]
+
+
 def test_ignore_eos(model, table):
     reqs = [([3], {"temperature": 0.0, "max_tokens": 30})]
     got = generate_many(model, reqs, **BOUNDS, ignore_eos=True)

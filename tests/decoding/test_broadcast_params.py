@@ -3,6 +3,8 @@ batch, with the same results as the same knobs given per batch (or as keywords).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,3 +96,30 @@ def test_score_beam_explain_and_generate_many_broadcast(model):
     assert explain_next_token(model, [1], one).sampled_token == want.token_ids[0][0]
     got = ll.generate_many(model, [ll.Request(p, one) for p in prompts], slots=2)
     assert [r.token_ids[0] for r in got] == want.token_ids
+
+
+def _top_reference(logits: np.ndarray, n: int) -> list[int]:
+    """The n best ids of one row by float64 log-softmax, ties to the lower id."""
+    x = logits.astype(np.float64)
+    return np.argsort(-(x - np.log(np.exp(x - x.max()).sum())), kind="stable")[:n].tolist()
+
+
+def test_top_logprobs_exactly_as_wide_as_the_widest_row():
+    rng = np.random.default_rng()
+    logits = rng.normal(size=(2, V)).astype(np.float32)
+    positions = jnp.zeros(2, jnp.int32)
+    out = ll.sample(jnp.asarray(logits), ll.SamplingParams.create(2, logprobs=5), positions)
+    assert out.top_logprobs.ids.shape == out.top_logprobs.values.shape == (2, 5)
+    for r in range(2):  # every column a real alternative: no padding
+        assert np.asarray(out.top_logprobs.ids[r]).tolist() == _top_reference(logits[r], 5)
+    one = ll.SamplingParams.create(logprobs=0)  # one row that broadcasts: none asked
+    assert ll.sample(jnp.asarray(logits), one, positions).top_logprobs.ids.shape == (2, 0)
+
+    params = ll.SamplingParams.create(2, logprobs=[3, 7])
+    assert params.top_logprobs_width == 7
+    assert params.replace(logprobs=np.asarray([1, 2], np.int32)).top_logprobs_width == 2
+    assert params.take([0]).top_logprobs_width == 7  # a subset keeps its compiled width
+    both = ll.SamplingParams.concat([params, ll.SamplingParams.create(1, logprobs=9)])
+    assert both.top_logprobs_width == 9 and both.widths().top_logprobs == 9
+    with pytest.raises(ValueError, match="row 1 asks for logprobs = 7, over width 4"):
+        params.widen(dataclasses.replace(params.widths(), top_logprobs=4))

@@ -182,7 +182,7 @@ def _forked_state(
     shards = plan.layout.row_multiple  # one pool per data shard
     shape = forked.pool_shape(len(ids) // n, n, batch.cache_len, PAGE_SIZE, buffer_len, shards)
     plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
-    num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
+    num_top = params.top_logprobs_width
     state = memory_check.checked_call(
         "prompts", batch.prompt.size, prefill_forked, plan.program, tables, batch, fsm,
         n=n, buffer_len=buffer_len, num_top=num_top,

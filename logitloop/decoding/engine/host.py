@@ -48,7 +48,6 @@ from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import constraints
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.checks import (
-    MAX_TOP_LOGPROBS,
     Widths,
     bucket_width,
     check_text,
@@ -339,7 +338,7 @@ def initial_state(
     params = tables.params
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
-    num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
+    num_top = params.top_logprobs_width
     batch = prompt_batch(ids, buffer_len)
     return memory_check.checked_call(
         "prompts", batch.prompt.size, prefill, program, tables, batch, fsm,

@@ -119,7 +119,7 @@ class DecodeState:
     num_tokens: jax.Array  # [B] i32, tokens generated so far
     logprobs: jax.Array  # [B, N] f32, log-prob under the final distribution
     raw_logprobs: jax.Array  # [B, N] f32, log-softmax of the model's logits
-    top_ids: jax.Array  # [B, N, K] i32, K = MAX_TOP_LOGPROBS when asked, else 0
+    top_ids: jax.Array  # [B, N, K] i32, K = the params' top_logprobs_width
     top_values: jax.Array  # [B, N, K] f32
     prompt_len: jax.Array  # [B] i32
     cache: Any  # the model's KV cache, P + N slots per row

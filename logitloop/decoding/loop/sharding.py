@@ -267,7 +267,7 @@ def sample_sharded(
         raise ValueError(f"batch {batch} is not a multiple of mesh axis {batch_axis!r}")
     axes = Axes(vocab=axis, rows=() if batch_axis is None else (batch_axis,), in_mesh=True)
     row = P(batch_axis)
-    num_top = sampler.MAX_TOP_LOGPROBS  # as `sample`: a new logprobs value compiles nothing
+    num_top = params.top_logprobs_width  # as `sample`: static, the widest row's logprobs
 
     def step(logits, params, positions, history, states, done, allowed_bits):
         rows = dict(states=states, done=done, allowed_bits=allowed_bits, num_top=num_top)

@@ -349,7 +349,7 @@ class Widths:
     sequence_len: int = 1  # longest stop sequence
     stop_strings: int = 0  # stop strings per row; 0 = no stop-string tables at all
     stop_len: int = 16  # longest stop string, in bytes
-    top_logprobs: int = 0  # 0 or MAX_TOP_LOGPROBS
+    top_logprobs: int = 0  # the widest row's logprobs (exact: 0 to MAX_TOP_LOGPROBS)
 
     def union(self, other: Widths) -> Widths:
         return Widths(

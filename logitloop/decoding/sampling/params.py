@@ -18,8 +18,8 @@ takes the fields by those names too):
   penalties, bias, banned and allowed ids, seed): what the sampler reads;
 - `stops` (`StopRules`): when a row ends (max and min tokens, stop ids, stop sequences,
   stop strings);
-- `output` (`OutputOptions`): what is reported beside the tokens (top logprobs, stop
-  strings in the text);
+- `output` (`OutputOptions`): what is reported beside the tokens (top logprobs and their
+  static width, stop strings in the text);
 - `constraints`: each row's structured-output constraint;
 - `processors`: the user's logits processors.
 
@@ -107,6 +107,10 @@ class OutputOptions:
     """What each row reports beside its tokens."""
 
     logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
+    # The width of the top logprobs the sampler returns: the most any row asks for (0: none).
+    # Static (part of the compiled program's shape), known on the host when the params are
+    # made, so arrays are exactly as wide as the widest row asked without a device read.
+    top_logprobs_width: int = struct.field(pytree_node=False, default=0)
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
 
 
@@ -151,6 +155,12 @@ class SamplingParams:
 
     def replace(self, **updates: Any) -> SamplingParams:
         """The same params with `updates`, by field name (a part's fields included)."""
+        if "logprobs" in updates and "top_logprobs_width" not in updates:
+            # A new width with new values, when they are on the host or a device (a traced
+            # value keeps the width: rows past it then get that many alternatives).
+            value = updates["logprobs"]
+            if not isinstance(value, jax.core.Tracer):
+                updates = {**updates, "top_logprobs_width": int(np.max(value, initial=0))}
         own = {k: v for k, v in updates.items() if k not in PARTS}
         by_part: dict[str, dict[str, Any]] = {}
         for name, value in updates.items():
@@ -384,6 +394,7 @@ class SamplingParams:
         )
         output = OutputOptions(
             logprobs=jnp.asarray(n_logprobs, jnp.int32),
+            top_logprobs_width=int(np.max(n_logprobs)),
             include_stop_str_in_output=tuple(bool(x) for x in include),
         )
         return cls(
@@ -456,15 +467,22 @@ class SamplingParams:
             sequence_len=bucket_width(int(used.sum(axis=2).max(initial=0)), 1),
             stop_strings=(bucket_width(max(len(r) for r in self.stop), 4) if encoded else 0),
             stop_len=bucket_width(max((len(b) for b in encoded), default=1), 16),
-            top_logprobs=MAX_TOP_LOGPROBS if int(np.max(host.logprobs)) > 0 else 0,
+            top_logprobs=self.top_logprobs_width,
         )
 
     def widen(self, widths: Widths) -> SamplingParams:
         """The same rows with every per-row list at `widths` (entries kept, -1 padding added
-        or removed), so that params of different requests stack into one batch."""
+        or removed) and the top logprobs `widths.top_logprobs` wide (at least every row's
+        `logprobs`), so that params of different requests stack into one batch."""
         host = jax.device_get(self.device_only())
         b = self.batch_size
         bias_keep = host.bias_ids >= 0  # ids and values move together
+        asked = np.asarray(host.logprobs)
+        if np.any(asked > widths.top_logprobs):
+            r = int(np.flatnonzero(asked > widths.top_logprobs)[0])
+            raise ValueError(
+                f"row {r} asks for logprobs = {asked[r]}, over width {widths.top_logprobs}"
+            )
 
         def fit(arr: np.ndarray, keep: np.ndarray, width: int, fill: Any) -> np.ndarray:
             out = np.full((b, width), fill, arr.dtype)
@@ -487,6 +505,7 @@ class SamplingParams:
             allowed_ids=fit(host.allowed_ids, host.allowed_ids >= 0, widths.allowed, -1),
             stop_token_ids=fit(host.stop_token_ids, host.stop_token_ids >= 0, widths.stop_ids, -1),
             stop_sequences=seqs,
+            top_logprobs_width=widths.top_logprobs,
         )
         return self._with_arrays(jax.tree.map(jax.device_put, arrays))
 

@@ -48,7 +48,6 @@ from flax import struct
 
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling import transforms
-from logitloop.decoding.sampling.checks import MAX_TOP_LOGPROBS
 from logitloop.decoding.sampling.history import History, distinct_tokens
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.ops.sampling import Thresholds, filter_and_sample, noise
@@ -74,9 +73,10 @@ NEG_INF = float("-inf")
 class TopLogprobs:
     """The top-n alternatives under the model's own logits (raw log-softmax).
 
-    K is `MAX_TOP_LOGPROBS` (20) whatever the rows ask, so a new `logprobs` value compiles
-    nothing: row r's first `logprobs[r]` columns are its alternatives, and the rest are
-    padded with id -1 and value -inf (`generate`'s results hold each row's n only).
+    K is the params' `top_logprobs_width`, the most any row asks for (static: one compile
+    per width; a new `logprobs` value within it compiles nothing): row r's first
+    `logprobs[r]` columns are its alternatives, and the rest are padded with id -1 and value
+    -inf (`generate`'s results hold each row's n only).
     """
 
     ids: jax.Array  # [B, K] i32, best first; -1 past the row's n
@@ -261,9 +261,11 @@ def sample(
     the states after the drawn tokens. allowed_bits: [B, ceil(V / 32)] u32 allowed-token
     bitmasks (a constraint's, `logitloop.decoding.sampling.constraints.row_bits`), or None.
 
-    The output's `top_logprobs` are `MAX_TOP_LOGPROBS` (20) wide whatever the rows ask, so a
-    new `logprobs` value never compiles: row r's are its first `params.logprobs[r]`
-    columns, -1 / -inf after them (`TopLogprobs`). Randomness comes from each row's explicit
+    The output's `top_logprobs` are exactly as wide as the widest row asked
+    (`params.top_logprobs_width`, static, set by `create`; 0 wide when no row asks): row r's
+    are its first `params.logprobs[r]` columns, -1 / -inf after them (`TopLogprobs`). So
+    each new width compiles once (at most 21 programs), and a new `logprobs` value within
+    it compiles nothing. Randomness comes from each row's explicit
     `seed` and `positions` only (JAX's convention): the same inputs give the same tokens.
     """
     params = check_shapes("ll.sample", logits, params, positions, history)
@@ -277,7 +279,6 @@ def sample(
         states=states,
         allowed_bits=allowed_bits,
         backend=backend,
-        num_top=MAX_TOP_LOGPROBS,
     )
 
 
@@ -358,7 +359,7 @@ def sample_step(
     backend: str = "auto",
     axes: Axes = SINGLE,
     choose=None,
-    num_top: int = MAX_TOP_LOGPROBS,
+    num_top: int | None = None,
 ) -> SampleOutput:
     """The sampling step, traceable anywhere: `sample` is this under `jit` on one device;
     inside `shard_map`, `axes` says how the rows and the vocabulary lie on the mesh (the
@@ -369,7 +370,10 @@ def sample_step(
     `choose(probs [B, V], drawn [B] i32, key [B, 2] u32) -> tokens [B]`: picks the token
     instead of the row's draw, from the final distribution (speculative decoding's
     rejection acceptance, `rejection_choice`); logprobs and processor updates follow it.
-    `num_top`: the width of the top logprobs (static; at least every row's `logprobs`)."""
+    `num_top`: the width of the top logprobs (static; at least every row's `logprobs`;
+    default `params.top_logprobs_width`)."""
+    if num_top is None:
+        num_top = params.top_logprobs_width
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history, axes, states, done, allowed_bits)
