@@ -33,6 +33,7 @@ from logitloop.decoding.loop.decode_loop import (
     FINISH_CONSTRAINT,
     FINISH_ERROR,
     FINISH_LENGTH,
+    FINISH_REPETITION,
     FINISH_STOP_SEQUENCE,
     FINISH_STOP_STRING,
     FINISH_STOP_TOKEN,
@@ -73,7 +74,8 @@ def bucket(n: int, minimum: int) -> int:
 #              vLLM reports None for EOS, logitloop the id),
 #   str        the stop string (`stop`) it was cut at,
 #   list[int]  the stop sequence (`stop_sequences`) it ended with,
-#   None       every other finish: "length", "error", or a constraint's complete document.
+#   None       every other finish: "length", "error", "repetition", or a constraint's
+#              complete document.
 StopReason = int | str | list[int] | None
 
 
@@ -90,7 +92,7 @@ class GenerationResult:
     """
 
     token_ids: list[list[int]]
-    finish_reason: list[str]  # "stop", "length" or "error"
+    finish_reason: list[str]  # "stop", "length", "repetition" or "error"
     stop_reason: list[StopReason]  # see `StopReason`: an int, str, list of ids or None
     num_tokens: list[int]
     prompt_token_ids: list[list[int]]
@@ -353,6 +355,9 @@ FINISH_REASON = {
     FINISH_CONSTRAINT: "stop",
     FINISH_LENGTH: "length",
     FINISH_ERROR: "error",
+    # The repetition guard cut the row (`repetition_guard`); its tokens and text keep
+    # everything generated, the repeats included.
+    FINISH_REPETITION: "repetition",
 }
 
 

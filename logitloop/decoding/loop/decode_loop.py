@@ -32,6 +32,7 @@ from flax import struct
 from logitloop.decoding.loop import pool as paged
 from logitloop.decoding.loop import stop_strings
 from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
+from logitloop.decoding.loop.repetition import guarded_hits
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import constraints
@@ -49,6 +50,7 @@ FINISH_LENGTH = 3
 FINISH_ERROR = 4
 FINISH_STOP_STRING = 5
 FINISH_CONSTRAINT = 6  # the row's automaton allows nothing but EOS: its document is complete
+FINISH_REPETITION = 7  # the repetition guard: the row's last tokens repeat (`repetition`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +116,9 @@ class DecodeState:
     step: jax.Array  # [] i32, loop iterations run (tokens drawn after the first)
     done: jax.Array  # [B] bool, the row has stopped; it never changes again
     finish: jax.Array  # [B] i32, RUNNING or a FINISH_* code
-    matched: jax.Array  # [B] i32, stop token id or stop-sequence index that matched, else -1
+    # [B] i32, the stop token id, stop-sequence or stop-string index that matched, or the
+    # repeated period (FINISH_REPETITION), else -1
+    matched: jax.Array
     tokens: jax.Array  # [B, N] i32, generated tokens, -1 past num_tokens
     num_tokens: jax.Array  # [B] i32, tokens generated so far
     logprobs: jax.Array  # [B, N] f32, log-prob under the final distribution
@@ -314,6 +318,9 @@ def record(
     seq_hit = sequence_hits(params.stop_sequences, window, num_tokens, params.min_tokens)
     hit_seq = jnp.any(seq_hit, axis=1)
     hit_len = num_tokens >= params.max_tokens
+    tokens = put(state.tokens, tok)
+    period = guarded_hits(tokens, num_tokens, params.guard_period, params.guard_repeats)
+    hit_rep = (period > 0) & (num_tokens >= params.min_tokens)
     text_window = state.text_window
     if stops is None:
         hit_str = jnp.zeros_like(hit_seq)
@@ -341,7 +348,11 @@ def record(
                     hit_str,
                     FINISH_STOP_STRING,
                     jnp.where(
-                        hit_end, FINISH_CONSTRAINT, jnp.where(hit_len, FINISH_LENGTH, RUNNING)
+                        hit_end,
+                        FINISH_CONSTRAINT,
+                        jnp.where(
+                            hit_rep, FINISH_REPETITION, jnp.where(hit_len, FINISH_LENGTH, RUNNING)
+                        ),
                     ),
                 ),
             ),
@@ -351,7 +362,11 @@ def record(
     matched = jnp.where(
         hit_token,
         tok,
-        jnp.where(hit_seq, jnp.argmax(seq_hit, axis=1), jnp.where(hit_str, which_str, -1)),
+        jnp.where(
+            hit_seq,
+            jnp.argmax(seq_hit, axis=1),
+            jnp.where(hit_str, which_str, jnp.where(hit_end, -1, jnp.where(hit_rep, period, -1))),
+        ),
     ).astype(jnp.int32)
     matched = jnp.where(active & ok, matched, state.matched)
 
@@ -370,7 +385,7 @@ def record(
         done=state.done | (finish != RUNNING),
         finish=finish.astype(jnp.int32),
         matched=matched,
-        tokens=put(state.tokens, tok),
+        tokens=tokens,
         num_tokens=num_tokens,
         logprobs=put(state.logprobs, out.logprobs),
         raw_logprobs=put(state.raw_logprobs, out.raw_logprobs),

@@ -59,6 +59,7 @@ from logitloop.decoding.sampling.checks import (
     _not_an_id,
     _pad_ids,
     _per_row,
+    _repetition_guard,
     _stop_sequences,
     _stop_strings,
     bucket_width,
@@ -99,6 +100,11 @@ class StopRules:
     min_tokens: jax.Array  # [B] i32 in [0, max_tokens]
     stop_token_ids: jax.Array  # [B, Ns] i32, -1 = unused slot
     stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
+    # The repetition guard (`repetition_guard=(max_period, min_repeats)`): the row ends with
+    # finish reason "repetition" once its last generated tokens repeat a period of at most
+    # `guard_period` tokens `guard_repeats` times (`decode_loop.repetition_hits`).
+    guard_period: jax.Array  # [B] i32 in [0, MAX_GUARD_PERIOD], 0 = off
+    guard_repeats: jax.Array  # [B] i32 >= 2 (0 when off)
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
 
 
@@ -202,6 +208,7 @@ class SamplingParams:
         choice: Any = None,
         vocab_size: int | None = None,
         max_new_tokens: Any = None,
+        repetition_guard: Any = None,
     ) -> SamplingParams:
         """Validate the knobs on the host and build the per-row device pytree.
 
@@ -234,6 +241,12 @@ class SamplingParams:
         write is refused too, when the model's vocabulary is known (`generate`). JSON
         schemas outside the subset translated exactly are refused
         (`logitloop.decoding.sampling.schema_subset`).
+
+        `repetition_guard` (default None: off): `(max_period, min_repeats)` for every row, or
+        one such pair (or None) per row. A row whose last generated tokens repeat a period of
+        at most `max_period` tokens (1 to 32) at least `min_repeats` times (at least 2;
+        `max_period * min_repeats` at most 512 tokens) ends there, on device, with
+        finish reason "repetition"; its tokens and text keep everything generated.
 
         `vocab_size`, when given, bounds every token id, and `sample` checks it against the
         logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);
@@ -285,6 +298,7 @@ class SamplingParams:
                     f"range [0, {row_name('max_tokens', row, b)} = {max_t[row]}]"
                 )
         n_logprobs = rows("logprobs", logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
+        guard_period, guard_repeats = _repetition_guard(repetition_guard, b)
 
         bias_rows = _bias_rows(logit_bias, b)
         bias_ids = [[] for _ in range(b)]
@@ -390,6 +404,8 @@ class SamplingParams:
             min_tokens=jnp.asarray(min_t, jnp.int32),
             stop_token_ids=jnp.asarray(_pad_ids(stops)),
             stop_sequences=jnp.asarray(stop_seqs),
+            guard_period=jnp.asarray(guard_period, jnp.int32),
+            guard_repeats=jnp.asarray(guard_repeats, jnp.int32),
             stop=stop_strs,
         )
         output = OutputOptions(
