@@ -11,7 +11,8 @@ Python's own help topics, `pydoc_data.topics`), `max_tokens=--max-tokens`:
   `repetition_guard=--guard`, and with a guard that never fires (`(1, 512)`: the cost of
   the check itself);
 - the tokens generated (one decode step of one row each) and the median wall time of
-  `--repeats` runs after a warm-up (timed runs checked to compile nothing);
+  `--repeats` runs after a warm-up, the variants in turns (timed runs checked to compile
+  nothing);
 - rows the guard did not cut are equal bit for bit (tokens and logprobs) to the run
   without it; rows it cut are a prefix of theirs, ending where a NumPy scan of the
   unguarded tokens says the loop is.
@@ -55,16 +56,21 @@ def first_loop(ids: list[int], max_period: int, min_repeats: int) -> int | None:
     return None
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up: compiles
-    counter, times = CompileWatch(), []
+def timed_turns(fns: dict, repeats: int) -> dict:
+    """name -> (median seconds, last result) of `repeats` calls of each of `fns` after one
+    warm-up call each; the calls run in turns, so load on the machine falls on each alike
+    (timed calls checked to compile nothing)."""
+    for fn in fns.values():
+        fn()  # warm-up: compiles
+    counter, times, outs = CompileWatch(), {name: [] for name in fns}, {}
     for _ in range(repeats):
-        with counter:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t0)
-        assert counter.count == 0, "a timed run compiled"
-    return statistics.median(times), out
+        for name, fn in fns.items():
+            with counter:
+                t0 = time.perf_counter()
+                outs[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+            assert counter.count == 0, f"a timed run of {name} compiled"
+    return {name: (statistics.median(times[name]), outs[name]) for name in fns}
 
 
 def rows_of(result) -> tuple[list[list[int]], list[list[float]], list[str]]:
@@ -103,9 +109,11 @@ def main() -> None:
     print(f"{len(texts)} prompts, greedy, max_tokens {args.max_tokens}, guard {guard}, "
           f"median of {args.repeats} (jax {_backend()})")  # fmt: skip
     for entry in ("generate", "generate_many"):
-        plain_s, plain = timed(run(entry, None), args.repeats)
-        guard_s, guarded = timed(run(entry, guard), args.repeats)
-        never_s, never = timed(run(entry, NEVER), args.repeats)
+        runs = timed_turns(
+            {"plain": run(entry, None), "guard": run(entry, guard), "never": run(entry, NEVER)},
+            args.repeats,
+        )
+        (plain_s, plain), (guard_s, guarded), (never_s, never) = runs.values()
         ids0, lp0, _ = rows_of(plain)
         ids1, lp1, reasons = rows_of(guarded)
         idsn, lpn, _ = rows_of(never)

@@ -51,12 +51,12 @@ from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
 from logitloop.decoding.sampling import sampler
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.models.orbax_io import restore_sharded  # noqa: F401 - re-exported
 from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mesh API in one place
     DATA_AXIS,
     MODEL_AXIS,
     param_shardings,
     place_weights,
-    restore_sharded,
     shard_model,
 )
 from logitloop.ops.sampling.sharded import auto_axes
