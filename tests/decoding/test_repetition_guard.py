@@ -135,3 +135,20 @@ def test_generate_cuts_where_the_scan_does_with_and_without_stops(compile_counte
 def test_bad_guards_name_the_argument(guard, match):
     with pytest.raises(ValueError, match=match):
         ll.SamplingParams.create(repetition_guard=guard)
+
+
+def test_explain_says_where_the_guard_would_cut():
+    from logitloop.decoding.engine.explain import explain_next_token
+
+    rng = np.random.default_rng()
+    model = make_model(_looping_table(rng))
+    period = int(rng.integers(1, 4))
+    prompt = [*rng.integers(0, V, 5).tolist(), *rng.integers(0, V, period).tolist() * 3]
+    guard = (4, 3)
+    greedy = ll.SamplingParams.create(temperature=0.0, repetition_guard=guard)
+    expl = explain_next_token(model, prompt, greedy)
+    stream = [*prompt, expl.sampled_token]
+    cuts = [(n, reference_period(stream[:n], *guard)) for n in range(1, len(stream) + 1)]
+    assert expl.repetition_cut == next(c for c in cuts if c[1])  # the prompt loops
+    plain = explain_next_token(model, prompt, greedy.replace(guard_period=np.zeros(1, np.int32)))
+    assert plain.repetition_cut is None  # no guard, no cut

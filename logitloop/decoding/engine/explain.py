@@ -41,6 +41,7 @@ import numpy as np
 from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, prompt_batch
 from logitloop.decoding.engine.plan import Options, plan
 from logitloop.decoding.loop.decode_loop import forward_prompt
+from logitloop.decoding.loop.repetition import repetition_hits
 from logitloop.decoding.loop.runner import ModelRunner
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling import transforms
@@ -111,6 +112,10 @@ class Explanation:
     params: SamplingParams  # batch of 1, as the sampler saw it (EOS in the stop ids)
     history: History  # batch of 1: the prompt
     tokenizer: Any = None
+    # The row's repetition guard on the prompt and the sampled token read as generated text
+    # (`repetition_cut`): (n, p), cut after its n-th token on a period of p tokens; None
+    # when it would not be cut, or the row has no guard.
+    repetition_cut: tuple[int, int] | None = None
     # After steps 1-3 and the user's processors (None without processors); processors that
     # run after temperature show in `tempered`.
     processed: np.ndarray | None = None
@@ -328,7 +333,33 @@ def explain_next_token(
         history=history,
         tokenizer=info.tokenizer,
         processed=out["processed"][0] if params.processors else None,
+        repetition_cut=repetition_cut([*ids0, int(drawn.tokens[0])], params),
     )
+
+
+def repetition_cut(tokens: Sequence[int], params: SamplingParams) -> tuple[int, int] | None:
+    """Where row 0's `repetition_guard` would have cut a row that generated `tokens`: (n, p),
+    after its n-th token on a period of p tokens (the loop's own check,
+    `repetition.repetition_hits`, after each token), or None (no cut, or no guard)."""
+    period, repeats = (int(np.asarray(x)[0]) for x in (params.guard_period, params.guard_repeats))
+    if period == 0 or not tokens:
+        return None
+    hits = np.asarray(_hits_after_each(jnp.asarray([list(tokens)], jnp.int32), period, repeats))
+    first = np.flatnonzero(hits)
+    return None if not first.size else (int(first[0]) + 1, int(hits[first[0]]))
+
+
+@jax.jit
+def _hits_after_each(tokens: jax.Array, period: int, repeats: int) -> jax.Array:
+    """[T] the guard's period after each of the T tokens of row [1, T] (0: no cut)."""
+    length = tokens.shape[1]
+
+    def after(n):
+        seen = jnp.where(jnp.arange(length)[None, :] < n, tokens, -1)
+        one = jnp.ones((1,), jnp.int32)
+        return repetition_hits(seen, n[None], period * one, repeats * one)[0]
+
+    return jax.vmap(after)(jnp.arange(1, length + 1))
 
 
 def _repeat(tree: Any, rows: int) -> Any:
