@@ -189,6 +189,7 @@ def test_the_command_line_ends_its_process_with_every_line_delivered():
 
 
 def test_repetition_guard_flag():
+    from logitloop.cli.common import CLIError
     from logitloop.cli.jobs import row_params
     from logitloop.cli.parser import base_knobs
 
