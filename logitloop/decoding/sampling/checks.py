@@ -20,7 +20,7 @@ MIN_LIST_WIDTH = 4
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**32 - 1
 # The repetition guard's bounds: its periods, and the tokens it looks back over (static, so
-# that a new setting never compiles: `decode_loop.repetition_hits`).
+# that a new setting never compiles: `loop.repetition.repetition_hits`).
 MAX_GUARD_PERIOD = 32
 GUARD_WINDOW = 512
 _MAX_INT32 = 2**31 - 1

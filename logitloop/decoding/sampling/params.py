@@ -102,7 +102,7 @@ class StopRules:
     stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
     # The repetition guard (`repetition_guard=(max_period, min_repeats)`): the row ends with
     # finish reason "repetition" once its last generated tokens repeat a period of at most
-    # `guard_period` tokens `guard_repeats` times (`decode_loop.repetition_hits`).
+    # `guard_period` tokens `guard_repeats` times (`loop.repetition.repetition_hits`).
     guard_period: jax.Array  # [B] i32 in [0, MAX_GUARD_PERIOD], 0 = off
     guard_repeats: jax.Array  # [B] i32 >= 2 (0 when off)
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
