@@ -8,8 +8,8 @@ Python's own help topics, `pydoc_data.topics`), `max_tokens=--max-tokens`:
 
 - `generate` of the whole batch, and `generate_many` with `--slots` slots (where a row that
   ends early frees its slot for the next request), each without the guard, with
-  `repetition_guard=--guard`, and with a guard that never fires (`(1, 512)`: the cost of
-  the check itself);
+  `repetition_guard=--guard`, and with a guard that never fires (`(1, 65536)`: the cost
+  of the check itself);
 - the tokens generated (one decode step of one row each) and the median wall time of
   `--repeats` runs after a warm-up, the variants in turns (timed runs checked to compile
   nothing);
@@ -30,7 +30,7 @@ import time
 import logitloop as ll
 from logitloop.decoding.runtime.compiles import CompileWatch
 
-NEVER = (1, 512)  # a guard whose check runs at every step and never fires here
+NEVER = (1, 65536)  # a guard whose check runs at every step and never fires here
 
 
 def prompts(count: int) -> list[str]:

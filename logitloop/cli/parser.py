@@ -430,7 +430,7 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
         type=_parse_guard,
         metavar="P,R",
         help="end a row whose last tokens repeat a period of at most P tokens (1-32) R times "
-        '(R >= 2, P * R <= 512) with finish reason "repetition" (default: off)',
+        '(R >= 2) with finish reason "repetition" (default: off)',
     )
     if generation:
         s.add_argument(

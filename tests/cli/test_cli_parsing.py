@@ -101,8 +101,8 @@ MESSAGES = [
     (["--repetition-guard", "40,3"], {},
      "repetition_guard max_period = 40 is outside the allowed range [1, 32]"),
     (["--input", "{tmp}/g.jsonl"], {"g.jsonl": '{"prompt": "a", "repetition_guard": [4, 1]}\n'},
-     "{tmp}/g.jsonl line 1: repetition_guard min_repeats (max_period * min_repeats <= 512) "
-     "= 1 is outside the allowed range [2, 128]"),
+     "{tmp}/g.jsonl line 1: repetition_guard min_repeats = 1 is outside the allowed range "
+     "[2, 65536]"),
     (["--input", "{tmp}/b.jsonl"],
      {"b.jsonl": '{"prompt": "a"}\n{"prompt": "b", "logit_bias": {"7": 500}}\n'},
      "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "

@@ -40,8 +40,8 @@ import numpy as np
 
 from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, prompt_batch
 from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.loop import repetition
 from logitloop.decoding.loop.decode_loop import forward_prompt
-from logitloop.decoding.loop.repetition import repetition_hits
 from logitloop.decoding.loop.runner import ModelRunner
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling import transforms
@@ -339,27 +339,19 @@ def explain_next_token(
 
 def repetition_cut(tokens: Sequence[int], params: SamplingParams) -> tuple[int, int] | None:
     """Where row 0's `repetition_guard` would have cut a row that generated `tokens`: (n, p),
-    after its n-th token on a period of p tokens (the loop's own check,
-    `repetition.repetition_hits`, after each token), or None (no cut, or no guard)."""
+    after its n-th token on a period of p tokens (the loop's own check after each token,
+    `repetition.periods_after_each`), or None (no cut, or no guard)."""
     period, repeats = (int(np.asarray(x)[0]) for x in (params.guard_period, params.guard_repeats))
     if period == 0 or not tokens:
         return None
-    hits = np.asarray(_hits_after_each(jnp.asarray([list(tokens)], jnp.int32), period, repeats))
+    one = np.ones((1,), np.int32)
+    hits = np.asarray(
+        repetition.periods_after_each(
+            jnp.asarray([list(tokens)], jnp.int32), period * one, repeats * one
+        )
+    )[:, 0]
     first = np.flatnonzero(hits)
     return None if not first.size else (int(first[0]) + 1, int(hits[first[0]]))
-
-
-@jax.jit
-def _hits_after_each(tokens: jax.Array, period: int, repeats: int) -> jax.Array:
-    """[T] the guard's period after each of the T tokens of row [1, T] (0: no cut)."""
-    length = tokens.shape[1]
-
-    def after(n):
-        seen = jnp.where(jnp.arange(length)[None, :] < n, tokens, -1)
-        one = jnp.ones((1,), jnp.int32)
-        return repetition_hits(seen, n[None], period * one, repeats * one)[0]
-
-    return jax.vmap(after)(jnp.arange(1, length + 1))
 
 
 def _repeat(tree: Any, rows: int) -> Any:

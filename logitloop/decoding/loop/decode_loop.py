@@ -30,9 +30,8 @@ import numpy as np
 from flax import struct
 
 from logitloop.decoding.loop import pool as paged
-from logitloop.decoding.loop import stop_strings
+from logitloop.decoding.loop import repetition, stop_strings
 from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
-from logitloop.decoding.loop.repetition import guarded_hits
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import constraints
@@ -130,6 +129,9 @@ class DecodeState:
     history: History  # prompt + generated tokens, for the penalties
     window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
     text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
+    # [B, P] i32, per period p = 1..P the trailing tokens equal to the one p back (the
+    # repetition guard, `repetition`); P = MAX_GUARD_PERIOD
+    repeat_runs: jax.Array
     processor_states: tuple = ()  # one state per `params.processors`, every leaf [B, ...]
     fsm: jax.Array | None = None  # [B] i32, each row's automaton state (-1 = unconstrained)
     # Speculative decoding's own per-row state (`speculative.SpecState`), None without it.
@@ -172,6 +174,7 @@ class DecodeState:
             history=history,
             window=jnp.full((batch, window), -1, jnp.int32),
             text_window=jnp.full((batch, text), stop_strings.SENTINEL, jnp.int32),
+            repeat_runs=repetition.empty_runs(batch),
             processor_states=tuple(processor_states),
             fsm=jnp.full((batch,), -1, jnp.int32) if fsm is None else jnp.asarray(fsm, jnp.int32),
         )
@@ -319,7 +322,9 @@ def record(
     hit_seq = jnp.any(seq_hit, axis=1)
     hit_len = num_tokens >= params.max_tokens
     tokens = put(state.tokens, tok)
-    period = guarded_hits(tokens, num_tokens, params.guard_period, params.guard_repeats)
+    runs, period = repetition.guard(
+        state.repeat_runs, tokens, num_tokens, write, params.guard_period, params.guard_repeats
+    )
     hit_rep = (period > 0) & (num_tokens >= params.min_tokens)
     text_window = state.text_window
     if stops is None:
@@ -394,6 +399,7 @@ def record(
         history=state.history.append(tok, where=write),
         window=window,
         text_window=text_window,
+        repeat_runs=runs,
         fsm=fsm,
         # Without `where`, rows that wrote no token are done from here on: their states are
         # never read again.

@@ -3,13 +3,19 @@
 A row with `repetition_guard=(max_period, min_repeats)` (`SamplingParams.create`; stored as
 `guard_period`, `guard_repeats`) ends once its last `p * min_repeats` generated tokens
 repeat one period of `p <= max_period` tokens, i.e. once token i equals token i - p at each
-of its last `p * (min_repeats - 1)` positions. The loop checks it after every token
-(`decode_loop.record`) over the last `GUARD_WINDOW` generated tokens, a static window, so a
-new setting never compiles; a batch without a guarded row skips the check (`lax.cond`).
+of its last `p * (min_repeats - 1)` positions.
 
-Worked example, `max_period = 2, min_repeats = 3`, generated `7 1 2 1 2 1 2`: after the 7th
-token the last 6 are `(1 2)(1 2)(1 2)`, token i equals token i - 2 at the last 4 positions,
-so the row ends there (finish reason "repetition"), its 7 tokens kept.
+The loop keeps, per row and per period p = 1..MAX_GUARD_PERIOD, the run of trailing
+positions whose token equals the one p back (`DecodeState.repeat_runs`, [B, P]); each new
+token extends or resets each run (`advance`, reading P tokens back), and the row loops once
+some run reaches its need (`looping_period`). A step costs O(P) per row whatever the
+settings, a new setting never compiles, and a batch without a guarded row skips it all
+(`guard`, a `lax.cond`).
+
+Worked example, `max_period = 2, min_repeats = 3`, generated `7 1 2 1 2 1 2`: the run of
+period 2 is 0 0 0 1 2 3 4 after each token; it reaches 2 * (3 - 1) = 4 at the 7th token,
+whose last 6 are `(1 2)(1 2)(1 2)`, so the row ends there (finish reason "repetition"), its
+7 tokens kept.
 """
 
 from __future__ import annotations
@@ -17,43 +23,74 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from logitloop.decoding.sampling.checks import GUARD_WINDOW, MAX_GUARD_PERIOD
+from logitloop.decoding.sampling.checks import MAX_GUARD_PERIOD
+
+PERIODS = jnp.arange(1, MAX_GUARD_PERIOD + 1)  # [P] the periods each row's runs follow
 
 
-def repetition_hits(
-    tokens: jax.Array,  # [B, N] i32, generated tokens, -1 past num_tokens
-    num_tokens: jax.Array,  # [B] i32, tokens generated, the newest included
-    max_period: jax.Array,  # [B] i32, 0 = the row has no guard
+def empty_runs(batch: int) -> jax.Array:
+    """[B, P] i32: rows with nothing generated."""
+    return jnp.zeros((batch, MAX_GUARD_PERIOD), jnp.int32)
+
+
+def advance(
+    runs: jax.Array,  # [B, P] i32
+    tokens: jax.Array,  # [B, N] i32, generated tokens, the new one included
+    num_tokens: jax.Array,  # [B] i32, tokens generated, the new one included
+    write: jax.Array,  # [B] bool, the rows that took a new token
+) -> jax.Array:
+    """[B, P] the runs after each writing row's new token (column `num_tokens - 1`)."""
+    new_col = num_tokens - 1  # [B]
+    back = new_col[:, None] - PERIODS[None, :]  # [B, P] the column p back
+    earlier = jnp.take_along_axis(tokens, jnp.clip(back, 0, tokens.shape[1] - 1), axis=1)
+    token = jnp.take_along_axis(tokens, jnp.maximum(new_col, 0)[:, None], axis=1)  # [B, 1]
+    same = (earlier == token) & (back >= 0)
+    return jnp.where(write[:, None], jnp.where(same, runs + 1, 0), runs)
+
+
+def looping_period(
+    runs: jax.Array,  # [B, P] i32
+    max_period: jax.Array,  # [B] i32, 0 = no guard
     min_repeats: jax.Array,  # [B] i32
 ) -> jax.Array:
-    """[B] i32: the shortest period p <= max_period that the row's last p * min_repeats
-    tokens repeat, or 0 where none does (or the row has no guard)."""
-    batch, buf = tokens.shape
-    width = min(GUARD_WINDOW, buf)  # the last `width` tokens, newest at the right
-    periods = jnp.arange(1, min(MAX_GUARD_PERIOD, max(width - 1, 1)) + 1)  # [P]
-    at = num_tokens[:, None] - width + jnp.arange(width)[None, :]  # [B, W] buffer columns
-    recent = jnp.take_along_axis(tokens, jnp.clip(at, 0, buf - 1), axis=1)  # [B, W]
-    back = jnp.arange(width)[None, :] - periods[:, None]  # [P, W] the column p back
-    earlier = recent[:, jnp.clip(back, 0, width - 1)]  # [B, P, W]
-    # Token i equals token i - p, both generated (columns before the first are not).
-    same = (recent[:, None, :] == earlier) & (at[:, None, :] - periods[None, :, None] >= 0)
-    last_miss = jnp.max(jnp.where(same, -1, jnp.arange(width)), axis=2)  # [B, P]
-    run = width - 1 - last_miss  # [B, P] trailing positions equal to the one p back
-    need = periods[None, :] * (min_repeats[:, None] - 1)  # [B, P]
-    hit = (periods[None, :] <= max_period[:, None]) & (run >= need) & (need > 0)
+    """[B] i32: the shortest period p <= max_period whose run reaches p * (min_repeats - 1),
+    or 0 (no loop, or no guard)."""
+    need = PERIODS[None, :] * (min_repeats[:, None] - 1)  # [B, P]
+    hit = (PERIODS[None, :] <= max_period[:, None]) & (runs >= need) & (need > 0)
     return jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, 0).astype(jnp.int32)
 
 
-def guarded_hits(
-    tokens: jax.Array, num_tokens: jax.Array, max_period: jax.Array, min_repeats: jax.Array
-) -> jax.Array:
-    """`repetition_hits`, computed only when some row has a guard (zeros otherwise)."""
-    return jax.lax.cond(
-        jnp.any(max_period > 0),
-        repetition_hits,
-        lambda *_: jnp.zeros(num_tokens.shape, jnp.int32),
-        tokens,
-        num_tokens,
-        max_period,
-        min_repeats,
-    )
+def guard(
+    runs: jax.Array,
+    tokens: jax.Array,
+    num_tokens: jax.Array,
+    write: jax.Array,
+    max_period: jax.Array,
+    min_repeats: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """`advance` and `looping_period` ((runs [B, P], period [B])), run only when some row
+    has a guard (else the runs as they are and no period)."""
+
+    def check(runs, tokens, num_tokens, write, max_period, min_repeats):
+        runs = advance(runs, tokens, num_tokens, write)
+        return runs, looping_period(runs, max_period, min_repeats)
+
+    def skip(runs, *_):
+        return runs, jnp.zeros(runs.shape[:1], jnp.int32)
+
+    operands = (runs, tokens, num_tokens, write, max_period, min_repeats)
+    return jax.lax.cond(jnp.any(max_period > 0), check, skip, *operands)
+
+
+@jax.jit
+def periods_after_each(tokens: jax.Array, max_period: jax.Array, min_repeats: jax.Array):
+    """[T, B] the looping period (or 0) after each of the T tokens of rows [B, T], as the
+    loop sees them one token at a time (`explain`, the tests)."""
+    batch, length = tokens.shape
+    write = jnp.ones((batch,), bool)
+
+    def step(runs, n):
+        runs = advance(runs, tokens, jnp.full((batch,), n), write)
+        return runs, looping_period(runs, max_period, min_repeats)
+
+    return jax.lax.scan(step, empty_runs(batch), jnp.arange(1, length + 1))[1]

@@ -19,10 +19,10 @@ import numpy as np
 MIN_LIST_WIDTH = 4
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**32 - 1
-# The repetition guard's bounds: its periods, and the tokens it looks back over (static, so
-# that a new setting never compiles: `loop.repetition.repetition_hits`).
+# The repetition guard's bounds: the periods the loop follows (static: the width of its
+# per-row runs, `loop.repetition`), and the repeats (so that every need fits an int32).
 MAX_GUARD_PERIOD = 32
-GUARD_WINDOW = 512
+MAX_GUARD_REPEATS = 65536
 _MAX_INT32 = 2**31 - 1
 
 
@@ -359,10 +359,8 @@ def _repetition_guard(value: Any, batch_size: int) -> tuple[list[int], list[int]
         at = row_name(name, row, batch_size)
         where = f"{at} max_period"
         period = _check_range(name, [pair[0]], 1, MAX_GUARD_PERIOD, integer=True, where=where)
-        # The guard looks back GUARD_WINDOW tokens: the longest repetition it can see.
-        where = f"{at} min_repeats (max_period * min_repeats <= {GUARD_WINDOW})"
-        times = _check_range(name, [pair[1]], 2, GUARD_WINDOW // int(period[0]), integer=True,
-                             where=where)  # fmt: skip
+        where = f"{at} min_repeats"
+        times = _check_range(name, [pair[1]], 2, MAX_GUARD_REPEATS, integer=True, where=where)
         period, times = int(period[0]), int(times[0])
         periods.append(period)
         repeats.append(times)

@@ -102,7 +102,7 @@ class StopRules:
     stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
     # The repetition guard (`repetition_guard=(max_period, min_repeats)`): the row ends with
     # finish reason "repetition" once its last generated tokens repeat a period of at most
-    # `guard_period` tokens `guard_repeats` times (`loop.repetition.repetition_hits`).
+    # `guard_period` tokens `guard_repeats` times (`loop.repetition`).
     guard_period: jax.Array  # [B] i32 in [0, MAX_GUARD_PERIOD], 0 = off
     guard_repeats: jax.Array  # [B] i32 >= 2 (0 when off)
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
@@ -244,9 +244,9 @@ class SamplingParams:
 
         `repetition_guard` (default None: off): `(max_period, min_repeats)` for every row, or
         one such pair (or None) per row. A row whose last generated tokens repeat a period of
-        at most `max_period` tokens (1 to 32) at least `min_repeats` times (at least 2;
-        `max_period * min_repeats` at most 512 tokens) ends there, on device, with
-        finish reason "repetition"; its tokens and text keep everything generated.
+        at most `max_period` tokens (1 to 32) at least `min_repeats` times (2 to 65536) ends
+        there, on device, with finish reason "repetition"; its tokens and text keep
+        everything generated.
 
         `vocab_size`, when given, bounds every token id, and `sample` checks it against the
         logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);
