@@ -118,9 +118,10 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-@functools.lru_cache(maxsize=1)
-def _environment() -> BoundedSandbox:
+@functools.lru_cache(maxsize=4)
+def _environment(limits: RenderLimits) -> BoundedSandbox:
     env = BoundedSandbox(
+        limits,
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -133,9 +134,10 @@ def _environment() -> BoundedSandbox:
 
 
 @functools.lru_cache(maxsize=32)
-def _compile(source: str, where: str) -> jinja2.Template:
+def _compile(source: str, where: str, limits: RenderLimits) -> jinja2.Template:
+    """The template compiled in the environment of `limits` (its `*`, `**`, `+` bounds)."""
     try:
-        return _environment().from_string(source)
+        return _environment(limits).from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"{where}: the chat template does not parse: line {e.lineno}: {e}") from e
 
@@ -255,7 +257,7 @@ class ChatTemplate:
         one it refused in templates that check messages in order, and its reason).
         """
         messages = _plain_messages(messages, where)
-        template = _compile(self.source, self.where)
+        template = _compile(self.source, self.where, self.limits)
         context = {
             "tools": None,
             "documents": None,

@@ -16,11 +16,12 @@ A template that raises is not rendered again to find the message it refused: the
 it read are recorded as it reads them, and the last one is named.
 
 `RenderLimits` holds the limits (`ChatTemplate(..., limits=RenderLimits(time_s=10))`).
+They are passed, never looked up: a `BoundedSandbox` environment holds the limits its
+templates' `*`, `**` and `+` check, and `render` takes them too (the same ones).
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 import sys
@@ -58,19 +59,19 @@ class LimitExceeded(Exception):
     """The template went past one of its limits (`render` turns it into a ValueError)."""
 
 
-_limits: contextvars.ContextVar[RenderLimits] = contextvars.ContextVar(
-    "template_limits", default=RenderLimits()  # noqa: B039 -- frozen, so never mutated
-)
-
-
 class BoundedSandbox(ImmutableSandboxedEnvironment):
-    """jinja2's immutable sandbox whose `*`, `**` and `+` refuse results past `max_chars`
-    before building them."""
+    """jinja2's immutable sandbox whose `*`, `**` and `+` refuse results past
+    `limits.max_chars` before building them. The limits are the environment's own (a
+    template compiled in it renders under them): passed in, not looked up."""
 
     intercepted_binops = frozenset({"*", "**", "+"})
 
+    def __init__(self, limits: RenderLimits, **options: Any):
+        super().__init__(**options)
+        self.limits = limits
+
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-        limit = _limits.get().max_chars
+        limit = self.limits.max_chars
         if operator == "*":
             for seq, times in ((left, right), (right, left)):
                 if _sized(seq) and isinstance(times, int) and len(seq) * times > limit:
@@ -113,6 +114,9 @@ def render(
     Raises `LimitExceeded` past a limit; any other error is the template's own, with
     `.message_index` set to the index of the last message it read (None if none).
     """
+    bound = getattr(template.environment, "limits", limits)
+    if bound != limits:
+        raise ValueError(f"the template was compiled under {bound}, not {limits}")
     reads: list[int] = []
     wrapped = []
     for index, message in enumerate(messages):
@@ -132,7 +136,6 @@ def render(
     def call_tracer(frame, event, arg):
         return line_tracer if frame.f_code.co_filename == _TEMPLATE_FILE else None
 
-    token = _limits.set(limits)
     previous = sys.gettrace()
     sys.settrace(call_tracer)
     try:
@@ -150,4 +153,3 @@ def render(
         raise
     finally:
         sys.settrace(previous)
-        _limits.reset(token)

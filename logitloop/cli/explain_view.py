@@ -119,6 +119,13 @@ def format_table(expl: Explanation, top: int = 10) -> str:
         lines.append(f"{'':>3}  {'':>6}  {label:<{width}}  {probs}  {kept_rest} kept")
     n_kept = int(np.sum(expl.cut == KEPT))
     lines.append("")
+    if expl.repetition_cut is not None:
+        n, p = expl.repetition_cut
+        lines.append(
+            f"repetition guard: a row that generated the prompt and the sampled token would "
+            f"have been cut after token {n} of {len(expl.prompt_token_ids) + 1} (a period of "
+            f"{p} token{'s' if p > 1 else ''}, finish_reason 'repetition')"
+        )
     if expl.status != STATUS_OK:
         lines.append(
             f"status: {STATUS_NAMES.get(expl.status, expl.status)}: ll.sample returns token 0 "

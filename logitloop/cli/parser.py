@@ -79,6 +79,17 @@ def _parse_id_sequence(text: str) -> list[int]:
     return ids
 
 
+def _parse_guard(text: str) -> tuple[int, int]:
+    """`--repetition-guard 8,3` -> (8, 3): max period, min repeats."""
+    try:
+        period, repeats = (int(t) for t in text.replace(" ", "").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected MAX_PERIOD,MIN_REPEATS such as 8,3, got {text!r}"
+        ) from None
+    return period, repeats
+
+
 def base_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling settings given as flags (the others keep SamplingParams' defaults).
 
@@ -98,6 +109,7 @@ def base_knobs(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens",
         "min_tokens",
         "logprobs",
+        "repetition_guard",
     ):
         value = flag(name)
         if value is not None:
@@ -413,6 +425,13 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
             "--max-tokens", "--max-new-tokens", type=int, metavar="N", help="(default: 16)"
         )
     s.add_argument("--min-tokens", type=int, metavar="N", help="(default: 0)")
+    s.add_argument(
+        "--repetition-guard",
+        type=_parse_guard,
+        metavar="P,R",
+        help="end a row whose last tokens repeat a period of at most P tokens (1-32) R times "
+        '(R >= 2) with finish reason "repetition" (default: off)',
+    )
     if generation:
         s.add_argument(
             "--stop",

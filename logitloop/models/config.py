@@ -19,9 +19,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from logitloop.models import registry
+from logitloop.models.checkpoint import (  # noqa: F401 - re-exported: config's names
+    SUPPORTED_ACTIVATIONS,
+    HFConfig,
+    _check_activation,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -234,44 +238,6 @@ def _dataclass_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
         elif typing.get_origin(hint) is tuple:
             kwargs[field.name] = tuple(kwargs[field.name])
     return cls(**kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class HFConfig:
-    """A parsed `config.json`, as each family's `parse_config` receives it.
-
-    Attributes:
-      fields: the parsed JSON object.
-      source: the file name used in error messages.
-      eos_token_id: every end-of-sequence id (`generation_config.json` first); possibly empty.
-      bos_token_id: the beginning-of-sequence id, or None.
-    """
-
-    fields: Mapping[str, Any]
-    source: str = "config.json"
-    eos_token_id: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-
-    @property
-    def model_type(self) -> str:
-        return self.fields["model_type"]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
-
-    def need(self, key: str) -> Any:
-        """The field `key`; a ValueError naming the file and the field when it is absent."""
-        if key not in self.fields or self.fields[key] is None:
-            raise ValueError(
-                f"{self.source}: model_type {self.model_type!r} requires field {key!r}"
-            )
-        return self.fields[key]
-
-    def activation(self, key: str, default: str) -> str:
-        """The activation named by field `key`, checked against `SUPPORTED_ACTIVATIONS`."""
-        act = self.fields.get(key, default)
-        _check_activation(act, self.source)
-        return act
 
 
 def config_from_hf(
@@ -606,14 +572,6 @@ def _check_hf_fields(
                     f"{where}: {key} = {value!r} holds {tok}, outside the vocabulary range "
                     f"[0{top or ', ...)'}"
                 )
-
-
-def _check_activation(act: str, source: str) -> None:
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(
-            f"{source}: unsupported activation {act!r}; "
-            f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
-        )
 
 
 def _rope_from_hf(hf: Mapping[str, Any], source: str) -> RopeConfig:

@@ -51,7 +51,6 @@ writes row 0 slots 0-1 and row 1 slots 0-3; the next step passes positions [[2],
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -61,6 +60,7 @@ import numpy as np
 from flax import nnx
 
 from logitloop.models import fixed_order
+from logitloop.models.checkpoint import CheckpointTensor  # noqa: F401 - re-exported
 from logitloop.models.config import RopeConfig
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.partitioning import DATA_AXIS, MODEL_AXIS
@@ -626,32 +626,3 @@ def by_page_shard(fn: Callable, mesh, rows: tuple, pools: tuple, tables: jax.Arr
         axis_names=names,
         check_vma=False,
     )(rows, pools, tables)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointTensor:
-    """Where one tensor of a Hugging Face checkpoint goes in a model.
-
-    Attributes:
-      target: attribute/index path of the `nnx.Param` it fills, e.g. ("layers", 0, "wq").
-      shape: the tensor's shape in the checkpoint, checked before it is read.
-      transform: maps the checkpoint layout onto the parameter layout (transposes and
-        reshapes); identity when they agree.
-      more_targets: for a tensor that fills several parameters, the ones after `target`.
-      stack_index: for one of several tensors stacked into one parameter (the experts of
-        a mixture, stored one tensor per expert), its index along the parameter's axis 0.
-    """
-
-    target: tuple[str | int, ...]
-    shape: tuple[int, ...]
-    transform: Callable[[jax.Array], jax.Array] = lambda x: x
-    more_targets: tuple[tuple[str | int, ...], ...] = ()
-    stack_index: int | None = None
-
-    def placements(self, value) -> list[tuple[tuple[str | int, ...], jax.Array]]:
-        """(target, array) pairs for the transformed `value`. A fused tensor (Phi-3's qkv)
-        names its further parameters in `more_targets`; its `transform` then returns one
-        array per target, `target` first."""
-        if not self.more_targets:
-            return [(self.target, value)]
-        return list(zip((self.target, *self.more_targets), value, strict=True))

@@ -25,6 +25,7 @@ from flax import nnx
 
 from logitloop.models.config import ModelConfig, config_from_dict, config_to_dict
 from logitloop.models.loading import Model, abstract_model
+from logitloop.models.partitioning import param_shardings
 from logitloop.models.tokenizer import Tokenizer
 
 _META_FILE = "logitloop_model.json"
@@ -155,3 +156,12 @@ def _with_shardings(target: dict, sharding: Any) -> dict:
             f"sharding must be one jax.sharding.Sharding or a pytree matching the model's "
             f"parameter state: {e}"
         ) from e
+
+
+def restore_sharded(directory: str | os.PathLike, mesh: jax.sharding.Mesh) -> Model:
+    """Restore a converted model (`save_converted`) with every parameter read straight
+    into its shards on `mesh` (by the partition rules, `partitioning.param_shardings`); no
+    device ever holds a full copy of a sharded weight."""
+    _, config, dtype = read_metadata(directory)
+    shardings = param_shardings(abstract_model(config, dtype), mesh)
+    return restore_converted(directory, sharding=shardings)

@@ -1,4 +1,5 @@
-"""Model weights over a device mesh: the partition rules and the sharded Orbax restore.
+"""Model weights over a device mesh: the partition rules (the sharded Orbax restore that
+reads by them is `orbax_io.restore_sharded`).
 
 Weights go over the mesh's "model" axis by their logical axis names (`nnx.get_partition_spec`
 reads them from the parameters' metadata, set by `layers.param`): "experts", "heads",
@@ -13,7 +14,6 @@ layout of rows and caches lives with the loop (`logitloop.decoding.loop.sharding
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -112,16 +112,3 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     state = nnx.state(model)
     nnx.update(model, place_weights(state, mesh))
     return model
-
-
-def restore_sharded(directory: str | os.PathLike, mesh: Mesh):
-    """Restore a converted model (`save_converted`) with every parameter read straight
-    into its shards on `mesh`; no device ever holds a full copy of a sharded weight."""
-    from logitloop.models import orbax_io
-    from logitloop.models.loading import abstract_model
-
-    _, config, dtype = orbax_io.read_metadata(directory)
-    shardings = param_shardings(abstract_model(config, dtype), mesh)
-    return orbax_io.restore_converted(directory, sharding=shardings)
-
-

@@ -14,18 +14,17 @@ one module that calls `register` (imported from `logitloop/models/__init__.py`):
         checkpoint_tensors=checkpoint_tensors,
     ))
 
-This module imports nothing from the families, so any of them may import it.
+This module imports nothing from the families (only `checkpoint`, what a checkpoint is
+made of), so any of them may import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from logitloop.models.config import HFConfig
-    from logitloop.models.layers import CheckpointTensor
+from logitloop.models.checkpoint import CheckpointTensor, HFConfig
 
 
 def _same_name(name: str) -> str:

@@ -30,7 +30,9 @@ def model(table):
 
 
 def alone(model, prompt, knobs, n=1):
-    return ll.generate(model, [prompt], ll.SamplingParams.create(1, **knobs), n=n)
+    if not isinstance(knobs, ll.SamplingParams):
+        knobs = ll.SamplingParams.create(1, **knobs)
+    return ll.generate(model, [prompt], knobs, n=n)
 
 
 def assert_same(got, want, exact=True):
@@ -59,9 +61,9 @@ def assert_same(got, want, exact=True):
 BOUNDS = dict(slots=4, chunk_steps=4, prefill_batch=2, max_prompt_len=15, max_tokens_bound=32)
 
 # A mix of settings, cycled over the requests: greedy and seeded sampling, truncation,
-# penalties, masks, min_tokens, several stop ids. Every request also has one two-token stop
-# sequence (taken from its greedy path, so it often occurs) and max_tokens <= 16: the
-# reference runs then all have one shape, and so compile once.
+# penalties, masks, min_tokens, several stop ids, a repetition guard. Every request also
+# has one two-token stop sequence (taken from its greedy path, so it often occurs) and
+# max_tokens <= 16: the reference runs then all have one shape, and so compile once.
 SETTINGS = [
     dict(temperature=0.0),
     dict(temperature=4.0, seed=11),
@@ -72,6 +74,7 @@ SETTINGS = [
     dict(temperature=4.0, seed=15, allowed_token_ids=[1, 2, 7, 9], min_tokens=3),
     dict(temperature=0.0, stop_token_ids=[5, 9, 11]),
     dict(temperature=4.0, seed=16, banned_token_ids=[1, 2, 3]),
+    dict(temperature=0.0, repetition_guard=(4, 2)),
 ]
 
 
@@ -83,6 +86,8 @@ def _requests(table, count, rng):
         path = expected(table, prompt, 16)[0]
         start = int(rng.integers(0, 8))
         knobs["stop_sequences"] = [path[start : start + 2]]
+        if i % 4 == 3:  # a settings object as vLLM users write one: no batch_size
+            knobs = ll.SamplingParams.create(**knobs)
         reqs.append(Request(prompt, knobs, id=f"r{i}"))
     return reqs
 
@@ -95,7 +100,7 @@ def test_scripted_identity_across_slot_reuse(model, table):
     for req, got in zip(reqs, results, strict=True):
         assert_same(got, alone(model, req.prompt, req.params))
     reasons = {r.finish_reason[0] for r in results}
-    assert reasons == {"stop", "length"}
+    assert {"stop", "length"} <= reasons <= {"stop", "length", "repetition"}
     assert any(isinstance(r.stop_reason[0], list) for r in results)  # a stop sequence hit
     assert len({r.num_tokens[0] for r in results}) > 10
 
@@ -167,6 +172,22 @@ def test_n_samples_and_logprobs_added_mid_job(model):
         want = alone(model, p, dict(k, logprobs=2), n=2)  # same tokens, other shape
         assert got.token_ids == want.token_ids
         assert got.logprobs == want.logprobs
+
+
+@pytest.mark.slow  # about 35 s: programs of three widths
+def test_top_logprobs_widen_mid_job_and_rows_in_flight_keep_theirs(model):
+    """Top logprobs are as wide as the widest request asks: a wider request admitted while
+    a narrower one runs widens the slots' buffers, and the running rows keep theirs."""
+    knobs = dict(temperature=5.0, seed=4, max_tokens=30, logprobs=2)
+    reqs = [
+        ([4], knobs),  # these two fill the 4 slots; [4]'s rows run on
+        ([5], dict(knobs, logprobs=0, max_tokens=3, seed=6)),
+        ([2, 3], dict(knobs, seed=5, logprobs=4, max_tokens=12)),  # admitted while [4] runs
+    ]
+    results = generate_many(model, reqs, **BOUNDS, n=2)
+    for (p, k), got in zip(reqs, results, strict=True):
+        assert_same(got, alone(model, p, k, n=2))
+    assert [len(d) for d in results[2].top_logprobs[0]] == [4] * results[2].num_tokens[0]
 
 
 def test_ignore_eos(model, table):

@@ -44,7 +44,7 @@ def test_reply_ends_at_end_of_turn(scripted_chat):
 
 def test_stream_chat_ends_at_end_of_turn(scripted_chat):
     s = scripted_chat
-    params = ll.SamplingParams.create(1, temperature=0, max_tokens=40)
+    params = ll.SamplingParams.create(temperature=0, max_tokens=40)  # one row for any batch
     events = list(ll.stream_chat(s.model, [CONVERSATION], params, chat_template=s.template))
     assert "".join(e.text for e in events) == _decode(s.tokenizer_json, s.reply_ids)
     assert [t for e in events for t in e.token_ids] == [*s.reply_ids, IM_END]

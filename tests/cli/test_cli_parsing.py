@@ -98,6 +98,11 @@ MESSAGES = [
      "seed = 4294967296 is outside the allowed range [0, 4294967295]"),
     (["--max-tokens", "2147483648"], {},
      "max_tokens = 2147483648 is outside the allowed range [1, 2147483647]"),
+    (["--repetition-guard", "40,3"], {},
+     "repetition_guard max_period = 40 is outside the allowed range [1, 32]"),
+    (["--input", "{tmp}/g.jsonl"], {"g.jsonl": '{"prompt": "a", "repetition_guard": [4, 1]}\n'},
+     "{tmp}/g.jsonl line 1: repetition_guard min_repeats = 1 is outside the allowed range "
+     "[2, 65536]"),
     (["--input", "{tmp}/b.jsonl"],
      {"b.jsonl": '{"prompt": "a"}\n{"prompt": "b", "logit_bias": {"7": 500}}\n'},
      "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "
@@ -181,6 +186,18 @@ def test_the_command_line_ends_its_process_with_every_line_delivered():
     bad = run("generate", "x", "--top-p", "2")
     assert bad.returncode == 2
     assert bad.stderr == "logitloop: error: top_p = 2.0 is outside the allowed range (0, 1]\n"
+
+
+def test_repetition_guard_flag():
+    from logitloop.cli.common import CLIError
+    from logitloop.cli.jobs import row_params
+    from logitloop.cli.parser import base_knobs
+
+    params = row_params(base_knobs(_generate_args("--repetition-guard", "8,3")))
+    assert (int(params.guard_period[0]), int(params.guard_repeats[0])) == (8, 3)
+    assert int(row_params(base_knobs(_generate_args())).guard_period[0]) == 0  # off
+    with pytest.raises(CLIError, match="--repetition-guard: expected MAX_PERIOD,MIN_REPEATS"):
+        _generate_args("--repetition-guard", "8")
 
 
 def test_constraint_flags_and_jsonl_keys(tmp_path):

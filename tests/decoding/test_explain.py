@@ -35,7 +35,7 @@ def model():
 
 
 def _explain(model, **knobs) -> ex.Explanation:
-    return ex.explain_next_token(model, PROMPT, ll.SamplingParams.create(1, **knobs))
+    return ex.explain_next_token(model, PROMPT, ll.SamplingParams.create(**knobs))
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,8 @@ def _random_knobs(rng, batch):
         seed=rng.integers(0, 2**32, batch).tolist(),
         max_tokens=rng.integers(4, 17, batch).tolist(),
         min_tokens=rng.integers(0, 4, batch).tolist(),
-        logprobs=[int(rng.integers(1, 21))] + rng.integers(0, 21, batch - 1).tolist(),
+        # Row 0 fills the width (the top logprobs are as wide as the widest row asks).
+        logprobs=[20] + rng.integers(0, 21, batch - 1).tolist(),
         logit_bias=[{t: float(rng.uniform(-3, 3)) for t in _ids(rng, 0, 4)}
                     for _ in range(batch)],
         banned_token_ids=[_ids(rng, 0, 4) for _ in range(batch)],
@@ -121,10 +122,11 @@ def test_logprobs_and_stop_string_tables_compile_once(compile_counter):
     base = dict(max_tokens=8, stop=[["a"], []])
     assert _compiles(compile_counter, model, **base)  # first call
     assert not _compiles(compile_counter, model, **{**base, "stop": [["b", "cc"], ["d"]]})
-    # logprobs from 0 to > 0: the loop then carries top-logprob buffers (one more program,
-    # kept: logprobs 0 after it compiles nothing).
+    # logprobs from 0 to > 0: the loop then carries top-logprob buffers as wide as the
+    # widest row asks (one more program per width, kept: logprobs 0 after compiles nothing).
     assert _compiles(compile_counter, model, **base, logprobs=[0, 3])
-    assert not _compiles(compile_counter, model, **base, logprobs=[20, 1])
+    assert not _compiles(compile_counter, model, **base, logprobs=[3, 1])
+    assert _compiles(compile_counter, model, **base, logprobs=[20, 1])
     assert not _compiles(compile_counter, model, **base)
     # No stop string in any row: a loop without stop-string tables.
     assert _compiles(compile_counter, model, max_tokens=8)

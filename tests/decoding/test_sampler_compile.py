@@ -24,9 +24,10 @@ def _ids(rng, n):
 def test_new_values_compile_nothing(compile_counter):
     rng = np.random.default_rng(0)
     hist = ll.History.create([[1, 2], [3], [4, 5, 6], [7]], vocab_size=V, capacity=8)
-    # logprobs 0 first: asking for top logprobs later compiles nothing in `sample` (only the
-    # decode loop gains buffers for them, `test_generate_compile.py`).
-    base = dict(logprobs=0, logit_bias={5: 1.0}, banned_token_ids=[9], stop_token_ids=[1])
+    # The top logprobs are as wide as the widest row asks (one program per width): row 0
+    # asks for 20 throughout, the other rows' values change and compile nothing.
+    wide = [20, 0, 0, 0]
+    base = dict(logprobs=wide, logit_bias={5: 1.0}, banned_token_ids=[9], stop_token_ids=[1])
     with compile_counter as c:
         _call(rng, hist, **base)
     assert c.count > 0  # the counter sees this shape's compile
@@ -45,7 +46,7 @@ def test_new_values_compile_nothing(compile_counter):
                 seed=rng.integers(0, 2**32, B).tolist(),
                 min_tokens=rng.integers(0, 5, B).tolist(),
                 max_tokens=10,
-                logprobs=rng.integers(0, 21, B).tolist(),
+                logprobs=[20, *rng.integers(0, 21, B - 1).tolist()],
                 # Lists of 0 to 4 entries: all inside the smallest bucket (MIN_LIST_WIDTH).
                 logit_bias={int(t): float(rng.uniform(-5, 5)) for t in _ids(rng, trial)},
                 banned_token_ids=_ids(rng, 4 - trial),

@@ -163,8 +163,8 @@ def _top_reference(logits: np.ndarray, n: int) -> np.ndarray:
 
 
 def test_sample_top_logprobs_hold_each_rows_n_then_padding():
-    """`ll.sample`'s top logprobs are 20 wide whatever the rows ask (a new `logprobs` value
-    compiles nothing): row r's first n columns are its n best, the rest -1 / -inf."""
+    """`ll.sample`'s top logprobs are exactly as wide as the widest row asks: row r's first
+    n columns are its n best, the rest -1 / -inf."""
     rng = np.random.default_rng()
     logits = rng.normal(size=(3, 50)).astype(np.float32)
     ns = [int(n) for n in rng.integers(1, 21, size=3)]
@@ -172,7 +172,7 @@ def test_sample_top_logprobs_hold_each_rows_n_then_padding():
         jnp.asarray(logits), ll.SamplingParams.create(3, logprobs=ns), jnp.zeros(3, jnp.int32)
     )
     ids, values = np.asarray(out.top_logprobs.ids), np.asarray(out.top_logprobs.values)
-    assert ids.shape == values.shape == (3, 20)
+    assert ids.shape == values.shape == (3, max(ns))
     for r, n in enumerate(ns):
         assert ids[r, :n].tolist() == _top_reference(logits[r], n).tolist()
         assert np.all(ids[r, n:] == -1) and np.all(values[r, n:] == -np.inf)

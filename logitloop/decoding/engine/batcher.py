@@ -401,9 +401,10 @@ class _Batcher:
 
         top_ids, top_values = s.top_ids, s.top_values
         if widths.top_logprobs > old.top_logprobs:
-            shape = (self.slots, self.buffer_len, widths.top_logprobs)
-            top_ids = np.full(shape, -1, np.int32)
-            top_values = np.full(shape, -np.inf, np.float32)
+            # Wider for the new request; the rows in flight keep theirs (padding at the right).
+            more = ((0, 0), (0, 0), (0, widths.top_logprobs - old.top_logprobs))
+            top_ids = np.pad(np.asarray(top_ids), more, constant_values=-1)
+            top_values = np.pad(np.asarray(top_values), more, constant_values=-np.inf)
         # Windows keep their newest entries at the right: older ones only pad the left.
         # (Host arrays: the next call moves them; nothing compiles here.)
         self.state = s.replace(

@@ -524,8 +524,7 @@ def _beam_params(
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
     elif stop is not None or stop_sequences is not None:
         raise ValueError("give stop and stop_sequences in params or as arguments, not both")
-    if params.batch_size != n:
-        raise ValueError(f"params has batch_size {params.batch_size} but there are {n} prompts")
+    params = params.broadcast_to(n)
     params.check_vocab(info.vocab_size)
     host = jax.device_get(params.device_only())
     for name, bad in (

@@ -40,6 +40,7 @@ import numpy as np
 
 from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, prompt_batch
 from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.loop import repetition
 from logitloop.decoding.loop.decode_loop import forward_prompt
 from logitloop.decoding.loop.runner import ModelRunner
 from logitloop.decoding.sampling import processors as procs
@@ -111,6 +112,10 @@ class Explanation:
     params: SamplingParams  # batch of 1, as the sampler saw it (EOS in the stop ids)
     history: History  # batch of 1: the prompt
     tokenizer: Any = None
+    # The row's repetition guard on the prompt and the sampled token read as generated text
+    # (`repetition_cut`): (n, p), cut after its n-th token on a period of p tokens; None
+    # when it would not be cut, or the row has no guard.
+    repetition_cut: tuple[int, int] | None = None
     # After steps 1-3 and the user's processors (None without processors); processors that
     # run after temperature show in `tempered`.
     processed: np.ndarray | None = None
@@ -328,7 +333,25 @@ def explain_next_token(
         history=history,
         tokenizer=info.tokenizer,
         processed=out["processed"][0] if params.processors else None,
+        repetition_cut=repetition_cut([*ids0, int(drawn.tokens[0])], params),
     )
+
+
+def repetition_cut(tokens: Sequence[int], params: SamplingParams) -> tuple[int, int] | None:
+    """Where row 0's `repetition_guard` would have cut a row that generated `tokens`: (n, p),
+    after its n-th token on a period of p tokens (the loop's own check after each token,
+    `repetition.periods_after_each`), or None (no cut, or no guard)."""
+    period, repeats = (int(np.asarray(x)[0]) for x in (params.guard_period, params.guard_repeats))
+    if period == 0 or not tokens:
+        return None
+    one = np.ones((1,), np.int32)
+    hits = np.asarray(
+        repetition.periods_after_each(
+            jnp.asarray([list(tokens)], jnp.int32), period * one, repeats * one
+        )
+    )[:, 0]
+    first = np.flatnonzero(hits)
+    return None if not first.size else (int(first[0]) + 1, int(hits[first[0]]))
 
 
 def _repeat(tree: Any, rows: int) -> Any:

@@ -80,13 +80,14 @@ def generate(
     with one entry per row (`B * n` rows).
 
     A row ends with finish_reason "stop" (a stop token id, stop sequence or stop string
-    matched, `stop_reason` says which; or its constraint's document is complete and can
-    only end, `stop_reason` None), "length" (max_tokens) or "error" (its logits held
+    matched, `stop_reason` says which; or its constraint's document is complete and can only
+    end, `stop_reason` None), "length" (max_tokens), "repetition" (its `repetition_guard`
+    saw its last tokens repeat; every token and the text kept) or "error" (its logits held
     NaN/inf or every token was masked). `token_ids` holds every generated token including a
     matched stop token; `text` (when the model has a tokenizer) is the UTF-8 text of those
-    tokens without a matched stop token id; a row that a stop string ended is cut before
-    the occurrence that ended it (kept with `include_stop_str_in_output`). An occurrence
-    ending within the first `min_tokens - 1` tokens does not count, and is kept.
+    tokens without a matched stop token id; a row that a stop string ended is cut before the
+    occurrence that ended it (kept with `include_stop_str_in_output`). An occurrence ending
+    within the first `min_tokens - 1` tokens does not count, and is kept.
 
     Prefill and decode are two jit-compiled calls; prompt length and buffer length are
     bucketed to powers of two, so a new prompt length or max_tokens rarely compiles.
@@ -182,7 +183,7 @@ def _forked_state(
     shards = plan.layout.row_multiple  # one pool per data shard
     shape = forked.pool_shape(len(ids) // n, n, batch.cache_len, PAGE_SIZE, buffer_len, shards)
     plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
-    num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
+    num_top = params.top_logprobs_width
     state = memory_check.checked_call(
         "prompts", batch.prompt.size, prefill_forked, plan.program, tables, batch, fsm,
         n=n, buffer_len=buffer_len, num_top=num_top,

@@ -33,6 +33,7 @@ from logitloop.decoding.loop.decode_loop import (
     FINISH_CONSTRAINT,
     FINISH_ERROR,
     FINISH_LENGTH,
+    FINISH_REPETITION,
     FINISH_STOP_SEQUENCE,
     FINISH_STOP_STRING,
     FINISH_STOP_TOKEN,
@@ -48,7 +49,6 @@ from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import constraints
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.checks import (
-    MAX_TOP_LOGPROBS,
     Widths,
     bucket_width,
     check_text,
@@ -74,7 +74,8 @@ def bucket(n: int, minimum: int) -> int:
 #              vLLM reports None for EOS, logitloop the id),
 #   str        the stop string (`stop`) it was cut at,
 #   list[int]  the stop sequence (`stop_sequences`) it ended with,
-#   None       every other finish: "length", "error", or a constraint's complete document.
+#   None       every other finish: "length", "error", "repetition", or a constraint's
+#              complete document.
 StopReason = int | str | list[int] | None
 
 
@@ -91,7 +92,7 @@ class GenerationResult:
     """
 
     token_ids: list[list[int]]
-    finish_reason: list[str]  # "stop", "length" or "error"
+    finish_reason: list[str]  # "stop", "length", "repetition" or "error"
     stop_reason: list[StopReason]  # see `StopReason`: an int, str, list of ids or None
     num_tokens: list[int]
     prompt_token_ids: list[list[int]]
@@ -218,10 +219,7 @@ def request_rows(
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
-    if params.batch_size != len(ids):
-        raise ValueError(
-            f"params has batch_size {params.batch_size} but there are {len(ids)} prompts"
-        )
+    params = params.broadcast_to(len(ids))
     check_count("n", n, 1)
     if processors is not None:
         params = params.replace(processors=procs.as_tuple(processors, params.batch_size))
@@ -342,7 +340,7 @@ def initial_state(
     params = tables.params
     ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
-    num_top = MAX_TOP_LOGPROBS if int(np.max(np.asarray(params.logprobs))) > 0 else 0
+    num_top = params.top_logprobs_width
     batch = prompt_batch(ids, buffer_len)
     return memory_check.checked_call(
         "prompts", batch.prompt.size, prefill, program, tables, batch, fsm,
@@ -357,6 +355,9 @@ FINISH_REASON = {
     FINISH_CONSTRAINT: "stop",
     FINISH_LENGTH: "length",
     FINISH_ERROR: "error",
+    # The repetition guard cut the row (`repetition_guard`); its tokens and text keep
+    # everything generated, the repeats included.
+    FINISH_REPETITION: "repetition",
 }
 
 

@@ -134,17 +134,18 @@ def sampling_params(
     fallback: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """The params of a batch of `batch_size` prompts from what a user gave: a
-    `SamplingParams` as it is (then `settings` must be empty), or a dict of `create`
-    arguments and keyword `settings` (these win), over the checkpoint's recommended
-    settings (`generation_config.json`, as `SamplingParams.from_model` reads them), over
-    `fallback` (e.g. chat's 256 tokens). Scalars apply to every prompt."""
+    `SamplingParams` as it is or, made without a batch_size, its row repeated (then
+    `settings` must be empty), or a dict of `create` arguments and keyword `settings`
+    (these win), over the checkpoint's recommended settings (`generation_config.json`,
+    as `SamplingParams.from_model` reads them), over `fallback`
+    (e.g. chat's 256 tokens). Scalars apply to every prompt."""
     if isinstance(params, SamplingParams):
         if settings:
             raise TypeError(
                 f"sampling settings {', '.join(sorted(settings))} given as keywords beside a "
                 "SamplingParams: give them in SamplingParams.create, or pass params as a dict"
             )
-        return params
+        return params.broadcast_to(batch_size)
     if params is not None and not isinstance(params, Mapping):
         raise ValueError(
             "params must be a SamplingParams, a dict of SamplingParams.create arguments or "

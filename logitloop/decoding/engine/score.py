@@ -217,10 +217,7 @@ def score(
     if params is not None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
-        if params.batch_size != total:
-            raise ValueError(
-                f"params has batch_size {params.batch_size} but there are {total} pairs"
-            )
+        params = params.broadcast_to(total, "pairs")
         if processors is not None:
             params = params.replace(processors=procs.as_tuple(processors, total))
         params.check_vocab(info.vocab_size)

@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from logitloop.decoding.loop import pool as paged
-from logitloop.decoding.loop import stop_strings
+from logitloop.decoding.loop import repetition, stop_strings
 from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.loop.stop_strings import StopStrings
@@ -49,6 +49,7 @@ FINISH_LENGTH = 3
 FINISH_ERROR = 4
 FINISH_STOP_STRING = 5
 FINISH_CONSTRAINT = 6  # the row's automaton allows nothing but EOS: its document is complete
+FINISH_REPETITION = 7  # the repetition guard: the row's last tokens repeat (`repetition`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,18 +115,23 @@ class DecodeState:
     step: jax.Array  # [] i32, loop iterations run (tokens drawn after the first)
     done: jax.Array  # [B] bool, the row has stopped; it never changes again
     finish: jax.Array  # [B] i32, RUNNING or a FINISH_* code
-    matched: jax.Array  # [B] i32, stop token id or stop-sequence index that matched, else -1
+    # [B] i32, the stop token id, stop-sequence or stop-string index that matched, or the
+    # repeated period (FINISH_REPETITION), else -1
+    matched: jax.Array
     tokens: jax.Array  # [B, N] i32, generated tokens, -1 past num_tokens
     num_tokens: jax.Array  # [B] i32, tokens generated so far
     logprobs: jax.Array  # [B, N] f32, log-prob under the final distribution
     raw_logprobs: jax.Array  # [B, N] f32, log-softmax of the model's logits
-    top_ids: jax.Array  # [B, N, K] i32, K = MAX_TOP_LOGPROBS when asked, else 0
+    top_ids: jax.Array  # [B, N, K] i32, K = the params' top_logprobs_width
     top_values: jax.Array  # [B, N, K] f32
     prompt_len: jax.Array  # [B] i32
     cache: Any  # the model's KV cache, P + N slots per row
     history: History  # prompt + generated tokens, for the penalties
     window: jax.Array  # [B, L] i32, the last L generated tokens (stop sequences), -1 before
     text_window: jax.Array  # [B, W] i32, the last W bytes of generated text (stop strings)
+    # [B, P] i32, per period p = 1..P the trailing tokens equal to the one p back (the
+    # repetition guard, `repetition`); P = MAX_GUARD_PERIOD
+    repeat_runs: jax.Array
     processor_states: tuple = ()  # one state per `params.processors`, every leaf [B, ...]
     fsm: jax.Array | None = None  # [B] i32, each row's automaton state (-1 = unconstrained)
     # Speculative decoding's own per-row state (`speculative.SpecState`), None without it.
@@ -168,6 +174,7 @@ class DecodeState:
             history=history,
             window=jnp.full((batch, window), -1, jnp.int32),
             text_window=jnp.full((batch, text), stop_strings.SENTINEL, jnp.int32),
+            repeat_runs=repetition.empty_runs(batch),
             processor_states=tuple(processor_states),
             fsm=jnp.full((batch,), -1, jnp.int32) if fsm is None else jnp.asarray(fsm, jnp.int32),
         )
@@ -314,6 +321,11 @@ def record(
     seq_hit = sequence_hits(params.stop_sequences, window, num_tokens, params.min_tokens)
     hit_seq = jnp.any(seq_hit, axis=1)
     hit_len = num_tokens >= params.max_tokens
+    tokens = put(state.tokens, tok)
+    runs, period = repetition.guard(
+        state.repeat_runs, tokens, num_tokens, write, params.guard_period, params.guard_repeats
+    )
+    hit_rep = (period > 0) & (num_tokens >= params.min_tokens)
     text_window = state.text_window
     if stops is None:
         hit_str = jnp.zeros_like(hit_seq)
@@ -341,7 +353,11 @@ def record(
                     hit_str,
                     FINISH_STOP_STRING,
                     jnp.where(
-                        hit_end, FINISH_CONSTRAINT, jnp.where(hit_len, FINISH_LENGTH, RUNNING)
+                        hit_end,
+                        FINISH_CONSTRAINT,
+                        jnp.where(
+                            hit_rep, FINISH_REPETITION, jnp.where(hit_len, FINISH_LENGTH, RUNNING)
+                        ),
                     ),
                 ),
             ),
@@ -351,7 +367,11 @@ def record(
     matched = jnp.where(
         hit_token,
         tok,
-        jnp.where(hit_seq, jnp.argmax(seq_hit, axis=1), jnp.where(hit_str, which_str, -1)),
+        jnp.where(
+            hit_seq,
+            jnp.argmax(seq_hit, axis=1),
+            jnp.where(hit_str, which_str, jnp.where(hit_end, -1, jnp.where(hit_rep, period, -1))),
+        ),
     ).astype(jnp.int32)
     matched = jnp.where(active & ok, matched, state.matched)
 
@@ -370,7 +390,7 @@ def record(
         done=state.done | (finish != RUNNING),
         finish=finish.astype(jnp.int32),
         matched=matched,
-        tokens=put(state.tokens, tok),
+        tokens=tokens,
         num_tokens=num_tokens,
         logprobs=put(state.logprobs, out.logprobs),
         raw_logprobs=put(state.raw_logprobs, out.raw_logprobs),
@@ -379,6 +399,7 @@ def record(
         history=state.history.append(tok, where=write),
         window=window,
         text_window=text_window,
+        repeat_runs=runs,
         fsm=fsm,
         # Without `where`, rows that wrote no token are done from here on: their states are
         # never read again.

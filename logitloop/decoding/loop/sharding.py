@@ -51,12 +51,12 @@ from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
 from logitloop.decoding.sampling import sampler
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.models.orbax_io import restore_sharded  # noqa: F401 - re-exported
 from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mesh API in one place
     DATA_AXIS,
     MODEL_AXIS,
     param_shardings,
     place_weights,
-    restore_sharded,
     shard_model,
 )
 from logitloop.ops.sampling.sharded import auto_axes
@@ -267,7 +267,7 @@ def sample_sharded(
         raise ValueError(f"batch {batch} is not a multiple of mesh axis {batch_axis!r}")
     axes = Axes(vocab=axis, rows=() if batch_axis is None else (batch_axis,), in_mesh=True)
     row = P(batch_axis)
-    num_top = sampler.MAX_TOP_LOGPROBS  # as `sample`: a new logprobs value compiles nothing
+    num_top = params.top_logprobs_width  # as `sample`: static, the widest row's logprobs
 
     def step(logits, params, positions, history, states, done, allowed_bits):
         rows = dict(states=states, done=done, allowed_bits=allowed_bits, num_top=num_top)

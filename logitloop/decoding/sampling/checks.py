@@ -19,6 +19,10 @@ import numpy as np
 MIN_LIST_WIDTH = 4
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**32 - 1
+# The repetition guard's bounds: the periods the loop follows (static: the width of its
+# per-row runs, `loop.repetition`), and the repeats (so that every need fits an int32).
+MAX_GUARD_PERIOD = 32
+MAX_GUARD_REPEATS = 65536
 _MAX_INT32 = 2**31 - 1
 
 
@@ -322,6 +326,47 @@ def _stop_sequences(value: Any, batch_size: int, vocab_size: int | None) -> np.n
     return out
 
 
+def _repetition_guard(value: Any, batch_size: int) -> tuple[list[int], list[int]]:
+    """`repetition_guard`: None, one `(max_period, min_repeats)` pair, or one pair (or None)
+    per row -> per-row periods (0 = off) and repeats."""
+    name = "repetition_guard"
+    if value is None:
+        return [0] * batch_size, [0] * batch_size
+
+    def is_pair(x: Any) -> bool:
+        return _is_list(x) and len(x) == 2 and not any(_is_list(v) or v is None for v in x)
+
+    if is_pair(value):
+        rows = [value] * batch_size
+    elif _is_list(value) and all(v is None or is_pair(v) for v in value):
+        rows = list(value)
+        if len(rows) != batch_size:
+            raise ValueError(
+                f"{name} has {len(rows)} per-row pairs but batch_size is {batch_size}: pass "
+                "one (max_period, min_repeats) pair, or one pair (or None) per row"
+            )
+    else:
+        raise ValueError(
+            f"{name} must be a (max_period, min_repeats) pair or one pair (or None) per row, "
+            f"got {value!r}"
+        )
+    periods, repeats = [], []
+    for row, pair in enumerate(rows):
+        if pair is None:
+            periods.append(0)
+            repeats.append(0)
+            continue
+        at = row_name(name, row, batch_size)
+        where = f"{at} max_period"
+        period = _check_range(name, [pair[0]], 1, MAX_GUARD_PERIOD, integer=True, where=where)
+        where = f"{at} min_repeats"
+        times = _check_range(name, [pair[1]], 2, MAX_GUARD_REPEATS, integer=True, where=where)
+        period, times = int(period[0]), int(times[0])
+        periods.append(period)
+        repeats.append(times)
+    return periods, repeats
+
+
 def child_seed(seed: int, child: int) -> int:
     """Seed of sample `child` of a prompt: child 0 keeps the seed, others mix it (splitmix)."""
     if child == 0:
@@ -349,7 +394,7 @@ class Widths:
     sequence_len: int = 1  # longest stop sequence
     stop_strings: int = 0  # stop strings per row; 0 = no stop-string tables at all
     stop_len: int = 16  # longest stop string, in bytes
-    top_logprobs: int = 0  # 0 or MAX_TOP_LOGPROBS
+    top_logprobs: int = 0  # the widest row's logprobs (exact: 0 to MAX_TOP_LOGPROBS)
 
     def union(self, other: Widths) -> Widths:
         return Widths(

@@ -18,8 +18,8 @@ takes the fields by those names too):
   penalties, bias, banned and allowed ids, seed): what the sampler reads;
 - `stops` (`StopRules`): when a row ends (max and min tokens, stop ids, stop sequences,
   stop strings);
-- `output` (`OutputOptions`): what is reported beside the tokens (top logprobs, stop
-  strings in the text);
+- `output` (`OutputOptions`): what is reported beside the tokens (top logprobs and their
+  static width, stop strings in the text);
 - `constraints`: each row's structured-output constraint;
 - `processors`: the user's logits processors.
 
@@ -59,6 +59,7 @@ from logitloop.decoding.sampling.checks import (
     _not_an_id,
     _pad_ids,
     _per_row,
+    _repetition_guard,
     _stop_sequences,
     _stop_strings,
     bucket_width,
@@ -99,6 +100,11 @@ class StopRules:
     min_tokens: jax.Array  # [B] i32 in [0, max_tokens]
     stop_token_ids: jax.Array  # [B, Ns] i32, -1 = unused slot
     stop_sequences: jax.Array  # [B, Q, L] i32, each sequence right-aligned, -1 padded
+    # The repetition guard (`repetition_guard=(max_period, min_repeats)`): the row ends with
+    # finish reason "repetition" once its last generated tokens repeat a period of at most
+    # `guard_period` tokens `guard_repeats` times (`loop.repetition`).
+    guard_period: jax.Array  # [B] i32 in [0, MAX_GUARD_PERIOD], 0 = off
+    guard_repeats: jax.Array  # [B] i32 >= 2 (0 when off)
     stop: tuple[tuple[str, ...], ...] = struct.field(pytree_node=False, default=())
 
 
@@ -107,6 +113,10 @@ class OutputOptions:
     """What each row reports beside its tokens."""
 
     logprobs: jax.Array  # [B] i32 in [0, MAX_TOP_LOGPROBS]: top-n raw alternatives
+    # The width of the top logprobs the sampler returns: the most any row asks for (0: none).
+    # Static (part of the compiled program's shape), known on the host when the params are
+    # made, so arrays are exactly as wide as the widest row asked without a device read.
+    top_logprobs_width: int = struct.field(pytree_node=False, default=0)
     include_stop_str_in_output: tuple[bool, ...] = struct.field(pytree_node=False, default=())
 
 
@@ -121,7 +131,7 @@ PARTS = {
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["knobs", "stops", "output", "processors"],
-    meta_fields=["constraints", "vocab_size"],
+    meta_fields=["constraints", "vocab_size", "broadcasts"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -145,9 +155,18 @@ class SamplingParams:
     # None. Static: `sample` checks it against the logits' V when it traces, without
     # reading an id back from the device.
     vocab_size: int | None = None
+    # True for params made without a batch_size (`create()`): one row that every entry point
+    # repeats to its batch (`broadcast_to`), as vLLM's one SamplingParams serves every prompt.
+    broadcasts: bool = False
 
     def replace(self, **updates: Any) -> SamplingParams:
         """The same params with `updates`, by field name (a part's fields included)."""
+        if "logprobs" in updates and "top_logprobs_width" not in updates:
+            # A new width with new values, when they are on the host or a device (a traced
+            # value keeps the width: rows past it then get that many alternatives).
+            value = updates["logprobs"]
+            if not isinstance(value, jax.core.Tracer):
+                updates = {**updates, "top_logprobs_width": int(np.max(value, initial=0))}
         own = {k: v for k, v in updates.items() if k not in PARTS}
         by_part: dict[str, dict[str, Any]] = {}
         for name, value in updates.items():
@@ -164,7 +183,7 @@ class SamplingParams:
     @classmethod
     def create(
         cls,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
         temperature: Any = 1.0,
         top_k: Any = 0,
@@ -189,8 +208,15 @@ class SamplingParams:
         choice: Any = None,
         vocab_size: int | None = None,
         max_new_tokens: Any = None,
+        repetition_guard: Any = None,
     ) -> SamplingParams:
         """Validate the knobs on the host and build the per-row device pytree.
+
+        Without `batch_size` (`SamplingParams.create(temperature=0.8, top_p=0.95)`) the
+        params hold one row that every entry point (`sample`, `generate`, `stream`,
+        `generate_many` requests, `score`, `beam_search`, `chat`, ...) repeats to its batch
+        (`broadcast_to`); each knob then takes a scalar. With `batch_size`, the params have
+        exactly that many rows and fit only a batch of that size.
 
         `max_tokens` (default `DEFAULT_MAX_TOKENS` = 16) bounds the generated tokens of a
         row; `max_new_tokens` is its alias (transformers' name): give one or the other.
@@ -216,11 +242,20 @@ class SamplingParams:
         schemas outside the subset translated exactly are refused
         (`logitloop.decoding.sampling.schema_subset`).
 
+        `repetition_guard` (default None: off): `(max_period, min_repeats)` for every row, or
+        one such pair (or None) per row. A row whose last generated tokens repeat a period of
+        at most `max_period` tokens (1 to 32) at least `min_repeats` times (2 to 65536) ends
+        there, on device, with finish reason "repetition"; its tokens and text keep
+        everything generated.
+
         `vocab_size`, when given, bounds every token id, and `sample` checks it against the
         logits' V when it traces (ids past the logits' vocabulary are an error, not dropped);
         `generate` checks the ids against the model's vocabulary in any case. Raises
         `ValueError` naming the argument, the row and the allowed range.
         """
+        broadcasts = batch_size is None
+        if broadcasts:
+            batch_size = 1
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if batch_size < 1:
@@ -263,6 +298,7 @@ class SamplingParams:
                     f"range [0, {row_name('max_tokens', row, b)} = {max_t[row]}]"
                 )
         n_logprobs = rows("logprobs", logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
+        guard_period, guard_repeats = _repetition_guard(repetition_guard, b)
 
         bias_rows = _bias_rows(logit_bias, b)
         bias_ids = [[] for _ in range(b)]
@@ -368,10 +404,13 @@ class SamplingParams:
             min_tokens=jnp.asarray(min_t, jnp.int32),
             stop_token_ids=jnp.asarray(_pad_ids(stops)),
             stop_sequences=jnp.asarray(stop_seqs),
+            guard_period=jnp.asarray(guard_period, jnp.int32),
+            guard_repeats=jnp.asarray(guard_repeats, jnp.int32),
             stop=stop_strs,
         )
         output = OutputOptions(
             logprobs=jnp.asarray(n_logprobs, jnp.int32),
+            top_logprobs_width=int(np.max(n_logprobs)),
             include_stop_str_in_output=tuple(bool(x) for x in include),
         )
         return cls(
@@ -380,7 +419,28 @@ class SamplingParams:
             output=output,
             constraints=constrained,
             vocab_size=None if vocab_size is None else int(vocab_size),
+            broadcasts=broadcasts,
         )
+
+    def broadcast_to(self, batch_size: int, what: str = "prompts") -> SamplingParams:
+        """These params for a batch of `batch_size` rows: themselves when they have that
+        many rows; their one row repeated when made without a batch_size (`create()`);
+        otherwise ValueError ("params has batch_size 2 but there are 3 prompts", `what`
+        naming the batch's items). Traceable: under `jit` the rows repeat on device."""
+        if self.batch_size == batch_size:
+            return self
+        if not self.broadcasts:
+            raise ValueError(
+                f"params has batch_size {self.batch_size} but there are {batch_size} {what} "
+                "(SamplingParams.create without batch_size makes one row for any batch)"
+            )
+        rows = [0] * batch_size
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(self)):
+            arrays = jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (batch_size, *x.shape[1:])), self.device_only()
+            )
+            return self._rows_metadata(arrays, rows)
+        return self.take(rows)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Host-side check that every token id in these params lies in [0, vocab_size)."""
@@ -397,7 +457,10 @@ class SamplingParams:
 
     def device_only(self) -> SamplingParams:
         """The same params without host-side metadata, for passing into jit-compiled code."""
-        return self.replace(stop=(), include_stop_str_in_output=(), constraints=(), vocab_size=None)
+        return self.replace(
+            stop=(), include_stop_str_in_output=(), constraints=(), vocab_size=None,
+            broadcasts=False,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ rows and widths
 
@@ -420,15 +483,22 @@ class SamplingParams:
             sequence_len=bucket_width(int(used.sum(axis=2).max(initial=0)), 1),
             stop_strings=(bucket_width(max(len(r) for r in self.stop), 4) if encoded else 0),
             stop_len=bucket_width(max((len(b) for b in encoded), default=1), 16),
-            top_logprobs=MAX_TOP_LOGPROBS if int(np.max(host.logprobs)) > 0 else 0,
+            top_logprobs=self.top_logprobs_width,
         )
 
     def widen(self, widths: Widths) -> SamplingParams:
         """The same rows with every per-row list at `widths` (entries kept, -1 padding added
-        or removed), so that params of different requests stack into one batch."""
+        or removed) and the top logprobs `widths.top_logprobs` wide (at least every row's
+        `logprobs`), so that params of different requests stack into one batch."""
         host = jax.device_get(self.device_only())
         b = self.batch_size
         bias_keep = host.bias_ids >= 0  # ids and values move together
+        asked = np.asarray(host.logprobs)
+        if np.any(asked > widths.top_logprobs):
+            r = int(np.flatnonzero(asked > widths.top_logprobs)[0])
+            raise ValueError(
+                f"row {r} asks for logprobs = {asked[r]}, over width {widths.top_logprobs}"
+            )
 
         def fit(arr: np.ndarray, keep: np.ndarray, width: int, fill: Any) -> np.ndarray:
             out = np.full((b, width), fill, arr.dtype)
@@ -451,6 +521,7 @@ class SamplingParams:
             allowed_ids=fit(host.allowed_ids, host.allowed_ids >= 0, widths.allowed, -1),
             stop_token_ids=fit(host.stop_token_ids, host.stop_token_ids >= 0, widths.stop_ids, -1),
             stop_sequences=seqs,
+            top_logprobs_width=widths.top_logprobs,
         )
         return self._with_arrays(jax.tree.map(jax.device_put, arrays))
 
@@ -506,14 +577,20 @@ class SamplingParams:
             include_stop_str_in_output=self.include_stop_str_in_output,
             constraints=self.constraints,
             vocab_size=self.vocab_size,
+            broadcasts=self.broadcasts,
         )
 
     def take(self, rows: Any) -> SamplingParams:
-        """Select (or repeat) rows: `params.take([0, 0, 1])` (on the host: compiles nothing)."""
+        """Select (or repeat) rows: `params.take([0, 0, 1])` (on the host: compiles nothing).
+        The result has exactly those rows (it does not broadcast)."""
         idx = np.asarray(rows, np.int64)
         host = jax.device_get(self.device_only())
         # device_put, not jnp.asarray: a transfer, where jnp.asarray compiles a copy program
         arrays = jax.tree.map(lambda x: jax.device_put(x[idx]), host)
+        return self._rows_metadata(arrays, idx)
+
+    def _rows_metadata(self, arrays: SamplingParams, idx: Any) -> SamplingParams:
+        """`arrays` (rows `idx` of these params' leaves) with the same rows' host metadata."""
         return arrays.replace(
             stop=tuple(self.stop[i] for i in idx) if self.stop else (),
             include_stop_str_in_output=tuple(self.include_stop_str_in_output[i] for i in idx)
@@ -521,12 +598,16 @@ class SamplingParams:
             else (),
             constraints=tuple(self.constraints[i] for i in idx) if self.constraints else (),
             vocab_size=self.vocab_size,
+            broadcasts=False,
         )
 
     @classmethod
-    def from_model(cls, model: Any, batch_size: int, **overrides: Any) -> SamplingParams:
+    def from_model(
+        cls, model: Any, batch_size: int | None = None, **overrides: Any
+    ) -> SamplingParams:
         """`create` with the checkpoint's recommended settings (`generation_config.json`, see
-        `generation_defaults`) wherever `overrides` set none."""
+        `generation_defaults`) wherever `overrides` set none (without `batch_size`: one row
+        for any batch, as `create`)."""
         return cls.create(batch_size, **{**generation_defaults(model), **overrides})
 
 

@@ -48,7 +48,6 @@ from flax import struct
 
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling import transforms
-from logitloop.decoding.sampling.checks import MAX_TOP_LOGPROBS
 from logitloop.decoding.sampling.history import History, distinct_tokens
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.ops.sampling import Thresholds, filter_and_sample, noise
@@ -74,9 +73,10 @@ NEG_INF = float("-inf")
 class TopLogprobs:
     """The top-n alternatives under the model's own logits (raw log-softmax).
 
-    K is `MAX_TOP_LOGPROBS` (20) whatever the rows ask, so a new `logprobs` value compiles
-    nothing: row r's first `logprobs[r]` columns are its alternatives, and the rest are
-    padded with id -1 and value -inf (`generate`'s results hold each row's n only).
+    K is the params' `top_logprobs_width`, the most any row asks for (static: one compile
+    per width; a new `logprobs` value within it compiles nothing): row r's first
+    `logprobs[r]` columns are its alternatives, and the rest are padded with id -1 and value
+    -inf (`generate`'s results hold each row's n only).
     """
 
     ids: jax.Array  # [B, K] i32, best first; -1 past the row's n
@@ -261,12 +261,14 @@ def sample(
     the states after the drawn tokens. allowed_bits: [B, ceil(V / 32)] u32 allowed-token
     bitmasks (a constraint's, `logitloop.decoding.sampling.constraints.row_bits`), or None.
 
-    The output's `top_logprobs` are `MAX_TOP_LOGPROBS` (20) wide whatever the rows ask, so a
-    new `logprobs` value never compiles: row r's are its first `params.logprobs[r]`
-    columns, -1 / -inf after them (`TopLogprobs`). Randomness comes from each row's explicit
+    The output's `top_logprobs` are exactly as wide as the widest row asked
+    (`params.top_logprobs_width`, static, set by `create`; 0 wide when no row asks): row r's
+    are its first `params.logprobs[r]` columns, -1 / -inf after them (`TopLogprobs`). So
+    each new width compiles once (at most 21 programs), and a new `logprobs` value within
+    it compiles nothing. Randomness comes from each row's explicit
     `seed` and `positions` only (JAX's convention): the same inputs give the same tokens.
     """
-    check_shapes("ll.sample", logits, params, positions, history)
+    params = check_shapes("ll.sample", logits, params, positions, history)
     check_constraint_masks("ll.sample", params, allowed_bits)
     params, states = with_processors("ll.sample", logits, params, processors, states)
     return sample_step(
@@ -277,7 +279,6 @@ def sample(
         states=states,
         allowed_bits=allowed_bits,
         backend=backend,
-        num_top=MAX_TOP_LOGPROBS,
     )
 
 
@@ -298,19 +299,23 @@ def with_processors(
     return params, states
 
 
-def check_shapes(name: str, logits: jax.Array, params: SamplingParams, positions, history) -> None:
+def check_shapes(
+    name: str, logits: jax.Array, params: SamplingParams, positions, history
+) -> SamplingParams:
     """One-line ValueErrors for inputs whose shapes do not fit together, at trace time (the
-    shapes and `params.vocab_size` are static: nothing is read back from the device)."""
+    shapes and `params.vocab_size` are static: nothing is read back from the device).
+    Returns `params` for the logits' rows (a `create()` row repeated: `broadcast_to`)."""
     shape = tuple(jnp.shape(logits))
     if len(shape) != 2:
         raise ValueError(f"{name}: logits must be [B, V] (2-D), got shape {shape}")
     batch, vocab = shape
     if vocab == 0:
         raise ValueError(f"{name}: logits have V = 0 tokens (shape {shape})")
-    if params.batch_size != batch:
+    if params.batch_size != batch and not params.broadcasts:
         raise ValueError(
             f"{name}: params has batch_size {params.batch_size} but logits have {batch} rows"
         )
+    params = params.broadcast_to(batch)
     if params.vocab_size is not None and params.vocab_size > vocab:
         raise ValueError(
             f"{name}: params were checked against vocab_size = {params.vocab_size}, but the "
@@ -328,6 +333,7 @@ def check_shapes(name: str, logits: jax.Array, params: SamplingParams, positions
         )
     for i, p in enumerate(params.processors):
         procs.check_rows(f"{name}: processors[{i}] ({type(p).__name__})", p, batch)
+    return params
 
 
 def check_constraint_masks(name: str, params: SamplingParams, allowed_bits) -> None:
@@ -353,7 +359,7 @@ def sample_step(
     backend: str = "auto",
     axes: Axes = SINGLE,
     choose=None,
-    num_top: int = MAX_TOP_LOGPROBS,
+    num_top: int | None = None,
 ) -> SampleOutput:
     """The sampling step, traceable anywhere: `sample` is this under `jit` on one device;
     inside `shard_map`, `axes` says how the rows and the vocabulary lie on the mesh (the
@@ -364,7 +370,10 @@ def sample_step(
     `choose(probs [B, V], drawn [B] i32, key [B, 2] u32) -> tokens [B]`: picks the token
     instead of the row's draw, from the final distribution (speculative decoding's
     rejection acceptance, `rejection_choice`); logprobs and processor updates follow it.
-    `num_top`: the width of the top logprobs (static; at least every row's `logprobs`)."""
+    `num_top`: the width of the top logprobs (static; at least every row's `logprobs`;
+    default `params.top_logprobs_width`)."""
+    if num_top is None:
+        num_top = params.top_logprobs_width
     params = params.device_only()
     positions = jnp.asarray(positions, jnp.int32)
     proc = adjust_logits(logits, params, positions, history, axes, states, done, allowed_bits)
@@ -496,7 +505,7 @@ def sampling_distribution(
     `processors`, `states`, `allowed_bits`: as in `sample`.
     """
     name = "ll.sampling_distribution"
-    check_shapes(name, logits, params, positions, history)
+    params = check_shapes(name, logits, params, positions, history)
     check_constraint_masks(name, params, allowed_bits)
     params, states = with_processors(name, logits, params, processors, states)
     params = params.device_only()

@@ -5,7 +5,7 @@ TPUs: a static block-sparse mask (causal, or causal with a sliding window), segm
 logit soft-capping, and a backward pass. It runs one row and one key/value head at a time
 (its MQA form: the G query heads of a group against one key head), so the call is mapped
 over rows and key/value heads. Which calls it fits, and the rolling of left padding, are
-`api.whole_prompt`'s: the first `lengths[b]` columns of row b are real and get segment 1,
+`fused.whole_prompt`'s: the first `lengths[b]` columns of row b are real and get segment 1,
 the rest (rolled padding, and the columns added to reach a multiple of 128) segment 0,
 so no real query sees them and every padded query sees at least itself.
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from logitloop.ops.attention.api import whole_prompt
+from logitloop.ops.attention.fused import whole_prompt
 from logitloop.ops.attention.reference import Mask
 
 # The kernel's query and key blocks are multiples of the TPU's 128 lanes; the call's
