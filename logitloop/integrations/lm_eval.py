@@ -144,7 +144,9 @@ class LogitloopLM(TemplateLM):
                 raise ValueError(f"model_args pretrained={pretrained!r} does not load: {e}") from e
         else:
             if dtype is not None:
-                raise ValueError("model_args dtype applies to a checkpoint path, not a loaded model")
+                raise ValueError(
+                    "model_args dtype applies to a checkpoint path, not a loaded model"
+                )
             self.model = pretrained
         folder = getattr(self.model, "checkpoint_dir", None)
         if folder is None:
@@ -172,8 +174,8 @@ class LogitloopLM(TemplateLM):
             self.deterministic = _parse_bool("deterministic", deterministic)
         self.mesh = _parse_mesh(mesh)
         self.prefix_cache = _parse_bool("prefix_cache", prefix_cache)
-        self.add_bos_token = None if add_bos_token is None else _parse_bool(
-            "add_bos_token", add_bos_token
+        self.add_bos_token = (
+            None if add_bos_token is None else _parse_bool("add_bos_token", add_bos_token)
         )
         self._max_gen_toks = int(max_gen_toks)
         if self._max_gen_toks < 1:
@@ -208,7 +210,9 @@ class LogitloopLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return self._tokenizer_name.replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs
+    ) -> list[int]:
         # hf's rule: a string that already starts with the BOS text gets no second BOS.
         special = _add_special_kwargs(add_special_tokens, self.add_bos_token)
         if add_special_tokens is None and has_bos_prefix(
@@ -267,7 +271,10 @@ class LogitloopLM(TemplateLM):
         return [(s.raw_logprob_sum, s.is_greedy) for s in scored]
 
     def _loglikelihood_tokens(
-        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs
+        self,
+        requests: list[tuple[tuple[str, str], list[int], list[int]]],
+        disable_tqdm: bool = False,
+        **kwargs,
     ) -> list[tuple[float, bool]]:
         names = [f"loglikelihood request {i} ({req[0]!r:.60})" for i, req in enumerate(requests)]
         pairs = [(list(ctx), list(cont)) for _, ctx, cont in requests]

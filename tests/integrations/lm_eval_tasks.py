@@ -13,9 +13,21 @@ from typing import Any
 import logitloop
 
 MC_DOCS = [
-    {"question": "The capital of France is", "choices": [" Paris", " London", " a dog"], "answer": 0},
-    {"question": "Two plus two equals", "choices": [" four", " five", " seven", " many"], "answer": 0},
-    {"question": "Once upon a time, there was a", "choices": [" girl", " boy", " cat"], "answer": 2},
+    {
+        "question": "The capital of France is",
+        "choices": [" Paris", " London", " a dog"],
+        "answer": 0,
+    },
+    {
+        "question": "Two plus two equals",
+        "choices": [" four", " five", " seven", " many"],
+        "answer": 0,
+    },
+    {
+        "question": "Once upon a time, there was a",
+        "choices": [" girl", " boy", " cat"],
+        "answer": 2,
+    },
     {"question": "The sky is ", "choices": ["blue", "green"], "answer": 0},
     {"question": "", "choices": ["Hello", "World"], "answer": 1},
 ]
@@ -120,5 +132,7 @@ def evaluate(model: str, model_args: str, task_dir: Path, tasks: list[str], **kw
         task: [s["resps"] for s in sorted(rows, key=lambda s: s["doc_id"])]
         for task, rows in out["samples"].items()
     }
-    results = {task: {k: v for k, v in r.items() if k != "alias"} for task, r in out["results"].items()}
+    results = {
+        task: {k: v for k, v in r.items() if k != "alias"} for task, r in out["results"].items()
+    }
     return {"results": results, "samples": samples}
