@@ -118,8 +118,9 @@ def random_llama(folder: Path, max_positions: int = 48, seed: int = 0) -> Path:
 def evaluate(
     model: Any, model_args: str | None, task_dir: Path, tasks: list[str], **kw: Any
 ) -> dict:
-    """`simple_evaluate` offline (`model` a name, or an `LM` instance without model_args): {"results": aggregate metrics per task, "samples": per
-    task, the filtered responses of each doc in doc order}."""
+    """`simple_evaluate` offline (`model` a name, or an `LM` instance without model_args):
+    {"results": aggregate metrics per task, "samples": per task, the responses of each
+    doc in doc order}."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval
