@@ -122,3 +122,15 @@ def test_a_context_over_the_model_maximum_is_named():
     request = Instance("loglikelihood", {}, ("word " * 40, " end"), 0)
     with pytest.raises(ValueError, match=r"loglikelihood request 0 .* over the model's maximum"):
         lm.loglikelihood([request], disable_tqdm=True)
+
+
+@pytest.mark.slow  # 8 s: lm-eval's CLI indexes its whole task library
+def test_cli_eval_hands_its_arguments_to_lm_eval(task_dir, capsys, monkeypatch):
+    from logitloop.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    argv = ["eval", "--model", "logitloop", "--model_args", "bogus=1", "--tasks", "ll_mc"]
+    assert main([*argv, "--include_path", str(task_dir)]) == 2
+    assert "logitloop: error: model_args: unknown key(s) bogus" in capsys.readouterr().err
