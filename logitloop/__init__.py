@@ -69,3 +69,23 @@ __all__ = [
     "token_logprobs",
 ]
 __version__ = "0.1.0"
+
+
+def _register_lm_eval() -> None:
+    """Make `lm_eval.simple_evaluate(model="logitloop")` work after `import logitloop`
+    when lm-eval is installed (the `eval` extra): a lazy entry in its model registry, so
+    neither lm-eval's backends nor `logitloop.integrations.lm_eval` are imported until
+    lm-eval asks for the name. lm-eval fills its built-in names only into an empty registry,
+    so they go in first (else `hf` and the rest would be hidden)."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        return
+    import lm_eval.models  # noqa: F401  (registers the built-in names, lazily)
+    from lm_eval.api.registry import model_registry
+
+    if "logitloop" not in model_registry:
+        model_registry.register("logitloop", target="logitloop.integrations.lm_eval:LogitloopLM")
+
+
+_register_lm_eval()

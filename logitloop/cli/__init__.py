@@ -7,6 +7,7 @@
     logitloop chat --system "Answer briefly." --temperature 0.7
     logitloop score --input pairs.jsonl --output scores.jsonl   (`run_score.py`)
     logitloop generate "Translate:" --num-beams 4 --max-tokens 32   (`ll.beam_search`)
+    logitloop eval --model logitloop --model_args pretrained=PATH --tasks T  (`run_eval.py`)
 
 `generate` takes prompts as arguments or from `--input FILE`:
 
@@ -141,6 +142,15 @@ def _run(argv: list[str]) -> int:
                 stream.reconfigure(errors="replace")
             except (ValueError, OSError):  # pragma: no cover - a detached or odd stream
                 pass
+    if argv[:1] == ["eval"]:
+        # lm-eval parses its own arguments (`run_eval`); ours never see them.
+        from logitloop.cli import run_eval
+
+        try:
+            return run_eval.run(argv[1:])
+        except CLIError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
     try:
         parser = build_parser()
         try:

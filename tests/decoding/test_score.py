@@ -222,7 +222,7 @@ def test_batches_and_progress_do_not_change_scores(llama):
     [
         ([[1, 2]], [[]], r"continuations\[0\] is empty"),
         ([[1, 2], [3]], [[4], [5, 6]] + [[7]], r"prompts has 2 entries but continuations has 3"),
-        ([[1, 2], [3] * 100], [[4], [5] * 29], r"continuations\[1\] has 29 tokens .* 128"),
+        ([[1, 2], [3] * 100], [[4], [5] * 30], r"continuations\[1\] has 30 tokens .* 128"),
         ([[1, 2]], [[64]], r"continuations\[0\] holds token id 64"),
         ([[1, 2]], ["text"], r"continuations\[0\] is a string but prompts\[0\] is token ids"),
     ],
@@ -238,3 +238,20 @@ def test_bad_params_and_top_logprobs(llama):
     params = ll.SamplingParams.create(2)
     with pytest.raises(ValueError, match=r"params has batch_size 2 but there are 1 pairs"):
         ll.score(llama, [[1]], [[2]], params)
+
+
+def test_a_pair_one_token_over_the_context_fits_its_last_token_is_never_fed():
+    """lm-eval's rolling windows fill the context and score one token more: the last
+    continuation token is predicted, never fed, so 64 + 1 tokens fit a 64-token model."""
+    vocab = 16
+    rng = np.random.default_rng(1)
+    table = rng.normal(0.0, 2.0, (vocab, vocab)).astype(np.float32)
+    prompt = rng.integers(3, vocab, size=60).tolist()
+    cont = rng.integers(3, vocab, size=5).tolist()
+    (got,) = ll.score(table_model(table), [prompt], [cont])
+    whole = prompt + cont
+    logits = table.astype(np.float64)[whole[59:64]]  # the logits each continuation token had
+    want = logits[np.arange(5), cont] - np.log(np.exp(logits).sum(axis=1))
+    np.testing.assert_allclose(got.raw_logprobs, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"continuations\[0\] has 6 tokens .* never fed"):
+        ll.score(table_model(table), [prompt], [cont + [3]])

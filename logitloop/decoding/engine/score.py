@@ -159,10 +159,13 @@ def score_pairs(
             p, c = ctx, cont
         ids = tokenize_prompt(f"prompts[{row}]", p, info)
         cont = tokenize_prompt(name, c, info)
-        if len(ids) + len(cont) > info.max_length:
+        # The continuation's last token is scored but never fed: the model sees
+        # len(ids) + len(cont) - 1 positions (lm-evaluation-harness's windows use them all).
+        if len(ids) + len(cont) - 1 > info.max_length:
             raise ValueError(
                 f"{name} has {len(cont)} tokens and prompts[{row}] {len(ids)}: together "
-                f"{len(ids) + len(cont)}, over the model's context of {info.max_length} tokens"
+                f"{len(ids) + len(cont)}, over the model's context of {info.max_length} "
+                "tokens plus the last continuation token, which is never fed"
             )
         out_p.append(ids)
         out_c.append(cont)

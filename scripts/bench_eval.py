@@ -1,0 +1,147 @@
+"""The lm-eval backend against lm-eval's `hf` backend on the same offline tasks and model.
+
+    python scripts/bench_eval.py [--docs 24] [--repeats 3] [--json out.json]
+
+Tasks: a multiple-choice task (`--docs` questions of 4 choices) and a rolling-perplexity
+task (`--docs // 3` documents), written as JSONL + YAML to a temporary folder (the tests'
+`lm_eval_tasks.write_tasks` format). Each backend is built once (one model instance, so
+its compiled programs are reused), evaluated once untimed (warm-up: compiles, dataset
+caches) and then `--repeats` times; the table gives the median wall time of a whole
+`simple_evaluate` call and the ratio hf / logitloop (above 1: logitloop is faster). Also:
+XLA's cost analysis of scoring one question's 4 choices as 4 full rows (what `ll.score`
+runs) against one context row, i.e. the work a shared context prefix would save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+import logitloop as ll  # noqa: E402
+from tests.integrations import lm_eval_tasks  # noqa: E402
+
+WORDS = "girl boy cat dog park ball tree sun house car bird fish mom dad friend toy".split()
+
+
+def make_docs(n: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    rng = np.random.default_rng(seed)
+    mc = []
+    for _ in range(n):
+        story = " ".join(rng.choice(WORDS, size=40))
+        mc.append(
+            {
+                "question": f"Once upon a time, {story}. The",
+                "choices": [" " + str(w) for w in rng.choice(WORDS, size=4, replace=False)],
+                "answer": 0,
+            }
+        )
+    texts = [{"text": " ".join(rng.choice(WORDS, size=150)) + "."} for _ in range(max(1, n // 3))]
+    return mc, texts
+
+
+def time_backend(lm, task_dir: Path, tasks: list[str], repeats: int) -> list[float]:
+    lm_eval_tasks.evaluate(lm, None, task_dir, tasks)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        lm_eval_tasks.evaluate(lm, None, task_dir, tasks)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def shared_prefix_cost(model, context_len: int = 64, choices: int = 4, cont_len: int = 4):
+    """flops / bytes of `score_batch` for `choices` rows of one context against 1 row."""
+    import jax
+
+    from logitloop.decoding.engine import score as score_mod
+    from logitloop.decoding.engine.host import MIN_PROMPT_BUCKET, bucket, prompt_batch
+    from logitloop.decoding.engine.plan import Options, plan
+
+    info = plan(model, Options(deterministic=True)).info
+    out = {}
+    for rows in (choices, 1):
+        ids = [list(range(3, 3 + context_len))] * rows
+        batch = prompt_batch(ids, bucket(cont_len, MIN_PROMPT_BUCKET), context_len)
+        cont = np.full((rows, cont_len), 5, np.int32)
+        lengths = np.full((rows,), cont_len, np.int32)
+        traced = score_mod.score_batch.trace(
+            info.runner, info.weights, batch.prompt, batch.positions, batch.lengths,
+            batch.history, cont, lengths, None, None, None, num_top=0,
+        )  # fmt: skip
+        cost = traced.lower().compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[rows] = {"flops": cost.get("flops", 0.0), "bytes": cost.get("bytes accessed", 0.0)}
+    del jax
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--docs", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--cost-only", action="store_true", help="only the XLA cost analysis")
+    args = ap.parse_args()
+    if args.cost_only:
+        shipped = Path(ll.__file__).parent / "models" / "tiny"
+        print_cost(shared_prefix_cost(ll.load_pretrained(shipped, dtype="float32")))
+        return
+
+    from lm_eval.models.huggingface import HFLM
+
+    from logitloop.integrations.lm_eval import LogitloopLM
+
+    mc, texts = make_docs(args.docs)
+    lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts)
+    task_dir = lm_eval_tasks.write_tasks(Path(tempfile.mkdtemp(prefix="bench_eval_")))
+    tasks = ["ll_mc", "ll_rolling"]
+    shipped = Path(ll.__file__).parent / "models" / "tiny"
+    model = ll.load_pretrained(shipped, dtype="float32")
+    backends = {
+        "hf (torch, CPU)": HFLM(
+            pretrained=str(shipped), dtype="float32", batch_size=args.batch_size, device="cpu"
+        ),
+        "logitloop deterministic": LogitloopLM(pretrained=model, batch_size=args.batch_size),
+        "logitloop deterministic=false": LogitloopLM(
+            pretrained=model, batch_size=args.batch_size, deterministic=False
+        ),
+    }
+    results = {}
+    for name, lm in backends.items():
+        times = time_backend(lm, task_dir, tasks, args.repeats)
+        results[name] = statistics.median(times)
+        print(f"{name:32s} median {results[name]:7.2f} s  runs {[round(t, 2) for t in times]}")
+    ref = results["hf (torch, CPU)"]
+    print(f"\n{len(mc)} questions x 4 choices + {len(texts)} rolling documents, "
+          f"batch_size {args.batch_size}; ratio = hf time / this time")  # fmt: skip
+    for name, t in results.items():
+        print(f"  {name:32s} {ref / t:5.2f}x")
+    cost = shared_prefix_cost(model)
+    print_cost(cost)
+    if args.json:
+        args.json.write_text(json.dumps({"wall_s": results, "cost": cost}, indent=2))
+
+
+def print_cost(cost: dict) -> None:
+    print("\nscore_batch, one 64-token context, 4-token continuations (XLA cost analysis):")
+    for rows, c in cost.items():
+        print(f"  {rows} row(s): {c['flops'] / 1e9:.3f} GFLOP, {c['bytes'] / 1e6:.1f} MB accessed")
+    print(f"  4 rows / 1 row: flops {cost[4]['flops'] / cost[1]['flops']:.2f}x "
+          "(a shared prefix would run the context once: close to 1x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
