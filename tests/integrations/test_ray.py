@@ -21,6 +21,7 @@ ray = pytest.importorskip(
 import logitloop as ll  # noqa: E402
 from logitloop.cli import main  # noqa: E402
 from logitloop.cli.jobs import (  # noqa: E402
+    job_bounds,
     param_defaults,
     prepare_tokens,
     record,
@@ -32,13 +33,25 @@ from logitloop.integrations import ray as ll_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray instance for the module (starting one takes seconds)."""
+def local_ray(tmp_path_factory):
+    """One local Ray instance for the module (starting one takes seconds), its actors and
+    this process sharing a compile cache: the reference compiles a job's programs, and an
+    actor running the same shapes reads them instead of compiling again."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    from logitloop.compile_cache import enable_compile_cache
+
+    folder = tmp_path_factory.mktemp("ray_compile_cache")
+    folder.chmod(0o700)
+    cache = enable_compile_cache(folder)
+    ray.init(
+        num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+        runtime_env={"env_vars": {"LOGITLOOP_COMPILE_CACHE": str(folder)}},
+    )  # fmt: skip
     yield ray
     ray.shutdown()
+    if cache is not None:
+        cache.disable()
 
 
 def _write_rows(path: Path, count: int) -> None:
@@ -56,17 +69,18 @@ def _write_rows(path: Path, count: int) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def _reference(paths: str, base: dict) -> dict:
-    """The CLI's records from one single-process `generate_many` of every row."""
+def _reference(paths: str, base: dict, slots: int) -> dict:
+    """The CLI's records from one single-process `generate_many` of every row (run with the
+    shapes of a job of one batch of `slots` rows, so that its programs are the actor's)."""
     model = ll.load_pretrained()
     info = model_info(model)
-    base_params = row_params(base)
     items = ll_ray.read_inputs(paths, base, param_defaults())
-    validate_params(items, base, base_params)
+    validate_params(items, base, row_params(base))
     prepare_tokens(items, info)
     results = ll.generate_many(
-        model, [ll.Request(it.token_ids, it.params) for it in items], deterministic=True
-    )
+        model, [ll.Request(it.token_ids, it.params) for it in items], deterministic=True,
+        slots=slots, **job_bounds(items, info, param_defaults()),
+    )  # fmt: skip
     return {
         json.dumps(it.id): record(it, r, 1, info.tokenizer)
         for it, r in zip(items, results, strict=True)
@@ -81,20 +95,20 @@ def _records(path: Path) -> dict:
 
 
 def test_cli_ray_job_equals_single_process_generate_many(local_ray, tmp_path):
-    _write_rows(tmp_path / "a.jsonl", 5)
-    _write_rows(tmp_path / "b.jsonl", 0)  # an empty file is refused below, as the CLI does
-    (tmp_path / "b.jsonl").unlink()
-    (tmp_path / "b.jsonl").write_text(
-        '{"id": "b0", "prompt": "A dictionary", "temperature": 0}\n{"prompt": "x = 1"}\n'
+    """Two input files (a glob), rows with their own settings and logprobs, one actor."""
+    (tmp_path / "a.jsonl").write_text(
+        '{"id": "a0", "prompt": "Line 1:", "temperature": 0.7, "seed": 5, "logprobs": 2}\n'
+        '{"prompt_token_ids": [5, 6, 7], "stop": ["\\n"]}\n'
     )
+    (tmp_path / "b.jsonl").write_text('{"prompt": "A dictionary"}\n')
     inputs = str(tmp_path / "*.jsonl")
+    want = _reference(inputs, {"max_tokens": 3, "seed": 11}, slots=3)
     argv = ["generate", "--input", inputs, "--output", f"{tmp_path}/out/", "--ray",
-            "--batch-size", "3", "--max-tokens", "4", "--seed", "11", "-q"]  # fmt: skip
+            "--batch-size", "3", "--max-tokens", "3", "--seed", "11", "-q"]  # fmt: skip
     assert main(argv) == 0
     got = _records(tmp_path / "out" / "results.jsonl")
-    want = _reference(inputs, {"max_tokens": 4, "seed": 11})
     assert got == want  # field for field, logprobs included, bit for bit (deterministic)
-    assert json.dumps(6) in got  # b.jsonl's line 2: its line number after a.jsonl's 5 lines
+    assert set(got) == {'"a0"', "1", "2"}  # b.jsonl's line: its number after a.jsonl's 2
     # The folder already holds every result: resumed, nothing left to do (no actor started).
     assert main(argv) == 0
     assert _records(tmp_path / "out" / "results.jsonl") == got
@@ -115,9 +129,12 @@ def test_bad_rows_are_named(tmp_path):
         generator({"id": np.array([3]), "prompt": np.array(["a"], dtype=object),
                    "top_p": np.array([1.5])})  # fmt: skip
     # A null cell sets nothing: the column's other rows keep their setting.
-    out = generator({"id": np.array([4, 5]), "prompt": np.array(["a", "b"], dtype=object),
-                     "temperature": np.array([np.nan, 0.0])})  # fmt: skip
-    assert [json.loads(r)["id"] for r in out["record"]] == [4, 5]
+    rows = ll_ray.batch_objects({"id": np.array([4, 5]), "temperature": np.array([np.nan, 0.5]),
+                                 "prompt_token_ids": np.array([[1, 2], [3, 4]])})  # fmt: skip
+    assert [obj for obj, _ in rows] == [
+        {"id": 4, "prompt_token_ids": [1, 2]},
+        {"id": 5, "prompt_token_ids": [3, 4], "temperature": 0.5},
+    ]
 
 
 def test_missing_ray_names_the_extra(monkeypatch, tmp_path, capsys):
@@ -188,4 +205,4 @@ def test_200_prompts_two_actors_one_killed(local_ray, tmp_path):
         sink.close()
     assert killed
     got = _records(tmp_path / "out.jsonl")
-    assert got == _reference(str(tmp_path / "in.jsonl"), base)
+    assert got == _reference(str(tmp_path / "in.jsonl"), base, slots=16)
