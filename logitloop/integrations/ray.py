@@ -310,7 +310,7 @@ def run_items(
         with warnings.catch_warnings():  # Ray's processes exec at once: JAX's threads are safe
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
             ray.init(logging_level="ERROR", log_to_driver=False)
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # our bar says how it goes
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # our bar says how it goes
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # ours counts rows across the workers
     blocks = max(workers, math.ceil(len(todo) / batch_size))
