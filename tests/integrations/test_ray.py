@@ -206,3 +206,19 @@ def test_200_prompts_two_actors_one_killed(local_ray, tmp_path):
     assert killed
     got = _records(tmp_path / "out.jsonl")
     assert got == _reference(str(tmp_path / "in.jsonl"), base, slots=16)
+
+
+@pytest.mark.slow
+def test_generate_jsonl_resumes_a_folder(local_ray, tmp_path):
+    """The one-call helper: a folder output, then resumed after more rows are added."""
+    _write_rows(tmp_path / "in.jsonl", 6)
+    base = {"max_tokens": 3, "seed": 2}
+    done = ll_ray.generate_jsonl(str(tmp_path / "in.jsonl"), f"{tmp_path}/out/", params=base,
+                                 batch_size=3, slots=3)  # fmt: skip
+    assert done == 6
+    _write_rows(tmp_path / "in.jsonl", 9)  # three more rows; the first six are in out/
+    done = ll_ray.generate_jsonl(str(tmp_path / "in.jsonl"), tmp_path / "out", params=base,
+                                 batch_size=3, slots=3)  # fmt: skip
+    assert done == 3
+    got = _records(tmp_path / "out" / "results.jsonl")
+    assert got == _reference(str(tmp_path / "in.jsonl"), base, slots=3)
