@@ -248,7 +248,61 @@ def json_line(line: str, where: str, default_id: int) -> tuple[dict[str, Any], A
     return obj, item_id, where
 
 
-def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> list[Item]:
+def object_item(
+    obj: dict[str, Any],
+    item_id: Any,
+    where: str,
+    base: dict[str, Any],
+    allowed: set[str],
+    position: int,
+    line: int = 0,
+) -> Item:
+    """One prompt from a JSON object (a JSONL line, a Ray Data row): exactly one of
+    'prompt', 'prompt_token_ids' and 'messages', and per-prompt sampling settings (names in
+    `allowed`) that replace `base`'s; a CLIError naming `where` says what is wrong."""
+    given = [key for key in PROMPT_KEYS if key in obj]
+    if len(given) != 1:
+        both = f" (it has {' and '.join(given)})" if given else ""
+        raise CLIError(
+            f"{where}: give exactly one of 'prompt', 'prompt_token_ids' and 'messages'{both}"
+        )
+    messages = None
+    if given == ["messages"]:
+        prompt, messages = None, _conversation(obj["messages"], where)
+    else:
+        has_text = given == ["prompt"]
+        prompt = obj[given[0]]
+        if not isinstance(prompt, str if has_text else list):
+            key, kind = ("prompt", "a string") if has_text else ("prompt_token_ids", "a list")
+            raise CLIError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
+        check_prompt(where, prompt)
+    knobs = dict(base)
+    if any(key in obj for key in _CONSTRAINT_KNOBS):  # the line's replaces the flags'
+        knobs = {k: v for k, v in knobs.items() if k not in _CONSTRAINT_KNOBS}
+    try:  # aliases (max_new_tokens) under their own names, so they replace the flags'
+        from logitloop.decoding.sampling.params import canonical_knobs
+
+        obj = canonical_knobs(obj)
+    except ValueError as e:
+        raise CLIError(f"{where}: {e}") from None
+    for key, value in obj.items():
+        if key == "id" or key in PROMPT_KEYS:
+            continue
+        if key not in allowed:
+            raise CLIError(
+                f"{where}: unknown key {key!r}; a line holds id, prompt, "
+                f"prompt_token_ids or messages, and sampling settings "
+                f"({', '.join(sorted(allowed))})"
+            )
+        knobs[key] = _normalise_override(key, value, where)
+    return Item(item_id, where, prompt, knobs, position, line, messages=messages)
+
+
+def read_items(
+    path: str, base: dict[str, Any], param_names: Iterable[str], first_id: int = 0
+) -> list[Item]:
+    """The prompts of one input file. A line without an id gets `first_id` + its 0-based
+    line number (`first_id`: the lines of the files before it, when a job reads several)."""
     text = _read_text(path)
     name = "stdin" if path == "-" else path
     lines = text.split("\n")
@@ -262,45 +316,10 @@ def read_items(path: str, base: dict[str, Any], param_names: Iterable[str]) -> l
         where = f"{name} line {i + 1}"
         if not jsonl:
             check_prompt(where, line)
-            items.append(Item(i, where, line, dict(base), len(items), i + 1))
+            items.append(Item(first_id + i, where, line, dict(base), len(items), i + 1))
             continue
-        obj, item_id, where = json_line(line, where, i)
-        given = [key for key in PROMPT_KEYS if key in obj]
-        if len(given) != 1:
-            both = f" (it has {' and '.join(given)})" if given else ""
-            raise CLIError(
-                f"{where}: give exactly one of 'prompt', 'prompt_token_ids' and 'messages'{both}"
-            )
-        messages = None
-        if given == ["messages"]:
-            prompt, messages = None, _conversation(obj["messages"], where)
-        else:
-            has_text = given == ["prompt"]
-            prompt = obj[given[0]]
-            if not isinstance(prompt, str if has_text else list):
-                key, kind = ("prompt", "a string") if has_text else ("prompt_token_ids", "a list")
-                raise CLIError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
-            check_prompt(where, prompt)
-        knobs = dict(base)
-        if any(key in obj for key in _CONSTRAINT_KNOBS):  # the line's replaces the flags'
-            knobs = {k: v for k, v in knobs.items() if k not in _CONSTRAINT_KNOBS}
-        try:  # aliases (max_new_tokens) under their own names, so they replace the flags'
-            from logitloop.decoding.sampling.params import canonical_knobs
-
-            obj = canonical_knobs(obj)
-        except ValueError as e:
-            raise CLIError(f"{where}: {e}") from None
-        for key, value in obj.items():
-            if key == "id" or key in PROMPT_KEYS:
-                continue
-            if key not in allowed:
-                raise CLIError(
-                    f"{where}: unknown key {key!r}; a line holds id, prompt, "
-                    f"prompt_token_ids or messages, and sampling settings "
-                    f"({', '.join(sorted(allowed))})"
-                )
-            knobs[key] = _normalise_override(key, value, where)
-        items.append(Item(item_id, where, prompt, knobs, len(items), i + 1, messages=messages))
+        obj, item_id, where = json_line(line, where, first_id + i)
+        items.append(object_item(obj, item_id, where, base, allowed, len(items), i + 1))
     if not items:
         raise CLIError(f"{name} holds no prompts")
     seen: dict[tuple[str, Any], Item] = {}

@@ -236,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar and no final summary"
     )
+    ray = gen.add_argument_group("Ray Data (pip install 'logitloop[ray]', docs/ray.md)")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the --input job on the Ray cluster RAY_ADDRESS names (else a local one), one "
+        "model per worker; --input may be a glob ('data/*.jsonl'), --output a folder",
+    )
+    ray.add_argument(
+        "--workers", type=int, default=1, metavar="N", help="Ray actors, each with its model (1)"
+    )
 
     _add_model_flags(gen)
     _add_generation_config_flag(gen)

@@ -85,7 +85,13 @@ def run(args: argparse.Namespace) -> int:
     if drawn:  # a fresh draw each run, written into every record
         base["seed"] = secrets.randbelow(2**31)
     base_params = row_params(base)
-    if args.input is not None:
+    if args.ray:
+        from logitloop.integrations.ray import output_file, read_inputs
+
+        _check_ray_flags(args)
+        args.output = output_file(args.output)
+        items = read_inputs(args.input, base, defaults)
+    elif args.input is not None:
         items = read_items(args.input, base, defaults)
     else:
         items = prompt_items(args.prompts, base)
@@ -108,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
             note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
             return 0
         seed = base["seed"] if drawn else None
+        if args.ray:
+            return _run_ray(args, items, todo, skipped, base, sink, note, started, seed)
         return _run_job(
             args, items, todo, skipped, base_params, defaults, sink, note, started, seed
         )  # fmt: skip
@@ -170,6 +178,44 @@ def _run_job(
         f"{_fmt_rate(tokens, gen_s - compile_s)} tokens/s excluding compile); "
         f"compile {compile_s:.1f} s (measured: JAX trace + lowering + XLA compile events "
         f"during generation); model load {load_s:.1f} s; total "
+        f"{time.perf_counter() - started:.1f} s"
+        + ("" if seed is None else f"; seed {seed} (drawn for this run; --seed {seed} repeats it)")
+    )
+    return 0
+
+
+def _check_ray_flags(args) -> None:
+    """--ray runs an --input job into an --output, sampling with `generate_many`."""
+    from logitloop.integrations.ray import require_ray
+
+    if args.input is None or not args.output:
+        raise CLIError("--ray needs --input FILES and --output FILE or FOLDER/")
+    if args.stream or args.num_beams is not None or args.draft_model:
+        raise CLIError("--ray takes no --stream, --num-beams or --draft-model")
+    if args.workers < 1:
+        raise CLIError(f"--workers = {args.workers} is outside the allowed range [1, inf)")
+    try:
+        require_ray()
+    except ImportError as e:
+        raise CLIError(str(e)) from None
+
+
+def _run_ray(args, items, todo, skipped, base, sink, note, started, seed) -> int:
+    """The job on Ray actors (`logitloop.integrations.ray.run_items`), each loading the
+    model; records are written as batches finish (resume matches ids, not order)."""
+    from logitloop.integrations.ray import run_items
+
+    tokens = run_items(
+        todo, base, sink.write, workers=args.workers, batch_size=args.batch_size,
+        progress=not args.quiet, model=args.model, dtype=args.dtype, n=args.n,
+        ignore_eos=args.ignore_eos, deterministic=args.deterministic, slots=args.batch_size,
+        speculative=_speculation(args), compile_cache=args.compile_cache,
+        prefix_cache=False if args.no_prefix_cache else None,
+    )  # fmt: skip
+    skip = f" ({skipped} already in {sink.name}, skipped)" if skipped else ""
+    note(
+        f"{_plural(len(todo), 'prompt')}{skip}, {_plural(tokens, 'token')} generated into "
+        f"{sink.name} on {_plural(args.workers, 'Ray worker')}; total "
         f"{time.perf_counter() - started:.1f} s"
         + ("" if seed is None else f"; seed {seed} (drawn for this run; --seed {seed} repeats it)")
     )
