@@ -40,9 +40,7 @@ def _qwix():
     try:
         import qwix
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "quantize= needs Qwix: pip install 'logitloop[quant]'"
-        ) from e
+        raise ImportError("quantize= needs Qwix: pip install 'logitloop[quant]'") from e
     return qwix
 
 
@@ -117,7 +115,7 @@ def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
         del value
         names.append(name)
     if not names:
-        raise ValueError(f"quantize={spec.format!r}: this model has no projection weights to quantize")
+        raise ValueError(f"quantize={spec.format!r}: this model has no projection weights")
     float_experts = sorted(
         {".".join(str(p) for p in path[:-1]) for path, param in nnx.iter_graph(model)
          if isinstance(param, nnx.Param) and path and "expert" in str(path[-1])}
