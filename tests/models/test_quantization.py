@@ -11,6 +11,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import logitloop as ll  # noqa: E402
+from logitloop.decoding.loop.runner import model_info  # noqa: E402
 from logitloop.models import quantization  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The function returns", "In the beginning", "A list of"]
@@ -55,6 +56,8 @@ def test_product_matches_float64_dequantized_reference(fmt, group):
 def test_shipped_model_against_float(float_model, quantized):
     fmt, model = quantized
     assert fmt in model.quantization.describe()
+    assert model_info(model).weights_format == model.quantization.describe()
+    assert model_info(float_model).weights_format == "float"
     assert quantization.parameter_bytes(model) < quantization.parameter_bytes(float_model)
     f = ll.generate(float_model, PROMPTS, temperature=0.0, max_new_tokens=8)
     assert all(
