@@ -11,6 +11,7 @@ from logitloop.decoding.engine.batching import Request, generate_many, iter_gene
 from logitloop.decoding.engine.beam import Beam, beam_search
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.engine.score import ScoreResult, score
+from logitloop.decoding.engine.trainer import TokenLogprobs, token_logprobs
 from logitloop.decoding.loop.decode_loop import DecodeState
 from logitloop.decoding.loop.runner import FunctionModel
 from logitloop.decoding.loop.speculative import DraftModel, PromptLookup
@@ -50,6 +51,7 @@ __all__ = [
     "ScoreResult",
     "Step",
     "StreamEvent",
+    "TokenLogprobs",
     "TopLogprobs",
     "TypicalP",
     "beam_search",
@@ -64,5 +66,6 @@ __all__ = [
     "sample",
     "sampling_distribution",
     "score",
+    "token_logprobs",
 ]
 __version__ = "0.1.0"
