@@ -91,6 +91,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from logitloop.models import quantization
 from logitloop.models.partitioning import DATA_AXIS
 from logitloop.ops.attention.fixed_order import SLOT_CHUNK, ordered_sum, tree_sum
 from logitloop.ops.attention.fixed_order import fixed_order_attention as attention
@@ -444,6 +445,15 @@ def product(rows: jax.Array, w: jax.Array, *, numerics: Numerics, groups: int = 
     (the q/k/v and gate/up projections), each device's product is the one-device product
     of its own columns: with a contraction of at most MAX_CHUNK, XLA:CPU's own product
     gives a column the same bits whatever the number of columns."""
+    if quantization.is_quantized(w):
+        # A quantized weight (a Qwix QArray): Qwix's product, per row tile like a float
+        # one. The chunked contraction and the tile kernel take float weights only.
+        if numerics.splits or numerics.tile_kernel is not None:
+            raise NotImplementedError(
+                "quantized weights under deterministic='model-parallel' or a tile kernel "
+                "policy are not supported yet; use deterministic=True or False"
+            )
+        return quantization.product(rows, w)
     if numerics.tile_kernel is not None:
         return _kernel_product(rows, w, numerics, transposed=False, out_dtype=None)
     if not numerics.splits:

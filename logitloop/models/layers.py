@@ -151,7 +151,9 @@ def split_heads(x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN) -> ja
     Written as an einsum over the head axes, XLA:CPU chose dimension orders that copied
     the weight (or the activation) at every decode step.
     """
-    out = dense(x, w.reshape(w.shape[0], -1), numerics=numerics)
+    # The width spelled out (not -1): a quantized weight (a Qwix QArray) reshapes its
+    # scales with it and takes only explicit shapes.
+    out = dense(x, w.reshape(w.shape[0], math.prod(w.shape[1:])), numerics=numerics)
     return out.reshape(*x.shape[:-1], *w.shape[1:])
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
-from logitloop.models import registry
+from logitloop.models import quantization, registry
 from logitloop.models.config import ModelConfig, config_from_hf
 from logitloop.models.decoder import DecoderModel
 from logitloop.models.layers import CheckpointTensor
@@ -53,13 +53,24 @@ def abstract_model(config: ModelConfig, dtype) -> Model:
     return nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=None))
 
 
-def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Model:
+def load_pretrained(
+    path: str | os.PathLike | None = None,
+    *,
+    dtype=None,
+    quantize: str | None = None,
+    group_size: int = quantization.DEFAULT_GROUP_SIZE,
+) -> Model:
     """Load a Hugging Face checkpoint folder.
 
     Args:
       path: the folder; None loads the small model shipped in `logitloop/models/tiny/`.
       dtype: parameter (and compute) dtype, one of float32, bfloat16, float16. None keeps
         the checkpoint's own floating dtype (that of its token embedding).
+      quantize: None (float weights), "int8" (per output channel) or "int4" (per group of
+        `group_size` contraction entries): the attention and MLP projections as Qwix
+        quantized arrays (`logitloop.models.quantization`; needs the extra `quant`).
+        The embedding, LM head, norms and biases stay in `dtype`.
+      group_size: int4's group along each weight's contraction.
 
     Returns:
       The model its `model_type` is registered with (`logitloop.models.registry`), e.g. a
@@ -74,6 +85,7 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Mod
         dtype, or an unreadable (truncated, corrupt) safetensors file.
     """
     dtype = None if dtype is None else _check_dtype(dtype)
+    quantize_spec = quantization.check_quantize(quantize, group_size)
     folder = _resolve_folder(path)
     config_path = folder / "config.json"
     hf_config = _read_json(config_path)
@@ -93,6 +105,8 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype=None) -> Mod
 
     model = abstract_model(config, dtype)
     _fill_parameters(model, locations, expected, ignored, rename, dtype)
+    if quantize_spec is not None:
+        quantization.quantize_model(model, quantize_spec)
 
     tokenizer_path = folder / "tokenizer.json"
     if tokenizer_path.is_file():

@@ -199,6 +199,8 @@ class ModelInfo:
     # The attention implementation of prompt passes and decode steps
     # (`logitloop.ops.attention.describe`); a FunctionModel's is its own.
     attention: str = "the model's own"
+    # Which weights are quantized (`logitloop.models.quantization.Quantization.describe`).
+    weights_format: str = "float"
 
 
 def _eos_tuple(eos: Any) -> tuple[int, ...]:
@@ -270,6 +272,11 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
             eos_token_ids=_eos_tuple(getattr(config, "eos_token_id", None)),
             tokenizer=getattr(model, "tokenizer", None),
             attention=attention,
+            weights_format=(
+                model.quantization.describe()
+                if getattr(model, "quantization", None) is not None
+                else "float"
+            ),
         )
     raise ValueError(
         f"model must be a logitloop NNX model or a logitloop.FunctionModel, got {type(model)!r}"

@@ -1,0 +1,97 @@
+"""Quantized weights (Qwix): the product against a float64 NumPy reference, the shipped
+model's greedy tokens and next-token KL against its float load, deterministic mode across
+batches, and the bad-input errors."""
+
+import numpy as np
+import pytest
+
+qwix = pytest.importorskip("qwix", reason="quantized weights need the extra `quant` (qwix)")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import logitloop as ll  # noqa: E402
+from logitloop.decoding.loop.runner import model_info  # noqa: E402
+from logitloop.models import quantization  # noqa: E402
+
+PROMPTS = ["Once upon a time", "The function returns", "In the beginning", "A list of"]
+
+
+@pytest.fixture(scope="module")
+def float_model():
+    return ll.load_pretrained()
+
+
+@pytest.fixture(scope="module", params=[("int8", 128), ("int4", 32)], ids=["int8", "int4"])
+def quantized(request):
+    fmt, group = request.param
+    return fmt, ll.load_pretrained(quantize=fmt, group_size=group)
+
+
+def _dequantized(q) -> np.ndarray:
+    """The QArray's float64 value, with NumPy only: values times scales broadcast over
+    their tiles (independent of Qwix's own dequantize)."""
+    values = np.asarray(q.qvalue.astype(jnp.int32), np.float64)
+    scale = np.asarray(q.scale, np.float64)
+    for axis, (n, s) in enumerate(zip(values.shape, scale.shape, strict=True)):
+        scale = np.repeat(scale, n // s, axis=axis)
+    return values * scale
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 32)])
+def test_product_matches_float64_dequantized_reference(fmt, group):
+    w = jax.random.normal(jax.random.key(0), (128, 48), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (5, 128), jnp.float32)
+    spec = quantization.check_quantize(fmt, group)
+    q = quantization.quantize_weight("w", w, 1, spec)
+    reference = np.asarray(x, np.float64) @ _dequantized(q)
+    got = np.asarray(quantization.product(x, q), np.float64)
+    np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4)
+    # and the quantization error itself is what the format promises
+    error = np.abs(_dequantized(q) - np.asarray(w, np.float64)).max()
+    assert error < (0.02 if fmt == "int8" else 0.3) * float(jnp.abs(w).max())
+
+
+@pytest.mark.slow
+def test_shipped_model_against_float(float_model, quantized):
+    fmt, model = quantized
+    assert fmt in model.quantization.describe()
+    assert model_info(model).weights_format == model.quantization.describe()
+    assert model_info(float_model).weights_format == "float"
+    assert quantization.parameter_bytes(model) < quantization.parameter_bytes(float_model)
+    f = ll.generate(float_model, PROMPTS, temperature=0.0, max_new_tokens=8)
+    assert all(
+        all(r.is_argmax) for r in ll.score(float_model, PROMPTS, [list(t) for t in f.token_ids])
+    )
+    # teacher-forced on the float model's greedy continuations: how often the quantized
+    # model's argmax is the float model's token, and the continuations' mean NLL
+    conts = [list(t) for t in f.token_ids]
+    float_scores = ll.score(float_model, PROMPTS, conts)
+    scores = ll.score(model, PROMPTS, conts)
+    agree = np.mean([a for r in scores for a in r.is_argmax])
+    assert agree >= (0.9 if fmt == "int8" else 0.6), agree
+    nll_f = -np.mean([np.mean(r.raw_logprobs) for r in float_scores])
+    nll_q = -np.mean([np.mean(r.raw_logprobs) for r in scores])
+    assert nll_q - nll_f < (0.05 if fmt == "int8" else 0.5), (nll_f, nll_q)
+
+
+@pytest.mark.slow
+def test_deterministic_batch_of_one_equals_batch_of_three(quantized):
+    _, model = quantized
+    one = ll.generate(model, PROMPTS[:1], max_new_tokens=6, deterministic=True)
+    three = ll.generate(model, PROMPTS[:3], max_new_tokens=6, deterministic=True)
+    assert one.token_ids[0] == three.token_ids[0]
+    assert one.logprobs[0] == three.logprobs[0]
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="quantize must be None, 'int8' or 'int4', got 'int3'"):
+        ll.load_pretrained(quantize="int3")
+    with pytest.raises(ValueError, match="fp8"):
+        ll.load_pretrained(quantize="fp8")
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        ll.load_pretrained(quantize="int4", group_size=0)
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.\w+ has shape \(\d+, \d+.*not divisible by group_size=96"
+    ):
+        ll.load_pretrained(quantize="int4", group_size=96)
