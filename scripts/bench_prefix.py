@@ -33,8 +33,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -43,33 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from bench_generate import config  # scripts/ is on the path when run as a script
 from flax import nnx
+from timing import timed_turns
 
 import logitloop as ll
 from logitloop.decoding.engine import generate as generate_module
 from logitloop.decoding.engine.batching import Request, generate_many
 from logitloop.decoding.engine.plan import Options, plan
 from logitloop.decoding.loop.decode_loop import decode_step
-from logitloop.decoding.runtime.compiles import CompileWatch
 from logitloop.models import LlamaModel
-
-
-def timed_turns(fns: dict, repeats: int, warm_ups: dict | None = None) -> dict:
-    """For each of `fns` (name -> call), `(median seconds, last result, programs the timed
-    calls compiled)` of `repeats` calls after one warm-up call (of `warm_ups[name]`, a
-    cheaper call of the same shapes, when given); the calls run in turns, so that load on
-    the machine falls on each alike."""
-    for name, fn in fns.items():
-        (warm_ups or {}).get(name, fn)()
-    counter = CompileWatch()
-    times, outs, compiled = {name: [] for name in fns}, {}, dict.fromkeys(fns, 0)
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            with counter:
-                t0 = time.perf_counter()
-                outs[name] = fn()
-                times[name].append(time.perf_counter() - t0)
-            compiled[name] += counter.count
-    return {name: (statistics.median(times[name]), outs[name], compiled[name]) for name in fns}
 
 
 def timed(fn, repeats: int, warm_up=None) -> tuple[float, object, int]:

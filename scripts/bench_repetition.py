@@ -24,11 +24,10 @@ import argparse
 import json
 import pydoc_data.topics
 import re
-import statistics
-import time
+
+from timing import timed_turns  # scripts/ is on the path when run as a script
 
 import logitloop as ll
-from logitloop.decoding.runtime.compiles import CompileWatch
 
 NEVER = (1, 65536)  # a guard whose check runs at every step and never fires here
 
@@ -56,21 +55,6 @@ def first_loop(ids: list[int], max_period: int, min_repeats: int) -> int | None:
     return None
 
 
-def timed_turns(fns: dict, repeats: int) -> dict:
-    """name -> (median seconds, last result) of `repeats` calls of each of `fns` after one
-    warm-up call each; the calls run in turns, so load on the machine falls on each alike
-    (timed calls checked to compile nothing)."""
-    for fn in fns.values():
-        fn()  # warm-up: compiles
-    counter, times, outs = CompileWatch(), {name: [] for name in fns}, {}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            with counter:
-                t0 = time.perf_counter()
-                outs[name] = fn()
-                times[name].append(time.perf_counter() - t0)
-            assert counter.count == 0, f"a timed run of {name} compiled"
-    return {name: (statistics.median(times[name]), outs[name]) for name in fns}
 
 
 def rows_of(result) -> tuple[list[list[int]], list[list[float]], list[str]]:
@@ -113,7 +97,9 @@ def main() -> None:
             {"plain": run(entry, None), "guard": run(entry, guard), "never": run(entry, NEVER)},
             args.repeats,
         )
-        (plain_s, plain), (guard_s, guarded), (never_s, never) = runs.values()
+        for name, (_, _, compiled) in runs.items():
+            assert compiled == 0, f"a timed run of {name} compiled"
+        (plain_s, plain, _), (guard_s, guarded, _), (never_s, never, _) = runs.values()
         ids0, lp0, _ = rows_of(plain)
         ids1, lp1, reasons = rows_of(guarded)
         idsn, lpn, _ = rows_of(never)

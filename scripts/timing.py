@@ -7,6 +7,8 @@ import time
 
 import jax
 
+from logitloop.decoding.runtime.compiles import CompileWatch
+
 
 def first_call(fn) -> float:
     """Seconds of one call, results ready (the first call of a jitted function compiles)."""
@@ -20,3 +22,21 @@ def median_time(fn, repeats: int, warmup: int = 0) -> float:
     for _ in range(warmup):
         jax.block_until_ready(fn())
     return statistics.median(first_call(fn) for _ in range(repeats))
+
+def timed_turns(fns: dict, repeats: int, warm_ups: dict | None = None) -> dict:
+    """For each of `fns` (name -> call), `(median seconds, last result, programs the timed
+    calls compiled)` of `repeats` calls after one warm-up call (of `warm_ups[name]`, a
+    cheaper call of the same shapes, when given); the calls run in turns, so that load on
+    the machine falls on each alike."""
+    for name, fn in fns.items():
+        (warm_ups or {}).get(name, fn)()
+    counter = CompileWatch()
+    times, outs, compiled = {name: [] for name in fns}, {}, dict.fromkeys(fns, 0)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            with counter:
+                t0 = time.perf_counter()
+                outs[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+            compiled[name] += counter.count
+    return {name: (statistics.median(times[name]), outs[name], compiled[name]) for name in fns}
