@@ -549,8 +549,10 @@ class _Batcher:
 
     def result(self, pending: _Pending) -> GenerationResult:
         """The request's rows as `generate` would return them for that prompt alone."""
-        # The slots may keep top logprobs for the job's other requests: keep this one's.
-        k = pending.params.widths().top_logprobs
+        # The slots may keep top logprobs for the job's other requests: keep this one's. Its
+        # own `logprobs`, not its params' static width: a job may have widened the params to
+        # the batch's widest row (a mesh's batches do).
+        k = int(np.max(np.asarray(pending.params.logprobs), initial=0))
         outputs = Outputs.concat(
             [
                 o.replace(top_ids=o.top_ids[:, :, :k], top_values=o.top_values[:, :, :k])
