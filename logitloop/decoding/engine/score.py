@@ -337,16 +337,25 @@ def continuation_logits(
     cont_len: jax.Array,  # [B] i32
     cache_len: int,
     layout: Layout = ONE_DEVICE,
+    routing: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """[B, C, V] f32: the logits each continuation token was predicted from (module
-    docstring): the prompt pass's last column, then the continuation's own columns."""
+    docstring): the prompt pass's last column, then the continuation's own columns.
+    `routing` (a mixture of experts): the experts to replay, `[B, P, L, k]` for the
+    prompt's columns and `[B, C, L, k]` for the continuation's (-1: the router's own)."""
     width = cont.shape[1]
-    first, cache = forward_prompt(runner, weights, prompt, positions, cache_len, layout)
+    prompt_routing, cont_routing = (None, None) if routing is None else routing
+    first, cache, *_ = forward_prompt(
+        runner, weights, prompt, positions, cache_len, layout, routing=prompt_routing
+    )
     if width == 1:
         return first[:, None].astype(jnp.float32)
     col = jnp.arange(width - 1)[None, :]  # [1, C - 1]
     pos = jnp.where(col < cont_len[:, None] - 1, prompt_len[:, None] + col, -1)
-    rest, _ = runner.forward_columns(weights, cont[:, :-1], pos.astype(jnp.int32), cache)
+    routed = {} if cont_routing is None else {"routing": cont_routing[:, :-1]}
+    rest, *_ = runner.forward_columns(
+        weights, cont[:, :-1], pos.astype(jnp.int32), cache, **routed
+    )
     return jnp.concatenate([first[:, None], rest], axis=1).astype(jnp.float32)
 
 

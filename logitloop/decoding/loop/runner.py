@@ -86,29 +86,37 @@ class ModelRunner:
         return self.numerics.deterministic
 
     def forward(
-        self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None
-    ) -> tuple[jax.Array, Any]:
+        self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None,
+        routing=None,
+    ) -> tuple[jax.Array, ...]:  # fmt: skip
         """Last-column logits `[B, V]` and the cache. `prompt`: the call is (part of) a
         prompt pass, not a decode step: a deterministic runner's products then run over
         prompt-sized row tiles (`fixed_order.PROMPT_TILE`). `mesh`: the rows lie over its
-        "data" axis (a deterministic runner tiles each device's rows by themselves)."""
+        "data" axis (a deterministic runner tiles each device's rows by themselves).
+        `routing` (a mixture of experts: `[B, T, L, k]` experts to replay, -1 for the
+        router's own): the routing used comes back third (`DecoderModel.__call__`)."""
         if self.graphdef is not None:
             numerics = self.numerics.for_pass(prompt=prompt, mesh=mesh)
             model = nnx.merge(self.graphdef, weights)
-            logits, cache = model(tokens, positions, cache, numerics=numerics)
+            routed = {} if routing is None else {"routing": routing}
+            logits, cache, *used = model(tokens, positions, cache, numerics=numerics, **routed)
         else:
             logits, cache = self.apply_fn(weights, tokens, positions, cache)
+            used = []
         if logits.ndim == 3:
             logits = logits[:, -1]
-        return logits, cache
+        return (logits, cache, *used)
 
-    def forward_columns(self, weights, tokens, positions, cache) -> tuple[jax.Array, Any]:
+    def forward_columns(
+        self, weights, tokens, positions, cache, *, routing=None
+    ) -> tuple[jax.Array, ...]:
         """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts:
         generated tokens, so a deterministic runner treats the call as a decode step)."""
         if self.graphdef is not None:
             model = nnx.merge(self.graphdef, weights)
             numerics = self.numerics.for_pass()
-            return model(tokens, positions, cache, all_columns=True, numerics=numerics)
+            routed = {} if routing is None else {"routing": routing}
+            return model(tokens, positions, cache, all_columns=True, numerics=numerics, **routed)
         logits, cache = self.apply_fn(weights, tokens, positions, cache)
         if logits.ndim != 3:
             raise ValueError(
@@ -116,6 +124,20 @@ class ModelRunner:
                 f"every column, [B, T, V]; this one returned shape {tuple(logits.shape)}"
             )
         return logits, cache
+
+    def routing_shape(self, weights) -> tuple[int, int] | None:
+        """(L, k) of a routing record `[B, T, L, k]`: the model's routed layers and experts
+        per token; None where nothing routes (a dense model, a FunctionModel)."""
+        if self.graphdef is None:
+            return None
+        model = nnx.merge(self.graphdef, weights)
+        routed = model.routed_layers() if hasattr(model, "routed_layers") else ()
+        return (len(routed), model.config.num_experts_per_tok) if routed else None
+
+    def no_routing(self, weights, batch: int, width: int) -> jax.Array:
+        """`[B, T, L, k]` of -1: every token routed by the router itself, recorded."""
+        layers_, k = self.routing_shape(weights)
+        return jnp.full((batch, width, layers_, k), -1, jnp.int32)
 
     def init_cache(self, weights, batch_size: int, max_length: int) -> Any:
         if self.graphdef is not None:
