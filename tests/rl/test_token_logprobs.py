@@ -251,6 +251,23 @@ def test_new_weights_compile_nothing(compile_counter):
         ll.token_logprobs(model, ids, plen, lengths=lens)
 
 
+def test_weights_of_another_dtype_are_refused_by_every_entry_point():
+    """float32 arrays nnx.update'd into a bfloat16 model: generate, score and
+    token_logprobs refuse them by the weight's name before compiling anything (one check,
+    in `model_info`)."""
+    model = family_model("llama", "bfloat16")
+    state = nnx.state(model)
+    state["layers"][1]["w_up"] = state["layers"][1]["w_up"][...].astype(jnp.float32)
+    nnx.update(model, state)
+    match = r"model weight .*layers.*1.*w_up.* has dtype float32 but the model is bfloat16"
+    with pytest.raises(ValueError, match=match):
+        ll.generate(model, PROMPTS[:1], max_tokens=2)
+    with pytest.raises(ValueError, match=match):
+        ll.score(model, PROMPTS[:1], [[5]])
+    with pytest.raises(ValueError, match=match):
+        ll.token_logprobs(model, [[1, 2]], [1])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -112,7 +112,6 @@ def token_logprobs(
     replayed token's mixture weights are the router's current probabilities of those
     experts, renormalized as the model does, so gradients reach the router.
     """
-    _check_weight_dtypes(model)
     job = plan(model, Options(deterministic=deterministic))
     info = job.info
     ids, prompt_len, lengths = _checked_rows(token_ids, prompt_lengths, lengths, info.vocab_size)
@@ -136,23 +135,6 @@ def token_logprobs(
 
 def _is_traced(x: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
-
-
-def _check_weight_dtypes(model: Any) -> None:
-    """Refuse floating weights whose dtype is not the model's: `nnx.update` with float32
-    arrays into a bfloat16 model would run float32 products (another program, other bits)
-    while the model still says bfloat16. Cast them first: `jax.tree.map(lambda x:
-    x.astype(model.dtype), state)`."""
-    dtype = getattr(model, "dtype", None)
-    if dtype is None or not isinstance(model, nnx.Module):
-        return
-    for path, value in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        if jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != dtype:
-            name = jax.tree_util.keystr(path)
-            raise ValueError(
-                f"model weight {name} has dtype {value.dtype} but the model is {dtype}: "
-                f"cast new weights to {dtype} before nnx.update"
-            )
 
 
 def _checked_rows(token_ids, prompt_lengths, lengths, vocab_size: int):
