@@ -118,7 +118,7 @@ def test_gradient_reaches_the_router_through_replayed_weights(moe32):
     def loss(b):
         return jnp.sum(b.mlp(h, PLAIN, routing=routing)[0] ** 2)
 
-    grads = nnx.grad(loss)(block)
+    grads = nnx.jit(nnx.grad(loss))(block)  # one program: eager backward ops cost more
     assert float(jnp.abs(grads.router[...]).max()) > 0.0
 
 
@@ -137,8 +137,4 @@ def test_bad_routing_records_are_refused_naming_routing(moe32):
     high[1, 2, 0, 1] = moe.config.num_experts
     with pytest.raises(ValueError, match=r"routing\[1, 2, 0, 1\] = 8 is outside .*\[-1, 8\)"):
         ll.token_logprobs(moe, ids, plen, routing=high)
-    dense = family_model("llama", "float32")
-    with pytest.raises(ValueError, match="routing is a mixture of experts' record"):
-        ll.token_logprobs(dense, ids, plen, routing=routing)
-    with pytest.raises(ValueError, match="return_routing=True needs a mixture-of-experts"):
-        ll.generate(dense, PROMPTS, max_tokens=2, return_routing=True)
+    # a model that does not route: tests/rl/test_token_logprobs.py (its bad-input cases)
