@@ -138,3 +138,21 @@ def test_bad_routing_records_are_refused_naming_routing(moe32):
     with pytest.raises(ValueError, match=r"routing\[1, 2, 0, 1\] = 8 is outside .*\[-1, 8\)"):
         ll.token_logprobs(moe, ids, plen, routing=high)
     # a model that does not route: tests/rl/test_token_logprobs.py (its bad-input cases)
+
+
+@pytest.mark.slow
+def test_n_samples_on_shared_pages_record_and_replay(moe):
+    """n = 2: each sample's record starts with its prompt's experts (prefilled once), and
+    replaying the records gives the rollout's raw logprobs bit for bit."""
+    params = ll.SamplingParams.create(3, temperature=1.0, max_tokens=6, seed=[1, 2, 3])
+    gen = ll.generate(moe, PROMPTS, params, n=2, deterministic=True, ignore_eos=True,
+                      return_routing=True)  # fmt: skip
+    for r in range(0, 6, 2):
+        width = len(PROMPTS[r // 2])
+        np.testing.assert_array_equal(gen.routing[r][:width], gen.routing[r + 1][:width])
+    ids, plen, lens, routing = _rows(gen)
+    out = ll.token_logprobs(moe, ids, plen, lengths=lens, routing=routing)
+    for r in range(len(ids)):
+        got = np.asarray(out.raw_logprobs[r, plen[r] : lens[r]])
+        want = np.asarray(gen.raw_logprobs[r], np.float32)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
