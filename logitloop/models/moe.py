@@ -22,6 +22,13 @@ Under a fixed-order policy (`deterministic=True`, `fixed_order`) every call take
 path over the pass's row tiles: the same order for a token in a prompt pass, a decode step
 of any batch and a scoring pass, at the dense path's cost (every expert on every token).
 
+Routing replay (RL, docs/rl.md): `mlp(h, numerics, routing=ids)` sends each token to the
+given `[B, T, k]` experts instead of its top k (a token whose first id is -1 keeps its
+own), weighted by the router's probabilities of those experts (renormalized as above), so
+the gradient reaches the router; it returns the experts used too, which is how
+`generate(..., return_routing=True)` records them (all -1 in). With the ids the router
+itself chose, the output is the same bit for bit.
+
 Routing ties: `jax.lax.top_k` keeps the lower expert id; torch's CPU `topk` breaks exact
 ties in an order of its own (not always the lower id), so two experts with bit-identical
 router scores may be chosen differently. With real router weights exact ties do not occur.
