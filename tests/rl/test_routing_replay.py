@@ -156,3 +156,22 @@ def test_n_samples_on_shared_pages_record_and_replay(moe):
         got = np.asarray(out.raw_logprobs[r, plen[r] : lens[r]])
         want = np.asarray(gen.raw_logprobs[r], np.float32)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.slow
+def test_token_logprobs_gradient_with_replay_reaches_the_router():
+    """Through token_logprobs' custom VJP: forced experts change the values, and the
+    router's gradient is finite and nonzero."""
+    model = family_model("qwen3_moe", "float32")
+    ids = np.array([[1, 5, 7, 9, 11, 30, 2, 40], [3, 4, 50, 51, 60, 0, 0, 0]], np.int32)
+    plen, lens = np.array([4, 2]), np.array([8, 5])
+    forced = np.broadcast_to(np.array([0, 1, 2], np.int32), (2, 8, 2, 3))
+
+    def loss(m, routing):
+        out = ll.token_logprobs(m, ids, plen, lengths=lens, routing=routing, deterministic=False)
+        return jnp.sum(out.raw_logprobs)
+
+    value, grads = nnx.value_and_grad(lambda m: loss(m, forced))(model)
+    assert float(value) != float(loss(model, None))
+    router = np.asarray(grads["layers"][0]["router"][...])
+    assert np.all(np.isfinite(router)) and np.abs(router).max() > 0
