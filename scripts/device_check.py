@@ -142,7 +142,7 @@ SMOKE = Shapes(
     prompt=64,
     new_tokens=16,
     prefill=256,
-    deterministic_batches=(1, 2),
+    deterministic_batches=(2,),  # the row-alone check below runs batch 1 too
     shipped_tokens=8,
     paged=dict(batch=2, heads=4, kv_heads=2, head_dim=16, page_size=4, pages_per_row=4),
 )
