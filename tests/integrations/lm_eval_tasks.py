@@ -116,19 +116,21 @@ def random_llama(folder: Path, max_positions: int = 48, seed: int = 0) -> Path:
 
 
 def evaluate(
-    model: Any, model_args: str | None, task_dir: Path, tasks: list[str], **kw: Any
+    model: Any, model_args: str | None, task_dir: Any, tasks: list[str], **kw: Any
 ) -> dict:
     """`simple_evaluate` offline (`model` a name, or an `LM` instance without model_args):
     {"results": aggregate metrics per task, "samples": per task, the responses of each
-    doc in doc order}."""
+    doc in doc order}. `task_dir`: the tasks' folder, or a `TaskManager` over it (building
+    one indexes lm-eval's whole task library, seconds: reuse one across calls)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    manager = task_dir if isinstance(task_dir, TaskManager) else None
     out = lm_eval.simple_evaluate(
         model=model, model_args=model_args, tasks=tasks,
-        task_manager=TaskManager(include_path=str(task_dir)), log_samples=True,
+        task_manager=manager or TaskManager(include_path=str(task_dir)), log_samples=True,
         verbosity="ERROR", **kw,
     )  # fmt: skip
     samples = {
