@@ -229,12 +229,22 @@ class LogitloopLM(TemplateLM):
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_history,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt,
-        )
+        """The tokenizer's chat rendering (lm-eval's `--apply_chat_template`), as `hf`'s:
+        a template that refuses a system message gets the history without it."""
+        import jinja2
+
+        def render(history):
+            return self.tokenizer.apply_chat_template(
+                history,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+            )
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([m for m in chat_history if m["role"] != "system"])
 
     # ------------------------------------------------------------------ scoring
 

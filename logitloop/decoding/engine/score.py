@@ -212,9 +212,8 @@ def score(
     for bit; for others it may differ from it in the last bit.
     `top_logprobs` (0..MAX_TOP_LOGPROBS): that many raw alternatives per position.
 
-    The pairs run in fixed-shape batches of `batch_size` rows (a short last batch in a
-    power of two of them), longest first (prompt and continuation widths bucketed to powers
-    of two, so few programs compile), and
+    The pairs run in fixed-shape batches of `batch_size` rows, longest first (prompt and
+    continuation widths bucketed to powers of two, so few programs compile), and
     `progress(done, total)` is called after each batch. Pairs whose prompts are the same
     ids run in the same batch and share one prompt pass (module docstring); with
     `share_prompts=False` every pair runs its own (the values are the same, with
@@ -244,7 +243,7 @@ def score(
     results: list[ScoreResult | None] = [None] * total
     for start in range(0, total, batch_size):
         rows = order[start : start + batch_size]
-        padded = rows + [rows[0]] * (batch_rows(len(rows), batch_size, layout) - len(rows))
+        padded = rows + [rows[0]] * (batch_size - len(rows))
         out = _score_rows(
             info, [ids[r] for r in padded], [conts[r] for r in padded],
             None if params is None else params.take(padded), top_logprobs, layout,
@@ -255,14 +254,6 @@ def score(
         if progress is not None:
             progress(min(start + batch_size, total), total)
     return results
-
-
-def batch_rows(rows: int, batch_size: int, layout: Layout) -> int:
-    """The rows a batch of `rows` pairs runs as: `batch_size`, or for a short (last) batch
-    the power of two that holds them (a multiple of the mesh's data shards), so a few
-    leftover pairs do not pay for a whole batch of padding rows."""
-    step = layout.row_multiple
-    return min(batch_size, -(-bucket(rows, 1) // step) * step)
 
 
 def pair_order(ids: list[list[int]], conts: list[list[int]], share: bool) -> list[int]:
