@@ -1,6 +1,6 @@
 """The lm-eval backend against lm-eval's `hf` backend on the same offline tasks and model.
 
-    python scripts/bench_eval.py [--docs 24] [--repeats 3] [--json out.json]
+    python scripts/bench_eval.py [--docs 24] [--repeats 3] [--tasks ll_mc] [--json out.json]
 
 Tasks: a multiple-choice task (`--docs` questions of 4 choices) and a rolling-perplexity
 task (`--docs // 3` documents), written as JSONL + YAML to a temporary folder (the tests'
@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--tasks", default="ll_mc,ll_rolling", help="comma-separated task names")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--cost-only", action="store_true", help="only the XLA cost analysis")
     args = ap.parse_args()
@@ -130,7 +131,7 @@ def main() -> None:
     mc, texts = make_docs(args.docs)
     lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts)
     task_dir = lm_eval_tasks.write_tasks(Path(tempfile.mkdtemp(prefix="bench_eval_")))
-    tasks = ["ll_mc", "ll_rolling"]
+    tasks = args.tasks.split(",")
     shipped = Path(ll.__file__).parent / "models" / "tiny"
     model = ll.load_pretrained(shipped, dtype="float32")
     backends = {
@@ -155,7 +156,7 @@ def main() -> None:
         print(f"{name:36s} whole call median {results[name]:6.2f} s {[round(t, 2) for t in whole]}"
               f"; backend calls {own[name]:6.2f} s {[round(t, 2) for t in calls]}")  # fmt: skip  # noqa: E501
     ref, ref_own = results["hf (torch, CPU)"], own["hf (torch, CPU)"]
-    print(f"\n{len(mc)} questions x 4 choices + {len(texts)} rolling documents, "
+    print(f"\n{tasks}: {len(mc)} questions x 4 choices, {len(texts)} rolling documents, "
           f"batch_size {args.batch_size}; ratio = hf time / this time")  # fmt: skip
     print(f"  {'backend':36s} {'whole call':>10s} {'backend calls':>14s}")
     for name in results:

@@ -50,6 +50,13 @@ def test_raw_logprobs_match_transformers(hf_pair):
             assert list(top) == ids.tolist()
             np.testing.assert_allclose(list(top.values()), want[j, ids], rtol=0, atol=2e-5)
         assert s.raw_logprob_sum == pytest.approx(float(np.sum(got_tok)), abs=1e-4)
+    # One-token choices of one prompt (an MMLU answer letter): the shared prompt pass
+    # alone, no continuation pass.
+    choices = [[t] for t in random_prompts(vocab, [1, 1, 1], seed=6) for t in t]
+    out = ll.score(model, [prompts[0]] * 3 + [prompts[1]], choices + [[conts[0][0]]])
+    for p, s in zip([prompts[0]] * 3 + [prompts[1]], out, strict=True):
+        want = hf_scores(hf, p, s.token_ids)[0, s.token_ids[0]]
+        np.testing.assert_allclose(s.raw_logprobs, [want], rtol=0, atol=2e-5)
 
 
 def test_shipped_model_strings_in_context():

@@ -316,7 +316,10 @@ def _score_rows(
     share_prompts: bool = False,
 ) -> dict[str, np.ndarray]:
     """One batch on device; host arrays [B, C] (and [B, C, K] for the alternatives)."""
-    width = bucket(max(len(c) for c in conts), MIN_CONTINUATION_BUCKET)
+    # One-token continuations (the letter of an MMLU answer, a one-token choice) need the
+    # prompt pass alone: no continuation pass then.
+    longest = max(len(c) for c in conts)
+    width = 1 if longest == 1 else bucket(longest, MIN_CONTINUATION_BUCKET)
     plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET)
     # The cache holds the prompt bucket and at least MIN_PROMPT_BUCKET more slots, as
     # `generate`'s does (a multiple of the deterministic attention's slot chunk).
@@ -397,9 +400,10 @@ def continuation_logits(
     first, cache = forward_prompt(runner, weights, prompt, positions, cache_len, layout)
     if row_prompt is not None:
         first = first[row_prompt]
-        cache = layout.cache(jax.tree.map(lambda x: x[row_prompt], cache), cont.shape[0])
     if width == 1:
         return first[:, None].astype(jnp.float32)
+    if row_prompt is not None:
+        cache = layout.cache(jax.tree.map(lambda x: x[row_prompt], cache), cont.shape[0])
     col = jnp.arange(width - 1)[None, :]  # [1, C - 1]
     pos = jnp.where(col < cont_len[:, None] - 1, prompt_len[:, None] + col, -1)
     rest, _ = runner.forward_columns(weights, cont[:, :-1], pos.astype(jnp.int32), cache)
