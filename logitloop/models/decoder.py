@@ -94,7 +94,8 @@ class DecoderModel(nnx.Module):
         *,
         all_columns: bool = False,
         numerics: Numerics = PLAIN,
-    ) -> tuple[jax.Array, KVCache]:
+        routing: jax.Array | None = None,
+    ) -> tuple[jax.Array, ...]:
         """Run T columns through the model, writing their keys/values into `cache`.
 
         Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
@@ -113,8 +114,17 @@ class DecoderModel(nnx.Module):
         `max_length` the cache was made for; `logitloop.models.layers` walks through an
         example and describes the ring.
         Pure in (parameters, tokens, positions, cache): safe under `jit` and `while_loop`.
+
+        `routing` (a mixture of experts, `moe.py`): `[B, T, L, k]` int32, for each token
+        and each of the L `routed_layers()` the k experts to send it to (routing replay;
+        a token whose first id is -1 goes where the router sends it); the call then
+        returns `(logits, cache, routing used)`, the last `[B, T, L, k]` (pass all -1 to
+        record the router's choices).
         """
-        x, new_cache = self.hidden_states(tokens, positions, cache, numerics)  # [B, T, E]
+        if routing is None:
+            x, new_cache = self.hidden_states(tokens, positions, cache, numerics)  # [B, T, E]
+        else:
+            x, new_cache, used = self.hidden_states(tokens, positions, cache, numerics, routing)
         last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
         rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
         head = self.head_weight()
@@ -124,7 +134,13 @@ class DecoderModel(nnx.Module):
             numerics=numerics,
             head=True,
         )
-        return self.output_logits(logits.reshape(*last.shape[:-1], -1)), new_cache
+        logits = self.output_logits(logits.reshape(*last.shape[:-1], -1))
+        return (logits, new_cache) if routing is None else (logits, new_cache, used)
+
+    def routed_layers(self) -> tuple[int, ...]:
+        """The layers that route each token to experts (a mixture of experts' sparse
+        layers; none in a dense model): the L of a routing record `[B, T, L, k]`."""
+        return tuple(i for i, b in enumerate(self.layers) if getattr(b, "sparse", False))
 
     def hidden_states(
         self,
@@ -132,10 +148,12 @@ class DecoderModel(nnx.Module):
         positions: jax.Array,  # [B, T] int32, -1 for (left) padding
         cache: KVCache,
         numerics: Numerics = PLAIN,
-    ) -> tuple[jax.Array, KVCache]:
-        """The blocks' output at every column, `[B, T, E]` (before the final norm), and the
-        updated cache: `__call__` without the head, for training (which needs every
-        column's logits: `output_norm` and `head_weight` apply to `[B, T, E]` as well)."""
+        routing: jax.Array | None = None,  # [B, T, L, k] i32 (`__call__`)
+    ) -> tuple[jax.Array, ...]:
+        """The blocks' output at every column, `[B, T, E]` (before the final norm) and the
+        updated cache, and with `routing` the experts used, `[B, T, L, k]`: `__call__`
+        without the head, for training (which needs every column's logits: `output_norm`
+        and `head_weight` apply to `[B, T, E]` as well)."""
         windows = self.config.sliding_windows
         masks = {}  # one per (layout, window): every ring of a window holds the same positions
         for layer_cache, window in zip(cache, windows, strict=True):
@@ -143,9 +161,20 @@ class DecoderModel(nnx.Module):
             if (ring, window) not in masks:
                 masks[ring, window] = layers.layer_mask(positions, layer_cache, window)
         x = self.embed(tokens, positions)  # [B, T, E]
-        new_cache = []
-        for block, layer_cache, window in zip(self.layers, cache, windows, strict=True):
+        new_cache, used = [], []
+        routed = self.routed_layers() if routing is not None else ()
+        for i, (block, layer_cache, window) in enumerate(
+            zip(self.layers, cache, windows, strict=True)
+        ):
             mask = masks["pos" in layer_cache, window]
-            x, layer_cache = block(x, positions, layer_cache, mask, **policy(numerics))
+            keywords = policy(numerics)
+            if i in routed:
+                keywords["routing"] = routing[:, :, routed.index(i)]
+                x, layer_cache, experts = block(x, positions, layer_cache, mask, **keywords)
+                used.append(experts)
+            else:
+                x, layer_cache = block(x, positions, layer_cache, mask, **keywords)
             new_cache.append(layer_cache)
-        return x, new_cache
+        if routing is None:
+            return x, new_cache
+        return x, new_cache, jnp.stack(used, axis=2)

@@ -85,6 +85,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -380,12 +381,13 @@ def split_tiles_keep_row_bits() -> bool:
 
 
 def rowwise(
-    fn: Callable[[jax.Array], jax.Array],
+    fn: Callable[..., Any],
     x: jax.Array,
     *,
     numerics: Numerics,
     head: bool = False,
-) -> jax.Array:
+    aux: jax.Array | None = None,
+) -> Any:
     """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; under a fixed-order policy over
     tiles of `row_tile(rows, numerics, head=head)` rows (zero rows pad the last), so that
     every product XLA compiles in a given pass has one shape on every device, or (decode
@@ -397,26 +399,43 @@ def rowwise(
     device runs a `[tile, K]` product on its own rows, as one device does. (Tiling the
     global rows instead would let the partitioner split a tile's rows over the devices: on
     a (8, 1) mesh at batch 8 each device then ran one-row products, which round
-    differently.)"""
+    differently.)
+
+    `aux`: a second `[M, ...]` array whose rows go with x's (an MoE layer's replayed
+    experts): `fn(x_rows, aux_rows)`, tiled alike. `fn` may return a tuple of `[M, N_i]`
+    arrays (the mixture and the experts it used); so does `rowwise` then."""
+    args = (x,) if aux is None else (x, aux)
     if not numerics.fixed:
-        return fn(x)
+        return fn(*args)
     mesh = numerics.row_mesh
     if numerics.tile_kernel is not None and mesh is None:
-        return fn(x)  # the kernel's rows do not depend on the row count: no tiles needed
+        return fn(*args)  # the kernel's rows do not depend on the row count: no tiles needed
     d = mesh.shape[DATA_AXIS] if mesh is not None else 1
-    m, k = x.shape
+    m = x.shape[0]
     if m % d:
         raise ValueError(f"{m} rows do not split over a data axis of size {d}")
     per = m // d
     tile = row_tile(per, numerics, head=head, dtype=x.dtype)
-    blocks = jnp.pad(x.reshape(d, per, k), ((0, 0), (0, -per % tile), (0, 0)))
-    tiles = blocks.reshape(d, -1, tile, k).transpose(1, 0, 2, 3)  # [T, D, tile, K]
-    if mesh is not None:
-        spec = NamedSharding(mesh, PartitionSpec(None, DATA_AXIS))
-        tiles = jax.lax.with_sharding_constraint(tiles, spec)
-    out = jax.lax.map(lambda t: fn(t.reshape(d * tile, k)).reshape(d, tile, -1), tiles)
-    out = out.transpose(1, 0, 2, 3).reshape(d, -1, out.shape[-1])[:, :per]  # [D, per, N]
-    return out.reshape(m, out.shape[-1])
+
+    def to_tiles(a):  # [M, K] -> [T, D, tile, K], zero rows padding each device's block
+        a = a.reshape(d, per, -1)
+        a = jnp.pad(a, ((0, 0), (0, -per % tile), (0, 0)))
+        a = a.reshape(d, -1, tile, a.shape[-1]).transpose(1, 0, 2, 3)
+        if mesh is not None:
+            spec = NamedSharding(mesh, PartitionSpec(None, DATA_AXIS))
+            a = jax.lax.with_sharding_constraint(a, spec)
+        return a
+
+    def from_tiles(a):  # [T, D, tile, N] -> [M, N]
+        a = a.transpose(1, 0, 2, 3).reshape(d, -1, a.shape[-1])[:, :per]  # [D, per, N]
+        return a.reshape(m, a.shape[-1])
+
+    def one_tile(ts):
+        got = fn(*(t.reshape(d * tile, -1) for t in ts))
+        return jax.tree.map(lambda o: o.reshape(d, tile, -1), got)
+
+    out = jax.lax.map(one_tile, tuple(to_tiles(a) for a in args))
+    return jax.tree.map(from_tiles, out)
 
 
 def contraction_chunk(k: int, groups: int = 1) -> int:

@@ -131,12 +131,18 @@ class LlamaBlock(nnx.Module):
         mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
         *,
         numerics: Numerics = PLAIN,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        routing: jax.Array | None = None,
+    ) -> tuple[jax.Array, ...]:
+        """`(x, cache)`; with `routing` (an MoE layer's `[B, T, k]` experts to replay, -1:
+        its own choice) `(x, cache, experts used)` (`moe.MoeBlock.mlp`)."""
         h = self.norm(x, self.attn_norm[...], numerics)
         attn, cache = self.attention(h, positions, cache, mask, numerics)
         x = x + self.after_attention(attn, numerics)
-        out = self.mlp(self.norm(x, self.mlp_norm[...], numerics), numerics)
-        return x + self.after_mlp(out, numerics), cache
+        h = self.norm(x, self.mlp_norm[...], numerics)
+        if routing is None:
+            return x + self.after_mlp(self.mlp(h, numerics), numerics), cache
+        out, used = self.mlp(h, numerics, routing=routing)
+        return x + self.after_mlp(out, numerics), cache, used
 
     def after_attention(self, attn: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         """What the attention output goes through before the residual add (Gemma: a norm)."""

@@ -22,6 +22,13 @@ Under a fixed-order policy (`deterministic=True`, `fixed_order`) every call take
 path over the pass's row tiles: the same order for a token in a prompt pass, a decode step
 of any batch and a scoring pass, at the dense path's cost (every expert on every token).
 
+Routing replay (RL, docs/rl.md): `mlp(h, numerics, routing=ids)` sends each token to the
+given `[B, T, k]` experts instead of its top k (a token whose first id is -1 keeps its
+own), weighted by the router's probabilities of those experts (renormalized as above), so
+the gradient reaches the router; it returns the experts used too, which is how
+`generate(..., return_routing=True)` records them (all -1 in). With the ids the router
+itself chose, the output is the same bit for bit.
+
 Routing ties: `jax.lax.top_k` keeps the lower expert id; torch's CPU `topk` breaks exact
 ties in an order of its own (not always the lower id), so two experts with bit-identical
 router scores may be chosen differently. With real router weights exact ties do not occur.
@@ -55,32 +62,50 @@ class MoeBlock(llama.LlamaBlock):
         self.w_up = p((x, e, f), ("experts", "embed", "mlp"))
         self.w_down = p((x, f, e), ("experts", "mlp", "embed"))
 
-    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
+    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN, *, routing=None):
+        """`[B, T, E] -> [B, T, E]`; with `routing` (`[B, T, k]` i32, expert ids to replay,
+        -1: the router's own choice) also the `[B, T, k]` experts each token went to
+        (routing replay, module docstring)."""
         if not self.sparse:
             return super().mlp(h, numerics)
         c = self.config
         b, t, e = h.shape
+        k = c.num_experts_per_tok
         flat = h.reshape(b * t, e)  # [N, E]
+        given = None if routing is None else routing.reshape(b * t, k).astype(jnp.int32)
         if numerics.fixed:
             # A fixed order: the router and the dense mixture over row tiles of the pass's
             # one shape (`fixed_order.rowwise`), never the gathered path, whose sum runs in
             # another order (a bfloat16 Mixtral's decode step and its scoring pass differed
             # by 0.0017 nats), so a token's experts and sum do not depend on the batch.
-            out = fixed_order.rowwise(
-                lambda rows: self._dense(rows, *self._route(rows)), flat, numerics=numerics
-            )
-        elif t == 1 and b * c.num_experts_per_tok < c.num_experts:
-            out = self._routed(flat, *self._route(flat))
-        else:
-            out = self._dense(flat, *self._route(flat))
-        return out.astype(h.dtype).reshape(b, t, e)
+            def tile(rows, given_rows=None):
+                weights, experts = self._route(rows, given_rows)
+                return self._dense(rows, weights, experts), experts
 
-    def _route(self, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """`[N, E]` -> each token's k expert weights `[N, k]` f32 and expert ids `[N, k]`."""
+            out, experts = fixed_order.rowwise(tile, flat, numerics=numerics, aux=given)
+        else:
+            weights, experts = self._route(flat, given)
+            if t == 1 and b * k < c.num_experts:
+                out = self._routed(flat, weights, experts)
+            else:
+                out = self._dense(flat, weights, experts)
+        out = out.astype(h.dtype).reshape(b, t, e)
+        return out if routing is None else (out, experts.reshape(b, t, k))
+
+    def _route(self, flat: jax.Array, given: jax.Array | None = None):
+        """`[N, E]` -> each token's k expert weights `[N, k]` f32 and expert ids `[N, k]`:
+        the router's top k, or the `given` ids `[N, k]` (a token whose first id is -1
+        takes its own), weighted by the router's probabilities for them, so a replayed
+        token's mixture is differentiable in the router as the sampled one was."""
         c = self.config
         logits = flat @ self.router[...]  # [N, X]
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, c.num_experts_per_tok)  # [N, k]
+        if given is not None:
+            replay = given[:, :1] >= 0  # [N, 1]
+            experts = jnp.where(replay, given, experts)
+            chosen = jnp.take_along_axis(probs, jnp.clip(experts, 0, c.num_experts - 1), axis=1)
+            weights = jnp.where(replay, chosen, weights)
         if c.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights, experts

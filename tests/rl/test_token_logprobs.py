@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import logitloop as ll
+from logitloop.models import fixed_order
 from tests.rl.family_models import FAMILIES, VOCAB, family_model
 
 PROMPTS = [[1, 5, 7, 9], [3, 4], [11, 12, 13, 14, 15, 16, 2], [8], [20, 21, 22]]
@@ -251,6 +252,56 @@ def test_new_weights_compile_nothing(compile_counter):
         ll.token_logprobs(model, ids, plen, lengths=lens)
 
 
+@pytest.fixture(scope="module")
+def llama_bf16():
+    return family_model("llama", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def llama_f32():
+    return family_model("llama", "float32")
+
+
+def test_token_logprobs_inside_a_users_jit_equals_its_own_program(llama_bf16):
+    """bfloat16: traced into a user's own `jax.jit` compiled with
+    `fixed_order.compiler_options()`, token_logprobs gives its own program's bits (which
+    the matrix above pins to the rollout's; tests/rl/test_shipped_exactness.py, `-m
+    slow`, against the shipped model's rollout). Without the options this model's
+    values differ (by 0.013 nats against a rollout)."""
+    ids = np.array([[1, 5, 7, 9, 11, 30, 2, 40], [3, 4, 50, 51, 60, 0, 0, 0]], np.int32)
+    plen, lens = np.array([4, 2]), np.array([8, 5])
+    graphdef, weights = nnx.split(llama_bf16)
+
+    @jax.jit(compiler_options=fixed_order.compiler_options())
+    def users_step(weights):
+        model = nnx.merge(graphdef, weights)
+        return ll.token_logprobs(model, ids, plen, lengths=lens).raw_logprobs
+
+    own = ll.token_logprobs(llama_bf16, ids, plen, lengths=lens).raw_logprobs
+    np.testing.assert_array_equal(_bits(users_step(weights)), _bits(own))
+
+
+def test_weights_of_another_dtype_are_refused_by_every_entry_point(llama_bf16):
+    """float32 arrays nnx.update'd into a bfloat16 model: generate, score and
+    token_logprobs refuse them by the weight's name before compiling anything (one check,
+    in `model_info`)."""
+    model = llama_bf16
+    state = nnx.state(model)
+    wrong = nnx.state(model)
+    wrong["layers"][1]["w_up"] = state["layers"][1]["w_up"][...].astype(jnp.float32)
+    nnx.update(model, wrong)
+    match = r"model weight .*layers.*1.*w_up.* has dtype float32 but the model is bfloat16"
+    try:
+        with pytest.raises(ValueError, match=match):
+            ll.generate(model, PROMPTS[:1], max_tokens=2)
+        with pytest.raises(ValueError, match=match):
+            ll.score(model, PROMPTS[:1], [[5]])
+        with pytest.raises(ValueError, match=match):
+            ll.token_logprobs(model, [[1, 2]], [1])
+    finally:
+        nnx.update(model, state)  # the module's model for the other tests
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -261,10 +312,16 @@ def test_new_weights_compile_nothing(compile_counter):
         (dict(token_ids=[1, 2]), r"token_ids must be a \[B, T\] array"),
         (dict(params=ll.SamplingParams.create(2)), r"params has batch_size 2 but token_ids has 1"),
         (dict(keep_mask=True), r"keep_mask .* pass params"),
+        (dict(routing=np.zeros((1, 2, 1, 1), np.int32)), "routing is a mixture of experts'"),
     ],
 )
-def test_bad_input_names_the_argument(kwargs, match):
-    model = family_model("llama", "float32")
+def test_bad_input_names_the_argument(kwargs, match, llama_f32):
+    model = llama_f32
     args = dict(token_ids=[[1, 2]], prompt_lengths=[1]) | kwargs
     with pytest.raises(ValueError, match=match):
         ll.token_logprobs(model, **args)
+
+
+def test_return_routing_needs_a_mixture_of_experts(llama_f32):
+    with pytest.raises(ValueError, match="return_routing=True needs a mixture-of-experts"):
+        ll.generate(llama_f32, PROMPTS[:1], max_tokens=2, return_routing=True)

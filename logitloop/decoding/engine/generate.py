@@ -54,6 +54,7 @@ def generate(
     params: SamplingParams | Mapping[str, Any] | None = None,
     *,
     prompt_logprobs: int | None = None,
+    return_routing: bool = False,
     **keywords: Any,
 ) -> GenerationResult:
     """Generate completions for a batch of prompts, each row under its own settings.
@@ -113,13 +114,24 @@ def generate(
     `prompt_logprobs=n` (0..20): `result.prompt_logprobs[i]`, the `ll.score` of row i's
     prompt tokens after its first (raw log-probabilities, argmax flags and n raw
     alternatives per position: exactly `ll.score(model, [p[:1]], [p[1:]], top_logprobs=n)`).
+
+    `return_routing=True` (a mixture of experts; not with `speculative` or `mesh`):
+    `result.routing[i]`, the experts each routed layer sent each of row i's prompt and
+    generated tokens to (`GenerationResult.routing`), for `ll.token_logprobs(...,
+    routing=)` to replay (docs/rl.md, "Routing replay"). Without it the loop carries
+    no routing state.
     """
     if prompt_logprobs is not None:
         check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     options, settings = Options.split("generate", keywords)
-    run = _start(model, plan(model, options), prompts, params, settings)
+    job = plan(model, options)
+    if return_routing:
+        job = _recording(job)
+    run = _start(model, job, prompts, params, settings)
     state = decode(run.plan.program, run.tables, run.state, jnp.asarray(2**30, jnp.int32))
     result = collect(run.plan.layout.host_view(state).outputs(), run.ids, run.params, run.info)
+    if return_routing:
+        result.routing = _row_routing(state.routing, run.ids, result.num_tokens)
     if run.plan.program.speculative is not None:
         result.speculation = speculation.stats(state.speculation, len(run.ids))
     if prompt_logprobs is not None:
@@ -127,6 +139,29 @@ def generate(
         scores = prompt_scores(model, run.ids[:: o.n], prompt_logprobs, o.mesh, o.deterministic)
         result.prompt_logprobs = [s for s in scores for _ in range(o.n)]
     return result
+
+
+def _recording(job: Plan) -> Plan:
+    """The plan whose loop records each token's experts (`return_routing=True`)."""
+    if job.info.runner.routing_shape(job.info.weights) is None:
+        raise ValueError(
+            "return_routing=True needs a mixture-of-experts model (Mixtral, Qwen3-MoE): "
+            "this model has no routed layers"
+        )
+    if job.program.speculative is not None or job.options.mesh is not None:
+        raise ValueError("return_routing=True does not combine with speculative or mesh")
+    return dataclasses.replace(job, program=dataclasses.replace(job.program, routing=True))
+
+
+def _row_routing(routing: Any, ids: list[list[int]], num_tokens: list[int]) -> list[np.ndarray]:
+    """Each row's [prompt + generated, L, k] experts from the loop's (prompt [B, P, L, k]
+    left-padded, generated [B, N, L, k])."""
+    prompt, generated = (np.asarray(x) for x in jax.device_get(routing))
+    width = prompt.shape[1]
+    return [
+        np.concatenate([prompt[r, width - len(row) :], generated[r, : num_tokens[r]]])
+        for r, row in enumerate(ids)
+    ]
 
 
 @dataclasses.dataclass

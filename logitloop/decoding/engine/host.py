@@ -106,6 +106,11 @@ class GenerationResult:
     speculation: list[dict[str, int]] | None = None
     # with `prompt_logprobs=`: per row the `ll.score` (`ScoreResult`) of its prompt tokens
     prompt_logprobs: list[Any] | None = None
+    # with `return_routing=True` (a mixture of experts): per row an int32 array
+    # [len(prompt_token_ids) + len(token_ids), L, k], the k experts each of the L routed
+    # layers sent each token to, aligned with prompt + completion as `ll.token_logprobs`
+    # takes them (`routing=`); -1 for the last generated token, which no pass fed back
+    routing: list[np.ndarray] | None = None
 
     @property
     def texts(self) -> list[str] | None:

@@ -389,15 +389,21 @@ def continuation_logits(
     cont_len: jax.Array,  # [B] i32
     cache_len: int,
     layout: Layout = ONE_DEVICE,
+    routing: tuple[jax.Array, jax.Array] | None = None,
     row_prompt: jax.Array | None = None,  # [B] i32: row b continues prompt row_prompt[b]
 ) -> jax.Array:
     """[B, C, V] f32: the logits each continuation token was predicted from (module
     docstring): the prompt pass's last column, then the continuation's own columns.
-    With `row_prompt`, `prompt` and `positions` hold the K distinct prompts ([K, P]): the
-    prompt pass runs once per prompt, and each row gathers its prompt's last-column
-    logits and cache (every cache leaf is per row, [K, ...])."""
+    `routing` (a mixture of experts): the experts to replay, `[B, P, L, k]` for the
+    prompt's columns and `[B, C, L, k]` for the continuation's (-1: the router's own).
+    With `row_prompt`, `prompt` and `positions` (and the prompt's routing) hold the K
+    distinct prompts ([K, P]): the prompt pass runs once per prompt, and each row gathers
+    its prompt's last-column logits and cache (every cache leaf is per row, [K, ...])."""
     width = cont.shape[1]
-    first, cache = forward_prompt(runner, weights, prompt, positions, cache_len, layout)
+    prompt_routing, cont_routing = (None, None) if routing is None else routing
+    first, cache, *_ = forward_prompt(
+        runner, weights, prompt, positions, cache_len, layout, routing=prompt_routing
+    )
     if row_prompt is not None:
         first = first[row_prompt]
     if width == 1:
@@ -406,7 +412,10 @@ def continuation_logits(
         cache = layout.cache(jax.tree.map(lambda x: x[row_prompt], cache), cont.shape[0])
     col = jnp.arange(width - 1)[None, :]  # [1, C - 1]
     pos = jnp.where(col < cont_len[:, None] - 1, prompt_len[:, None] + col, -1)
-    rest, _ = runner.forward_columns(weights, cont[:, :-1], pos.astype(jnp.int32), cache)
+    routed = {} if cont_routing is None else {"routing": cont_routing[:, :-1]}
+    rest, *_ = runner.forward_columns(
+        weights, cont[:, :-1], pos.astype(jnp.int32), cache, **routed
+    )
     return jnp.concatenate([first[:, None], rest], axis=1).astype(jnp.float32)
 
 
@@ -524,7 +533,7 @@ def score_batch(
     )
     logits = continuation_logits(
         runner, weights, prompt, positions, prompt_len, cont, cont_len,
-        history.tokens.shape[1], layout, row_prompt,
+        history.tokens.shape[1], layout, row_prompt=row_prompt,
     )  # fmt: skip
     valid = jnp.arange(width)[None, :] < cont_len[:, None]  # [B, C]
     raw, (raw_max, norm, bad) = raw_logprobs(logits, cont, valid)

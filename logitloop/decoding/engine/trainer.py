@@ -72,6 +72,7 @@ def token_logprobs(
     lengths: Any = None,  # [B] int, prompt_lengths..T; default T
     deterministic: bool | str = True,
     keep_mask: bool = False,
+    routing: Any = None,  # [B, T, L, k] int: experts to replay (a mixture of experts)
 ) -> TokenLogprobs:
     """Each completion token's log-probability under `model`, pure and differentiable
     with respect to the model's weights (`nnx.grad`, `jax.grad` of a function of the
@@ -102,14 +103,23 @@ def token_logprobs(
     program and compiled with your program's options: compile it with
     `logitloop.models.fixed_order.compiler_options()` to keep bfloat16 exact there.
     New weights of the same structure (`nnx.update`) compile nothing.
+
+    `routing` (a mixture of experts, routing replay): `[B, T, L, k]` int, aligned with
+    `token_ids`, for each token the k experts each of the model's L routed layers is to
+    send it to, as `generate(..., return_routing=True)` records them
+    (`result.routing[i]` for row `prompt_token_ids[i] + token_ids[i]`); a token whose
+    first id is -1 (padding, the last generated token) is routed by the router. Each
+    replayed token's mixture weights are the router's current probabilities of those
+    experts, renormalized as the model does, so gradients reach the router.
     """
-    _check_weight_dtypes(model)
     job = plan(model, Options(deterministic=deterministic))
     info = job.info
     ids, prompt_len, lengths = _checked_rows(token_ids, prompt_lengths, lengths, info.vocab_size)
     if params is not None:
         params = _checked_params(params, ids.shape[0], info)
-    inputs = _Inputs(ids, prompt_len, lengths, params)
+    if routing is not None:
+        routing = _checked_routing(routing, ids.shape, info)
+    inputs = _Inputs(ids, prompt_len, lengths, params, routing)
     raw, processed = _exact(info.runner, job.layout, info.weights, inputs)
     keep = None
     if keep_mask:
@@ -125,23 +135,6 @@ def token_logprobs(
 
 def _is_traced(x: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
-
-
-def _check_weight_dtypes(model: Any) -> None:
-    """Refuse floating weights whose dtype is not the model's: `nnx.update` with float32
-    arrays into a bfloat16 model would run float32 products (another program, other bits)
-    while the model still says bfloat16. Cast them first: `jax.tree.map(lambda x:
-    x.astype(model.dtype), state)`."""
-    dtype = getattr(model, "dtype", None)
-    if dtype is None or not isinstance(model, nnx.Module):
-        return
-    for path, value in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        if jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != dtype:
-            name = jax.tree_util.keystr(path)
-            raise ValueError(
-                f"model weight {name} has dtype {value.dtype} but the model is {dtype}: "
-                f"cast new weights to {dtype} before nnx.update"
-            )
 
 
 def _checked_rows(token_ids, prompt_lengths, lengths, vocab_size: int):
@@ -187,6 +180,35 @@ def _checked_rows(token_ids, prompt_lengths, lengths, vocab_size: int):
     return ids.astype(jnp.int32), plen.astype(jnp.int32), total.astype(jnp.int32)
 
 
+def _checked_routing(routing: Any, shape: tuple[int, int], info) -> jax.Array:
+    """int32 `[B, T, L, k]` expert ids of this model's routed layers, -1 or in range."""
+    routes = info.runner.routing_shape(info.weights)
+    if routes is None:
+        raise ValueError(
+            "routing is a mixture of experts' record (generate(..., return_routing=True)); "
+            "this model has no routed layers"
+        )
+    routing = jnp.asarray(routing)
+    want = (*shape, *routes)
+    if routing.shape != want or not jnp.issubdtype(routing.dtype, jnp.integer):
+        raise ValueError(
+            f"routing must be an integer array of shape {want} ([B, T] as token_ids, "
+            f"{routes[0]} routed layers, {routes[1]} experts per token), got shape "
+            f"{tuple(routing.shape)} of {routing.dtype}"
+        )
+    if not _is_traced(routing):
+        num_experts = nnx.merge(info.runner.graphdef, info.weights).config.num_experts
+        host = np.asarray(routing)
+        bad = np.argwhere((host < -1) | (host >= num_experts))
+        if bad.size:
+            at = tuple(int(i) for i in bad[0])
+            raise ValueError(
+                f"routing{list(at)} = {host[at]} is outside the allowed range "
+                f"[-1, {num_experts}) (an expert id of this model, or -1)"
+            )
+    return routing.astype(jnp.int32)
+
+
 def _checked_params(params: SamplingParams, batch: int, info) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
@@ -217,6 +239,7 @@ class _Inputs:
     prompt_lengths: jax.Array  # [B] i32
     lengths: jax.Array  # [B] i32
     params: SamplingParams | None
+    routing: jax.Array | None = None  # [B, T, L, k] i32, experts to replay
 
 
 def _rows_at(x: jax.Array, index: jax.Array, ok: jax.Array, fill) -> jax.Array:
@@ -252,8 +275,14 @@ def _forward(
     hist_col = jnp.arange(cache_len)[None, :]
     history = History(_rows_at(ids, hist_col, hist_col < plen[:, None], -1), plen, plen)
     params = inputs.params
+    routing = None
+    if inputs.routing is not None:  # the experts to replay, in the same columns as the tokens
+        routing = (
+            _rows_at(inputs.routing, src[..., None, None], (src >= 0)[..., None, None], -1),
+            _rows_at(inputs.routing, at[..., None, None], valid[..., None, None], -1),
+        )
     logits = continuation_logits(
-        runner, weights, prompt, positions, plen, cont, cont_len, cache_len, layout
+        runner, weights, prompt, positions, plen, cont, cont_len, cache_len, layout, routing
     )  # [B, C, V]
     raw, _ = raw_logprobs(logits, cont, valid)
     processed = keep = None

@@ -65,6 +65,9 @@ class Program:
     layout: Layout = ONE_DEVICE
     speculative: Any = None
     pool: Any = None
+    # Record each token's experts (`generate(..., return_routing=True)`, a mixture of
+    # experts): the state then carries `routing`; without it the loop carries nothing more.
+    routing: bool = False
 
 
 @struct.dataclass
@@ -138,6 +141,9 @@ class DecodeState:
     speculation: Any = None
     # A paged cache's page bookkeeping (`pool.Pool`; `cache` is then the shared pool), or None.
     pages: Any = None
+    # `Program.routing`: the experts each token went to, (prompt [B, P, L, k], generated
+    # [B, N, L, k]) i32, -1 where none (padding; a generated token never fed back); else None.
+    routing: Any = None
 
     @classmethod
     def empty(
@@ -416,23 +422,32 @@ def forward_prompt(
     layout: Layout = ONE_DEVICE,
     chunk: int | None = None,
     cache: Any = None,
-) -> tuple[jax.Array, Any]:
+    routing: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
     """The model over whole prompts: next-token logits [B, V] and the cache.
 
     One pass, or with `chunk` the columns `chunk` at a time, each call attending the
     cache the earlier ones wrote (as a decode step does). `cache`: the cache to write
-    (a paged pool attached to the rows' tables); default a fresh one.
+    (a paged pool attached to the rows' tables); default a fresh one. `routing` ([B, P,
+    L, k], a mixture of experts): experts to replay (-1: the router's own); the routing
+    used then comes back third.
     """
     batch, width = prompt.shape
     if cache is None:
         cache = layout.cache(runner.init_cache(weights, batch, cache_len), batch)
     step = width if chunk is None else chunk
+    used = []
     for start in range(0, width, step):
         cols = slice(start, start + step)
-        logits, cache = runner.forward(
-            weights, prompt[:, cols], positions[:, cols], cache, prompt=True, mesh=layout.row_mesh
-        )
-    return logits, cache
+        routed = {} if routing is None else {"routing": routing[:, cols]}
+        logits, cache, *got = runner.forward(
+            weights, prompt[:, cols], positions[:, cols], cache, prompt=True,
+            mesh=layout.row_mesh, **routed,
+        )  # fmt: skip
+        used += got
+    if routing is None:
+        return logits, cache
+    return logits, cache, jnp.concatenate(used, axis=1)
 
 
 @functools.partial(
@@ -460,13 +475,19 @@ def prefill(
     prompts, params, fsm = layout.rows((prompts, tables.params, fsm), batch)
     tables = tables.replace(params=params)
     prompt, positions = prompts.prompt, prompts.positions
-    logits, cache = forward_prompt(
-        program.runner, tables.weights, prompt, positions, plen + buffer_len, layout,
-        prefill_chunk, cache,
+    runner = program.runner
+    routing = runner.no_routing(tables.weights, batch, plen) if program.routing else None
+    logits, cache, *used = forward_prompt(
+        runner, tables.weights, prompt, positions, plen + buffer_len, layout,
+        prefill_chunk, cache, routing,
     )  # fmt: skip
     state = first_state(
         layout, tables, logits, cache, prompts.history, prompts.lengths, buffer_len, num_top, fsm
     )
+    if program.routing:
+        prompt_routing = jnp.where(positions[:, :, None, None] >= 0, used[0], -1)
+        generated = runner.no_routing(tables.weights, batch, buffer_len)
+        state = state.replace(routing=(prompt_routing, generated))
     if program.speculative is not None:
         state = state.replace(speculation=speculation_state(program, tables, prompts, buffer_len))
     return layout.state(state)
@@ -507,9 +528,22 @@ def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState
         cache = paged.attach(s.cache, paged.layer_tables(s.pages, program.pool))
     # Finished rows feed a padding position, so their cache is never written again.
     pos = jnp.where(live, s.prompt_len + s.num_tokens - 1, -1)[:, None]
-    logits, cache = program.runner.forward(
-        tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh
-    )
+    runner = program.runner
+    if s.routing is None:
+        logits, cache = runner.forward(
+            tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh
+        )
+    else:
+        # The fed token is generated token num_tokens - 1: its experts go to that column.
+        batch = pos.shape[0]
+        logits, cache, used = runner.forward(
+            tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh,
+            routing=runner.no_routing(tables.weights, batch, 1),
+        )  # fmt: skip
+        prompt_routing, generated = s.routing
+        col = jnp.where(live, s.num_tokens - 1, generated.shape[1])  # out of range: dropped
+        generated = generated.at[jnp.arange(batch), col].set(used[:, 0], mode="drop")
+        s = s.replace(routing=(prompt_routing, generated))
     if s.pages is None:
         return sample_state(program.layout, tables, logits, s.replace(cache=cache))
     new = sample_state(

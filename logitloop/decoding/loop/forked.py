@@ -93,9 +93,12 @@ def prefill_forked(
     child = rows != parents
     lengths = jnp.repeat(prompts.lengths, n)
     pages, _ = paging.allocate(pool.pages, jnp.where(child, 0, lengths))
-    logits, cache = forward_prompt(
-        program.runner, tables.weights, prompts.prompt, prompts.positions, 0, program.layout,
-        cache=paged.attach(cache, pages.tables[::n]),
+    runner = program.runner
+    width = prompts.prompt.shape[1]
+    routing = runner.no_routing(tables.weights, unique, width) if program.routing else None
+    logits, cache, *used = forward_prompt(
+        runner, tables.weights, prompts.prompt, prompts.positions, 0, program.layout,
+        cache=paged.attach(cache, pages.tables[::n]), routing=routing,
     )  # fmt: skip
     pages = paging.fork(pages, parents, child)
     pages, _ = paging.allocate(pages, lengths)
@@ -126,5 +129,9 @@ def prefill_forked(
     if program.speculative is not None:  # a draft model's own cache: prefilled once too
         spec = speculation_state(program, tables, prompts, buffer_len)
         state = state.replace(speculation=jax.tree.map(lambda x: jnp.repeat(x, n, 0), spec))
+    if program.routing:  # each prompt's experts, for each of its n rows
+        prompt_routing = jnp.where(prompts.positions[:, :, None, None] >= 0, used[0], -1)
+        generated = runner.no_routing(tables.weights, batch, buffer_len)
+        state = state.replace(routing=(jnp.repeat(prompt_routing, n, axis=0), generated))
     pool = pool.replace(pages=paging.free(pages, state.done), arrival=rows.astype(jnp.int32))
     return state.replace(pages=pool)

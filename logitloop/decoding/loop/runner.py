@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import fixed_order, layers
+from logitloop.models import fixed_order, layers, quantization
 from logitloop.models.fixed_order import MODEL_PARALLEL, PLAIN, Numerics
 from logitloop.ops.attention import describe as describe_attention
 
@@ -86,29 +86,37 @@ class ModelRunner:
         return self.numerics.deterministic
 
     def forward(
-        self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None
-    ) -> tuple[jax.Array, Any]:
+        self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None,
+        routing=None,
+    ) -> tuple[jax.Array, ...]:  # fmt: skip
         """Last-column logits `[B, V]` and the cache. `prompt`: the call is (part of) a
         prompt pass, not a decode step: a deterministic runner's products then run over
         prompt-sized row tiles (`fixed_order.PROMPT_TILE`). `mesh`: the rows lie over its
-        "data" axis (a deterministic runner tiles each device's rows by themselves)."""
+        "data" axis (a deterministic runner tiles each device's rows by themselves).
+        `routing` (a mixture of experts: `[B, T, L, k]` experts to replay, -1 for the
+        router's own): the routing used comes back third (`DecoderModel.__call__`)."""
         if self.graphdef is not None:
             numerics = self.numerics.for_pass(prompt=prompt, mesh=mesh)
             model = nnx.merge(self.graphdef, weights)
-            logits, cache = model(tokens, positions, cache, numerics=numerics)
+            routed = {} if routing is None else {"routing": routing}
+            logits, cache, *used = model(tokens, positions, cache, numerics=numerics, **routed)
         else:
             logits, cache = self.apply_fn(weights, tokens, positions, cache)
+            used = []
         if logits.ndim == 3:
             logits = logits[:, -1]
-        return logits, cache
+        return (logits, cache, *used)
 
-    def forward_columns(self, weights, tokens, positions, cache) -> tuple[jax.Array, Any]:
+    def forward_columns(
+        self, weights, tokens, positions, cache, *, routing=None
+    ) -> tuple[jax.Array, ...]:
         """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts:
         generated tokens, so a deterministic runner treats the call as a decode step)."""
         if self.graphdef is not None:
             model = nnx.merge(self.graphdef, weights)
             numerics = self.numerics.for_pass()
-            return model(tokens, positions, cache, all_columns=True, numerics=numerics)
+            routed = {} if routing is None else {"routing": routing}
+            return model(tokens, positions, cache, all_columns=True, numerics=numerics, **routed)
         logits, cache = self.apply_fn(weights, tokens, positions, cache)
         if logits.ndim != 3:
             raise ValueError(
@@ -116,6 +124,20 @@ class ModelRunner:
                 f"every column, [B, T, V]; this one returned shape {tuple(logits.shape)}"
             )
         return logits, cache
+
+    def routing_shape(self, weights) -> tuple[int, int] | None:
+        """(L, k) of a routing record `[B, T, L, k]`: the model's routed layers and experts
+        per token; None where nothing routes (a dense model, a FunctionModel)."""
+        if self.graphdef is None:
+            return None
+        model = nnx.merge(self.graphdef, weights)
+        routed = model.routed_layers() if hasattr(model, "routed_layers") else ()
+        return (len(routed), model.config.num_experts_per_tok) if routed else None
+
+    def no_routing(self, weights, batch: int, width: int) -> jax.Array:
+        """`[B, T, L, k]` of -1: every token routed by the router itself, recorded."""
+        layers_, k = self.routing_shape(weights)
+        return jnp.full((batch, width, layers_, k), -1, jnp.int32)
 
     def init_cache(self, weights, batch_size: int, max_length: int) -> Any:
         if self.graphdef is not None:
@@ -211,6 +233,32 @@ def _eos_tuple(eos: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
+def check_weight_dtypes(weights: Any, dtype: Any) -> None:
+    """Refuse floating weights whose dtype is not the model's `dtype`, naming the weight:
+    `nnx.update` with float32 arrays into a bfloat16 model would compile a float32 program
+    (other bits than the rollout's, and a recompile) while the model still says bfloat16.
+    A quantized weight (`QArray`) is its own format and not looked into. One pass over
+    the leaves' dtypes, no array read (tens of microseconds for the shipped model)."""
+    dtype = jnp.dtype(dtype)
+    leaves = jax.tree.leaves(weights, is_leaf=quantization.is_quantized)
+
+    def wrong(x) -> bool:
+        x_dtype = getattr(x, "dtype", None)
+        if x_dtype is None or quantization.is_quantized(x):
+            return False
+        return x_dtype != dtype and jnp.issubdtype(x_dtype, jnp.floating)
+
+    if not any(map(wrong, leaves)):
+        return
+    for path, x in jax.tree_util.tree_leaves_with_path(weights, is_leaf=quantization.is_quantized):
+        if wrong(x):
+            raise ValueError(
+                f"model weight {jax.tree_util.keystr(path)} has dtype {x.dtype} but the model "
+                f"is {dtype}: cast new weights to {dtype} before nnx.update "
+                f"(jax.tree.map(lambda x: x.astype(model.dtype), state))"
+            )
+
+
 def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> ModelInfo:
     """Resolve a FunctionModel or an NNX module into what the decode loop needs.
 
@@ -257,6 +305,7 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
             )
         config = model.config
         graphdef, weights = nnx.split(model)
+        check_weight_dtypes(weights, model.dtype)
         attention = describe_attention(
             head_dim=config.head_dim,
             dtype=model.dtype,
