@@ -1,15 +1,17 @@
 """The lm-eval backend against lm-eval's `hf` backend on the same offline tasks and model.
 
-    python scripts/bench_eval.py [--docs 24] [--repeats 3] [--json out.json]
+    python scripts/bench_eval.py [--docs 24] [--repeats 3] [--tasks ll_mc] [--json out.json]
 
 Tasks: a multiple-choice task (`--docs` questions of 4 choices) and a rolling-perplexity
 task (`--docs // 3` documents), written as JSONL + YAML to a temporary folder (the tests'
 `lm_eval_tasks.write_tasks` format). Each backend is built once (one model instance, so
 its compiled programs are reused), evaluated once untimed (warm-up: compiles, dataset
-caches) and then `--repeats` times; the table gives the median wall time of a whole
-`simple_evaluate` call and the ratio hf / logitloop (above 1: logitloop is faster). Also:
-XLA's cost analysis of scoring one question's 4 choices as 4 full rows (what `ll.score`
-runs) against one context row, i.e. the work a shared context prefix would save.
+caches) and then `--repeats` times; the table gives the medians of the wall time of a
+whole `simple_evaluate` call and of the backend's own calls in it (`loglikelihood`,
+`loglikelihood_rolling`: what the backend does, without lm-eval's task building and
+metrics, the same for both), and the ratios hf / logitloop (above 1: logitloop is faster). Also:
+XLA's cost analysis of scoring one question's 4 choices as 4 full rows, with the shared
+prompt pass `ll.score` runs, and one context row alone.
 """
 
 from __future__ import annotations
@@ -51,39 +53,60 @@ def make_docs(n: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     return mc, texts
 
 
-def time_backend(lm, task_dir: Path, tasks: list[str], repeats: int) -> list[float]:
-    lm_eval_tasks.evaluate(lm, None, task_dir, tasks)  # warm-up
-    times = []
+def time_backend(lm, tasks_at, tasks: list[str], repeats: int) -> tuple[list[float], list[float]]:
+    """Wall times of whole `simple_evaluate` calls, and of the backend's own calls in them
+    (`loglikelihood`, `loglikelihood_rolling`, `generate_until`: what lm-eval asks the
+    model for, without its task building and metrics)."""
+    spent = [0.0]
+    for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+        method = getattr(lm, name)
+
+        def timed(*args, _method=method, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _method(*args, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        setattr(lm, name, timed)
+    lm_eval_tasks.evaluate(lm, None, tasks_at, tasks)  # warm-up
+    whole, own = [], []
     for _ in range(repeats):
+        spent[0] = 0.0
         t0 = time.perf_counter()
-        lm_eval_tasks.evaluate(lm, None, task_dir, tasks)
-        times.append(time.perf_counter() - t0)
-    return times
+        lm_eval_tasks.evaluate(lm, None, tasks_at, tasks)
+        whole.append(time.perf_counter() - t0)
+        own.append(spent[0])
+    return whole, own
 
 
 def shared_prefix_cost(model, context_len: int = 64, choices: int = 4, cont_len: int = 4):
-    """flops / bytes of `score_batch` for `choices` rows of one context against 1 row."""
-    import jax
-
+    """flops / bytes of `score_batch` (deterministic) for one context's `choices` rows:
+    unshared (every row its own prompt pass), shared (one prompt pass, its cache gathered
+    per row, what `ll.score` runs), and one row alone."""
     from logitloop.decoding.engine import score as score_mod
     from logitloop.decoding.engine.host import MIN_PROMPT_BUCKET, bucket, prompt_batch
     from logitloop.decoding.engine.plan import Options, plan
 
     info = plan(model, Options(deterministic=True)).info
     out = {}
-    for rows in (choices, 1):
+    for name, rows, shared in (("unshared", choices, False), ("shared", choices, True),
+                               ("1 row", 1, False)):  # fmt: skip
         ids = [list(range(3, 3 + context_len))] * rows
         batch = prompt_batch(ids, bucket(cont_len, MIN_PROMPT_BUCKET), context_len)
+        prompt, positions, row_prompt = batch.prompt, batch.positions, None
+        if shared:
+            prompt, positions = prompt[:1], positions[:1]
+            row_prompt = np.zeros((rows,), np.int32)
         cont = np.full((rows, cont_len), 5, np.int32)
         lengths = np.full((rows,), cont_len, np.int32)
         traced = score_mod.score_batch.trace(
-            info.runner, info.weights, batch.prompt, batch.positions, batch.lengths,
-            batch.history, cont, lengths, None, None, None, num_top=0,
+            info.runner, info.weights, prompt, positions, batch.lengths,
+            batch.history, cont, lengths, None, None, None, row_prompt, num_top=0,
         )  # fmt: skip
         cost = traced.lower().compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        out[rows] = {"flops": cost.get("flops", 0.0), "bytes": cost.get("bytes accessed", 0.0)}
-    del jax
+        out[name] = {"flops": cost.get("flops", 0.0), "bytes": cost.get("bytes accessed", 0.0)}
     return out
 
 
@@ -92,6 +115,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--tasks", default="ll_mc,ll_rolling", help="comma-separated task names")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--cost-only", action="store_true", help="only the XLA cost analysis")
     args = ap.parse_args()
@@ -107,7 +131,7 @@ def main() -> None:
     mc, texts = make_docs(args.docs)
     lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts)
     task_dir = lm_eval_tasks.write_tasks(Path(tempfile.mkdtemp(prefix="bench_eval_")))
-    tasks = ["ll_mc", "ll_rolling"]
+    tasks = args.tasks.split(",")
     shipped = Path(ll.__file__).parent / "models" / "tiny"
     model = ll.load_pretrained(shipped, dtype="float32")
     backends = {
@@ -115,32 +139,44 @@ def main() -> None:
             pretrained=str(shipped), dtype="float32", batch_size=args.batch_size, device="cpu"
         ),
         "logitloop deterministic": LogitloopLM(pretrained=model, batch_size=args.batch_size),
+        "logitloop deterministic, unshared": LogitloopLM(
+            pretrained=model, batch_size=args.batch_size, prefix_cache=False
+        ),
         "logitloop deterministic=false": LogitloopLM(
             pretrained=model, batch_size=args.batch_size, deterministic=False
         ),
     }
-    results = {}
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(task_dir))  # built once: it indexes lm-eval's library
+    results, own = {}, {}
     for name, lm in backends.items():
-        times = time_backend(lm, task_dir, tasks, args.repeats)
-        results[name] = statistics.median(times)
-        print(f"{name:32s} median {results[name]:7.2f} s  runs {[round(t, 2) for t in times]}")
-    ref = results["hf (torch, CPU)"]
-    print(f"\n{len(mc)} questions x 4 choices + {len(texts)} rolling documents, "
+        whole, calls = time_backend(lm, manager, tasks, args.repeats)
+        results[name], own[name] = statistics.median(whole), statistics.median(calls)
+        print(f"{name:36s} whole call median {results[name]:6.2f} s {[round(t, 2) for t in whole]}"
+              f"; backend calls {own[name]:6.2f} s {[round(t, 2) for t in calls]}")  # fmt: skip  # noqa: E501
+    ref, ref_own = results["hf (torch, CPU)"], own["hf (torch, CPU)"]
+    print(f"\n{tasks}: {len(mc)} questions x 4 choices, {len(texts)} rolling documents, "
           f"batch_size {args.batch_size}; ratio = hf time / this time")  # fmt: skip
-    for name, t in results.items():
-        print(f"  {name:32s} {ref / t:5.2f}x")
+    print(f"  {'backend':36s} {'whole call':>10s} {'backend calls':>14s}")
+    for name in results:
+        print(f"  {name:36s} {ref / results[name]:9.2f}x {ref_own / own[name]:13.2f}x")
     cost = shared_prefix_cost(model)
     print_cost(cost)
     if args.json:
-        args.json.write_text(json.dumps({"wall_s": results, "cost": cost}, indent=2))
+        args.json.write_text(
+            json.dumps({"wall_s": results, "backend_s": own, "cost": cost}, indent=2)
+        )
 
 
 def print_cost(cost: dict) -> None:
-    print("\nscore_batch, one 64-token context, 4-token continuations (XLA cost analysis):")
-    for rows, c in cost.items():
-        print(f"  {rows} row(s): {c['flops'] / 1e9:.3f} GFLOP, {c['bytes'] / 1e6:.1f} MB accessed")
-    print(f"  4 rows / 1 row: flops {cost[4]['flops'] / cost[1]['flops']:.2f}x "
-          "(a shared prefix would run the context once: close to 1x)")  # fmt: skip
+    print("\nscore_batch, one 64-token context, 4 choices of 4 tokens (XLA cost analysis):")
+    for name, c in cost.items():
+        print(f"  {name:9s}: {c['flops'] / 1e9:.3f} GFLOP, {c['bytes'] / 1e6:.1f} MB accessed")
+    one = cost["1 row"]
+    for name in ("unshared", "shared"):
+        print(f"  {name} / 1 row: flops {cost[name]['flops'] / one['flops']:.2f}x, "
+              f"bytes {cost[name]['bytes'] / one['bytes']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

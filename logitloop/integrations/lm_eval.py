@@ -14,7 +14,8 @@ A thin adapter over the public API (docs/evaluation.md):
   tokens exactly as its `hf` backend does (trailing whitespace of the context moves to the
   continuation; an empty context becomes BOS, else EOS), with the checkpoint's
   `transformers` tokenizer, so both backends score the same ids; `ll.score` scores them
-  (`raw_logprob_sum`, `is_greedy`).
+  (`raw_logprob_sum`, `is_greedy`), all of a call's requests at once, so the choices of
+  one context share its prompt pass (`ll.score`'s shared prompts).
 - `loglikelihood_rolling`: lm-eval's rolling windows (`get_rolling_token_windows` with
   `context_len=1`, `make_disjoint_window`), as `hf` cuts them, scored like the above and
   summed per document: one float each.
@@ -111,7 +112,8 @@ class LogitloopLM(TemplateLM):
     `dtype` (float32, bfloat16, float16; default the checkpoint's), `max_length` (tokens;
     default the model's context), `batch_size` (rows per call, or `auto`),
     `deterministic` (true, false or model-parallel; default true), `mesh` (DATAxMODEL),
-    `prefix_cache` (for generation; default true), `add_bos_token`, `max_gen_toks` (as
+    `prefix_cache` (default true: the choices of one context share its prompt pass, and
+    generated rows the pages of a common prompt prefix), `add_bos_token`, `max_gen_toks` (as
     `hf`'s). Any other key is an error.
     """
 
@@ -227,12 +229,22 @@ class LogitloopLM(TemplateLM):
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_history,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt,
-        )
+        """The tokenizer's chat rendering (lm-eval's `--apply_chat_template`), as `hf`'s:
+        a template that refuses a system message gets the history without it."""
+        import jinja2
+
+        def render(history):
+            return self.tokenizer.apply_chat_template(
+                history,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+            )
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([m for m in chat_history if m["role"] != "system"])
 
     # ------------------------------------------------------------------ scoring
 
@@ -265,7 +277,7 @@ class LogitloopLM(TemplateLM):
         scored = ll.score(
             self.model, [p[0] for p in pairs], [p[1] for p in pairs],
             mesh=self.mesh, deterministic=self.deterministic, batch_size=self.batch_size,
-            progress=update,
+            progress=update, share_prompts=self.prefix_cache,
         )  # fmt: skip
         bar.close()
         return [(s.raw_logprob_sum, s.is_greedy) for s in scored]

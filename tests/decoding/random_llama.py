@@ -11,11 +11,17 @@ from logitloop.models import GemmaConfig, GemmaModel, LlamaConfig, LlamaModel
 
 
 def small_llama(
-    vocab_size: int, max_length: int, seed: int, *, gemma: bool = False, **config: Any
+    vocab_size: int,
+    max_length: int,
+    seed: int,
+    *,
+    gemma: bool = False,
+    dtype: Any = None,
+    **config: Any,
 ) -> LlamaModel:
     """2 layers, 4 query / 2 kv heads of 8; weights 25x the default init, so that the logits
     are far from ties and greedy tokens are stable. `config`: other `LlamaConfig` fields.
-    `gemma`: a `GemmaModel` (`small_gemma`)."""
+    `gemma`: a `GemmaModel` (`small_gemma`). `dtype`: the parameters' (default float32)."""
     config_class, model_class = (GemmaConfig, GemmaModel) if gemma else (LlamaConfig, LlamaModel)
     config = config_class(
         vocab_size=vocab_size,
@@ -29,7 +35,8 @@ def small_llama(
         tie_word_embeddings=True,
         **config,
     )
-    model = model_class(config, rngs=nnx.Rngs(seed))
+    kw = {} if dtype is None else {"dtype": dtype}
+    model = model_class(config, rngs=nnx.Rngs(seed), **kw)
     for _, p in nnx.iter_graph(model):
         if isinstance(p, nnx.Param) and p[...].ndim > 1:
             p[...] = p[...] * 25.0

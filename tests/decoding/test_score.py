@@ -50,6 +50,13 @@ def test_raw_logprobs_match_transformers(hf_pair):
             assert list(top) == ids.tolist()
             np.testing.assert_allclose(list(top.values()), want[j, ids], rtol=0, atol=2e-5)
         assert s.raw_logprob_sum == pytest.approx(float(np.sum(got_tok)), abs=1e-4)
+    # One-token choices of one prompt (an MMLU answer letter): the shared prompt pass
+    # alone, no continuation pass.
+    choices = [[t] for t in random_prompts(vocab, [1, 1, 1], seed=6) for t in t]
+    out = ll.score(model, [prompts[0]] * 3 + [prompts[1]], choices + [[conts[0][0]]])
+    for p, s in zip([prompts[0]] * 3 + [prompts[1]], out, strict=True):
+        want = hf_scores(hf, p, s.token_ids)[0, s.token_ids[0]]
+        np.testing.assert_allclose(s.raw_logprobs, [want], rtol=0, atol=2e-5)
 
 
 def test_shipped_model_strings_in_context():
@@ -255,3 +262,50 @@ def test_a_pair_one_token_over_the_context_fits_its_last_token_is_never_fed():
     np.testing.assert_allclose(got.raw_logprobs, want, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"continuations\[0\] has 6 tokens .* never fed"):
         ll.score(table_model(table), [prompt], [cont + [3]])
+
+
+def _choice_pairs(vocab: int, seed: int, shape=((13, 3), (6, 3), (11, 2))):
+    """Questions of (prompt length, choices) as lm-eval's multiple-choice requests come: a
+    question's rows share its prompt ids."""
+    rng = np.random.default_rng(seed)
+    prompts, conts = [], []
+    for plen, choices in shape:
+        prompt = rng.integers(3, vocab, size=plen).tolist()
+        for _ in range(choices):
+            prompts.append(prompt)
+            conts.append(rng.integers(3, vocab, size=int(rng.integers(1, 5))).tolist())
+    return prompts, conts
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_shared_prompts_score_as_unshared_bit_for_bit(dtype):
+    """deterministic=True: a question's choices share one prompt pass (each row gathers
+    its prompt's cache), and every value is the unshared pair's, bit for bit; batches of 4
+    split the second question across two batches. One prompt and continuation bucket, so
+    two programs compile (2 shared prompts of 4 rows; 4 rows unshared)."""
+    model = small_llama(64, 128, seed=0, dtype=jnp.dtype(dtype))
+    prompts, conts = _choice_pairs(64, seed=11)
+    kw = dict(deterministic=True, top_logprobs=2, batch_size=4)
+    shared = ll.score(model, prompts, conts, **kw)
+    alone = ll.score(model, prompts, conts, share_prompts=False, **kw)
+    for a, b in zip(shared, alone, strict=True):
+        assert (a.raw_logprobs, a.is_argmax, a.top_logprobs) == (
+            b.raw_logprobs, b.is_argmax, b.top_logprobs,
+        )  # fmt: skip
+
+
+def test_shared_prompts_groups_a_batch_by_prompt():
+    from logitloop.decoding.engine.score import pair_order, shared_prompts
+
+    prompts, conts = _choice_pairs(64, 2, ((13, 4), (6, 3), (21, 2), (9, 1)))
+    order = pair_order(prompts, conts, share=True)
+    groups = [tuple(prompts[r]) for r in order]
+    assert len(groups) == len(prompts)
+    assert [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]] == list(
+        dict.fromkeys(groups)
+    )  # each prompt's rows are next to each other
+    distinct, row_prompt = shared_prompts([prompts[r] for r in order[:7]])
+    assert len(distinct) == 4  # 3 prompts in 7 rows, padded to a power of two
+    assert [distinct[i] for i in row_prompt] == [prompts[r] for r in order[:7]]
+    assert shared_prompts([[1], [2], [3]]) is None  # nothing shared: the plain pass
+    assert shared_prompts([[1], [1], [2]], row_multiple=4) is None  # a mesh's 4 rows: none saved

@@ -90,9 +90,14 @@ def write_tasks(folder: Path) -> Path:
     return folder
 
 
-def random_llama(folder: Path, max_positions: int = 48, seed: int = 0) -> Path:
+BOS_TEXT, BOS_ID = "<|im_start|>", 4096  # the shipped tokenizer's token the BOS variant adds
+
+
+def random_llama(folder: Path, max_positions: int = 48, seed: int = 0, bos: bool = False) -> Path:
     """A random float32 Llama written by transformers, with the shipped model's tokenizer
-    (4098 tokens) and a short context, so that the rolling documents span windows."""
+    (4098 tokens) and a short context, so that the rolling documents span windows. `bos`:
+    its tokenizer puts BOS (`<|im_start|>`) before every text, as Llama's does (lm-eval's
+    empty context is then BOS, and a rolling document's first window predicts after it)."""
     import torch
     import transformers
 
@@ -100,7 +105,7 @@ def random_llama(folder: Path, max_positions: int = 48, seed: int = 0) -> Path:
     config = transformers.LlamaConfig(
         vocab_size=4098, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=max_positions, bos_token_id=None, eos_token_id=0,
+        max_position_embeddings=max_positions, bos_token_id=BOS_ID if bos else None, eos_token_id=0,
         tie_word_embeddings=True,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config).eval()
@@ -112,30 +117,51 @@ def random_llama(folder: Path, max_positions: int = 48, seed: int = 0) -> Path:
     shipped = Path(logitloop.__file__).parent / "models" / "tiny"
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(shipped / name, folder / name)
+    if bos:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+        special = {"SpecialToken": {"id": BOS_TEXT, "type_id": 0}}
+        tok["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [special, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {BOS_TEXT: {"id": BOS_TEXT, "ids": [BOS_ID], "tokens": [BOS_TEXT]}},
+        }  # fmt: skip
+        (folder / "tokenizer.json").write_text(json.dumps(tok))
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["bos_token"] = BOS_TEXT
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 
 def evaluate(
-    model: Any, model_args: str | None, task_dir: Path, tasks: list[str], **kw: Any
+    model: Any, model_args: str | None, task_dir: Any, tasks: list[str], **kw: Any
 ) -> dict:
     """`simple_evaluate` offline (`model` a name, or an `LM` instance without model_args):
     {"results": aggregate metrics per task, "samples": per task, the responses of each
-    doc in doc order}."""
+    doc in doc order, "arguments": the requests' arguments (context, ...) likewise}.
+    `task_dir`: the tasks' folder, or a `TaskManager` over it (building one indexes
+    lm-eval's whole task library, seconds: reuse one across calls)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    manager = task_dir if isinstance(task_dir, TaskManager) else None
     out = lm_eval.simple_evaluate(
         model=model, model_args=model_args, tasks=tasks,
-        task_manager=TaskManager(include_path=str(task_dir)), log_samples=True,
+        task_manager=manager or TaskManager(include_path=str(task_dir)), log_samples=True,
         verbosity="ERROR", **kw,
     )  # fmt: skip
     samples = {
         task: [s["resps"] for s in sorted(rows, key=lambda s: s["doc_id"])]
         for task, rows in out["samples"].items()
     }
+    arguments = {
+        task: [s["arguments"] for s in sorted(rows, key=lambda s: s["doc_id"])]
+        for task, rows in out["samples"].items()
+    }
     results = {
         task: {k: v for k, v in r.items() if k != "alias"} for task, r in out["results"].items()
     }
-    return {"results": results, "samples": samples}
+    return {"results": results, "samples": samples, "arguments": arguments}

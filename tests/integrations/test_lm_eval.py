@@ -14,7 +14,13 @@ pytest.importorskip("lm_eval", reason="the lm-eval backend needs the eval extra 
 pytest.importorskip("accelerate", reason="lm-eval's hf reference backend needs lm-eval[hf]")
 
 import logitloop as ll  # noqa: E402
-from tests.integrations.lm_eval_tasks import TASKS, evaluate, random_llama, write_tasks  # noqa: E402
+from tests.integrations.lm_eval_tasks import (  # noqa: E402
+    BOS_ID,
+    TASKS,
+    evaluate,
+    random_llama,
+    write_tasks,
+)
 
 SHIPPED = Path(ll.__file__).parent / "models" / "tiny"
 
@@ -25,8 +31,23 @@ def task_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tasks(task_dir):
+    """One `TaskManager` for the module's evaluations (building one indexes lm-eval's whole
+    task library: seconds each)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(task_dir))
+
+
+@pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
     return random_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def bos_llama_dir(tmp_path_factory) -> Path:
+    """Its tokenizer adds BOS to every text, as Llama's does."""
+    return random_llama(tmp_path_factory.mktemp("bos_llama"), bos=True)
 
 
 def assert_same_as_hf(ours: dict, ref: dict) -> None:
@@ -50,36 +71,68 @@ def assert_same_as_hf(ours: dict, ref: dict) -> None:
             assert abs(ours["results"][task][name] - value) <= tol, (task, name)
 
 
-def _compare(folder: Path, task_dir: Path, tasks: list[str]) -> None:
+def _compare(folder: Path, tasks, names: list[str], ours_args: str = "", batch_size: int = 3,
+             **kw) -> tuple[dict, dict]:  # fmt: skip
     args = f"pretrained={folder},dtype=float32"
-    ours = evaluate("logitloop", args, task_dir, tasks, batch_size=3)
-    ref = evaluate("hf", args, task_dir, tasks, batch_size=3, device="cpu")
+    ours = evaluate("logitloop", args + ours_args, tasks, names, batch_size=batch_size, **kw)
+    ref = evaluate("hf", args, tasks, names, batch_size=batch_size, device="cpu", **kw)
     assert_same_as_hf(ours, ref)
+    return ours, ref
 
 
-def test_random_llama_scores_match_hf(llama_dir, task_dir):
-    """The rolling documents span several of this model's 48-token windows."""
-    _compare(llama_dir, task_dir, ["ll_mc", "ll_rolling"])
+def test_bos_adding_tokenizer_scores_match_hf(bos_llama_dir, tasks):
+    """A tokenizer that adds BOS (the empty context is BOS; rolling windows predict after
+    it, log P(BOS | BOS) counted as `hf` counts it); the rolling documents span several of
+    this model's 48-token windows; the choices of a context share its prompt pass. Kept
+    cheap for the default suite: `deterministic=false` and one batch per call (few
+    programs; a deterministic program compiles for seconds); the deterministic comparison
+    at batch size 3 is the -m slow test below."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bos_llama_dir))
+    assert tokenizer.encode("The cat")[0] == tokenizer.bos_token_id == BOS_ID
+    _compare(bos_llama_dir, tasks, ["ll_mc", "ll_rolling"], ",deterministic=false", 16)
 
 
 @pytest.mark.slow
-def test_random_llama_generation_matches_hf(llama_dir, task_dir):
-    _compare(llama_dir, task_dir, ["ll_gen"])
+@pytest.mark.parametrize("folder", ["llama", "bos_llama"])
+def test_random_llama_scores_match_hf(folder, llama_dir, bos_llama_dir, tasks):
+    """Deterministic (the default), batches of 3 that split a question's choices; without
+    BOS the empty context is EOS."""
+    _compare(llama_dir if folder == "llama" else bos_llama_dir, tasks, ["ll_mc", "ll_rolling"])
 
 
 @pytest.mark.slow
-def test_shipped_model_matches_hf(task_dir):
-    _compare(SHIPPED, task_dir, list(TASKS))
+def test_random_llama_generation_matches_hf(llama_dir, tasks):
+    _compare(llama_dir, tasks, ["ll_gen"])
+
+
+@pytest.mark.slow
+def test_shipped_model_matches_hf(tasks):
+    _compare(SHIPPED, tasks, list(TASKS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", ["llama", "bos_llama"])
+def test_chat_template_matches_hf(folder, llama_dir, bos_llama_dir, tasks):
+    """`apply_chat_template=True` (lm-eval's `--apply_chat_template`): the contexts are the
+    tokenizer's chat rendering (which starts with the BOS variant's BOS text, so no second
+    BOS is added, as in `hf`), with the same scores, generations and metrics."""
+    folder = llama_dir if folder == "llama" else bos_llama_dir
+    ours, _ = _compare(folder, tasks, ["ll_mc", "ll_gen"], apply_chat_template=True)
+    for task in ("ll_mc", "ll_gen"):
+        for args in ours["arguments"][task]:
+            assert args[0][0].startswith("<|im_start|>user\n"), (task, args)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", ["llama", "shipped"])
-def test_batch_size_does_not_change_results(folder, llama_dir, task_dir):
+def test_batch_size_does_not_change_results(folder, llama_dir, tasks):
     from logitloop.integrations.lm_eval import LogitloopLM
 
     model = ll.load_pretrained(llama_dir if folder == "llama" else SHIPPED, dtype="float32")
     runs = [
-        evaluate(LogitloopLM(pretrained=model, batch_size=size), None, task_dir, list(TASKS))
+        evaluate(LogitloopLM(pretrained=model, batch_size=size), None, tasks, list(TASKS))
         for size in (1, 3, 8)
     ]
     for run in runs[1:]:
@@ -134,3 +187,43 @@ def test_cli_eval_hands_its_arguments_to_lm_eval(task_dir, capsys, monkeypatch):
     argv = ["eval", "--model", "logitloop", "--model_args", "bogus=1", "--tasks", "ll_mc"]
     assert main([*argv, "--include_path", str(task_dir)]) == 2
     assert "logitloop: error: model_args: unknown key(s) bogus" in capsys.readouterr().err
+
+
+def test_mesh_model_arg_scores_as_no_mesh(bos_llama_dir):
+    """`mesh=1x1` on this process's one CPU device: the same loglikelihoods (the 2-device
+    mesh, bit for bit in the deterministic mode, is the -m slow test below)."""
+    from lm_eval.api.instance import Instance
+
+    from logitloop.integrations.lm_eval import LogitloopLM
+
+    requests = [Instance("loglikelihood", {}, ("The cat sat", c), i)
+                for i, c in enumerate([" on", " under the", " mat"])]  # fmt: skip
+    model = ll.load_pretrained(bos_llama_dir, dtype="float32")
+    runs = [
+        LogitloopLM(pretrained=model, mesh=mesh, deterministic=False).loglikelihood(
+            requests, disable_tqdm=True
+        )
+        for mesh in (None, "1x1")
+    ]
+    np.testing.assert_allclose(np.array(runs[1])[:, 0], np.array(runs[0])[:, 0], atol=1e-5)
+    assert [r[1] for r in runs[1]] == [r[1] for r in runs[0]]
+
+
+@pytest.mark.slow  # a subprocess with 2 fake CPU devices compiles every program again
+def test_mesh_model_arg_on_two_devices(bos_llama_dir):
+    """`mesh=2x1`: the data shards split the rows (and a context's shared prompt pass);
+    the loglikelihoods are those on no mesh, bit for bit (deterministic)."""
+    import subprocess
+    import sys
+
+    from tests.sharding._run import parse, worker_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.lm_eval_mesh_worker", str(bos_llama_dir)],
+        cwd=Path(__file__).resolve().parents[2], env=worker_env(2), capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = parse(proc.stdout, proc.stderr, "lm_eval_mesh_worker")
+    assert out["1x1"] == out["None"]
+    assert out["2x1"] == out["None"]

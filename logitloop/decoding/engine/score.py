@@ -21,6 +21,13 @@ prompt pass and continuation tokens through a pass over generated tokens (a spec
 verification's `forward_columns`), so with `deterministic=True` every logit, and so every
 log-probability, is bit for bit the one `generate` computed for the tokens it drew. The LM
 head runs on the continuation's positions only.
+
+Pairs with the same prompt ids (a multiple-choice question's choices) share its prompt
+pass: a batch runs the prompt pass over its K distinct prompts only, and each row takes
+its prompt's last-column logits and KV cache by gathering row `row_prompt[b]` of them
+(`shared_prompts`), as `generate(n=...)` prefills each prompt once for its n rows. A
+row's values are those of its pair scored alone; with `deterministic=True` bit for bit
+(the prompt pass's rows do not depend on the other rows).
 """
 
 from __future__ import annotations
@@ -184,6 +191,7 @@ def score(
     batch_size: int = 16,
     processors: Sequence[Any] | None = None,
     progress: Callable[[int, int], Any] | None = None,
+    share_prompts: bool = True,
 ) -> list[ScoreResult]:
     """Score each continuation given its prompt: one forward pass per batch, no decode loop.
 
@@ -206,9 +214,12 @@ def score(
 
     The pairs run in fixed-shape batches of `batch_size` rows, longest first (prompt and
     continuation widths bucketed to powers of two, so few programs compile), and
-    `progress(done, total)` is called after each batch. `mesh`, `deterministic`: as in
-    `generate`; with `deterministic=True` the values are bit for bit those `generate`
-    reports for the same tokens.
+    `progress(done, total)` is called after each batch. Pairs whose prompts are the same
+    ids run in the same batch and share one prompt pass (module docstring); with
+    `share_prompts=False` every pair runs its own (the values are the same, with
+    `deterministic=True` bit for bit). `mesh`, `deterministic`: as in `generate`; with
+    `deterministic=True` the values are bit for bit those `generate` reports for the same
+    tokens.
     """
     check_count("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
     job = plan(model, Options(mesh=mesh, deterministic=deterministic))
@@ -228,7 +239,7 @@ def score(
             params = params.with_stop_token_ids(info.eos_token_ids)
     elif processors is not None:
         raise ValueError("processors act on the processed distribution: pass params with them")
-    order = sorted(range(total), key=lambda r: -(len(ids[r]) + len(conts[r])))
+    order = pair_order(ids, conts, share_prompts)
     results: list[ScoreResult | None] = [None] * total
     for start in range(0, total, batch_size):
         rows = order[start : start + batch_size]
@@ -236,12 +247,42 @@ def score(
         out = _score_rows(
             info, [ids[r] for r in padded], [conts[r] for r in padded],
             None if params is None else params.take(padded), top_logprobs, layout,
+            share_prompts,
         )  # fmt: skip
         for i, r in enumerate(rows):
             results[r] = _result(out, i, ids[r], conts[r], top_logprobs, params is not None, info)
         if progress is not None:
             progress(min(start + batch_size, total), total)
     return results
+
+
+def pair_order(ids: list[list[int]], conts: list[list[int]], share: bool) -> list[int]:
+    """The pairs' batch order: longest first (few, tight buckets); with `share` the pairs
+    of one prompt next to each other, so that they fall in the same batch and share its
+    prompt pass (prompts ordered by their longest pair)."""
+    longest = sorted(range(len(ids)), key=lambda r: -(len(ids[r]) + len(conts[r])))
+    if not share:
+        return longest
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in longest:  # dicts keep insertion order: each prompt where its longest pair is
+        groups.setdefault(tuple(ids[r]), []).append(r)
+    return [r for rows in groups.values() for r in rows]
+
+
+def shared_prompts(
+    ids: list[list[int]], row_multiple: int = 1
+) -> tuple[list[list[int]], np.ndarray] | None:
+    """The distinct prompts of a batch's rows and each row's index among them
+    (`row_prompt`, [B] i32), or None where sharing saves no row. The distinct prompts are
+    padded (with the first) to a power of two, a multiple of `row_multiple` (a mesh's
+    data shards) and at most the batch's rows, so few programs compile."""
+    index: dict[tuple[int, ...], int] = {}
+    row_prompt = np.asarray([index.setdefault(tuple(p), len(index)) for p in ids], np.int32)
+    distinct = [list(p) for p in index]
+    width = -(-bucket(len(distinct), 1) // row_multiple) * row_multiple
+    if width >= len(ids):
+        return None
+    return distinct + [distinct[0]] * (width - len(distinct)), row_prompt
 
 
 def prompt_scores(
@@ -272,13 +313,24 @@ def _score_rows(
     params: SamplingParams | None,
     num_top: int,
     layout: Layout,
+    share_prompts: bool = False,
 ) -> dict[str, np.ndarray]:
     """One batch on device; host arrays [B, C] (and [B, C, K] for the alternatives)."""
-    width = bucket(max(len(c) for c in conts), MIN_CONTINUATION_BUCKET)
+    # One-token continuations (the letter of an MMLU answer, a one-token choice) need the
+    # prompt pass alone: no continuation pass then.
+    longest = max(len(c) for c in conts)
+    width = 1 if longest == 1 else bucket(longest, MIN_CONTINUATION_BUCKET)
     plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET)
     # The cache holds the prompt bucket and at least MIN_PROMPT_BUCKET more slots, as
     # `generate`'s does (a multiple of the deterministic attention's slot chunk).
-    batch = prompt_batch(ids, bucket(width, MIN_PROMPT_BUCKET), plen)
+    buffer = bucket(width, MIN_PROMPT_BUCKET)
+    batch = prompt_batch(ids, buffer, plen)  # the rows' lengths and histories
+    prompt, positions, row_prompt = batch.prompt, batch.positions, None
+    shared = shared_prompts(ids, layout.row_multiple) if share_prompts else None
+    if shared is not None:
+        distinct, row_prompt = shared
+        pass_batch = prompt_batch(distinct, buffer, plen)
+        prompt, positions = pass_batch.prompt, pass_batch.positions
     cont = np.zeros((len(ids), width), np.int32)
     for r, c in enumerate(conts):
         cont[r, : len(c)] = c
@@ -288,8 +340,8 @@ def _score_rows(
         automata, fsm = constraint_tables(info, params)
         params = params.device_only()
     out = score_batch(
-        info.runner, info.weights, batch.prompt, batch.positions, batch.lengths, batch.history,
-        cont, lengths, params, automata, fsm, num_top=num_top, layout=layout,
+        info.runner, info.weights, prompt, positions, batch.lengths, batch.history,
+        cont, lengths, params, automata, fsm, row_prompt, num_top=num_top, layout=layout,
     )  # fmt: skip
     return jax.device_get(layout.host_view(out))
 
@@ -338,18 +390,26 @@ def continuation_logits(
     cache_len: int,
     layout: Layout = ONE_DEVICE,
     routing: tuple[jax.Array, jax.Array] | None = None,
+    row_prompt: jax.Array | None = None,  # [B] i32: row b continues prompt row_prompt[b]
 ) -> jax.Array:
     """[B, C, V] f32: the logits each continuation token was predicted from (module
     docstring): the prompt pass's last column, then the continuation's own columns.
     `routing` (a mixture of experts): the experts to replay, `[B, P, L, k]` for the
-    prompt's columns and `[B, C, L, k]` for the continuation's (-1: the router's own)."""
+    prompt's columns and `[B, C, L, k]` for the continuation's (-1: the router's own).
+    With `row_prompt`, `prompt` and `positions` (and the prompt's routing) hold the K
+    distinct prompts ([K, P]): the prompt pass runs once per prompt, and each row gathers
+    its prompt's last-column logits and cache (every cache leaf is per row, [K, ...])."""
     width = cont.shape[1]
     prompt_routing, cont_routing = (None, None) if routing is None else routing
     first, cache, *_ = forward_prompt(
         runner, weights, prompt, positions, cache_len, layout, routing=prompt_routing
     )
+    if row_prompt is not None:
+        first = first[row_prompt]
     if width == 1:
         return first[:, None].astype(jnp.float32)
+    if row_prompt is not None:
+        cache = layout.cache(jax.tree.map(lambda x: x[row_prompt], cache), cont.shape[0])
     col = jnp.arange(width - 1)[None, :]  # [1, C - 1]
     pos = jnp.where(col < cont_len[:, None] - 1, prompt_len[:, None] + col, -1)
     routed = {} if cont_routing is None else {"routing": cont_routing[:, :-1]}
@@ -458,19 +518,22 @@ def score_batch(
     params: SamplingParams | None,
     automata: constraints.Automata | None,
     fsm: jax.Array | None,  # [B] i32
+    row_prompt: jax.Array | None = None,  # [B] i32; then prompt, positions are [K, P]
     *,
     num_top: int,
     layout: Layout = ONE_DEVICE,
 ) -> dict[str, jax.Array]:
     """One batch's scores: raw [B, C], is_argmax [B, C], processed [B, C] (with params),
-    top_ids / top_values [B, C, num_top]."""
+    top_ids / top_values [B, C, num_top]. With `row_prompt` the prompt pass runs over the
+    batch's distinct prompts (`continuation_logits`)."""
     batch, width = cont.shape
-    prompt, positions, prompt_len, history, cont, cont_len, params, fsm = layout.rows(
-        (prompt, positions, prompt_len, history, cont, cont_len, params, fsm), batch
+    prompt, positions = layout.rows((prompt, positions), prompt.shape[0])
+    prompt_len, history, cont, cont_len, params, fsm, row_prompt = layout.rows(
+        (prompt_len, history, cont, cont_len, params, fsm, row_prompt), batch
     )
     logits = continuation_logits(
         runner, weights, prompt, positions, prompt_len, cont, cont_len,
-        history.tokens.shape[1], layout,
+        history.tokens.shape[1], layout, row_prompt=row_prompt,
     )  # fmt: skip
     valid = jnp.arange(width)[None, :] < cont_len[:, None]  # [B, C]
     raw, (raw_max, norm, bad) = raw_logprobs(logits, cont, valid)
