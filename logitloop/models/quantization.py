@@ -10,9 +10,11 @@ Formats (`quantize=`):
 - "int4": per group of `group_size` entries of the contraction, per output column; a
   contraction not divisible by `group_size` is refused.
 
-What is quantized: the attention and MLP projections of every layer. The token embedding,
-the LM head, the norms and biases stay in the float dtype; a mixture-of-experts layer's
-expert weights are not quantized yet and are named in `describe` (no silent fallback).
+What is quantized: the attention and MLP projections of every layer and a
+mixture-of-experts layer's stacked expert weights (`[X, K, N]`: scales per expert and
+output column, int4 groups along K; their products go through `einsum` below, Qwix's
+quantized einsum). The token embedding, the LM head, the router, the norms and biases
+stay in the float dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ _PROJECTIONS = {
     "wq": 1, "wk": 1, "wv": 1, "wo": None, "w_gate": 1, "w_up": 1, "w_down": 1,
     "w_qkv": 1, "w_fc": 1, "w_proj": 1,
 }  # fmt: skip
+# Of those, the names a mixture-of-experts layer stacks per expert (`[X, K, N]`).
+_EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 def _qwix():
@@ -76,21 +80,29 @@ def is_quantized(w: Any) -> bool:
     return type(w).__name__ == "QArray" and hasattr(w, "qvalue") and hasattr(w, "scale")
 
 
-def quantize_weight(name: str, w: jax.Array, contracted: int, spec: QuantizeSpec):
+def quantize_weight(
+    name: str, w: jax.Array, contracted: int, spec: QuantizeSpec, *, stacked: bool = False
+):
     """One weight as a `QArray`: scales per output entry (the axes after the first
     `contracted`), and for int4 per `group_size` entries of the last contracted axis
-    (the others, e.g. the heads of `[H, D, E]`, one scale each)."""
+    (the others, e.g. the heads of `[H, D, E]`, one scale each). `stacked`: `w` is
+    `[X, K, N]`, X experts' `[K, N]` weights, each quantized as its own (axis 0 is not
+    contracted: a scale per expert)."""
     qwix = _qwix()
-    output_axes = tuple(range(contracted, w.ndim))
+    if stacked:
+        output_axes = (0, *range(contracted + 1, w.ndim))
+        last = contracted
+    else:
+        output_axes = tuple(range(contracted, w.ndim))
+        last = contracted - 1
     tiled = {}
     if spec.format == "int4":
-        last = contracted - 1
         if w.shape[last] % spec.group_size:
             raise ValueError(
                 f"quantize='int4': {name} has shape {tuple(w.shape)}; its contraction axis "
                 f"{last} ({w.shape[last]}) is not divisible by group_size={spec.group_size}"
             )
-        tiled = {axis: 1 for axis in range(last)}
+        tiled = {axis: 1 for axis in range(last) if axis not in output_axes}
         tiled[last] = spec.group_size
     return qwix.quantize(w, spec.qtype, channelwise_axes=output_axes, tiled_axes=tiled)
 
@@ -99,10 +111,18 @@ def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
     """Replace the model's projection weights with their `QArray`s, one tensor at a time,
     and record what was quantized in `model.quantization`."""
     names: list[str] = []
+    experts = 0
     for path, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param) or not path or path[-1] not in _PROJECTIONS:
             continue
         value = param[...]
+        name = ".".join(str(p) for p in path)
+        if path[-1] in _EXPERT_WEIGHTS and value.ndim == 3:
+            # a mixture's stacked experts `[X, K, N]` (moe.py), each expert its own weight
+            param.set_value(quantize_weight(name, value, 1, spec, stacked=True))
+            del value
+            experts += 1
+            continue
         contracted = _PROJECTIONS[path[-1]] or (2 if value.ndim == 3 else 1)
         if contracted == 2:
             # A head-split output projection `[H, D, E]` is kept as its product's 2-D view
@@ -110,17 +130,12 @@ def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
             # the head axis into int4 groups of the head dimension afterwards.
             value = value.reshape(value.shape[0] * value.shape[1], value.shape[2])
             contracted = 1
-        name = ".".join(str(p) for p in path)
         param.set_value(quantize_weight(name, value, contracted, spec))
         del value
         names.append(name)
     if not names:
         raise ValueError(f"quantize={spec.format!r}: this model has no projection weights")
-    float_experts = sorted(
-        {".".join(str(p) for p in path[:-1]) for path, param in nnx.iter_graph(model)
-         if isinstance(param, nnx.Param) and path and "expert" in str(path[-1])}
-    )  # fmt: skip
-    model.quantization = Quantization(spec, len(names), tuple(float_experts))
+    model.quantization = Quantization(spec, len(names), experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +144,7 @@ class Quantization:
 
     spec: QuantizeSpec
     weights: int  # projection weights quantized
-    float_experts: tuple[str, ...]  # modules whose expert weights stayed float
+    expert_weights: int = 0  # stacked expert weights `[X, K, N]` quantized
 
     def describe(self) -> str:
         s = self.spec
@@ -138,8 +153,10 @@ class Quantization:
             f"{s.format} weights ({how}) for {self.weights} attention/MLP projections; "
             "embedding, LM head, norms and biases in float"
         )
-        if self.float_experts:
-            text += f"; expert weights in float ({len(self.float_experts)} MoE layers)"
+        if self.expert_weights:
+            text = text.replace(
+                "projections;", f"projections and {self.expert_weights} stacked expert weights;"
+            )
         return text
 
 
@@ -148,6 +165,14 @@ def product(rows: jax.Array, w: Any) -> jax.Array:
     `dot_general`: integer weights, scales applied to the output or per group)."""
     out = _qwix().dot_general(rows, w, (((1,), (0,)), ((), ())))
     return out.astype(rows.dtype)
+
+
+def einsum(subscripts: str, x: jax.Array, w: Any) -> jax.Array:
+    """`jnp.einsum(subscripts, x, w)` in `x`'s dtype, through Qwix's quantized einsum when
+    `w` is a `QArray` (the expert products of moe.py: one path for float and quantized)."""
+    if not is_quantized(w):
+        return jnp.einsum(subscripts, x, w)
+    return _qwix().einsum(subscripts, x, w).astype(x.dtype)
 
 
 def parameter_bytes(model: nnx.Module) -> int:
