@@ -31,13 +31,19 @@ def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     gains a zero) until one is left. Only elementwise adds of slices, whose order is fixed
     by the axis length alone; XLA's reduce, by contrast, changes its order with the size of
     the whole array (on XLA:CPU a row of 256 sums differently once there are 16 rows)."""
-    x = jnp.moveaxis(x, axis, -1)
-    while x.shape[-1] > 1:
-        if x.shape[-1] % 2:
-            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
+    # Halved in place, not moved to the last axis first: the same adds of the same
+    # entries, without a transpose of x (the attention's [.., slots, head_dim] products
+    # summed over the slots were copied out whole, per chunk, to move the slots last).
+    axis = axis % x.ndim
+    while x.shape[axis] > 1:
+        if x.shape[axis] % 2:
+            zero = jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))
+            x = jnp.concatenate([x, zero], axis=axis)
+        half = x.shape[axis] // 2
+        x = jax.lax.slice_in_dim(x, 0, half, axis=axis) + jax.lax.slice_in_dim(
+            x, half, 2 * half, axis=axis
+        )
+    return jnp.squeeze(x, axis)
 
 
 def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
@@ -84,7 +90,21 @@ def fixed_order_attention(
         # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, 16, D] summed over D (one fixed size)
         return tree_sum(q32[:, :, :, :, None, :] * kc.astype(jnp.float32)[:, :, None, None])
 
-    scores = jax.lax.map(chunk_scores, by_chunk(k))  # [C, B, Hkv, G, T, 16]
+    # Chunks past the last one any query may see (the cache's bucket and buffer beyond
+    # the longest row: a third of the slots at lm-eval's lengths) add exact zeros, so
+    # they are skipped: a loop over the live chunks only, whose count is read from the
+    # mask. The chunks summed, and their order, are those of the full loop, bit for bit.
+    live = jnp.any(mask.reshape(b, t, chunks, SLOT_CHUNK), axis=(0, 1, 3))  # [C]
+    live_chunks = jnp.max(jnp.where(live, jnp.arange(1, chunks + 1), 0))
+    k_chunks = by_chunk(k)
+
+    def add_scores(i, acc):  # raw scores of chunk i into [C, B, Hkv, G, T, 16]
+        return jax.lax.dynamic_update_index_in_dim(acc, chunk_scores(k_chunks[i]), i, 0)
+
+    # Dead chunks keep raw scores of 0, which `masked_scores` turns into the mask value.
+    scores = jax.lax.fori_loop(
+        0, live_chunks, add_scores, jnp.zeros((chunks, b, hkv, g, t, SLOT_CHUNK), jnp.float32)
+    )  # [C, B, Hkv, G, T, 16]
     scores = jnp.moveaxis(scores, 0, 4).reshape(b, hkv, g, t, chunks * SLOT_CHUNK)
     scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
     peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
@@ -92,15 +112,20 @@ def fixed_order_attention(
     total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
     probs = (exp / total[..., None, None]).astype(q.dtype)
 
-    def add_chunk(acc, pv):  # chunk after chunk from slot 0: acc + this chunk's sum
-        p, vc = pv  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
+    p_chunks, v_chunks = jnp.moveaxis(probs, 4, 0), by_chunk(v)
+
+    def add_chunk(i, acc):  # chunk after chunk from slot 0: acc + this chunk's sum
+        p, vc = p_chunks[i], v_chunks[i]  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
         # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
         part = tree_sum(
             p.astype(jnp.float32)[..., None] * vc.astype(jnp.float32)[:, :, None, None],
             axis=-2,
         )
-        return acc + part, None
+        return acc + part
 
+    # A dead chunk's part is exact zeros (its probabilities are), so stopping after the
+    # live ones leaves every sum as the full loop's (a query that sees no key at all, a
+    # padding column never read, is the exception: its uniform weights lose those slots).
     zero = jnp.zeros((b, hkv, g, t, d), jnp.float32)
-    out, _ = jax.lax.scan(add_chunk, zero, (jnp.moveaxis(probs, 4, 0), by_chunk(v)))
+    out = jax.lax.fori_loop(0, live_chunks, add_chunk, zero)
     return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)
