@@ -46,6 +46,18 @@ def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.squeeze(x, axis)
 
 
+def pairwise_sum(terms: list[jax.Array]) -> jax.Array:
+    """The sum of same-shaped arrays in `tree_sum`'s order (term i added to term i + n/2,
+    an odd count gaining a zero, until one is left): `tree_sum(jnp.stack(terms, a), a)`
+    bit for bit, without the stacked array."""
+    while len(terms) > 1:
+        if len(terms) % 2:
+            terms = [*terms, jnp.zeros_like(terms[0])]
+        half = len(terms) // 2
+        terms = [terms[i] + terms[i + half] for i in range(half)]
+    return terms[0]
+
+
 def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
     """The sum over `axis`, added one entry after another from index 0 (a chain of adds,
     which XLA does not reassociate): trailing exact zeros do not change it."""
@@ -87,8 +99,10 @@ def fixed_order_attention(
     # producers of q (RoPE's sin and cos) and of the probabilities (an exp) into the
     # broadcast products and recomputing them for every slot or head element.
     def chunk_scores(kc):  # [B, Hkv, 16, D] -> [B, Hkv, G, T, 16]
-        # [B, Hkv, G, T, 1, D] * [B, Hkv, 1, 1, 16, D] summed over D (one fixed size)
-        return tree_sum(q32[:, :, :, :, None, :] * kc.astype(jnp.float32)[:, :, None, None])
+        # [B, Hkv, G, T, 1] * [B, Hkv, 1, 1, 16] for each of the D entries, added as
+        # `tree_sum` over D adds them (one fixed size), the products fused into the adds
+        k32 = kc.astype(jnp.float32)
+        return pairwise_sum([q32[..., e, None] * k32[:, :, None, None, :, e] for e in range(d)])
 
     # Chunks past the last one any query may see (the cache's bucket and buffer beyond
     # the longest row: a third of the slots at lm-eval's lengths) add exact zeros, so
@@ -117,11 +131,12 @@ def fixed_order_attention(
     def add_chunk(i, acc):  # chunk after chunk from slot 0: acc + this chunk's sum
         p, vc = p_chunks[i], v_chunks[i]  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
         # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
-        part = tree_sum(
-            p.astype(jnp.float32)[..., None] * vc.astype(jnp.float32)[:, :, None, None],
-            axis=-2,
-        )
-        return acc + part
+        # as a list of the slots' products, added pairwise as `tree_sum` adds them: each
+        # product then has one consumer and fuses into the adds, where the whole
+        # `[.., T, 16, D]` product array was written out and read back per chunk.
+        p32, v32 = p.astype(jnp.float32), vc.astype(jnp.float32)
+        terms = [p32[..., s, None] * v32[:, :, None, None, s] for s in range(SLOT_CHUNK)]
+        return acc + pairwise_sum(terms)
 
     # A dead chunk's part is exact zeros (its probabilities are), so stopping after the
     # live ones leaves every sum as the full loop's (a query that sees no key at all, a
