@@ -2,16 +2,18 @@
 deterministic modes run (`logitloop.models.fixed_order` says what those modes fix and why).
 
 Each score is the float32 products of one query and one key summed by halving over the
-head dimension (`tree_sum`: elementwise adds, an order fixed by head_dim; as an einsum the
-order changed with the batch for head_dim 8), and the sums over cache slots run in chunks
-of `SLOT_CHUNK` slots at fixed absolute boundaries (slot 0, 16, 32, ...), each chunk by
-halving, the chunks then added one after another from slot 0 up (a `lax.scan` over the
-chunks, one chunk per iteration: the loop also keeps XLA:CPU from fusing RoPE's sin and
-cos into the broadcast products and recomputing them per slot, which made a prompt pass
-3-4x slower). Slots a row may not see add exact zeros (exp of the mask value), so slots
-past a row's last position, padding of the cache to a multiple of the chunk, a longer
-bucket or buffer, or a longer prefix of the cache read by a decode step leave the sums
-unchanged. The maximum is exact in any order.
+head dimension (`tree_sum`'s order, written as `pairwise_sum` of the per-entry products so
+that no `[.., T, 16, D]` product array is written out: elementwise adds, an order fixed by
+head_dim; as an einsum the order changed with the batch for head_dim 8), and the sums over
+cache slots run in chunks of `SLOT_CHUNK` slots at fixed absolute boundaries (slot 0, 16,
+32, ...), each chunk by halving, the chunks then added one after another from slot 0 up (a
+loop over the chunks, one chunk per iteration: the loop also keeps XLA:CPU from fusing
+RoPE's sin and cos into the broadcast products and recomputing them per slot, which made
+a prompt pass 3-4x slower). The loops stop after the last chunk any query of the call may
+see (read from the mask): the chunks after it add exact zeros. Slots a row may not see
+add exact zeros (exp of the mask value), so slots past a row's last position, padding of
+the cache to a multiple of the chunk, a longer bucket or buffer, or a longer prefix of the
+cache read by a decode step leave the sums unchanged. The maximum is exact in any order.
 """
 
 from __future__ import annotations
