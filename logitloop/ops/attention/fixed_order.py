@@ -108,19 +108,23 @@ def fixed_order_attention(
 
     # Chunks past the last one any query may see (the cache's bucket and buffer beyond
     # the longest row: a third of the slots at lm-eval's lengths) add exact zeros, so
-    # they are skipped: a loop over the live chunks only, whose count is read from the
-    # mask. The chunks summed, and their order, are those of the full loop, bit for bit.
+    # their products are skipped: a `lax.cond` per chunk on the live-chunk count read
+    # from the mask. The chunks summed, and their order, are those of the full loop, bit
+    # for bit. (A loop of the live count alone would be a `while_loop` with a dynamic
+    # trip count, which reverse-mode differentiation, `ll.token_logprobs`' backward,
+    # cannot take.)
     live = jnp.any(mask.reshape(b, t, chunks, SLOT_CHUNK), axis=(0, 1, 3))  # [C]
     live_chunks = jnp.max(jnp.where(live, jnp.arange(1, chunks + 1), 0))
-    k_chunks = by_chunk(k)
+    index = jnp.arange(chunks)
+    score_shape = (b, hkv, g, t, SLOT_CHUNK)
 
-    def add_scores(i, acc):  # raw scores of chunk i into [C, B, Hkv, G, T, 16]
-        return jax.lax.dynamic_update_index_in_dim(acc, chunk_scores(k_chunks[i]), i, 0)
+    def live_scores(ikc):  # raw scores of chunk i; a dead chunk's stay 0, which
+        i, kc = ikc  # `masked_scores` turns into the mask value
+        return jax.lax.cond(
+            i < live_chunks, chunk_scores, lambda _: jnp.zeros(score_shape, jnp.float32), kc
+        )
 
-    # Dead chunks keep raw scores of 0, which `masked_scores` turns into the mask value.
-    scores = jax.lax.fori_loop(
-        0, live_chunks, add_scores, jnp.zeros((chunks, b, hkv, g, t, SLOT_CHUNK), jnp.float32)
-    )  # [C, B, Hkv, G, T, 16]
+    scores = jax.lax.map(live_scores, (index, by_chunk(k)))  # [C, B, Hkv, G, T, 16]
     scores = jnp.moveaxis(scores, 0, 4).reshape(b, hkv, g, t, chunks * SLOT_CHUNK)
     scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
     peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
@@ -128,21 +132,24 @@ def fixed_order_attention(
     total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
     probs = (exp / total[..., None, None]).astype(q.dtype)
 
-    p_chunks, v_chunks = jnp.moveaxis(probs, 4, 0), by_chunk(v)
-
-    def add_chunk(i, acc):  # chunk after chunk from slot 0: acc + this chunk's sum
-        p, vc = p_chunks[i], v_chunks[i]  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
+    def chunk_sum(pv):
+        p, vc = pv  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
         # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
         # as a list of the slots' products, added pairwise as `tree_sum` adds them: each
         # product then has one consumer and fuses into the adds, where the whole
         # `[.., T, 16, D]` product array was written out and read back per chunk.
         p32, v32 = p.astype(jnp.float32), vc.astype(jnp.float32)
         terms = [p32[..., s, None] * v32[:, :, None, None, s] for s in range(SLOT_CHUNK)]
-        return acc + pairwise_sum(terms)
+        return pairwise_sum(terms)
 
-    # A dead chunk's part is exact zeros (its probabilities are), so stopping after the
-    # live ones leaves every sum as the full loop's (a query that sees no key at all, a
-    # padding column never read, is the exception: its uniform weights lose those slots).
     zero = jnp.zeros((b, hkv, g, t, d), jnp.float32)
-    out = jax.lax.fori_loop(0, live_chunks, add_chunk, zero)
+
+    def add_chunk(acc, ipv):  # chunk after chunk from slot 0: acc + this chunk's sum
+        # A dead chunk's part is exact zeros (its probabilities are), so skipping it
+        # leaves every sum as the full loop's (a query that sees no key at all, a padding
+        # column never read, is the exception: its uniform weights lose those slots).
+        i, pv = ipv
+        return acc + jax.lax.cond(i < live_chunks, chunk_sum, lambda _: zero, pv), None
+
+    out, _ = jax.lax.scan(add_chunk, zero, (index, (jnp.moveaxis(probs, 4, 0), by_chunk(v))))
     return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)
