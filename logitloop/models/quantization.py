@@ -95,32 +95,64 @@ def quantize_weight(name: str, w: jax.Array, contracted: int, spec: QuantizeSpec
     return qwix.quantize(w, spec.qtype, channelwise_axes=output_axes, tiled_axes=tiled)
 
 
-def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
-    """Replace the model's projection weights with their `QArray`s, one tensor at a time,
-    and record what was quantized in `model.quantization`."""
-    names: list[str] = []
+def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
+    """The projection weights `spec` quantizes: parameter path -> axes its product
+    contracts. Checks every weight's shape first (int4's group size), so that a refused
+    model is refused before any weight is read or quantized; works on an abstract model."""
+    weights: dict[tuple, int] = {}
     for path, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param) or not path or path[-1] not in _PROJECTIONS:
             continue
-        value = param[...]
-        contracted = _PROJECTIONS[path[-1]] or (2 if value.ndim == 3 else 1)
-        if contracted == 2:
-            # A head-split output projection `[H, D, E]` is kept as its product's 2-D view
-            # `[H * D, E]` (what `layers.merge_heads` reshapes it to): Qwix cannot merge
-            # the head axis into int4 groups of the head dimension afterwards.
-            value = value.reshape(value.shape[0] * value.shape[1], value.shape[2])
-            contracted = 1
-        name = ".".join(str(p) for p in path)
-        param.set_value(quantize_weight(name, value, contracted, spec))
-        del value
-        names.append(name)
-    if not names:
+        abstract = param.get_value()  # a ShapeDtypeStruct on an abstract model
+        shape = tuple(abstract.shape)
+        contracted = _PROJECTIONS[path[-1]] or (2 if len(shape) == 3 else 1)
+        if contracted == 2:  # stored as its 2-D view, see `quantize_param`
+            shape, contracted = (shape[0] * shape[1], shape[2]), 1
+        if spec.format == "int4" and shape[contracted - 1] % spec.group_size:
+            raise ValueError(
+                f"quantize='int4': {_name(path)} has shape {shape}; its contraction axis "
+                f"{contracted - 1} ({shape[contracted - 1]}) is not divisible by "
+                f"group_size={spec.group_size}"
+            )
+        weights[tuple(path)] = _PROJECTIONS[path[-1]] or (2 if abstract.ndim == 3 else 1)
+    if not weights:
         raise ValueError(f"quantize={spec.format!r}: this model has no projection weights")
+    return weights
+
+
+def _name(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def quantize_param(path: tuple, value: jax.Array, contracted: int, spec: QuantizeSpec):
+    """The `QArray` of one projection weight (`plan` gives `contracted`)."""
+    if contracted == 2:
+        # A head-split output projection `[H, D, E]` is kept as its product's 2-D view
+        # `[H * D, E]` (what `layers.merge_heads` reshapes it to): Qwix cannot merge
+        # the head axis into int4 groups of the head dimension afterwards.
+        value = value.reshape(value.shape[0] * value.shape[1], value.shape[2])
+        contracted = 1
+    return quantize_weight(_name(path), value, contracted, spec)
+
+
+def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
+    """Replace a float model's projection weights with their `QArray`s, one tensor at a
+    time, and record what was quantized (`record`). `load_pretrained(quantize=...)`
+    instead quantizes each tensor as it is read (`loading._fill_parameters`)."""
+    weights = plan(model, spec)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param) and tuple(path) in weights:
+            param.set_value(quantize_param(tuple(path), param[...], weights[tuple(path)], spec))
+    record(model, spec, len(weights))
+
+
+def record(model: nnx.Module, spec: QuantizeSpec, count: int) -> None:
+    """Set `model.quantization` (what `describe` and the repr report)."""
     float_experts = sorted(
-        {".".join(str(p) for p in path[:-1]) for path, param in nnx.iter_graph(model)
+        {_name(path[:-1]) for path, param in nnx.iter_graph(model)
          if isinstance(param, nnx.Param) and path and "expert" in str(path[-1])}
     )  # fmt: skip
-    model.quantization = Quantization(spec, len(names), tuple(float_experts))
+    model.quantization = Quantization(spec, count, tuple(float_experts))
 
 
 @dataclasses.dataclass(frozen=True)
