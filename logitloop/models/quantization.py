@@ -26,6 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 FORMATS = ("int8", "int4")
+# The layout of a saved quantized model (`orbax_io`): bumped whenever what a saved
+# `QArray` means changes (its fields, scale layout, or which weights are quantized).
+STORAGE_VERSION = 1
 DEFAULT_GROUP_SIZE = 128
 
 # Parameter name -> the number of leading axes that the weight's product contracts
@@ -190,3 +193,64 @@ def parameter_bytes(model: nnx.Module) -> int:
         bits = 4 if leaf.dtype in (jnp.int4, jnp.uint4) else leaf.dtype.itemsize * 8
         total += math.prod(leaf.shape) * bits // 8
     return total
+
+
+def storage_record(model: nnx.Module) -> dict | None:
+    """What a saved checkpoint records about `model`'s quantization (None: float)."""
+    q = getattr(model, "quantization", None)
+    if q is None:
+        return None
+    return {
+        "storage_version": STORAGE_VERSION,
+        "format": q.spec.format,
+        "group_size": q.spec.group_size,
+    }
+
+
+def spec_from_record(record_: dict, source: str) -> QuantizeSpec:
+    """The `QuantizeSpec` of a saved quantized model, refusing another storage version."""
+    version = record_.get("storage_version")
+    if version != STORAGE_VERSION:
+        raise ValueError(
+            f"{source}: quantized with logitloop quantization storage version {version!r}; "
+            f"this logitloop reads version {STORAGE_VERSION} only (re-quantize from the "
+            "float checkpoint: load_pretrained(path, quantize=...))"
+        )
+    return check_quantize(record_.get("format"), record_.get("group_size"))
+
+
+def to_storable(tree: Any) -> Any:
+    """A pure-dict state with each `QArray` as a plain dict `{"qvalue", "scale"}` (what
+    Orbax writes; the quantization type is recorded in the metadata)."""
+    if is_quantized(tree):
+        if tree.zero_point is not None:  # weight-only formats here are symmetric
+            raise ValueError("cannot save an asymmetric (zero-point) QArray")
+        return {"qvalue": tree.qvalue, "scale": tree.scale}
+    if isinstance(tree, dict):
+        return {k: to_storable(v) for k, v in tree.items()}
+    return tree
+
+
+def from_storable(tree: Any, like: Any) -> Any:
+    """Inverse of `to_storable`, with `like` (a pure-dict state) saying where `QArray`s go."""
+    if is_quantized(like):
+        return dataclasses.replace(like, qvalue=tree["qvalue"], scale=tree["scale"])
+    if isinstance(like, dict):
+        return {k: from_storable(tree[k], v) for k, v in like.items()}
+    return tree
+
+
+def abstract_quantized(model: nnx.Module, spec: QuantizeSpec) -> None:
+    """Give an abstract model the abstract `QArray`s `spec` makes (shapes only, nothing
+    computed): the target a saved quantized model is restored into."""
+    weights = plan(model, spec)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param) and tuple(path) in weights:
+            contracted = weights[tuple(path)]
+            param.set_value(
+                jax.eval_shape(
+                    lambda w, path=tuple(path), c=contracted: quantize_param(path, w, c, spec),
+                    param.get_value(),
+                )
+            )
+    record(model, spec, len(weights))
