@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+import logitloop as ll
 from logitloop.models import GemmaConfig, GemmaModel, LlamaConfig, LlamaModel
 from logitloop.models.config import MoeConfig
 from logitloop.models.moe import MoeModel
@@ -46,3 +47,14 @@ def family_model(family: str, dtype: str = "float32", seed: int = 0):
         if isinstance(p, nnx.Param) and p[...].ndim > 1:
             p[...] = (p[...].astype(jnp.float32) * 8.0).astype(p[...].dtype)
     return model
+
+
+def flat_results(results) -> ll.GenerationResult:
+    """`generate_many`'s per-request results as one `GenerationResult` of all their rows
+    (the fields the exactness checks read), in request order."""
+    return ll.GenerationResult(
+        token_ids=[t for r in results for t in r.token_ids], finish_reason=[], stop_reason=[],
+        num_tokens=[], prompt_token_ids=[p for r in results for p in r.prompt_token_ids],
+        logprobs=[x for r in results for x in r.logprobs],
+        raw_logprobs=[x for r in results for x in r.raw_logprobs],
+    )  # fmt: skip

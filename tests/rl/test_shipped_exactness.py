@@ -17,6 +17,7 @@ from flax import nnx
 
 import logitloop as ll
 from logitloop.models import fixed_order
+from tests.rl.family_models import flat_results
 
 PROMPTS = ["def f(x):", "import"]
 SETTINGS = dict(temperature=1.0, top_p=0.9, max_tokens=4, logprobs=1)
@@ -42,12 +43,7 @@ def _rollouts(model):
                              ("prefix cache", 256, True)):  # fmt: skip
         res = ll.generate_many(model, reqs, deterministic=True, ignore_eos=True, slots=2,
                                kv_cache_tokens=kv, prefix_cache=prefix)  # fmt: skip
-        flat = ll.GenerationResult(
-            token_ids=[t for r in res for t in r.token_ids], finish_reason=[], stop_reason=[],
-            num_tokens=[], prompt_token_ids=[p for r in res for p in r.prompt_token_ids],
-            logprobs=[x for r in res for x in r.logprobs],
-            raw_logprobs=[x for r in res for x in r.raw_logprobs],
-        )  # fmt: skip
+        flat = flat_results(res)
         out[f"generate_many {name}"] = (flat, params)
     return out
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 import logitloop as ll
 from logitloop.models import fixed_order
-from tests.rl.family_models import FAMILIES, VOCAB, family_model
+from tests.rl.family_models import FAMILIES, VOCAB, family_model, flat_results
 
 PROMPTS = [[1, 5, 7, 9], [3, 4], [11, 12, 13, 14, 15, 16, 2], [8], [20, 21, 22]]
 
@@ -101,12 +101,7 @@ def test_n_samples_and_paged_batching_are_bit_for_bit(family, dtype):
     for kv, prefix in ((None, None), (512, False), (512, True)):
         res = ll.generate_many(model, reqs, deterministic=True, ignore_eos=True, n=2, slots=4,
                                kv_cache_tokens=kv, prefix_cache=prefix)  # fmt: skip
-        flat = ll.GenerationResult(
-            token_ids=[t for r in res for t in r.token_ids], finish_reason=[], stop_reason=[],
-            num_tokens=[], prompt_token_ids=[p for r in res for p in r.prompt_token_ids],
-            logprobs=[x for r in res for x in r.logprobs],
-            raw_logprobs=[x for r in res for x in r.raw_logprobs],
-        )  # fmt: skip
+        flat = flat_results(res)
         _assert_trainer_equals(model, flat, seeds)
 
 
