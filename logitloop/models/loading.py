@@ -69,7 +69,9 @@ def load_pretrained(
       quantize: None (float weights), "int8" (per output channel) or "int4" (per group of
         `group_size` contraction entries): the attention and MLP projections as Qwix
         quantized arrays (`logitloop.models.quantization`; needs the extra `quant`).
-        The embedding, LM head, norms and biases stay in `dtype`.
+        The embedding, LM head, norms and biases stay in `dtype`. Each projection is
+        quantized as it is read (no whole float copy); every weight's shape is checked
+        against the format before the first tensor is read.
       group_size: int4's group along each weight's contraction.
 
     Returns:

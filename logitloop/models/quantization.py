@@ -13,6 +13,11 @@ Formats (`quantize=`):
 What is quantized: the attention and MLP projections of every layer. The token embedding,
 the LM head, the norms and biases stay in the float dtype; a mixture-of-experts layer's
 expert weights are not quantized yet and are named in `describe` (no silent fallback).
+
+`load_pretrained(quantize=...)` checks the whole `plan` on the abstract model, then
+quantizes each projection as it is read (`quantize_param`); `orbax_io` saves a quantized
+model as `to_storable` values and scales with a `STORAGE_VERSION` tag and restores it
+without quantizing again.
 """
 
 from __future__ import annotations
