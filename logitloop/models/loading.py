@@ -66,9 +66,10 @@ def load_pretrained(
       path: the folder; None loads the small model shipped in `logitloop/models/tiny/`.
       dtype: parameter (and compute) dtype, one of float32, bfloat16, float16. None keeps
         the checkpoint's own floating dtype (that of its token embedding).
-      quantize: None (float weights), "int8" (per output channel) or "int4" (per group of
-        `group_size` contraction entries): the attention and MLP projections as Qwix
-        quantized arrays (`logitloop.models.quantization`; needs the extra `quant`).
+      quantize: None (float weights), "int8" or "fp8" (e4m3; per output channel) or
+        "int4" (per group of `group_size` contraction entries): the attention and MLP
+        projections as Qwix quantized arrays (`logitloop.models.quantization`; needs the
+        extra `quant`).
         The embedding, LM head, norms and biases stay in `dtype`. Each projection is
         quantized as it is read (no whole float copy); every weight's shape is checked
         against the format before the first tensor is read.
