@@ -494,3 +494,14 @@ def test_the_policy_is_one_static_value_per_setting():
         fixed_order.Numerics(deterministic="yes")
     with pytest.raises(ValueError, match="unpadded decode rows"):
         fixed_order.Numerics(deterministic="model-parallel", unpadded=frozenset({("float32", 0)}))
+
+
+def test_pairwise_sum_and_tree_sum_on_any_axis_add_in_one_order():
+    """`pairwise_sum` of slices (the attention's products) and `tree_sum` over a middle
+    axis are `tree_sum` over the last axis bit for bit, odd lengths included."""
+    from logitloop.ops.attention.fixed_order import pairwise_sum
+
+    x = np.random.default_rng(3).standard_normal((4, 13, 6)).astype(np.float32) * 1e3
+    last = np.asarray(fixed_order.tree_sum(np.moveaxis(x, 1, -1)))
+    np.testing.assert_array_equal(np.asarray(fixed_order.tree_sum(x, 1)), last)
+    np.testing.assert_array_equal(np.asarray(pairwise_sum([x[:, i] for i in range(13)])), last)
