@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import reduce
 from pathlib import Path
 from typing import Any
@@ -66,10 +66,13 @@ def load_pretrained(
       path: the folder; None loads the small model shipped in `logitloop/models/tiny/`.
       dtype: parameter (and compute) dtype, one of float32, bfloat16, float16. None keeps
         the checkpoint's own floating dtype (that of its token embedding).
-      quantize: None (float weights), "int8" (per output channel) or "int4" (per group of
-        `group_size` contraction entries): the attention and MLP projections as Qwix
-        quantized arrays (`logitloop.models.quantization`; needs the extra `quant`).
-        The embedding, LM head, norms and biases stay in `dtype`.
+      quantize: None (float weights), "int8" or "fp8" (e4m3; per output channel) or
+        "int4" (per group of `group_size` contraction entries): the attention and MLP
+        projections as Qwix quantized arrays (`logitloop.models.quantization`; needs the
+        extra `quant`).
+        The embedding, LM head, norms and biases stay in `dtype`. Each projection is
+        quantized as it is read (no whole float copy); every weight's shape is checked
+        against the format before the first tensor is read.
       group_size: int4's group along each weight's contraction.
 
     Returns:
@@ -104,9 +107,19 @@ def load_pretrained(
         dtype = _checkpoint_dtype(locations, rename, expected)
 
     model = abstract_model(config, dtype)
-    _fill_parameters(model, locations, expected, ignored, rename, dtype)
+    # Checked on the abstract model before any tensor is read: a refused int4 group size
+    # leaves no half-quantized model behind.
+    quantized = {} if quantize_spec is None else quantization.plan(model, quantize_spec)
+
+    def store(target: tuple, value: jax.Array) -> None:
+        # Quantized as it is read, so the float copy of the whole model never exists.
+        if target in quantized:
+            value = quantization.quantize_param(target, value, quantized[target], quantize_spec)
+        reduce(_child, target, model).set_value(value)
+
+    _fill_parameters(model, locations, expected, ignored, rename, dtype, store)
     if quantize_spec is not None:
-        quantization.quantize_model(model, quantize_spec)
+        quantization.record(model, quantize_spec, quantized)
 
     tokenizer_path = folder / "tokenizer.json"
     if tokenizer_path.is_file():
@@ -253,8 +266,10 @@ def _fill_parameters(
     ignored,
     rename,
     dtype: jnp.dtype,
+    store: Callable[[tuple, jax.Array], None],
 ) -> None:
-    """Read, check, convert and place every checkpoint tensor, one at a time."""
+    """Read, check, convert and place (`store(target, value)`) every checkpoint tensor,
+    one at a time."""
     by_file: dict[Path, list[str]] = {}
     for name, file in locations.items():
         by_file.setdefault(file, []).append(name)
@@ -294,7 +309,7 @@ def _fill_parameters(
                 value = spec.transform(value.astype(dtype))
                 for target, part in spec.placements(value):
                     if spec.stack_index is None:
-                        reduce(_child, target, model).set_value(part)
+                        store(tuple(target), part)
                     else:  # placed once all of its slices are read
                         stacks.setdefault(target, {})[spec.stack_index] = part
                 filled.add(key)
@@ -306,7 +321,7 @@ def _fill_parameters(
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     for target, parts in stacks.items():
-        reduce(_child, target, model).set_value(jnp.stack([parts[i] for i in sorted(parts)]))
+        store(tuple(target), jnp.stack([parts[i] for i in sorted(parts)]))
     # Every checkpoint tensor was placed; a parameter still abstract now would mean the
     # architecture's checkpoint_tensors() forgot it, a bug here rather than in the file.
     unfilled = [

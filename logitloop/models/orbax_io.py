@@ -23,6 +23,7 @@ import numpy as np
 import tokenizers
 from flax import nnx
 
+from logitloop.models import quantization
 from logitloop.models.config import ModelConfig, config_from_dict, config_to_dict
 from logitloop.models.loading import Model, abstract_model
 from logitloop.models.partitioning import param_shardings
@@ -46,7 +47,7 @@ def save_converted(model: Model, directory: str | os.PathLike) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp  # imported when used: it takes a quarter second
 
-    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = quantization.to_storable(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     # Uncompressed: float weights barely compress, and zstd doubled the restore time
     # (scripts/bench_loading.py).
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
@@ -57,6 +58,9 @@ def save_converted(model: Model, directory: str | os.PathLike) -> None:
         "dtype": jnp.dtype(model.dtype).name,
         "config": config_to_dict(model.config),
         "tokenizer": None,
+        # None for float weights; else the format and its storage version (checked on
+        # restore, so a checkpoint of another layout is refused rather than misread).
+        "quantization": quantization.storage_record(model),
     }
     if model.tokenizer is not None:
         (directory / _TOKENIZER_FILE).write_text(model.tokenizer.to_str(), encoding="utf-8")
@@ -104,8 +108,19 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
     directory = Path(directory).absolute()
     meta, config, dtype = read_metadata(directory)
     model = abstract_model(config, dtype)
+    quantized = meta.get("quantization")
+    if quantized is not None:
+        # Restored as saved: the QArrays' values and scales, nothing quantized again.
+        spec = quantization.spec_from_record(quantized, str(directory / _META_FILE))
+        quantization.abstract_quantized(model, spec)
+        if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+            raise NotImplementedError(
+                "sharding: a quantized model restores onto one jax.sharding.Sharding or the "
+                "default device; a per-parameter sharding tree is not supported yet"
+            )
     state = nnx.state(model, nnx.Param)
-    target = nnx.to_pure_dict(state)  # ShapeDtypeStruct leaves
+    like = nnx.to_pure_dict(state)  # ShapeDtypeStruct leaves (inside QArrays if quantized)
+    target = quantization.to_storable(like)
     # Explicit restore arguments: Orbax's own inference of each leaf's sharding from the
     # checkpoint metadata took a third of the restore (scripts/bench_loading.py).
     if sharding is None:
@@ -126,7 +141,7 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
         directory / _STATE_DIR,
         args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
     )
-    nnx.replace_by_pure_dict(state, place(restored))
+    nnx.replace_by_pure_dict(state, quantization.from_storable(place(restored), like))
     nnx.update(model, state)
 
     if meta.get("tokenizer") is not None:

@@ -7,6 +7,8 @@ of a weight goes through `fixed_order.product`, which hands a `QArray` to Qwix's
 
 Formats (`quantize=`):
 - "int8": per output channel (one scale per output column).
+- "fp8": float8 e4m3 values, per output channel like int8 (Qwix's product upcasts them;
+  it runs on XLA:CPU, tested against NumPy).
 - "int4": per group of `group_size` entries of the contraction, per output column; a
   contraction not divisible by `group_size` is refused.
 
@@ -15,6 +17,11 @@ mixture-of-experts layer's stacked expert weights (`[X, K, N]`: scales per exper
 output column, int4 groups along K; their products go through `einsum` below, Qwix's
 quantized einsum). The token embedding, the LM head, the router, the norms and biases
 stay in the float dtype.
+
+`load_pretrained(quantize=...)` checks the whole `plan` on the abstract model, then
+quantizes each projection as it is read (`quantize_param`); `orbax_io` saves a quantized
+model as `to_storable` values and scales with a `STORAGE_VERSION` tag and restores it
+without quantizing again.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FORMATS = ("int8", "int4")
+FORMATS = ("int8", "int4", "fp8")
+# The layout of a saved quantized model (`orbax_io`): bumped whenever what a saved
+# `QArray` means changes (its fields, scale layout, or which weights are quantized).
+STORAGE_VERSION = 1
 DEFAULT_GROUP_SIZE = 128
 
 # Parameter name -> the number of leading axes that the weight's product contracts
@@ -57,19 +67,15 @@ class QuantizeSpec:
 
     @property
     def qtype(self):
-        return {"int8": jnp.int8, "int4": jnp.int4}[self.format]
+        return {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}[self.format]
 
 
 def check_quantize(quantize: Any, group_size: Any = DEFAULT_GROUP_SIZE) -> QuantizeSpec | None:
     """`quantize` and `group_size` checked: None (float weights) or a `QuantizeSpec`."""
     if quantize is None:
         return None
-    if quantize == "fp8":
-        raise ValueError(
-            "quantize='fp8': float8 (e4m3) weights are not supported yet; use 'int8' or 'int4'"
-        )
     if not isinstance(quantize, str) or quantize not in FORMATS:
-        raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
+        raise ValueError(f"quantize must be None, 'int8', 'int4' or 'fp8', got {quantize!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     return QuantizeSpec(quantize, group_size)
@@ -107,35 +113,75 @@ def quantize_weight(
     return qwix.quantize(w, spec.qtype, channelwise_axes=output_axes, tiled_axes=tiled)
 
 
-def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
-    """Replace the model's projection weights with their `QArray`s, one tensor at a time,
-    and record what was quantized in `model.quantization`."""
-    names: list[str] = []
-    experts = 0
+# `plan`'s value for a mixture's stacked expert weights `[X, K, N]` (each expert's `[K, N]`
+# contracts its axis 1; no other weight contracts 0 axes).
+STACKED_EXPERTS = 0
+
+
+def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
+    """The weights `spec` quantizes: parameter path -> axes its product contracts
+    (`STACKED_EXPERTS` for a mixture's stacked experts). Checks every weight's shape first
+    (int4's group size), so that a refused model is refused before any weight is read or
+    quantized; works on an abstract model."""
+    weights: dict[tuple, int] = {}
     for path, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param) or not path or path[-1] not in _PROJECTIONS:
             continue
-        value = param[...]
-        name = ".".join(str(p) for p in path)
-        if path[-1] in _EXPERT_WEIGHTS and value.ndim == 3:
-            # a mixture's stacked experts `[X, K, N]` (moe.py), each expert its own weight
-            param.set_value(quantize_weight(name, value, 1, spec, stacked=True))
-            del value
-            experts += 1
-            continue
-        contracted = _PROJECTIONS[path[-1]] or (2 if value.ndim == 3 else 1)
-        if contracted == 2:
-            # A head-split output projection `[H, D, E]` is kept as its product's 2-D view
-            # `[H * D, E]` (what `layers.merge_heads` reshapes it to): Qwix cannot merge
-            # the head axis into int4 groups of the head dimension afterwards.
-            value = value.reshape(value.shape[0] * value.shape[1], value.shape[2])
-            contracted = 1
-        param.set_value(quantize_weight(name, value, contracted, spec))
-        del value
-        names.append(name)
-    if not names:
+        abstract = param.get_value()  # a ShapeDtypeStruct on an abstract model
+        shape = tuple(abstract.shape)
+        if path[-1] in _EXPERT_WEIGHTS and len(shape) == 3:  # moe.py's `[X, K, N]`
+            contracted, axis = STACKED_EXPERTS, 1
+        else:
+            contracted = _PROJECTIONS[path[-1]] or (2 if len(shape) == 3 else 1)
+            axis = contracted - 1
+            if contracted == 2:  # stored as its 2-D view `[H * D, E]`, see `quantize_param`
+                shape, axis = (shape[0] * shape[1], shape[2]), 0
+        if spec.format == "int4" and shape[axis] % spec.group_size:
+            raise ValueError(
+                f"quantize='int4': {_name(path)} has shape {shape}; its contraction axis "
+                f"{axis} ({shape[axis]}) is not divisible by group_size={spec.group_size}"
+            )
+        weights[tuple(path)] = contracted
+    if not weights:
         raise ValueError(f"quantize={spec.format!r}: this model has no projection weights")
-    model.quantization = Quantization(spec, len(names), experts)
+    return weights
+
+
+def _name(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def quantize_param(path: tuple, value: jax.Array, contracted: int, spec: QuantizeSpec):
+    """The `QArray` of one weight (`plan` gives `contracted`)."""
+    if contracted == STACKED_EXPERTS:
+        # a mixture's stacked experts `[X, K, N]` (moe.py), each expert its own weight
+        return quantize_weight(_name(path), value, 1, spec, stacked=True)
+    if contracted == 2:
+        # A head-split output projection `[H, D, E]` is kept as its product's 2-D view
+        # `[H * D, E]` (what `layers.merge_heads` reshapes it to): Qwix cannot merge
+        # the head axis into int4 groups of the head dimension afterwards.
+        value = value.reshape(value.shape[0] * value.shape[1], value.shape[2])
+        contracted = 1
+    return quantize_weight(_name(path), value, contracted, spec)
+
+
+def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
+    """Replace a float model's projection (and stacked expert) weights with their
+    `QArray`s, one tensor at a time, and record what was quantized (`record`).
+    `load_pretrained(quantize=...)` instead quantizes each tensor as it is read
+    (`loading._fill_parameters`)."""
+    weights = plan(model, spec)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param) and tuple(path) in weights:
+            param.set_value(quantize_param(tuple(path), param[...], weights[tuple(path)], spec))
+    record(model, spec, weights)
+
+
+def record(model: nnx.Module, spec: QuantizeSpec, weights: dict[tuple, int]) -> None:
+    """Set `model.quantization` (what `describe` and the repr report) from `plan`'s
+    `weights`."""
+    experts = sum(c == STACKED_EXPERTS for c in weights.values())
+    model.quantization = Quantization(spec, len(weights) - experts, experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +194,7 @@ class Quantization:
 
     def describe(self) -> str:
         s = self.spec
-        how = "per output channel" if s.format == "int8" else f"groups of {s.group_size}"
+        how = f"groups of {s.group_size}" if s.format == "int4" else "per output channel"
         text = (
             f"{s.format} weights ({how}) for {self.weights} attention/MLP projections; "
             "embedding, LM head, norms and biases in float"
@@ -183,3 +229,64 @@ def parameter_bytes(model: nnx.Module) -> int:
         bits = 4 if leaf.dtype in (jnp.int4, jnp.uint4) else leaf.dtype.itemsize * 8
         total += math.prod(leaf.shape) * bits // 8
     return total
+
+
+def storage_record(model: nnx.Module) -> dict | None:
+    """What a saved checkpoint records about `model`'s quantization (None: float)."""
+    q = getattr(model, "quantization", None)
+    if q is None:
+        return None
+    return {
+        "storage_version": STORAGE_VERSION,
+        "format": q.spec.format,
+        "group_size": q.spec.group_size,
+    }
+
+
+def spec_from_record(record_: dict, source: str) -> QuantizeSpec:
+    """The `QuantizeSpec` of a saved quantized model, refusing another storage version."""
+    version = record_.get("storage_version")
+    if version != STORAGE_VERSION:
+        raise ValueError(
+            f"{source}: quantized with logitloop quantization storage version {version!r}; "
+            f"this logitloop reads version {STORAGE_VERSION} only (re-quantize from the "
+            "float checkpoint: load_pretrained(path, quantize=...))"
+        )
+    return check_quantize(record_.get("format"), record_.get("group_size"))
+
+
+def to_storable(tree: Any) -> Any:
+    """A pure-dict state with each `QArray` as a plain dict `{"qvalue", "scale"}` (what
+    Orbax writes; the quantization type is recorded in the metadata)."""
+    if is_quantized(tree):
+        if tree.zero_point is not None:  # weight-only formats here are symmetric
+            raise ValueError("cannot save an asymmetric (zero-point) QArray")
+        return {"qvalue": tree.qvalue, "scale": tree.scale}
+    if isinstance(tree, dict):
+        return {k: to_storable(v) for k, v in tree.items()}
+    return tree
+
+
+def from_storable(tree: Any, like: Any) -> Any:
+    """Inverse of `to_storable`, with `like` (a pure-dict state) saying where `QArray`s go."""
+    if is_quantized(like):
+        return dataclasses.replace(like, qvalue=tree["qvalue"], scale=tree["scale"])
+    if isinstance(like, dict):
+        return {k: from_storable(tree[k], v) for k, v in like.items()}
+    return tree
+
+
+def abstract_quantized(model: nnx.Module, spec: QuantizeSpec) -> None:
+    """Give an abstract model the abstract `QArray`s `spec` makes (shapes only, nothing
+    computed): the target a saved quantized model is restored into."""
+    weights = plan(model, spec)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param) and tuple(path) in weights:
+            contracted = weights[tuple(path)]
+            param.set_value(
+                jax.eval_shape(
+                    lambda w, path=tuple(path), c=contracted: quantize_param(path, w, c, spec),
+                    param.get_value(),
+                )
+            )
+    record(model, spec, weights)

@@ -9,6 +9,7 @@ qwix = pytest.importorskip("qwix", reason="quantized weights need the extra `qua
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import logitloop as ll  # noqa: E402
 from logitloop.decoding.loop.runner import model_info  # noqa: E402
@@ -31,14 +32,14 @@ def quantized(request):
 def _dequantized(q) -> np.ndarray:
     """The QArray's float64 value, with NumPy only: values times scales broadcast over
     their tiles (independent of Qwix's own dequantize)."""
-    values = np.asarray(q.qvalue.astype(jnp.int32), np.float64)
+    values = np.asarray(q.qvalue.astype(jnp.float32), np.float64)  # exact for int and fp8
     scale = np.asarray(q.scale, np.float64)
     for axis, (n, s) in enumerate(zip(values.shape, scale.shape, strict=True)):
         scale = np.repeat(scale, n // s, axis=axis)
     return values * scale
 
 
-@pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 32)])
+@pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 32), ("fp8", 128)])
 def test_product_matches_float64_dequantized_reference(fmt, group):
     w = jax.random.normal(jax.random.key(0), (128, 48), jnp.float32)
     x = jax.random.normal(jax.random.key(1), (5, 128), jnp.float32)
@@ -49,7 +50,7 @@ def test_product_matches_float64_dequantized_reference(fmt, group):
     np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4)
     # and the quantization error itself is what the format promises
     error = np.abs(_dequantized(q) - np.asarray(w, np.float64)).max()
-    assert error < (0.02 if fmt == "int8" else 0.3) * float(jnp.abs(w).max())
+    assert error < {"int8": 0.02, "fp8": 0.07, "int4": 0.3}[fmt] * float(jnp.abs(w).max())
 
 
 @pytest.mark.slow
@@ -85,10 +86,10 @@ def test_deterministic_batch_of_one_equals_batch_of_three(quantized):
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="quantize must be None, 'int8' or 'int4', got 'int3'"):
+    with pytest.raises(
+        ValueError, match="quantize must be None, 'int8', 'int4' or 'fp8', got 'int3'"
+    ):
         ll.load_pretrained(quantize="int3")
-    with pytest.raises(ValueError, match="fp8"):
-        ll.load_pretrained(quantize="fp8")
     with pytest.raises(ValueError, match="group_size must be a positive int"):
         ll.load_pretrained(quantize="int4", group_size=0)
     with pytest.raises(
@@ -143,3 +144,89 @@ def test_moe_experts_quantized_against_float64_reference(fmt, group):
     for rows, numerics in ((h[:2, :1], PLAIN), (h, PLAIN), (h, Numerics(deterministic=True))):
         got = np.asarray(block.mlp(jnp.asarray(rows), numerics), np.float64)
         np.testing.assert_allclose(got, _moe_reference(block, rows), rtol=2e-4, atol=2e-4)
+
+
+def _leaves(model):
+    return jax.tree.leaves(quantization.to_storable(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+
+
+def test_quantized_while_loading_equals_quantizing_the_float_load(float_model):
+    spec = quantization.check_quantize("int4", 32)
+    loaded = ll.load_pretrained(quantize="int4", group_size=32)
+    after = ll.load_pretrained()
+    quantization.quantize_model(after, spec)
+    assert loaded.quantization == after.quantization
+    for a, b in zip(_leaves(loaded), _leaves(after), strict=True):
+        assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
+    assert (
+        sum(
+            quantization.is_quantized(w)
+            for w in jax.tree.leaves(
+                nnx.state(loaded, nnx.Param), is_leaf=quantization.is_quantized
+            )
+        )
+        == 28
+    )
+
+
+def test_refused_group_size_reads_no_tensor(monkeypatch):
+    from logitloop.models import loading
+
+    def never(*args, **kwargs):
+        raise AssertionError("a tensor was read before the group size was checked")
+
+    monkeypatch.setattr(loading, "_fill_parameters", never)
+    with pytest.raises(ValueError, match="not divisible by group_size=96"):
+        ll.load_pretrained(quantize="int4", group_size=96)
+
+
+@pytest.fixture(scope="module")
+def saved_int8(tmp_path_factory):
+    from logitloop.models import orbax_io
+
+    model = ll.load_pretrained(quantize="int8")
+    directory = tmp_path_factory.mktemp("quantized") / "int8"
+    orbax_io.save_converted(model, directory)
+    return model, directory
+
+
+def test_orbax_round_trip_restores_the_quantized_arrays(saved_int8):
+    from logitloop.models import orbax_io
+
+    model, directory = saved_int8
+    restored = orbax_io.restore_converted(directory)
+    assert restored.quantization == model.quantization
+    for a, b in zip(_leaves(model), _leaves(restored), strict=True):
+        assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
+
+
+@pytest.mark.slow
+def test_orbax_restored_model_generates_bit_identically(saved_int8):
+    from logitloop.models import orbax_io
+
+    model, directory = saved_int8
+    restored = orbax_io.restore_converted(directory)
+    a = ll.generate(model, PROMPTS[:2], max_new_tokens=6, deterministic=True)
+    b = ll.generate(restored, PROMPTS[:2], max_new_tokens=6, deterministic=True)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_orbax_refuses_another_storage_version(saved_int8, tmp_path):
+    import json
+    import shutil
+
+    from logitloop.models import orbax_io
+
+    _, directory = saved_int8
+    copy = tmp_path / "foreign"
+    shutil.copytree(directory, copy)
+    meta_path = copy / "logitloop_model.json"
+    meta = json.loads(meta_path.read_text())
+    meta["quantization"]["storage_version"] = 99
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(
+        ValueError,
+        match=r"logitloop_model\.json: quantized with logitloop "
+        r"quantization storage version 99; this logitloop reads version 1",
+    ):
+        orbax_io.restore_converted(copy)
