@@ -230,3 +230,30 @@ def test_orbax_refuses_another_storage_version(saved_int8, tmp_path):
         r"quantization storage version 99; this logitloop reads version 1",
     ):
         orbax_io.restore_converted(copy)
+
+
+@pytest.mark.slow
+def test_moe_quantized_while_loading_and_orbax_round_trip(tmp_path):
+    """A Qwen3-MoE checkpoint: its stacked experts quantized as they are read equal
+    quantizing the float load, and an Orbax round trip restores them bit for bit."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_checkpoints import build_hf_model, save_hf_model
+
+    from logitloop.models import orbax_io
+
+    directory = save_hf_model(build_hf_model("qwen3_moe"), tmp_path / "moe")
+    loaded = ll.load_pretrained(directory, quantize="int4", group_size=16)
+    after = ll.load_pretrained(directory)
+    quantization.quantize_model(after, quantization.check_quantize("int4", 16))
+    assert loaded.quantization == after.quantization
+    assert loaded.quantization.expert_weights == 6  # two sparse layers, three each
+    for a, b in zip(_leaves(loaded), _leaves(after), strict=True):
+        assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
+    orbax_io.save_converted(loaded, tmp_path / "saved")
+    restored = orbax_io.restore_converted(tmp_path / "saved")
+    assert restored.quantization == loaded.quantization
+    for a, b in zip(_leaves(loaded), _leaves(restored), strict=True):
+        assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
