@@ -119,7 +119,7 @@ def load_pretrained(
 
     _fill_parameters(model, locations, expected, ignored, rename, dtype, store)
     if quantize_spec is not None:
-        quantization.record(model, quantize_spec, len(quantized))
+        quantization.record(model, quantize_spec, quantized)
 
     tokenizer_path = folder / "tokenizer.json"
     if tokenizer_path.is_file():

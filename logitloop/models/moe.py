@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import fixed_order, layers, llama
+from logitloop.models import fixed_order, layers, llama, quantization
 from logitloop.models.config import MoeConfig, mixtral_config_from_hf, qwen3_moe_config_from_hf
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.layers import CheckpointTensor
@@ -111,8 +111,10 @@ class MoeBlock(llama.LlamaBlock):
         return weights, experts
 
     def _expert_mlp(self, x, w_gate, w_up, w_down, spec):
-        act = layers.activation(self.config.hidden_act, jnp.einsum(spec[0], x, w_gate))
-        return jnp.einsum(spec[1], act * jnp.einsum(spec[0], x, w_up), w_down)
+        # quantization.einsum: jnp.einsum, or Qwix's for quantized experts (one path)
+        einsum = quantization.einsum
+        act = layers.activation(self.config.hidden_act, einsum(spec[0], x, w_gate))
+        return einsum(spec[1], act * einsum(spec[0], x, w_up), w_down)
 
     def _routed(self, flat, weights, experts):
         """Each token through its k experts only (gathers k experts' weights per token)."""

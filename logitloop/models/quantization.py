@@ -12,12 +12,14 @@ Formats (`quantize=`):
 - "int4": per group of `group_size` entries of the contraction, per output column; a
   contraction not divisible by `group_size` is refused.
 
-What is quantized: the attention and MLP projections of every layer. The token embedding,
-the LM head, the norms and biases stay in the float dtype; a mixture-of-experts layer's
-expert weights are not quantized yet and are named in `describe` (no silent fallback).
+What is quantized: the attention and MLP projections of every layer and a
+mixture-of-experts layer's stacked expert weights (`[X, K, N]`: scales per expert and
+output column, int4 groups along K; their products go through `einsum` below, Qwix's
+quantized einsum). The token embedding, the LM head, the router, the norms and biases
+stay in the float dtype.
 
 `load_pretrained(quantize=...)` checks the whole `plan` on the abstract model, then
-quantizes each projection as it is read (`quantize_param`); `orbax_io` saves a quantized
+quantizes each weight as it is read (`quantize_param`); `orbax_io` saves a quantized
 model as `to_storable` values and scales with a `STORAGE_VERSION` tag and restores it
 without quantizing again.
 """
@@ -35,7 +37,7 @@ from flax import nnx
 FORMATS = ("int8", "int4", "fp8")
 # The layout of a saved quantized model (`orbax_io`): bumped whenever what a saved
 # `QArray` means changes (its fields, scale layout, or which weights are quantized).
-STORAGE_VERSION = 1
+STORAGE_VERSION = 2  # 2: MoE expert weights quantized too
 DEFAULT_GROUP_SIZE = 128
 
 # Parameter name -> the number of leading axes that the weight's product contracts
@@ -44,6 +46,8 @@ _PROJECTIONS = {
     "wq": 1, "wk": 1, "wv": 1, "wo": None, "w_gate": 1, "w_up": 1, "w_down": 1,
     "w_qkv": 1, "w_fc": 1, "w_proj": 1,
 }  # fmt: skip
+# Of those, the names a mixture-of-experts layer stacks per expert (`[X, K, N]`).
+_EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 def _qwix():
@@ -82,35 +86,53 @@ def is_quantized(w: Any) -> bool:
     return type(w).__name__ == "QArray" and hasattr(w, "qvalue") and hasattr(w, "scale")
 
 
-def quantize_weight(name: str, w: jax.Array, contracted: int, spec: QuantizeSpec):
+def quantize_weight(
+    name: str, w: jax.Array, contracted: int, spec: QuantizeSpec, *, stacked: bool = False
+):
     """One weight as a `QArray`: scales per output entry (the axes after the first
     `contracted`), and for int4 per `group_size` entries of the last contracted axis
-    (the others, e.g. the heads of `[H, D, E]`, one scale each)."""
+    (the others, e.g. the heads of `[H, D, E]`, one scale each). `stacked`: `w` is
+    `[X, K, N]`, X experts' `[K, N]` weights, each quantized as its own (axis 0 is not
+    contracted: a scale per expert)."""
     qwix = _qwix()
-    output_axes = tuple(range(contracted, w.ndim))
+    if stacked:
+        output_axes = (0, *range(contracted + 1, w.ndim))
+        last = contracted
+    else:
+        output_axes = tuple(range(contracted, w.ndim))
+        last = contracted - 1
     tiled = {}
     if spec.format == "int4":
-        last = contracted - 1
         if w.shape[last] % spec.group_size:
             raise ValueError(
                 f"quantize='int4': {name} has shape {tuple(w.shape)}; its contraction axis "
                 f"{last} ({w.shape[last]}) is not divisible by group_size={spec.group_size}"
             )
-        tiled = {axis: 1 for axis in range(last)}
+        tiled = {axis: 1 for axis in range(last) if axis not in output_axes}
         tiled[last] = spec.group_size
     return qwix.quantize(w, spec.qtype, channelwise_axes=output_axes, tiled_axes=tiled)
 
 
-def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
-    """The projection weights `spec` quantizes: parameter path -> axes its product
-    contracts. Checks every weight's shape first (int4's group size), so that a refused
-    model is refused before any weight is read or quantized; works on an abstract model."""
-    weights: dict[tuple, int] = {}
+def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, tuple[int, bool]]:
+    """The weights `spec` quantizes: parameter path -> (axes its product contracts,
+    whether it is a mixture's stacked experts `[X, K, N]`). Checks every weight's shape
+    first (int4's group size), so that a refused model is refused before any weight is
+    read or quantized; works on an abstract model."""
+    weights: dict[tuple, tuple[int, bool]] = {}
     for path, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param) or not path or path[-1] not in _PROJECTIONS:
             continue
         abstract = param.get_value()  # a ShapeDtypeStruct on an abstract model
         shape = tuple(abstract.shape)
+        if path[-1] in _EXPERT_WEIGHTS and len(shape) == 3:
+            # a mixture's stacked experts `[X, K, N]` (moe.py), each expert its own weight
+            if spec.format == "int4" and shape[1] % spec.group_size:
+                raise ValueError(
+                    f"quantize='int4': {_name(path)} has shape {shape}; its contraction "
+                    f"axis 1 ({shape[1]}) is not divisible by group_size={spec.group_size}"
+                )
+            weights[tuple(path)] = (1, True)
+            continue
         contracted = _PROJECTIONS[path[-1]] or (2 if len(shape) == 3 else 1)
         if contracted == 2:  # stored as its 2-D view, see `quantize_param`
             shape, contracted = (shape[0] * shape[1], shape[2]), 1
@@ -120,7 +142,7 @@ def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
                 f"{contracted - 1} ({shape[contracted - 1]}) is not divisible by "
                 f"group_size={spec.group_size}"
             )
-        weights[tuple(path)] = _PROJECTIONS[path[-1]] or (2 if abstract.ndim == 3 else 1)
+        weights[tuple(path)] = (_PROJECTIONS[path[-1]] or (2 if abstract.ndim == 3 else 1), False)
     if not weights:
         raise ValueError(f"quantize={spec.format!r}: this model has no projection weights")
     return weights
@@ -130,8 +152,11 @@ def _name(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def quantize_param(path: tuple, value: jax.Array, contracted: int, spec: QuantizeSpec):
-    """The `QArray` of one projection weight (`plan` gives `contracted`)."""
+def quantize_param(path: tuple, value: jax.Array, how: tuple[int, bool], spec: QuantizeSpec):
+    """The `QArray` of one weight (`plan` gives `how`)."""
+    contracted, stacked = how
+    if stacked:
+        return quantize_weight(_name(path), value, contracted, spec, stacked=True)
     if contracted == 2:
         # A head-split output projection `[H, D, E]` is kept as its product's 2-D view
         # `[H * D, E]` (what `layers.merge_heads` reshapes it to): Qwix cannot merge
@@ -149,16 +174,13 @@ def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and tuple(path) in weights:
             param.set_value(quantize_param(tuple(path), param[...], weights[tuple(path)], spec))
-    record(model, spec, len(weights))
+    record(model, spec, weights)
 
 
-def record(model: nnx.Module, spec: QuantizeSpec, count: int) -> None:
-    """Set `model.quantization` (what `describe` and the repr report)."""
-    float_experts = sorted(
-        {_name(path[:-1]) for path, param in nnx.iter_graph(model)
-         if isinstance(param, nnx.Param) and path and "expert" in str(path[-1])}
-    )  # fmt: skip
-    model.quantization = Quantization(spec, count, tuple(float_experts))
+def record(model: nnx.Module, spec: QuantizeSpec, weights: dict) -> None:
+    """Set `model.quantization` from the `plan` it followed (what `describe` reports)."""
+    experts = sum(stacked for _, stacked in weights.values())
+    model.quantization = Quantization(spec, len(weights) - experts, experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +189,7 @@ class Quantization:
 
     spec: QuantizeSpec
     weights: int  # projection weights quantized
-    float_experts: tuple[str, ...]  # modules whose expert weights stayed float
+    expert_weights: int = 0  # stacked expert weights `[X, K, N]` quantized
 
     def describe(self) -> str:
         s = self.spec
@@ -176,8 +198,10 @@ class Quantization:
             f"{s.format} weights ({how}) for {self.weights} attention/MLP projections; "
             "embedding, LM head, norms and biases in float"
         )
-        if self.float_experts:
-            text += f"; expert weights in float ({len(self.float_experts)} MoE layers)"
+        if self.expert_weights:
+            text = text.replace(
+                "projections;", f"projections and {self.expert_weights} stacked expert weights;"
+            )
         return text
 
 
@@ -186,6 +210,14 @@ def product(rows: jax.Array, w: Any) -> jax.Array:
     `dot_general`: integer weights, scales applied to the output or per group)."""
     out = _qwix().dot_general(rows, w, (((1,), (0,)), ((), ())))
     return out.astype(rows.dtype)
+
+
+def einsum(subscripts: str, x: jax.Array, w: Any) -> jax.Array:
+    """`jnp.einsum(subscripts, x, w)` in `x`'s dtype, through Qwix's quantized einsum when
+    `w` is a `QArray` (the expert products of moe.py: one path for float and quantized)."""
+    if not is_quantized(w):
+        return jnp.einsum(subscripts, x, w)
+    return _qwix().einsum(subscripts, x, w).astype(x.dtype)
 
 
 def parameter_bytes(model: nnx.Module) -> int:
@@ -249,11 +281,11 @@ def abstract_quantized(model: nnx.Module, spec: QuantizeSpec) -> None:
     weights = plan(model, spec)
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and tuple(path) in weights:
-            contracted = weights[tuple(path)]
+            how = weights[tuple(path)]
             param.set_value(
                 jax.eval_shape(
-                    lambda w, path=tuple(path), c=contracted: quantize_param(path, w, c, spec),
+                    lambda w, path=tuple(path), how=how: quantize_param(path, w, how, spec),
                     param.get_value(),
                 )
             )
-    record(model, spec, len(weights))
+    record(model, spec, weights)
