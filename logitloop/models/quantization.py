@@ -113,36 +113,35 @@ def quantize_weight(
     return qwix.quantize(w, spec.qtype, channelwise_axes=output_axes, tiled_axes=tiled)
 
 
-def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, tuple[int, bool]]:
-    """The weights `spec` quantizes: parameter path -> (axes its product contracts,
-    whether it is a mixture's stacked experts `[X, K, N]`). Checks every weight's shape
-    first (int4's group size), so that a refused model is refused before any weight is
-    read or quantized; works on an abstract model."""
-    weights: dict[tuple, tuple[int, bool]] = {}
+# `plan`'s value for a mixture's stacked expert weights `[X, K, N]` (each expert's `[K, N]`
+# contracts its axis 1; no other weight contracts 0 axes).
+STACKED_EXPERTS = 0
+
+
+def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
+    """The weights `spec` quantizes: parameter path -> axes its product contracts
+    (`STACKED_EXPERTS` for a mixture's stacked experts). Checks every weight's shape first
+    (int4's group size), so that a refused model is refused before any weight is read or
+    quantized; works on an abstract model."""
+    weights: dict[tuple, int] = {}
     for path, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param) or not path or path[-1] not in _PROJECTIONS:
             continue
         abstract = param.get_value()  # a ShapeDtypeStruct on an abstract model
         shape = tuple(abstract.shape)
-        if path[-1] in _EXPERT_WEIGHTS and len(shape) == 3:
-            # a mixture's stacked experts `[X, K, N]` (moe.py), each expert its own weight
-            if spec.format == "int4" and shape[1] % spec.group_size:
-                raise ValueError(
-                    f"quantize='int4': {_name(path)} has shape {shape}; its contraction "
-                    f"axis 1 ({shape[1]}) is not divisible by group_size={spec.group_size}"
-                )
-            weights[tuple(path)] = (1, True)
-            continue
-        contracted = _PROJECTIONS[path[-1]] or (2 if len(shape) == 3 else 1)
-        if contracted == 2:  # stored as its 2-D view, see `quantize_param`
-            shape, contracted = (shape[0] * shape[1], shape[2]), 1
-        if spec.format == "int4" and shape[contracted - 1] % spec.group_size:
+        if path[-1] in _EXPERT_WEIGHTS and len(shape) == 3:  # moe.py's `[X, K, N]`
+            contracted, axis = STACKED_EXPERTS, 1
+        else:
+            contracted = _PROJECTIONS[path[-1]] or (2 if len(shape) == 3 else 1)
+            axis = contracted - 1
+            if contracted == 2:  # stored as its 2-D view `[H * D, E]`, see `quantize_param`
+                shape, axis = (shape[0] * shape[1], shape[2]), 0
+        if spec.format == "int4" and shape[axis] % spec.group_size:
             raise ValueError(
                 f"quantize='int4': {_name(path)} has shape {shape}; its contraction axis "
-                f"{contracted - 1} ({shape[contracted - 1]}) is not divisible by "
-                f"group_size={spec.group_size}"
+                f"{axis} ({shape[axis]}) is not divisible by group_size={spec.group_size}"
             )
-        weights[tuple(path)] = (_PROJECTIONS[path[-1]] or (2 if abstract.ndim == 3 else 1), False)
+        weights[tuple(path)] = contracted
     if not weights:
         raise ValueError(f"quantize={spec.format!r}: this model has no projection weights")
     return weights
@@ -152,11 +151,11 @@ def _name(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def quantize_param(path: tuple, value: jax.Array, how: tuple[int, bool], spec: QuantizeSpec):
-    """The `QArray` of one weight (`plan` gives `how`)."""
-    contracted, stacked = how
-    if stacked:
-        return quantize_weight(_name(path), value, contracted, spec, stacked=True)
+def quantize_param(path: tuple, value: jax.Array, contracted: int, spec: QuantizeSpec):
+    """The `QArray` of one weight (`plan` gives `contracted`)."""
+    if contracted == STACKED_EXPERTS:
+        # a mixture's stacked experts `[X, K, N]` (moe.py), each expert its own weight
+        return quantize_weight(_name(path), value, 1, spec, stacked=True)
     if contracted == 2:
         # A head-split output projection `[H, D, E]` is kept as its product's 2-D view
         # `[H * D, E]` (what `layers.merge_heads` reshapes it to): Qwix cannot merge
@@ -167,9 +166,10 @@ def quantize_param(path: tuple, value: jax.Array, how: tuple[int, bool], spec: Q
 
 
 def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
-    """Replace a float model's projection weights with their `QArray`s, one tensor at a
-    time, and record what was quantized (`record`). `load_pretrained(quantize=...)`
-    instead quantizes each tensor as it is read (`loading._fill_parameters`)."""
+    """Replace a float model's projection (and stacked expert) weights with their
+    `QArray`s, one tensor at a time, and record what was quantized (`record`).
+    `load_pretrained(quantize=...)` instead quantizes each tensor as it is read
+    (`loading._fill_parameters`)."""
     weights = plan(model, spec)
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and tuple(path) in weights:
@@ -177,9 +177,10 @@ def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
     record(model, spec, weights)
 
 
-def record(model: nnx.Module, spec: QuantizeSpec, weights: dict) -> None:
-    """Set `model.quantization` from the `plan` it followed (what `describe` reports)."""
-    experts = sum(stacked for _, stacked in weights.values())
+def record(model: nnx.Module, spec: QuantizeSpec, weights: dict[tuple, int]) -> None:
+    """Set `model.quantization` (what `describe` and the repr report) from `plan`'s
+    `weights`."""
+    experts = sum(c == STACKED_EXPERTS for c in weights.values())
     model.quantization = Quantization(spec, len(weights) - experts, experts)
 
 
