@@ -19,7 +19,7 @@ quantized einsum). The token embedding, the LM head, the router, the norms and b
 stay in the float dtype.
 
 `load_pretrained(quantize=...)` checks the whole `plan` on the abstract model, then
-quantizes each projection as it is read (`quantize_param`); `orbax_io` saves a quantized
+quantizes each weight as it is read (`quantize_param`); `orbax_io` saves a quantized
 model as `to_storable` values and scales with a `STORAGE_VERSION` tag and restores it
 without quantizing again.
 """
@@ -37,7 +37,7 @@ from flax import nnx
 FORMATS = ("int8", "int4", "fp8")
 # The layout of a saved quantized model (`orbax_io`): bumped whenever what a saved
 # `QArray` means changes (its fields, scale layout, or which weights are quantized).
-STORAGE_VERSION = 1
+STORAGE_VERSION = 2  # 2: MoE expert weights quantized too
 DEFAULT_GROUP_SIZE = 128
 
 # Parameter name -> the number of leading axes that the weight's product contracts
@@ -282,10 +282,10 @@ def abstract_quantized(model: nnx.Module, spec: QuantizeSpec) -> None:
     weights = plan(model, spec)
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and tuple(path) in weights:
-            contracted = weights[tuple(path)]
+            how = weights[tuple(path)]
             param.set_value(
                 jax.eval_shape(
-                    lambda w, path=tuple(path), c=contracted: quantize_param(path, w, c, spec),
+                    lambda w, path=tuple(path), how=how: quantize_param(path, w, how, spec),
                     param.get_value(),
                 )
             )

@@ -98,54 +98,6 @@ def test_bad_input_is_named():
         ll.load_pretrained(quantize="int4", group_size=96)
 
 
-def _moe_reference(block, h: np.ndarray) -> np.ndarray:
-    """A sparse block's mixture in float64 NumPy: the float router's top k (renormalized)
-    and each chosen expert's gated MLP on the dequantized expert weights."""
-    c = block.config
-    flat = h.reshape(-1, h.shape[-1]).astype(np.float64)
-    logits = flat @ np.asarray(block.router[...], np.float64)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, : c.num_experts_per_tok]
-    weights = np.take_along_axis(probs, top, axis=-1)
-    weights /= weights.sum(-1, keepdims=True)
-    gate, up, down = (_dequantized(w[...]) for w in (block.w_gate, block.w_up, block.w_down))
-    out = np.zeros_like(flat)
-    for n in range(flat.shape[0]):
-        for j, x in enumerate(top[n]):
-            g = flat[n] @ gate[x]
-            act = g / (1 + np.exp(-g)) * (flat[n] @ up[x])  # silu(gate) * up
-            out[n] += weights[n, j] * (act @ down[x])
-    return out.reshape(h.shape)
-
-
-@pytest.mark.parametrize(
-    "fmt,group", [pytest.param("int8", 128, marks=pytest.mark.slow), ("int4", 16)]
-)
-def test_moe_experts_quantized_against_float64_reference(fmt, group):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "rl"))
-    from family_models import family_model
-
-    from logitloop.models.fixed_order import PLAIN, Numerics
-
-    model = family_model("qwen3_moe")
-    quantization.quantize_model(model, quantization.check_quantize(fmt, group))
-    text = model.quantization.describe()
-    assert "6 stacked expert weights" in text and "float (" not in text, text
-    block = model.layers[0]
-    assert quantization.is_quantized(block.w_gate[...])
-    assert block.w_down[...].scale.shape == (8, 1, 32)  # an expert and column each
-    h = np.asarray(jax.random.normal(jax.random.key(2), (3, 4, 32)), np.float32)
-    # decode rows (each token gathers its k experts), a prefill (every expert, weighted)
-    # and the fixed-order policy's row tiles: all against the one reference
-    for rows, numerics in ((h[:2, :1], PLAIN), (h, PLAIN), (h, Numerics(deterministic=True))):
-        got = np.asarray(block.mlp(jnp.asarray(rows), numerics), np.float64)
-        np.testing.assert_allclose(got, _moe_reference(block, rows), rtol=2e-4, atol=2e-4)
-
-
 def _leaves(model):
     return jax.tree.leaves(quantization.to_storable(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
 
@@ -227,9 +179,57 @@ def test_orbax_refuses_another_storage_version(saved_int8, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"logitloop_model\.json: quantized with logitloop "
-        r"quantization storage version 99; this logitloop reads version 1",
+        r"quantization storage version 99; this logitloop reads version 2",
     ):
         orbax_io.restore_converted(copy)
+
+
+def _moe_reference(block, h: np.ndarray) -> np.ndarray:
+    """A sparse block's mixture in float64 NumPy: the float router's top k (renormalized)
+    and each chosen expert's gated MLP on the dequantized expert weights."""
+    c = block.config
+    flat = h.reshape(-1, h.shape[-1]).astype(np.float64)
+    logits = flat @ np.asarray(block.router[...], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, : c.num_experts_per_tok]
+    weights = np.take_along_axis(probs, top, axis=-1)
+    weights /= weights.sum(-1, keepdims=True)
+    gate, up, down = (_dequantized(w[...]) for w in (block.w_gate, block.w_up, block.w_down))
+    out = np.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        for j, x in enumerate(top[n]):
+            g = flat[n] @ gate[x]
+            act = g / (1 + np.exp(-g)) * (flat[n] @ up[x])  # silu(gate) * up
+            out[n] += weights[n, j] * (act @ down[x])
+    return out.reshape(h.shape)
+
+
+@pytest.mark.parametrize(
+    "fmt,group", [pytest.param("int8", 128, marks=pytest.mark.slow), ("int4", 16)]
+)
+def test_moe_experts_quantized_against_float64_reference(fmt, group):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "rl"))
+    from family_models import family_model
+
+    from logitloop.models.fixed_order import PLAIN, Numerics
+
+    model = family_model("qwen3_moe")
+    quantization.quantize_model(model, quantization.check_quantize(fmt, group))
+    text = model.quantization.describe()
+    assert "6 stacked expert weights" in text and "float (" not in text, text
+    block = model.layers[0]
+    assert quantization.is_quantized(block.w_gate[...])
+    assert block.w_down[...].scale.shape == (8, 1, 32)  # an expert and column each
+    h = np.asarray(jax.random.normal(jax.random.key(2), (3, 4, 32)), np.float32)
+    # decode rows (each token gathers its k experts), a prefill (every expert, weighted)
+    # and the fixed-order policy's row tiles: all against the one reference
+    for rows, numerics in ((h[:2, :1], PLAIN), (h, PLAIN), (h, Numerics(deterministic=True))):
+        got = np.asarray(block.mlp(jnp.asarray(rows), numerics), np.float64)
+        np.testing.assert_allclose(got, _moe_reference(block, rows), rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.slow
