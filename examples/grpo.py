@@ -63,21 +63,6 @@ def group_advantages(rewards: np.ndarray, group: int) -> np.ndarray:
     return adv.reshape(-1).astype(np.float32)
 
 
-def padded_rows(gen: ll.GenerationResult, width: int) -> tuple[np.ndarray, ...]:
-    """token_ids [B, width] (prompt, completion, padding), prompt_lengths, lengths, and the
-    rollout's processed log-probs [B, width] at the completion's positions."""
-    rows = len(gen.token_ids)
-    ids = np.zeros((rows, width), np.int32)
-    old = np.zeros((rows, width), np.float32)
-    plen = np.zeros(rows, np.int32)
-    lens = np.zeros(rows, np.int32)
-    for r, (p, t) in enumerate(zip(gen.prompt_token_ids, gen.token_ids, strict=True)):
-        ids[r, : len(p) + len(t)] = p + t
-        old[r, len(p) : len(p) + len(t)] = gen.logprobs[r]
-        plen[r], lens[r] = len(p), len(p) + len(t)
-    return ids, plen, lens, old
-
-
 def mismatch(trainer: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
     """max |trainer - rollout| and the k3 estimate of KL(rollout || trainer) over the
     completion tokens (`mask`)."""
@@ -130,9 +115,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             gen = ll.generate(model, prompts, params, n=group, deterministic=det)
             rows = params.samples(group)  # row r of the result: its own seed
             rewards = np.array([reward(t) for t in gen.texts], np.float32)
-            ids, plen, lens, old = padded_rows(gen, width)
-            col = np.arange(width)[None]
-            mask = (col >= plen[:, None]) & (col < lens[:, None])  # the completion tokens
+            batch = ll.rollout_batch(gen, width)  # one width: one trainer program
+            ids, plen, lens = batch.token_ids, batch.prompt_lengths, batch.lengths
+            old, mask = batch.logprobs, batch.completion_mask
             adv = group_advantages(rewards, group)
             (loss, lp), grads = grad_fn(model, ids, plen, lens, rows, old, adv, mask)
             max_delta, kl = mismatch(np.asarray(lp), old, mask)

@@ -11,7 +11,12 @@ from logitloop.decoding.engine.batching import Request, generate_many, iter_gene
 from logitloop.decoding.engine.beam import Beam, beam_search
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.engine.score import ScoreResult, score
-from logitloop.decoding.engine.trainer import TokenLogprobs, token_logprobs
+from logitloop.decoding.engine.trainer import (
+    RolloutBatch,
+    TokenLogprobs,
+    rollout_batch,
+    token_logprobs,
+)
 from logitloop.decoding.loop.decode_loop import DecodeState
 from logitloop.decoding.loop.runner import FunctionModel
 from logitloop.decoding.loop.speculative import DraftModel, PromptLookup
@@ -52,6 +57,7 @@ __all__ = [
     "Step",
     "StreamEvent",
     "TokenLogprobs",
+    "RolloutBatch",
     "TopLogprobs",
     "TypicalP",
     "beam_search",
@@ -67,6 +73,7 @@ __all__ = [
     "sampling_distribution",
     "score",
     "token_logprobs",
+    "rollout_batch",
 ]
 __version__ = "0.1.0"
 

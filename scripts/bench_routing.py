@@ -24,17 +24,8 @@ from tests.rl.family_models import VOCAB, family_model  # noqa: E402 - the repos
 
 def padded(gen):
     """token_ids [B, T], prompt_lengths, lengths, routing [B, T, L, k], rollout raw [B, T]."""
-    rows = [p + t for p, t in zip(gen.prompt_token_ids, gen.token_ids, strict=True)]
-    width = max(map(len, rows))
-    ids = np.zeros((len(rows), width), np.int32)
-    routing = np.full((len(rows), width, *gen.routing[0].shape[1:]), -1, np.int32)
-    raw = np.zeros((len(rows), width), np.float32)
-    plen = np.array([len(p) for p in gen.prompt_token_ids])
-    for r, row in enumerate(rows):
-        ids[r, : len(row)] = row
-        routing[r, : len(row)] = gen.routing[r]
-        raw[r, plen[r] : len(row)] = gen.raw_logprobs[r]
-    return ids, plen, np.array(list(map(len, rows))), routing, raw
+    b = ll.rollout_batch(gen)
+    return b.token_ids, b.prompt_lengths, b.lengths, b.routing, b.raw_logprobs
 
 
 def main() -> None:

@@ -25,15 +25,9 @@ PROMPTS = [[1, 5, 7, 9], [3, 4], [11, 12, 13, 14, 15, 16, 2]]
 def _rows(gen):
     """token_ids [B, T], prompt_lengths, lengths and routing [B, T, L, k] (-1 after each
     row) from a generate result with `return_routing=True`."""
-    rows = [p + t for p, t in zip(gen.prompt_token_ids, gen.token_ids, strict=True)]
-    width = max(map(len, rows)) + 1
-    ids = np.zeros((len(rows), width), np.int32)
-    routing = np.full((len(rows), width, *gen.routing[0].shape[1:]), -1, np.int32)
-    for r, row in enumerate(rows):
-        ids[r, : len(row)] = row
-        routing[r, : len(row)] = gen.routing[r]
-    plen = np.array([len(p) for p in gen.prompt_token_ids])
-    return ids, plen, np.array(list(map(len, rows))), routing
+    longest = max(len(p) + len(t) for p, t in zip(gen.prompt_token_ids, gen.token_ids, strict=True))
+    batch = ll.rollout_batch(gen, width=longest + 1)
+    return batch.token_ids, batch.prompt_lengths, batch.lengths, batch.routing
 
 
 @pytest.fixture(scope="module")

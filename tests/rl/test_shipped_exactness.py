@@ -75,12 +75,8 @@ def test_token_logprobs_inside_a_users_jit_is_exact(shipped):
     """bf16: the user's jit must carry the deterministic compiler options (docs/rl.md)."""
     params = ll.SamplingParams.create(2, seed=[1, 2], **SETTINGS)
     gen = ll.generate(shipped, PROMPTS, params, ignore_eos=True, deterministic=True)
-    rows = [p + t for p, t in zip(gen.prompt_token_ids, gen.token_ids, strict=True)]
-    ids = np.zeros((2, max(map(len, rows))), np.int32)
-    for r, tokens in enumerate(rows):
-        ids[r, : len(tokens)] = tokens
-    plen = np.array([len(p) for p in gen.prompt_token_ids])
-    lens = np.array(list(map(len, rows)))
+    batch = ll.rollout_batch(gen)
+    ids, plen, lens = batch.token_ids, batch.prompt_lengths, batch.lengths
     raw, processed = _in_users_jit(shipped, ids, plen, lens, params)
     for r in range(2):
         got = slice(plen[r], lens[r])

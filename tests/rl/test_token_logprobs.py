@@ -31,13 +31,12 @@ def _params(rows: int = 5) -> ll.SamplingParams:
     )  # fmt: skip
 
 
-def _padded(prompts, completions, extra: int = 2):
-    """token_ids [B, T] (padding after each row), prompt_lengths, lengths."""
-    rows = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-    ids = np.zeros((len(rows), max(map(len, rows)) + extra), np.int32)
-    for r, row in enumerate(rows):
-        ids[r, : len(row)] = row
-    return ids, np.array([len(p) for p in prompts]), np.array([len(r) for r in rows])
+def _rollout_rows(gen, extra: int = 2):
+    """`ll.rollout_batch` of a generate result, `extra` padding columns after the longest
+    row: token_ids, prompt_lengths, lengths."""
+    longest = max(len(p) + len(t) for p, t in zip(gen.prompt_token_ids, gen.token_ids, strict=True))
+    batch = ll.rollout_batch(gen, width=longest + extra)
+    return batch.token_ids, batch.prompt_lengths, batch.lengths
 
 
 def _bits(x) -> np.ndarray:
@@ -46,7 +45,7 @@ def _bits(x) -> np.ndarray:
 
 def _assert_trainer_equals(model, gen, params) -> None:
     """token_logprobs of what `generate` drew == its raw and processed logprobs, bit for bit."""
-    ids, plen, lens = _padded(gen.prompt_token_ids, gen.token_ids)
+    ids, plen, lens = _rollout_rows(gen)
     out = ll.token_logprobs(model, ids, plen, params, lengths=lens)
     for r in range(len(ids)):
         got = slice(plen[r], lens[r])
@@ -114,7 +113,7 @@ def test_values_under_grad_and_keep_mask(shipped_bf16):
     prompts = ["def f(x):", "import"]
     params = _params(2)
     gen = ll.generate(model, prompts, params, ignore_eos=True, deterministic=True)
-    ids, plen, lens = _padded(gen.prompt_token_ids, gen.token_ids)
+    ids, plen, lens = _rollout_rows(gen)
 
     def loss(m):
         out = ll.token_logprobs(m, ids, plen, params, lengths=lens)
@@ -226,7 +225,11 @@ def test_new_weights_compile_nothing(compile_counter):
     compile nothing; float32 weights into a bfloat16 model are refused by name."""
     model = family_model("llama", "bfloat16")
     params = _params(2)
-    ids, plen, lens = _padded(PROMPTS[:2], [[5, 6], [7]])
+    hand = ll.GenerationResult(
+        token_ids=[[5, 6], [7]], finish_reason=[], stop_reason=[], num_tokens=[],
+        prompt_token_ids=PROMPTS[:2], raw_logprobs=[[0.0, 0.0], [0.0]],
+    )  # fmt: skip
+    ids, plen, lens = _rollout_rows(hand)
 
     def run():
         ll.generate(model, PROMPTS[:2], params, deterministic=True)

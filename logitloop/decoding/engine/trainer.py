@@ -29,6 +29,7 @@ the gradient of that same computation, taken in a program of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -50,7 +51,7 @@ from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
 
-__all__ = ["TokenLogprobs", "token_logprobs"]
+__all__ = ["RolloutBatch", "TokenLogprobs", "rollout_batch", "token_logprobs"]
 
 
 @struct.dataclass
@@ -61,6 +62,56 @@ class TokenLogprobs:
     raw_logprobs: jax.Array  # [B, T] f32, log_softmax(model logits)[token]
     logprobs: jax.Array | None = None  # [B, T] f32 under the row's processed distribution
     keep_mask: jax.Array | None = None  # [B, T, V] bool, the tokens that distribution keeps
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """A rollout's rows laid out as `token_logprobs` takes them (`rollout_batch`): row r is
+    prompt r then its completion then padding, and the rollout's values sit at the
+    completion's positions (0.0, or -1 for routing, elsewhere)."""
+
+    token_ids: np.ndarray  # [B, T] i32
+    prompt_lengths: np.ndarray  # [B] i32
+    lengths: np.ndarray  # [B] i32, prompt plus completion tokens
+    raw_logprobs: np.ndarray  # [B, T] f32, the rollout's raw log-probs
+    logprobs: np.ndarray | None  # [B, T] f32, its processed ones (when it reported them)
+    routing: np.ndarray | None  # [B, T, L, k] i32 (`generate(return_routing=True)`)
+
+    @property
+    def completion_mask(self) -> np.ndarray:
+        """[B, T] bool: the completion's positions."""
+        col = np.arange(self.token_ids.shape[1])[None]
+        return (col >= self.prompt_lengths[:, None]) & (col < self.lengths[:, None])
+
+
+def rollout_batch(result: Any, width: int | None = None) -> RolloutBatch:
+    """`generate`'s result (`GenerationResult`: `prompt_token_ids`, `token_ids`,
+    `raw_logprobs`, `logprobs`, `routing`) as the `[B, T]` arrays `token_logprobs` takes,
+    T = `width` (at least the longest row; default the longest row: a fixed width keeps
+    `token_logprobs` to one compiled program across steps)."""
+    rows = [list(p) + list(t) for p, t in zip(result.prompt_token_ids, result.token_ids,
+                                              strict=True)]  # fmt: skip
+    longest = max(map(len, rows))
+    width = longest if width is None else width
+    if width < longest:
+        raise ValueError(f"width={width}: the longest row has {longest} tokens")
+    batch = len(rows)
+    ids = np.zeros((batch, width), np.int32)
+    raw = np.zeros((batch, width), np.float32)
+    processed = None if result.logprobs is None else np.zeros((batch, width), np.float32)
+    routing = None
+    if result.routing is not None:
+        routing = np.full((batch, width, *result.routing[0].shape[1:]), -1, np.int32)
+    plen = np.array([len(p) for p in result.prompt_token_ids], np.int32)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = row
+        raw[r, plen[r] : len(row)] = result.raw_logprobs[r]
+        if processed is not None:
+            processed[r, plen[r] : len(row)] = result.logprobs[r]
+        if routing is not None:
+            routing[r, : len(row)] = result.routing[r]
+    lengths = np.array(list(map(len, rows)), np.int32)
+    return RolloutBatch(ids, plen, lengths, raw, processed, routing)
 
 
 def token_logprobs(
