@@ -127,8 +127,7 @@ def sampling_params(config: Any, seeds: Any) -> ll.SamplingParams:
         raise ValueError(f"rollout_config.temperature = {config.temperature}: must be >= 0")
     if config.max_tokens_to_generate < 1:
         raise ValueError(
-            f"rollout_config.max_tokens_to_generate = {config.max_tokens_to_generate}: "
-            "must be >= 1"
+            f"rollout_config.max_tokens_to_generate = {config.max_tokens_to_generate}: must be >= 1"
         )
     for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
         if getattr(config, name) > 1:
@@ -351,7 +350,5 @@ def grpo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
             clamp_value=getattr(algo_config, "kl_clamp_value", None),
         )  # fmt: skip
         aux["kl"] = algo_core.masked_mean(kl, mask)
-        loss = loss + algo_config.beta * common.aggregate_loss(
-            kl, mask, algo_config.loss_agg_mode
-        )
+        loss = loss + algo_config.beta * common.aggregate_loss(kl, mask, algo_config.loss_agg_mode)
     return loss, aux
