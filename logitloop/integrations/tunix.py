@@ -172,12 +172,17 @@ def completion_logprobs(
     ids = jnp.where(src < p_width + c_width, jnp.take_along_axis(rows, jnp.minimum(
         src, p_width + c_width - 1), axis=1), 0)  # fmt: skip
     lengths = prompt_len + completion_len
-    greedy = float(temperature) == 0.0
-    params = None if greedy else _temperature_rows(prompt.shape[0], float(temperature))
+    # Temperature 0 (greedy) and 1 are the raw log-softmax: the sampler's own raw values,
+    # whatever the row's seed. Other temperatures run the sampler's processed pipeline, whose
+    # value for a token depends on the seed in the last bits (the token its own draw picks
+    # takes the draw's path); tunix does not hand the trainer the seeds, so these rows use
+    # seed 0 everywhere, and the rollout reports these values too (`LogitloopRollout`).
+    raw = float(temperature) in (0.0, 1.0)
+    params = None if raw else _temperature_rows(prompt.shape[0], float(temperature))
     out = ll.token_logprobs(
         model, ids, prompt_len, params, lengths=lengths, deterministic=deterministic
     )
-    lp = out.raw_logprobs if greedy else out.logprobs
+    lp = out.raw_logprobs if raw else out.logprobs
     j = jnp.arange(c_width)[None, :]
     at = jnp.take_along_axis(lp, jnp.minimum(prompt_len[:, None] + j, lp.shape[1] - 1), axis=1)
     return jnp.where(j < completion_len[:, None], at, 0.0)
@@ -253,17 +258,22 @@ class LogitloopRollout(base_rollout.BaseRollout):
         gen = ll.generate(
             self._model, ids, params, deterministic=self.deterministic, ignore_eos=ignore_eos
         )
-        greedy = float(rollout_config.temperature) == 0.0
-        logprobs = gen.raw_logprobs if greedy else gen.logprobs
         padded = np.full((len(ids), width), self._pad, np.int32)
         for r, row in enumerate(ids):
             padded[r, width - len(row) :] = row
+        tokens = [np.asarray(t, np.int32) for t in gen.token_ids]
+        completions = np.full((len(ids), int(rollout_config.max_tokens_to_generate)), self._pad, np.int32)
+        for r, row in enumerate(tokens):
+            completions[r, : len(row)] = row
+        # The trainer function's values of these tokens, laid out as tunix lays them out
+        # for `get_per_token_logps` and the loss (see the class docstring).
+        scored = np.asarray(self.get_per_token_logps(padded, completions))
         return base_rollout.RolloutOutput(
             text=list(gen.text),
             logits=None,  # [T, V] per row: not kept (tunix's GRPO does not read them)
-            tokens=[np.asarray(t, np.int32) for t in gen.token_ids],
+            tokens=tokens,
             left_padded_prompt_tokens=padded,
-            logprobs=[np.asarray(lp, np.float32) for lp in logprobs],
+            logprobs=[scored[r, : len(t)] for r, t in enumerate(tokens)],
         )
 
     def get_per_token_logps(self, prompt_tokens: Any, completion_tokens: Any) -> jax.Array:
