@@ -262,7 +262,8 @@ class LogitloopRollout(base_rollout.BaseRollout):
         for r, row in enumerate(ids):
             padded[r, width - len(row) :] = row
         tokens = [np.asarray(t, np.int32) for t in gen.token_ids]
-        completions = np.full((len(ids), int(rollout_config.max_tokens_to_generate)), self._pad, np.int32)
+        steps = int(rollout_config.max_tokens_to_generate)
+        completions = np.full((len(ids), steps), self._pad, np.int32)
         for r, row in enumerate(tokens):
             completions[r, : len(row)] = row
         # The trainer function's values of these tokens, laid out as tunix lays them out

@@ -90,8 +90,9 @@ def test_grpo_learner_two_steps_rollout_and_trainer_logprobs_equal():
         actor=model,
         tokenizer=ll_tunix.TunixTokenizer(model.tokenizer),
         cluster_config=rlc.ClusterConfig(
-            role_to_mesh={role: mesh for role in (rlc.Role.ACTOR, rlc.Role.REFERENCE,
-                                                  rlc.Role.ROLLOUT)},  # fmt: skip
+            role_to_mesh={
+                role: mesh for role in (rlc.Role.ACTOR, rlc.Role.REFERENCE, rlc.Role.ROLLOUT)
+            },  # fmt: skip
             rollout_engine=_Watched,
             training_config=rlc.RLTrainingConfig(
                 actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=2
@@ -138,9 +139,7 @@ def test_grpo_learner_two_steps_rollout_and_trainer_logprobs_equal():
     # Two GRPO steps; skip_jit keeps the loss's forward in logitloop's own programs.
     learner = grpo_learner.GRPOLearner(
         cluster,
-        grpo_learner.GRPOConfig(
-            num_generations=2, beta=0.0, policy_loss_fn=ll_tunix.POLICY_LOSS
-        ),
+        grpo_learner.GRPOConfig(num_generations=2, beta=0.0, policy_loss_fn=ll_tunix.POLICY_LOSS),
         reward_fns=lambda prompts, completions, **_: [float(len(c)) for c in completions],
     )
     before = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model, nnx.Param))]
