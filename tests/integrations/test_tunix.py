@@ -136,7 +136,12 @@ def test_grpo_learner_two_steps_rollout_and_trainer_logprobs_equal():
     print(f"step 0: max |rollout - trainer| logitloop 0.0, tunix stock {stock_delta:.3g}")
     assert 0.0 < stock_delta < 0.5  # the same distribution, another program's rounding
 
-    # Two GRPO steps; skip_jit keeps the loss's forward in logitloop's own programs.
+    # Inside tunix's train step (an nnx.jit without logitloop's compiler options) the
+    # function is traced into tunix's program: reported, not exact in bfloat16 (docs/rl.md).
+    jitted = nnx.jit(lambda m: new_policy(m)[1])(model)
+    print(f"step 0: inside nnx.jit (tunix's train step) {delta(jitted):.3g}")
+
+    # Two GRPO steps (tunix 0.1.7's skip_jit=True fails in PeftTrainer: see docs/rl.md).
     learner = grpo_learner.GRPOLearner(
         cluster,
         grpo_learner.GRPOConfig(num_generations=2, beta=0.0, policy_loss_fn=ll_tunix.POLICY_LOSS),
@@ -144,7 +149,7 @@ def test_grpo_learner_two_steps_rollout_and_trainer_logprobs_equal():
     )
     before = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model, nnx.Param))]
     engine.compiles.clear()
-    learner.train([{"prompts": np.array(PROMPTS)}] * 2, skip_jit=True)
+    learner.train([{"prompts": np.array(PROMPTS)}] * 2)
     after = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model, nnx.Param))]
     assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     assert cluster.global_steps == 2
