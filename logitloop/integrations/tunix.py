@@ -267,7 +267,7 @@ class LogitloopRollout(base_rollout.BaseRollout):
         for r, row in enumerate(tokens):
             completions[r, : len(row)] = row
         # The trainer function's values of these tokens, laid out as tunix lays them out
-        # for `get_per_token_logps` and the loss (see the class docstring).
+        # for `get_per_token_logps` and the loss (`completion_logprobs` says why).
         scored = np.asarray(self.get_per_token_logps(padded, completions))
         return base_rollout.RolloutOutput(
             text=list(gen.text),
