@@ -57,7 +57,9 @@ def free_run_agreement(float_model, quantized, windows: np.ndarray) -> float:
     knobs = dict(temperature=0.0, max_new_tokens=FREE_RUN_TOKENS, ignore_eos=True)
     a = ll.generate(float_model, prompts, **knobs).token_ids
     b = ll.generate(quantized, prompts, **knobs).token_ids
-    return float(np.mean([x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)]))
+    # ignore_eos: every row has FREE_RUN_TOKENS tokens
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return float(np.mean([x == y for x, y in pairs]))
 
 
 def row(name: str, fmt: str, group: int, m: dict, free: float | None = None) -> str:

@@ -16,7 +16,6 @@ import pytest
 
 qwix = pytest.importorskip("qwix", reason="quantized weights need the extra `quant` (qwix)")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -24,7 +23,8 @@ import logitloop as ll  # noqa: E402
 from logitloop.models import quantization  # noqa: E402
 
 DRAFT = Path(ll.__file__).parent / "models" / "tiny_draft"
-# token ids (the draft model ships without a tokenizer): "Once upon a time", "The function returns", "In the beginning"
+# token ids (the draft model ships without a tokenizer): "Once upon a time", "The
+# function returns", "In the beginning"
 PROMPTS = [[47, 411, 937, 265, 261, 1352], [341, 431, 941], [983, 268, 2451, 1495]]
 GREEDY = dict(temperature=0.0, max_new_tokens=6)
 
@@ -120,6 +120,8 @@ def test_deterministic_batch_of_five_equals_micro_batches_of_two(shipped):
     model, _ = shipped
     prompts = [*PROMPTS, [33, 535, 308], [51, 262, 3461]]
     whole = ll.generate(model, prompts, deterministic=True, **GREEDY)
-    parts = [ll.generate(model, prompts[i : i + 2], deterministic=True, **GREEDY) for i in (0, 2, 4)]
+    parts = [
+        ll.generate(model, prompts[i : i + 2], deterministic=True, **GREEDY) for i in (0, 2, 4)
+    ]
     assert sum((p.token_ids for p in parts), []) == whole.token_ids
     assert sum((p.logprobs for p in parts), []) == whole.logprobs
