@@ -134,7 +134,7 @@ def _run_job(
 
     output = None if sink is None else sink.name
     t_load = time.perf_counter()
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.quantize, args.group_size)
     info = model_info(model)
     load_s = time.perf_counter() - t_load
     render_conversations(items, model, args.ignore_eos)

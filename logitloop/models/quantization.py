@@ -192,6 +192,9 @@ class Quantization:
     weights: int  # projection weights quantized
     expert_weights: int = 0  # stacked expert weights `[X, K, N]` quantized
 
+    def __repr__(self) -> str:  # the model's repr says what is quantized and what is float
+        return f"Quantization({self.describe()!r})"
+
     def describe(self) -> str:
         s = self.spec
         how = f"groups of {s.group_size}" if s.format == "int4" else "per output channel"
