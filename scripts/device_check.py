@@ -724,7 +724,10 @@ def parse_sections(names: list[str]) -> list[str]:
             elif part in SECTIONS:
                 chosen.add(part)
             elif part:
-                raise SystemExit(f"--sections: {part!r} is not one of 1-7 or {', '.join(SECTIONS)}")
+                raise SystemExit(
+                    f"--sections: {part!r} is not one of 1-{len(SECTIONS)} or "
+                    + ", ".join(SECTIONS)
+                )
     return [s for s in SECTIONS if s in chosen]
 
 
