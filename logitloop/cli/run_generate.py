@@ -208,6 +208,7 @@ def _run_ray(args, items, todo, skipped, base, sink, note, started, seed) -> int
     tokens = run_items(
         todo, base, sink.write, workers=args.workers, batch_size=args.batch_size,
         progress=not args.quiet, model=args.model, dtype=args.dtype, n=args.n,
+        quantize=args.quantize, group_size=args.group_size,
         ignore_eos=args.ignore_eos, deterministic=args.deterministic, slots=args.batch_size,
         speculative=_speculation(args), compile_cache=args.compile_cache,
         prefix_cache=False if args.no_prefix_cache else None,
