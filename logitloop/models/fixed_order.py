@@ -467,11 +467,7 @@ def product(rows: jax.Array, w: jax.Array, *, numerics: Numerics, groups: int = 
     if quantization.is_quantized(w):
         # A quantized weight (a Qwix QArray): Qwix's product, per row tile like a float
         # one. The chunked contraction and the tile kernel take float weights only.
-        if numerics.splits or numerics.tile_kernel is not None:
-            raise NotImplementedError(
-                "quantized weights under deterministic='model-parallel' or a tile kernel "
-                "policy are not supported yet; use deterministic=True or False"
-            )
+        _refuse_quantized(numerics)
         return quantization.product(rows, w)
     if numerics.tile_kernel is not None:
         return _kernel_product(rows, w, numerics, transposed=False, out_dtype=None)
@@ -479,6 +475,14 @@ def product(rows: jax.Array, w: jax.Array, *, numerics: Numerics, groups: int = 
         return rows @ w
     partials = chunk_partials(rows, w, contraction_chunk(rows.shape[1], groups))
     return ordered_sum(partials, axis=0).astype(rows.dtype)
+
+
+def _refuse_quantized(numerics: Numerics) -> None:
+    if numerics.splits or numerics.tile_kernel is not None:
+        raise NotImplementedError(
+            "quantized weights under deterministic='model-parallel' or a tile kernel "
+            "policy are not supported yet; use deterministic=True or False"
+        )
 
 
 def _kernel_product(rows, w, numerics: Numerics, *, transposed: bool, out_dtype) -> jax.Array:
@@ -519,6 +523,9 @@ def head_product(rows: jax.Array, head: jax.Array, *, numerics: Numerics) -> jax
     head at 8 rows took 14 ms a call against 4). One batched product, so a vocabulary
     split over a "model" axis of a size that divides the tile count gives every device
     whole tiles of the one-device shape."""
+    if quantization.is_quantized(head):  # a quantized vocabulary table (Qwix's product)
+        _refuse_quantized(numerics)
+        return quantization.head_product(rows, head)
     if numerics.tile_kernel is not None:
         return _kernel_product(rows, head, numerics, transposed=True, out_dtype=jnp.float32)
     if not numerics.splits:
