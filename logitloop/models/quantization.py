@@ -246,9 +246,8 @@ class Quantization:
         s = self.spec
         how = f"groups of {s.group_size}" if s.format == "int4" else "per output channel"
         if self.vocab_tables:
-            tables = "tied embedding and LM head" if self.vocab_tables == 1 else (
-                "embedding and LM head"
-            )
+            tied = self.vocab_tables == 1
+            tables = "tied embedding and LM head" if tied else "embedding and LM head"
             text = (
                 f"{s.format} weights ({how}) for {self.weights} attention/MLP projections; "
                 f"{tables} {s.format} per vocabulary row; norms and biases in float"
