@@ -278,6 +278,12 @@ def head_product(rows: jax.Array, table: Any) -> jax.Array:
     return _qwix().dot_general(rows, table, dims, preferred_element_type=jnp.float32)
 
 
+def dequantize(w: Any) -> jax.Array:
+    """A `QArray`'s float value (Qwix's dequantize: values times scales in the scales'
+    dtype, what its product computes before a float product)."""
+    return _qwix().dequantize(w)
+
+
 def lookup(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
     """The embedding rows of `tokens`, `[..., E]` in `dtype`; a token outside the table
     reads its nearest row (clipped: a pad id past the vocabulary cannot produce NaN). A

@@ -52,7 +52,8 @@ def test_lookup_and_head_match_float64_reference(fmt, group):
     rows = np.asarray(quantization.lookup(q, tokens, jnp.float32), np.float64)
     np.testing.assert_allclose(rows, reference[np.minimum(np.asarray(tokens), 39)], rtol=1e-6)
     x = jax.random.normal(jax.random.key(1), (5, 64), jnp.float32)
-    for numerics in (PLAIN, Numerics(deterministic=True)):
+    model_parallel = Numerics(deterministic="model-parallel")
+    for numerics in (PLAIN, Numerics(deterministic=True), model_parallel):
         logits = head_product(x, q, numerics=numerics)
         assert logits.dtype == jnp.float32
         np.testing.assert_allclose(
@@ -61,6 +62,12 @@ def test_lookup_and_head_match_float64_reference(fmt, group):
             rtol=1e-4,
             atol=1e-4,
         )
+    # the model-parallel policy's fixed vocabulary tiles run on the dequantized table
+    dequantized = jnp.asarray(reference, jnp.float32)
+    assert np.array_equal(
+        head_product(x, q, numerics=model_parallel),
+        head_product(x, dequantized, numerics=model_parallel),
+    )
     error = np.abs(reference - np.asarray(table, np.float64)).max()
     assert error < {"int8": 0.02, "fp8": 0.07, "int4": 0.3}[fmt] * float(jnp.abs(table).max())
 
@@ -175,8 +182,38 @@ def test_bad_input_is_named():
         "divisible by group_size=24",
     ):
         quantization.quantize_vocab_rows("embedding", jnp.zeros((40, 64)), spec)
-    q = quantization.quantize_vocab_rows(
-        "embedding", jnp.ones((40, 64)), quantization.check_quantize("int8", 128, True)
-    )
-    with pytest.raises(NotImplementedError, match="deterministic='model-parallel'"):
-        head_product(jnp.zeros((2, 64)), q, numerics=Numerics(deterministic="model-parallel"))
+
+
+def _all_dequantized(model):
+    """`model` with every `QArray` replaced by its float value in the float weight's shape
+    (the output projection is stored as `[H * D, E]`)."""
+    out = nnx.clone(model)
+    for _, param in nnx.iter_graph(out):
+        if isinstance(param, nnx.Param) and quantization.is_quantized(param[...]):
+            param.set_value(jnp.asarray(_dequantized(param[...]), jnp.float32))
+    for block in out.layers:
+        c = out.config
+        block.wo.set_value(block.wo[...].reshape(c.num_heads, c.head_dim, c.hidden_size))
+    return out
+
+
+@pytest.mark.parametrize(
+    "numerics",
+    [
+        pytest.param(Numerics(deterministic="model-parallel"), marks=pytest.mark.slow),
+        pytest.param(Numerics(deterministic=True, tile_kernel="interpret"), marks=pytest.mark.slow),
+    ],
+    ids=["model-parallel", "tile-kernel"],
+)
+def test_fixed_order_policies_run_on_the_dequantized_weights(numerics):
+    """Under the chunked contraction and the tile kernel a quantized weight is
+    dequantized before its product: the logits are the float model's on the dequantized
+    weights (float32: the same values) under the same policy, bit for bit op by op.
+    (Compiled, XLA:CPU fuses the two programs differently: ~1e-7 apart.)"""
+    model, _, _ = _quantized_and_reference(True)
+    reference = _all_dequantized(model)
+    tokens = jnp.array([[5, 9, 80, 3], [0, 1, 2, 95]], jnp.int32)
+    positions = jnp.array([[-1, 0, 1, 2], [0, 1, 2, 3]], jnp.int32)
+    got = model(tokens, positions, model.init_cache(2, 8), numerics=numerics)[0]
+    want = reference(tokens, positions, reference.init_cache(2, 8), numerics=numerics)[0]
+    assert np.array_equal(np.asarray(got), np.asarray(want))

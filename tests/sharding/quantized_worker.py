@@ -1,8 +1,9 @@
 """Run in a subprocess with 2 CPU devices (`tests/sharding/_run.worker_env`): a quantized
 model (int4 projections and both vocabulary tables, `quantize_embedding=True`) on (1, 2)
-and (2, 1) meshes against one device, its weights' and scales' layouts, and an Orbax
-checkpoint of it restored straight onto the (1, 2) mesh (`restore_sharded`). Prints one
-`RESULT:` JSON line (`tests/sharding/test_quantized_mesh.py` checks it)."""
+and (2, 1) meshes against one device (plain, `deterministic=True` and "model-parallel"),
+its weights' and scales' layouts, and an Orbax checkpoint of it restored straight onto
+the (1, 2) mesh (`restore_sharded`). Prints one `RESULT:` JSON line
+(`tests/sharding/test_quantized_mesh.py` checks it)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ def main() -> None:
     det = dict(greedy, deterministic=True)
     out["det_single"] = summarize(ll.generate(model, PROMPTS, **det))
     out["det_2x1"] = summarize(ll.generate(model, PROMPTS, **det, mesh=make_mesh((2, 1))))
+    # the model axis: deterministic="model-parallel" (weights dequantized at each product)
+    mp = dict(greedy, deterministic="model-parallel")
+    out["mp_single"] = summarize(ll.generate(model, PROMPTS, **mp))
+    out["mp_1x2"] = summarize(ll.generate(model, PROMPTS, **mp, mesh=make_mesh((1, 2))))
     mesh = make_mesh((1, 2))
     with tempfile.TemporaryDirectory() as tmp:
         orbax_io.save_converted(model, os.path.join(tmp, "q"))

@@ -1,9 +1,9 @@
 """A quantized model (int4 projections and vocabulary tables) on a mesh: the scales are
 sharded with their weights, (1, 2) gives one device's greedy tokens (logprobs within
-float rounding of the split products), deterministic mode on (2, 1) gives one device's
-run bit for bit, and an Orbax checkpoint restores straight onto the mesh
-(`restore_sharded`) with the same layout. One subprocess with 2 CPU devices
-(`tests/sharding/quantized_worker.py`)."""
+float rounding of the split products), deterministic mode on (2, 1) and the
+"model-parallel" mode on (1, 2) give one device's run bit for bit, and an Orbax
+checkpoint restores straight onto the mesh (`restore_sharded`) with the same layout. One
+subprocess with 2 CPU devices (`tests/sharding/quantized_worker.py`)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,15 @@ def test_mesh_tokens_equal_single_device(run):
 def test_deterministic_data_parallel_is_bit_for_bit(run):
     assert run["det_2x1"] == run["det_single"]
     assert run["det_single"]["token_ids"] == run["single"]["token_ids"]
+
+
+def test_model_parallel_mode_is_bit_for_bit_on_the_model_axis(run):
+    from logitloop.models import fixed_order
+
+    if not fixed_order.split_tiles_keep_row_bits():  # as tests/sharding/test_deterministic_mesh
+        pytest.xfail("this CPU's XLA product rounds a row by its place in an 8-row tile")
+    assert run["mp_1x2"] == run["mp_single"]
+    assert run["mp_single"]["token_ids"] == run["single"]["token_ids"]
 
 
 @pytest.mark.parametrize("layouts", ["sharded_layouts", "restored_layouts"])
