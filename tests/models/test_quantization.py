@@ -179,7 +179,7 @@ def test_orbax_refuses_another_storage_version(saved_int8, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"logitloop_model\.json: quantized with logitloop "
-        r"quantization storage version 99; this logitloop reads version 2",
+        r"quantization storage version 99; this logitloop reads versions 2 and 3",
     ):
         orbax_io.restore_converted(copy)
 
