@@ -401,6 +401,11 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="--quantize int4: contraction entries per scale (default: 128)",
     )
     model.add_argument(
+        "--quantize-embedding",
+        action="store_true",
+        help="--quantize: the token embedding and LM head too (default: kept in float)",
+    )
+    model.add_argument(
         "--no-compile-cache",
         dest="compile_cache",
         action="store_false",

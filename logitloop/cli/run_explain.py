@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from logitloop.decoding.engine.explain import draw_next_tokens, explain_next_token
     from logitloop.decoding.loop.runner import model_info
 
-    model = load_model(args.model, args.dtype, args.quantize, args.group_size)
+    model = load_model(
+        args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
+    )
     info = model_info(model)
     check_vocab(params, info.vocab_size)  # token ids given as flags, against the vocabulary
     ids = prompt_ids("PROMPT", args.prompt, 1, info)  # room for the next token
