@@ -242,6 +242,9 @@ class Quantization:
     expert_weights: int = 0  # stacked expert weights `[X, K, N]` quantized
     vocab_tables: int = 0  # vocabulary tables `[V, E]` quantized (1 tied, 2 untied)
 
+    def __repr__(self) -> str:  # the model's repr says what is quantized and what is float
+        return f"Quantization({self.describe()!r})"
+
     def describe(self) -> str:
         s = self.spec
         how = f"groups of {s.group_size}" if s.format == "int4" else "per output channel"
