@@ -3,8 +3,9 @@
 A random Llama of Llama 3.2 1B's shapes (hidden 2048, MLP 8192, 16 layers, 32/8 heads of
 64, vocabulary 128256, tied embedding) is built abstractly (`loading.abstract_model`) and
 filled one tensor at a time with random bfloat16 values, then quantized the way
-`load_pretrained(quantize=...)` does (`quantization.quantize_model`); the bytes are
-counted from the resulting arrays (`quantization.parameter_bytes`).
+`load_pretrained(quantize=...)` does (`quantization.quantize_model`), with the tied
+embedding / LM head kept in bfloat16 (the default) and quantized (`quantize_embedding=True`,
+"+emb"); the bytes are counted from the resulting arrays (`quantization.parameter_bytes`).
 
 Run: PYTHONPATH=$PWD python scripts/bench_quant.py [--layers 16]
 """
@@ -47,19 +48,27 @@ def main():
     parser.add_argument("--layers", type=int, default=16)
     args = parser.parse_args()
     float_bytes = None
-    for fmt in (None, "int8", "int4"):
+    for fmt, embedding in (
+        (None, False),
+        ("int8", False),
+        ("int4", False),
+        ("int8", True),
+        ("int4", True),
+    ):
         model = one_b_model(args.layers)
         if fmt is not None:
             start = time.perf_counter()
-            quantization.quantize_model(model, quantization.check_quantize(fmt))
+            spec = quantization.check_quantize(fmt, quantize_embedding=embedding)
+            quantization.quantize_model(model, spec)
             took = time.perf_counter() - start
         n = quantization.parameter_bytes(model)
         if fmt is None:
             float_bytes = n
             print(f"bfloat16: {n / 2**30:.3f} GiB")
         else:
+            name = fmt + ("+emb" if embedding else "")
             print(
-                f"{fmt}: {n / 2**30:.3f} GiB = {n / float_bytes:.3f}x of bfloat16 "
+                f"{name}: {n / 2**30:.3f} GiB = {n / float_bytes:.3f}x of bfloat16 "
                 f"(quantized in {took:.1f} s)"
             )
         del model

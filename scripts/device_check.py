@@ -34,6 +34,9 @@ shapes, compilation included) are in `ESTIMATE_S`.
 7. paged: the paged decode-attention kernel against its reference
    (`logitloop/ops/attention/paged.py`), and `generate_many` with a paged KV cache on
    shared prefixes, where they have landed; otherwise the row says "not landed".
+8. quantized: the decode model's weights as Qwix int8 (per channel) and int4 (groups of
+   128): weight bytes, and decode tokens/s at batch 1 and 8 against bfloat16 (the same
+   step measurement as decode); "not landed" without the extra `quant`.
 
 `--smoke` runs every section at tiny shapes on a CPU in well under 90 s; the default test
 suite runs it (tests/scripts/test_device_check.py). Exit status: 0, or 1 when a check
@@ -67,7 +70,10 @@ from logitloop.decoding.loop.runner import model_info
 from logitloop.models import LlamaModel, fixed_order
 from logitloop.ops.sampling import dispatch
 
-SECTIONS = ("environment", "sampling", "decode", "prefill", "deterministic", "speculative", "paged")
+SECTIONS = (
+    "environment", "sampling", "decode", "prefill", "deterministic", "speculative", "paged",
+    "quantized",
+)  # fmt: skip
 # Seconds per section on an H200 at full shapes, compilation included (about 4 minutes):
 ESTIMATE_S = dict(
     environment=10,  # backend start, a 1 GiB copy, a tiny model's model_info
@@ -77,6 +83,7 @@ ESTIMATE_S = dict(
     deterministic=50,  # 2 x tile-kernel programs (~20 s each); 3 repeats of 129 tokens
     speculative=40,  # the 1B verify program (~20 s); the shipped model's two programs
     paged=15,  # the paged kernel and its reference at one decode shape
+    quantized=60,  # 2 quantizations of the 1B model; 2 formats x 2 batches of decode
 )
 
 # Peak HBM bandwidth in bytes/s by a substring of `device_kind` (first match wins).
@@ -337,6 +344,30 @@ def sampling(ck: Check, row: Row) -> None:
         row.add("kernel = xla: tokens, kept sets, logprobs within 1e-5")
 
 
+def decode_step(ck: Check, model, prompts: list[list[int]]) -> tuple[float, float, str | None]:
+    """(seconds per decode step, compile + first call, a failure or None): `generate`'s
+    greedy runs of `new_tokens` and `new_tokens // 2 + 1` tokens (one compiled program),
+    median of each, their difference per token (prefill and dispatch cancel out)."""
+    s = ck.shapes
+    short = s.new_tokens // 2 + 1
+
+    def run(tokens):
+        params = ll.SamplingParams.create(
+            batch_size=len(prompts), temperature=0.0, max_tokens=tokens
+        )
+        return ll.generate(model, prompts, params, ignore_eos=True)
+
+    compile_s = first_call(lambda: run(s.new_tokens).num_tokens)
+    ended = run(short).finish_reason
+    failure = None if set(ended) == {"length"} else f"a row ended early: {ended}"
+    times = {s.new_tokens: [], short: []}
+    for _ in range(s.repeats if ck.smoke else 3):
+        for tokens in times:
+            times[tokens].append(first_call(lambda t=tokens: run(t).num_tokens))
+    long_s, short_s = (statistics.median(t) for t in times.values())
+    return (long_s - short_s) / (s.new_tokens - short), compile_s, failure
+
+
 def decode(ck: Check, row: Row) -> None:
     s = ck.shapes
     model = ck.model()
@@ -352,22 +383,9 @@ def decode(ck: Check, row: Row) -> None:
     for batch in s.decode_batches:
         ck.check_time()
         prompts = rng.integers(1, info.vocab_size, (batch, s.prompt)).tolist()
-
-        def run(tokens, prompts=prompts):
-            params = ll.SamplingParams.create(
-                batch_size=len(prompts), temperature=0.0, max_tokens=tokens
-            )
-            return ll.generate(model, prompts, params, ignore_eos=True)
-
-        compile_s = first_call(lambda: run(s.new_tokens).num_tokens)  # noqa: B023
-        if set(run(short).finish_reason) != {"length"}:
-            row.fail(f"B={batch}: a row ended early: {run(short).finish_reason}")
-        times = {s.new_tokens: [], short: []}
-        for _ in range(s.repeats if ck.smoke else 3):
-            for tokens in times:
-                times[tokens].append(first_call(lambda t=tokens: run(t).num_tokens))
-        long_s, short_s = (statistics.median(t) for t in times.values())
-        step = (long_s - short_s) / (s.new_tokens - short)
+        step, compile_s, failure = decode_step(ck, model, prompts)
+        if failure:
+            row.fail(f"B={batch}: {failure}")
         # The floor: every weight and each row's live keys and values, read once a step.
         live = s.prompt + (s.new_tokens + short) / 2
         floor = (weights + batch * live * kv_bytes_per_slot(info)) / bw
@@ -375,8 +393,60 @@ def decode(ck: Check, row: Row) -> None:
         if step > 0:
             text += f"step {step * 1e3:.2f} ms ({floor / step:.0%} of it), {batch / step:.0f} tok/s"
         else:
-            text += f"step below the timing noise ({long_s:.3f} s vs {short_s:.3f} s)"
+            text += "step below the timing noise"
         row.add(f"{text}, compile+first {compile_s:.0f} s")
+
+
+def quantized(ck: Check, row: Row) -> None:
+    """Weight-only int8 and int4 (Qwix) against the bf16 model: decode tokens/s at batch 1
+    and 8 as ratios, and the weight bytes. The smoke quantizes and counts bytes only."""
+    try:
+        import qwix  # noqa: F401, PLC0415 - the optional extra `quant`
+    except ImportError:
+        row.status = "not landed"
+        row.add("qwix (the extra `quant`) is not installed")
+        return
+    from logitloop.models import quantization  # noqa: PLC0415
+
+    s = ck.shapes
+    base = ck.model()
+    formats = ("int4",) if ck.smoke else ("int8", "int4")
+    group = 32 if ck.smoke else quantization.DEFAULT_GROUP_SIZE
+    batches = s.decode_batches[:2]
+    row.setup = (
+        f"{s.model} bf16 vs {'/'.join(formats)} weights (int4 groups of {group}), "
+        f"prompt {s.prompt}, B={'/'.join(map(str, batches))}"
+    )
+    models = {"bf16": base}
+    for fmt in formats:
+        ck.check_time()
+        model = nnx.clone(base)
+        quantization.quantize_model(model, quantization.check_quantize(fmt, group))
+        models[fmt] = model
+    size = {name: quantization.parameter_bytes(m) for name, m in models.items()}
+    row.add(
+        "weights " + ", ".join(f"{n} {gib(b)} ({b / size['bf16']:.2f}x)" for n, b in size.items())
+    )
+    vocab = model_info(base).vocab_size
+    rng = np.random.default_rng(0)
+    if ck.smoke:
+        # Quantizing and the bytes only: a quantized decode's compile would add ~10 s of
+        # CPU to the default suite, where tests/models/test_quantized_decoding.py decodes.
+        row.add("smoke: no decode")
+        return
+    for batch in batches:
+        prompts = rng.integers(1, vocab, (batch, s.prompt)).tolist()
+        rates = {}
+        for name, model in models.items():
+            ck.check_time()
+            step, _, failure = decode_step(ck, model, prompts)
+            if failure:
+                row.fail(f"{name} B={batch}: {failure}")
+            rates[name] = batch / step if step > 0 else float("nan")
+        row.add(
+            f"B={batch}: "
+            + ", ".join(f"{n} {r:.0f} tok/s ({r / rates['bf16']:.2f}x)" for n, r in rates.items())
+        )
 
 
 def kv_bytes_per_slot(info) -> float:
@@ -596,6 +666,7 @@ RUN = dict(
     deterministic=deterministic,
     speculative=speculative,
     paged=paged,
+    quantized=quantized,
 )
 
 # ----------------------------------------------------------------------------- driver
@@ -653,7 +724,10 @@ def parse_sections(names: list[str]) -> list[str]:
             elif part in SECTIONS:
                 chosen.add(part)
             elif part:
-                raise SystemExit(f"--sections: {part!r} is not one of 1-7 or {', '.join(SECTIONS)}")
+                raise SystemExit(
+                    f"--sections: {part!r} is not one of 1-{len(SECTIONS)} or "
+                    + ", ".join(SECTIONS)
+                )
     return [s for s in SECTIONS if s in chosen]
 
 

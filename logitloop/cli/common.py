@@ -20,13 +20,26 @@ def check_model_folder(path: str | None) -> None:
         raise CLIError(f"model folder not found: {path}")
 
 
-def load_model(path: str | None, dtype: str | None):
-    """`load_pretrained` of the --model folder (None: the shipped model), errors as CLIError."""
+def load_model(
+    path: str | None,
+    dtype: str | None,
+    quantize: str | None = None,
+    group_size: int = 128,
+    quantize_embedding: bool = False,
+):
+    """`load_pretrained` of the --model folder (None: the shipped model), with --quantize,
+    --group-size and --quantize-embedding, errors as CLIError."""
     from logitloop.models.loading import load_pretrained
 
     path = None if path is None else str(Path(path).expanduser())
     try:
-        return load_pretrained(path, dtype=dtype)
+        return load_pretrained(
+            path,
+            dtype=dtype,
+            quantize=quantize,
+            group_size=group_size,
+            quantize_embedding=quantize_embedding,
+        )
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(f"cannot load the model: {e}") from None
     except OSError as e:

@@ -388,6 +388,24 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="parameter dtype (default: the checkpoint's own)",
     )
     model.add_argument(
+        "--quantize",
+        choices=("int8", "int4", "fp8"),
+        help="weight-only quantized attention and MLP projections (Qwix; needs the extra "
+        "`quant`): int8/fp8 per output channel, int4 per --group-size (default: float)",
+    )
+    model.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        metavar="N",
+        help="--quantize int4: contraction entries per scale (default: 128)",
+    )
+    model.add_argument(
+        "--quantize-embedding",
+        action="store_true",
+        help="--quantize: the token embedding and LM head too (default: kept in float)",
+    )
+    model.add_argument(
         "--no-compile-cache",
         dest="compile_cache",
         action="store_false",

@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--system is empty")
     knobs = {"max_tokens": CHAT_MAX_TOKENS, **checkpoint_defaults(args), **base_knobs(args)}
     row_params(knobs)  # every flag checked before the model loads
-    model = load_model(args.model, args.dtype)
+    model = load_model(
+        args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
+    )
     try:
         template = model_template(model)
     except ValueError as e:

@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from logitloop.decoding.engine.explain import draw_next_tokens, explain_next_token
     from logitloop.decoding.loop.runner import model_info
 
-    model = load_model(args.model, args.dtype)
+    model = load_model(
+        args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
+    )
     info = model_info(model)
     check_vocab(params, info.vocab_size)  # token ids given as flags, against the vocabulary
     ids = prompt_ids("PROMPT", args.prompt, 1, info)  # room for the next token
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         expl = explain_next_token(model, ids, params, ignore_eos=args.ignore_eos)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    sys.stdout.write(format_table(expl, args.top) + "\n")
+    # which weights are quantized (format, group size) and which stay float
+    sys.stdout.write(f"weights: {info.weights_format}\n" + format_table(expl, args.top) + "\n")
     sys.stdout.flush()
 
     if plot is not None:

@@ -134,7 +134,9 @@ def _run_job(
 
     output = None if sink is None else sink.name
     t_load = time.perf_counter()
-    model = load_model(args.model, args.dtype)
+    model = load_model(
+        args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
+    )
     info = model_info(model)
     load_s = time.perf_counter() - t_load
     render_conversations(items, model, args.ignore_eos)
@@ -208,6 +210,8 @@ def _run_ray(args, items, todo, skipped, base, sink, note, started, seed) -> int
     tokens = run_items(
         todo, base, sink.write, workers=args.workers, batch_size=args.batch_size,
         progress=not args.quiet, model=args.model, dtype=args.dtype, n=args.n,
+        quantize=args.quantize, group_size=args.group_size,
+        quantize_embedding=args.quantize_embedding,
         ignore_eos=args.ignore_eos, deterministic=args.deterministic, slots=args.batch_size,
         speculative=_speculation(args), compile_cache=args.compile_cache,
         prefix_cache=False if args.no_prefix_cache else None,

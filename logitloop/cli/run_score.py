@@ -118,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
                 done = f"all {len(pairs)} pairs are already in {sink.name}"
                 print(f"{PROG}: nothing to do: {done}", file=sys.stderr)
             return 0
-        model = load_model(args.model, args.dtype)
+        model = load_model(
+            args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
+        )
         chunk = args.batch_size * BATCHES_PER_WRITE
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]

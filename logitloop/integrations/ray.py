@@ -103,7 +103,8 @@ class Generator:
       mesh_shape: a mesh of this actor's devices, `{"data": D, "model": M}` (D * M of
         `jax.devices()`), for a model too big for one device or data parallelism inside the
         actor; None: one device.
-      quantize: passed to `load_pretrained` where it takes it (an error otherwise).
+      quantize, group_size, quantize_embedding: passed to `load_pretrained` where it takes
+        them (an error otherwise).
       params: the job's sampling settings (`SamplingParams.create` arguments) that a row
         replaces key by key; a row without a `seed` uses the job's (default 0).
       n, ignore_eos, deterministic, slots, speculative ...: as in `ll.generate_many`.
@@ -118,6 +119,8 @@ class Generator:
         dtype: str | None = None,
         mesh_shape: Mapping[str, int] | None = None,
         quantize: Any = None,
+        group_size: int = 128,
+        quantize_embedding: bool = False,
         params: Mapping[str, Any] | None = None,
         n: int = 1,
         ignore_eos: bool = False,
@@ -134,7 +137,14 @@ class Generator:
             from logitloop.compile_cache import enable_compile_cache
 
             enable_compile_cache()
-        self.model = _load(model, dtype, quantize, load_model)
+        self.model = _load(
+            model,
+            dtype,
+            quantize,
+            load_model,
+            group_size=group_size,
+            quantize_embedding=quantize_embedding,
+        )
         self.info = model_info(self.model)
         self.mesh = None if mesh_shape is None else _actor_mesh(mesh_shape)
         self.base = dict(params or {})
@@ -203,7 +213,7 @@ def _checked(fn: Callable[[], Any]) -> Any:
         raise ValueError(str(e)) from None
 
 
-def _load(path, dtype, quantize, load_model):
+def _load(path, dtype, quantize, load_model, **quantized):
     if quantize is None:
         return _checked(lambda: load_model(path, dtype))
     from logitloop.models.loading import load_pretrained
@@ -212,7 +222,7 @@ def _load(path, dtype, quantize, load_model):
         raise ValueError(
             f"quantize = {quantize!r}: this logitloop's load_pretrained takes no quantize="
         )
-    return load_pretrained(path, dtype=dtype, quantize=quantize)
+    return load_pretrained(path, dtype=dtype, quantize=quantize, **quantized)
 
 
 def _actor_mesh(shape: Mapping[str, int]):

@@ -466,19 +466,27 @@ def product(rows: jax.Array, w: jax.Array, *, numerics: Numerics, groups: int = 
     gives a column the same bits whatever the number of columns."""
     if quantization.is_quantized(w):
         # A quantized weight (a Qwix QArray): Qwix's product, per row tile like a float
-        # one. The chunked contraction and the tile kernel take float weights only.
-        if numerics.splits or numerics.tile_kernel is not None:
-            raise NotImplementedError(
-                "quantized weights under deterministic='model-parallel' or a tile kernel "
-                "policy are not supported yet; use deterministic=True or False"
-            )
-        return quantization.product(rows, w)
+        # one; under the chunked contraction or the tile kernel, its dequantized value.
+        if not _dequantizes(numerics):
+            return quantization.product(rows, w)
+        w = quantization.dequantize(w)
     if numerics.tile_kernel is not None:
         return _kernel_product(rows, w, numerics, transposed=False, out_dtype=None)
     if not numerics.splits:
         return rows @ w
     partials = chunk_partials(rows, w, contraction_chunk(rows.shape[1], groups))
     return ordered_sum(partials, axis=0).astype(rows.dtype)
+
+
+def _dequantizes(numerics: Numerics) -> bool:
+    """Whether a quantized weight is dequantized before its product: under the chunked
+    contraction of `deterministic="model-parallel"` and the tile kernel, whose fixed
+    orders take float operands. Qwix's own product on a float activation dequantizes
+    the same way (values times scales in the scales' dtype, then a float product), so
+    the numbers are those of the float policy on the dequantized weight; the float
+    weight is a temporary of the compiled step (whether XLA fuses it into the product is
+    the backend's)."""
+    return numerics.splits or numerics.tile_kernel is not None
 
 
 def _kernel_product(rows, w, numerics: Numerics, *, transposed: bool, out_dtype) -> jax.Array:
@@ -519,6 +527,10 @@ def head_product(rows: jax.Array, head: jax.Array, *, numerics: Numerics) -> jax
     head at 8 rows took 14 ms a call against 4). One batched product, so a vocabulary
     split over a "model" axis of a size that divides the tile count gives every device
     whole tiles of the one-device shape."""
+    if quantization.is_quantized(head):  # a quantized vocabulary table (Qwix's product)
+        if not _dequantizes(numerics):
+            return quantization.head_product(rows, head)
+        head = quantization.dequantize(head)
     if numerics.tile_kernel is not None:
         return _kernel_product(rows, head, numerics, transposed=True, out_dtype=jnp.float32)
     if not numerics.splits:

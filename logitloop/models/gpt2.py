@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import layers, registry
+from logitloop.models import layers, quantization, registry
 from logitloop.models.config import GPT2Config, gpt2_config_from_hf
 from logitloop.models.decoder import DecoderModel
 from logitloop.models.fixed_order import PLAIN, Numerics
@@ -97,7 +97,7 @@ class GPT2Model(DecoderModel):
         self.ln_f_bias = layers.param(rngs, (c.hidden_size,), dtype, ("embed",), init="zeros")
 
     def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = jnp.take(self.wte[...], tokens, axis=0, mode="clip")  # [B, T, E]
+        x = quantization.lookup(self.wte[...], tokens, self.dtype)  # [B, T, E]
         return x + jnp.take(self.wpe[...], jnp.maximum(positions, 0), axis=0, mode="clip")
 
     def output_norm(self, x: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:

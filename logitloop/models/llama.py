@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import layers, registry
+from logitloop.models import layers, quantization, registry
 from logitloop.models.config import (
     LlamaConfig,
     llama_config_from_hf,
@@ -182,8 +182,8 @@ class LlamaModel(DecoderModel):
             )
 
     def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        # Clip so a pad id outside the vocabulary cannot produce NaN (take fills by default).
-        return jnp.take(self.embedding[...], tokens, axis=0, mode="clip")  # [B, T, E]
+        # Float or quantized (`quantize_embedding=True`) table; clipped ids (no NaN).
+        return quantization.lookup(self.embedding[...], tokens, self.dtype)  # [B, T, E]
 
     def output_norm(self, x: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         eps = self.config.rms_norm_eps

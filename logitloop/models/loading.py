@@ -59,6 +59,7 @@ def load_pretrained(
     dtype=None,
     quantize: str | None = None,
     group_size: int = quantization.DEFAULT_GROUP_SIZE,
+    quantize_embedding: bool = False,
 ) -> Model:
     """Load a Hugging Face checkpoint folder.
 
@@ -74,6 +75,9 @@ def load_pretrained(
         quantized as it is read (no whole float copy); every weight's shape is checked
         against the format before the first tensor is read.
       group_size: int4's group along each weight's contraction.
+      quantize_embedding: with `quantize`, the token embedding and LM head too (one table
+        when tied), a scale per vocabulary row (int4: per row and group of the embedding
+        axis); False keeps them in `dtype`, as vLLM and torchao do by default.
 
     Returns:
       The model its `model_type` is registered with (`logitloop.models.registry`), e.g. a
@@ -88,7 +92,7 @@ def load_pretrained(
         dtype, or an unreadable (truncated, corrupt) safetensors file.
     """
     dtype = None if dtype is None else _check_dtype(dtype)
-    quantize_spec = quantization.check_quantize(quantize, group_size)
+    quantize_spec = quantization.check_quantize(quantize, group_size, quantize_embedding)
     folder = _resolve_folder(path)
     config_path = folder / "config.json"
     hf_config = _read_json(config_path)

@@ -113,11 +113,6 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
         # Restored as saved: the QArrays' values and scales, nothing quantized again.
         spec = quantization.spec_from_record(quantized, str(directory / _META_FILE))
         quantization.abstract_quantized(model, spec)
-        if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
-            raise NotImplementedError(
-                "sharding: a quantized model restores onto one jax.sharding.Sharding or the "
-                "default device; a per-parameter sharding tree is not supported yet"
-            )
     state = nnx.state(model, nnx.Param)
     like = nnx.to_pure_dict(state)  # ShapeDtypeStruct leaves (inside QArrays if quantized)
     target = quantization.to_storable(like)
@@ -162,6 +157,9 @@ def _with_shardings(target: dict, sharding: Any) -> dict:
         )
     if isinstance(sharding, nnx.State):
         sharding = nnx.to_pure_dict(sharding)
+    # A quantized weight's shardings come as a `QArray` of its values' and scales'
+    # (`partitioning.param_shardings`): stored as the same {"qvalue", "scale"} dict.
+    sharding = quantization.to_storable(sharding)
     try:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, sharding
@@ -176,7 +174,12 @@ def _with_shardings(target: dict, sharding: Any) -> dict:
 def restore_sharded(directory: str | os.PathLike, mesh: jax.sharding.Mesh) -> Model:
     """Restore a converted model (`save_converted`) with every parameter read straight
     into its shards on `mesh` (by the partition rules, `partitioning.param_shardings`); no
-    device ever holds a full copy of a sharded weight."""
-    _, config, dtype = read_metadata(directory)
-    shardings = param_shardings(abstract_model(config, dtype), mesh)
-    return restore_converted(directory, sharding=shardings)
+    device ever holds a full copy of a sharded weight. A quantized model's scales go
+    with their weights (split along the same axis where their size allows)."""
+    meta, config, dtype = read_metadata(directory)
+    model = abstract_model(config, dtype)
+    if meta.get("quantization") is not None:
+        source = str(Path(directory).absolute() / _META_FILE)
+        spec = quantization.spec_from_record(meta["quantization"], source)
+        quantization.abstract_quantized(model, spec)
+    return restore_converted(directory, sharding=param_shardings(model, mesh))

@@ -14,6 +14,7 @@ layout of rows and caches lives with the loop (`logitloop.decoding.loop.sharding
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from logitloop.models import quantization
 from logitloop.ops.sampling.sharded import auto_axes
 
 MODEL_AXIS = "model"
@@ -38,7 +40,6 @@ def _model_mesh(mesh: Mesh) -> Mesh:
             "(give it size 1 to replicate them)"
         )
     return auto_axes(mesh)
-
 
 
 def mesh_spec(names: Any, shape: tuple[int, ...], model_size: int) -> P:
@@ -80,10 +81,36 @@ def partition_specs(weights: Any, model_size: int) -> Any:
     else:
         logical = jax.tree.map(lambda _: P(), weights)
     return jax.tree.map(
-        lambda w, names: mesh_spec(names if isinstance(names, P) else (), w.shape, model_size),
+        lambda w, names: _weight_spec(w, names if isinstance(names, P) else (), model_size),
         weights,
         logical,
+        is_leaf=quantization.is_quantized,
     )
+
+
+def _weight_spec(w: Any, names: tuple, model_size: int) -> Any:
+    """One weight's PartitionSpec; for a quantized weight (a Qwix `QArray`) a `QArray` of
+    the specs of its values and scales, so that the scales go with their weight."""
+    if not quantization.is_quantized(w):
+        return mesh_spec(names, w.shape, model_size)
+    names = tuple(names)
+    if len(names) == w.ndim + 1:
+        # A head-split output projection `[H, D, E]` is stored as `[H * D, E]`
+        # (`quantization.quantize_param`): the merged axis takes the heads' name, so a
+        # model axis that divides H gives each device whole heads, as the float weight.
+        names = (names[0], *names[2:])
+    value_spec = mesh_spec(names, w.shape, model_size)
+    # The scales take the values' axis where their own size there splits into whole
+    # shards over it (a per-column scale's size-1 contraction axis, or an int4 scale
+    # whose groups the model axis does not divide, stays replicated): each device then
+    # holds the scales of exactly its own values.
+    scale_spec = P(
+        *(
+            axis if axis is not None and n % model_size == 0 and n > 1 else None
+            for axis, n in zip(tuple(value_spec), w.scale.shape, strict=True)
+        )
+    )
+    return dataclasses.replace(w, qvalue=value_spec, scale=scale_spec)
 
 
 def param_shardings(weights: Any, mesh: Mesh) -> Any:

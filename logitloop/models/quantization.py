@@ -15,8 +15,17 @@ Formats (`quantize=`):
 What is quantized: the attention and MLP projections of every layer and a
 mixture-of-experts layer's stacked expert weights (`[X, K, N]`: scales per expert and
 output column, int4 groups along K; their products go through `einsum` below, Qwix's
-quantized einsum). The token embedding, the LM head, the router, the norms and biases
-stay in the float dtype.
+quantized einsum). The router, the norms and biases stay in the float dtype; so do the
+token embedding and the LM head unless `quantize_embedding=True` (what vLLM and torchao
+leave out by default too: the head is the most sensitive product, and a gather reads
+only B rows of the embedding per step).
+
+`quantize_embedding=True` quantizes the vocabulary tables `[V, E]` (the embedding, and an
+untied LM head) with a scale per vocabulary row (int4: per row and `group_size` entries
+of E). A tied table is one `QArray` serving both uses: the lookup gathers the rows' values
+and scales and dequantizes just those rows (`lookup`), and the head's product contracts E
+through Qwix's `dot_general` (`head_product`), where a row's scale is its output
+column's scale.
 
 `load_pretrained(quantize=...)` checks the whole `plan` on the abstract model, then
 quantizes each weight as it is read (`quantize_param`); `orbax_io` saves a quantized
@@ -37,7 +46,10 @@ from flax import nnx
 FORMATS = ("int8", "int4", "fp8")
 # The layout of a saved quantized model (`orbax_io`): bumped whenever what a saved
 # `QArray` means changes (its fields, scale layout, or which weights are quantized).
-STORAGE_VERSION = 2  # 2: MoE expert weights quantized too
+STORAGE_VERSION = 3  # 2: MoE expert weights quantized too; 3: vocabulary tables optionally
+# The versions this logitloop restores: a version-2 checkpoint is a version-3 one with
+# float vocabulary tables (its record has no "embedding" entry).
+READABLE_STORAGE_VERSIONS = (2, 3)
 DEFAULT_GROUP_SIZE = 128
 
 # Parameter name -> the number of leading axes that the weight's product contracts
@@ -48,6 +60,9 @@ _PROJECTIONS = {
 }  # fmt: skip
 # Of those, the names a mixture-of-experts layer stacks per expert (`[X, K, N]`).
 _EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+# The vocabulary tables `[V, E]` `quantize_embedding=True` quantizes: the token embedding
+# (tied: also the LM head) of the Llama-derived families, an untied LM head, GPT-2's.
+_VOCAB_TABLES = ("embedding", "lm_head", "wte")
 
 
 def _qwix():
@@ -64,21 +79,31 @@ class QuantizeSpec:
 
     format: str
     group_size: int
+    embedding: bool = False  # the vocabulary tables (embedding, LM head) quantized too
 
     @property
     def qtype(self):
         return {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}[self.format]
 
 
-def check_quantize(quantize: Any, group_size: Any = DEFAULT_GROUP_SIZE) -> QuantizeSpec | None:
-    """`quantize` and `group_size` checked: None (float weights) or a `QuantizeSpec`."""
+def check_quantize(
+    quantize: Any, group_size: Any = DEFAULT_GROUP_SIZE, quantize_embedding: Any = False
+) -> QuantizeSpec | None:
+    """`quantize`, `group_size` and `quantize_embedding` checked: None (float weights) or
+    a `QuantizeSpec`."""
+    if not isinstance(quantize_embedding, bool):
+        raise ValueError(f"quantize_embedding must be True or False, got {quantize_embedding!r}")
     if quantize is None:
+        if quantize_embedding:
+            raise ValueError(
+                "quantize_embedding=True needs a format: quantize='int8', 'int4' or 'fp8'"
+            )
         return None
     if not isinstance(quantize, str) or quantize not in FORMATS:
         raise ValueError(f"quantize must be None, 'int8', 'int4' or 'fp8', got {quantize!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    return QuantizeSpec(quantize, group_size)
+    return QuantizeSpec(quantize, group_size, quantize_embedding)
 
 
 def is_quantized(w: Any) -> bool:
@@ -113,9 +138,25 @@ def quantize_weight(
     return qwix.quantize(w, spec.qtype, channelwise_axes=output_axes, tiled_axes=tiled)
 
 
+def quantize_vocab_rows(name: str, table: jax.Array, spec: QuantizeSpec):
+    """A vocabulary table `[V, E]` as a `QArray`: a scale per row (the head's output
+    column), and for int4 per `group_size` entries of E (the head's contraction)."""
+    tiled = {}
+    if spec.format == "int4":
+        if table.shape[1] % spec.group_size:
+            raise ValueError(
+                f"quantize='int4': {name} has shape {tuple(table.shape)}; its embedding axis "
+                f"1 ({table.shape[1]}) is not divisible by group_size={spec.group_size}"
+            )
+        tiled = {1: spec.group_size}
+    return _qwix().quantize(table, spec.qtype, channelwise_axes=(0,), tiled_axes=tiled)
+
+
 # `plan`'s value for a mixture's stacked expert weights `[X, K, N]` (each expert's `[K, N]`
 # contracts its axis 1; no other weight contracts 0 axes).
 STACKED_EXPERTS = 0
+# `plan`'s value for a vocabulary table `[V, E]` (its product contracts its last axis).
+VOCAB_ROWS = -1
 
 
 def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
@@ -124,12 +165,17 @@ def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
     (int4's group size), so that a refused model is refused before any weight is read or
     quantized; works on an abstract model."""
     weights: dict[tuple, int] = {}
+    tables = _VOCAB_TABLES if spec.embedding else ()
     for path, param in nnx.iter_graph(model):
-        if not isinstance(param, nnx.Param) or not path or path[-1] not in _PROJECTIONS:
+        if not isinstance(param, nnx.Param) or not path:
+            continue
+        if path[-1] not in _PROJECTIONS and path[-1] not in tables:
             continue
         abstract = param.get_value()  # a ShapeDtypeStruct on an abstract model
         shape = tuple(abstract.shape)
-        if path[-1] in _EXPERT_WEIGHTS and len(shape) == 3:  # moe.py's `[X, K, N]`
+        if path[-1] in tables:  # `[V, E]`, contracting E in the head
+            contracted, axis = VOCAB_ROWS, 1
+        elif path[-1] in _EXPERT_WEIGHTS and len(shape) == 3:  # moe.py's `[X, K, N]`
             contracted, axis = STACKED_EXPERTS, 1
         else:
             contracted = _PROJECTIONS[path[-1]] or (2 if len(shape) == 3 else 1)
@@ -153,6 +199,8 @@ def _name(path) -> str:
 
 def quantize_param(path: tuple, value: jax.Array, contracted: int, spec: QuantizeSpec):
     """The `QArray` of one weight (`plan` gives `contracted`)."""
+    if contracted == VOCAB_ROWS:
+        return quantize_vocab_rows(_name(path), value, spec)
     if contracted == STACKED_EXPERTS:
         # a mixture's stacked experts `[X, K, N]` (moe.py), each expert its own weight
         return quantize_weight(_name(path), value, 1, spec, stacked=True)
@@ -181,7 +229,8 @@ def record(model: nnx.Module, spec: QuantizeSpec, weights: dict[tuple, int]) -> 
     """Set `model.quantization` (what `describe` and the repr report) from `plan`'s
     `weights`."""
     experts = sum(c == STACKED_EXPERTS for c in weights.values())
-    model.quantization = Quantization(spec, len(weights) - experts, experts)
+    tables = sum(c == VOCAB_ROWS for c in weights.values())
+    model.quantization = Quantization(spec, len(weights) - experts - tables, experts, tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,14 +240,26 @@ class Quantization:
     spec: QuantizeSpec
     weights: int  # projection weights quantized
     expert_weights: int = 0  # stacked expert weights `[X, K, N]` quantized
+    vocab_tables: int = 0  # vocabulary tables `[V, E]` quantized (1 tied, 2 untied)
+
+    def __repr__(self) -> str:  # the model's repr says what is quantized and what is float
+        return f"Quantization({self.describe()!r})"
 
     def describe(self) -> str:
         s = self.spec
         how = f"groups of {s.group_size}" if s.format == "int4" else "per output channel"
-        text = (
-            f"{s.format} weights ({how}) for {self.weights} attention/MLP projections; "
-            "embedding, LM head, norms and biases in float"
-        )
+        if self.vocab_tables:
+            tied = self.vocab_tables == 1
+            tables = "tied embedding and LM head" if tied else "embedding and LM head"
+            text = (
+                f"{s.format} weights ({how}) for {self.weights} attention/MLP projections; "
+                f"{tables} {s.format} per vocabulary row; norms and biases in float"
+            )
+        else:
+            text = (
+                f"{s.format} weights ({how}) for {self.weights} attention/MLP projections; "
+                "embedding, LM head, norms and biases in float"
+            )
         if self.expert_weights:
             text = text.replace(
                 "projections;", f"projections and {self.expert_weights} stacked expert weights;"
@@ -211,6 +272,33 @@ def product(rows: jax.Array, w: Any) -> jax.Array:
     `dot_general`: integer weights, scales applied to the output or per group)."""
     out = _qwix().dot_general(rows, w, (((1,), (0,)), ((), ())))
     return out.astype(rows.dtype)
+
+
+def head_product(rows: jax.Array, table: Any) -> jax.Array:
+    """The LM head `rows @ table.T`, `[M, E] x [V, E]^T -> [M, V]` float32, for a quantized
+    vocabulary table (Qwix's `dot_general`: each row's scale is an output column's)."""
+    dims = (((1,), (1,)), ((), ()))
+    return _qwix().dot_general(rows, table, dims, preferred_element_type=jnp.float32)
+
+
+def dequantize(w: Any) -> jax.Array:
+    """A `QArray`'s float value (Qwix's dequantize: values times scales in the scales'
+    dtype, what its product computes before a float product)."""
+    return _qwix().dequantize(w)
+
+
+def lookup(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """The embedding rows of `tokens`, `[..., E]` in `dtype`; a token outside the table
+    reads its nearest row (clipped: a pad id past the vocabulary cannot produce NaN). A
+    quantized table gathers only those rows' values and scales and dequantizes them as
+    Qwix's product does (values times scale in the scale's dtype)."""
+    if not is_quantized(table):
+        return jnp.take(table, tokens, axis=0, mode="clip").astype(dtype)
+    values = jnp.take(table.qvalue, tokens, axis=0, mode="clip")  # [..., E]
+    scales = jnp.take(table.scale, tokens, axis=0, mode="clip")  # [..., G]: E in G groups
+    e, g = values.shape[-1], scales.shape[-1]
+    grouped = values.astype(scales.dtype).reshape(*values.shape[:-1], g, e // g)
+    return (grouped * scales[..., None]).reshape(values.shape).astype(dtype)
 
 
 def einsum(subscripts: str, x: jax.Array, w: Any) -> jax.Array:
@@ -240,19 +328,22 @@ def storage_record(model: nnx.Module) -> dict | None:
         "storage_version": STORAGE_VERSION,
         "format": q.spec.format,
         "group_size": q.spec.group_size,
+        "embedding": q.spec.embedding,
     }
 
 
 def spec_from_record(record_: dict, source: str) -> QuantizeSpec:
     """The `QuantizeSpec` of a saved quantized model, refusing another storage version."""
     version = record_.get("storage_version")
-    if version != STORAGE_VERSION:
+    if version not in READABLE_STORAGE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_STORAGE_VERSIONS)
         raise ValueError(
             f"{source}: quantized with logitloop quantization storage version {version!r}; "
-            f"this logitloop reads version {STORAGE_VERSION} only (re-quantize from the "
+            f"this logitloop reads versions {readable} (re-quantize from the "
             "float checkpoint: load_pretrained(path, quantize=...))"
         )
-    return check_quantize(record_.get("format"), record_.get("group_size"))
+    embedding = record_.get("embedding", False)  # version 2: float vocabulary tables
+    return check_quantize(record_.get("format"), record_.get("group_size"), embedding)
 
 
 def to_storable(tree: Any) -> Any:

@@ -169,3 +169,24 @@ def test_bad_knob_exits_2_from_the_command_line():
 )
 def test_bad_explain_flags(flags, expected, capsys):
     assert expected in _error(capsys, ["explain", PROMPT, *flags])
+
+
+def test_explain_says_which_weights_are_quantized(explained, capsys):
+    assert explained[0].stdout.startswith("weights: float\n")
+    pytest.importorskip("qwix", reason="--quantize needs the extra `quant` (qwix)")
+    # refused before any tensor is read: the flag reaches load_pretrained
+    assert "not divisible by group_size=96" in _error(
+        capsys, ["explain", PROMPT, "--quantize", "int4", "--group-size", "96"]
+    )
+
+
+@pytest.mark.slow
+def test_quantized_explain_names_the_format(capsys):
+    pytest.importorskip("qwix", reason="--quantize needs the extra `quant` (qwix)")
+    argv = ["explain", PROMPT, "--quantize", "int4", "--group-size", "32", "--top", "3"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "weights: int4 weights (groups of 32) for 28 attention/MLP projections; embedding, "
+        "LM head, norms and biases in float\n"
+    ), out
