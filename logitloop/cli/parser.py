@@ -310,7 +310,22 @@ def _add_score_parser(sub) -> None:
         "--top-logprobs", type=int, default=0, metavar="N", help="top-N raw alternatives (0)"
     )
     io.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    io.add_argument("--deterministic", action="store_true", help="batch-invariant scores (slower)")
+    io.add_argument(
+        "--deterministic",
+        action="store_const",
+        const=True,
+        default=None,  # None: on with --output (a resumable job), off otherwise
+        help="a pair's scores do not depend on the batch it runs in (slower); the default "
+        "with --output, so that a resumed job writes what an uninterrupted one would",
+    )
+    io.add_argument(
+        "--no-deterministic",
+        dest="deterministic",
+        action="store_const",
+        const=False,
+        help="faster, also with --output; a pair's scores may then differ in the last bits "
+        "by the batch it runs in, so a job resumed in other batches can differ",
+    )
     _add_model_flags(sc)
 
 

@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--top-logprobs = {args.top_logprobs} is outside the allowed range [0, 20]")
     if args.overwrite and not args.output:
         raise CLIError("--overwrite needs --output FILE")
+    if args.deterministic is None:
+        # As `generate --output`: a job written to --output can be resumed, in other
+        # batches, and only the deterministic mode makes a pair's scores independent of
+        # its batch (docs/cli.md).
+        args.deterministic = bool(args.output)
     check_model_folder(args.model)
     pairs = read_pairs(args.input)
     output = args.output or "-"

@@ -32,20 +32,16 @@ def test_score_writes_lines_in_order_and_resumes(tmp_path, capsys):
     want = ll.score(
         ll.load_pretrained(), [p.get("prompt", p.get("prompt_token_ids")) for p in PAIRS],
         [p.get("continuation", p.get("continuation_token_ids")) for p in PAIRS], top_logprobs=2,
+        deterministic=True,  # a job written to --output is deterministic by default
     )  # fmt: skip
     for g, w in zip(got, want, strict=True):
         assert g["token_ids"] == w.token_ids and g["raw_logprobs"] == w.raw_logprobs
         assert g["sum"] == pytest.approx(w.raw_logprob_sum) and g["is_argmax"] == w.is_argmax
         assert len(g["top_logprobs"]) == len(w.token_ids)
-    # A killed run left two lines: the rerun appends the third, the same as before. Bit
-    # for bit only under --deterministic: the rerun scores the third pair in a batch of
-    # its own (its padding rows repeat its prompt, which `ll.score` then shares), another
-    # program than the first run's batch of three, and the default numerics round by
-    # the program (the score CLI, unlike `generate --output`, is not deterministic by
-    # default).
-    args.append("--deterministic")
-    out.unlink()
-    assert main(args) == 0
+    # A killed run left two lines: the rerun appends the third, the same as before, bit
+    # for bit: the rerun scores the third pair in a batch of its own (its padding rows
+    # repeat its prompt, which `ll.score` then shares), another program than the first
+    # run's batch of three, which the deterministic default of --output makes no matter.
     text = out.read_text()
     out.write_text("".join(text.splitlines(keepends=True)[:2]))
     assert main(args) == 0

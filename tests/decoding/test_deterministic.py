@@ -425,8 +425,11 @@ def test_decode_attention_over_a_longer_cache_or_prefix_is_exact():
 
 # (batch, columns, cache slots) around the query: decode steps, verifications, prompt
 # chunks; caches a multiple of the 16-slot chunk or not.
+# (2, 150, 288): three query blocks of 64 columns, the last padded, the query's block
+# among blocks that see fewer or more key chunks.
 ATTENTION_CALLS = [(1, 1, 128), (2, 1, 136), (3, 5, 160), (8, 1, 200), (17, 5, 208),
-                   (64, 1, 1024), (64, 5, 256), (1, 16, 144), (8, 33, 256), (3, 64, 128)]
+                   (64, 1, 1024), (64, 5, 256), (1, 16, 144), (8, 33, 256), (3, 64, 128),
+                   (2, 150, 288)]
 
 
 @pytest.mark.parametrize(("hkv", "g", "d"), [(2, 2, 8), (2, 4, 64)])
