@@ -310,23 +310,31 @@ def _add_score_parser(sub) -> None:
         "--top-logprobs", type=int, default=0, metavar="N", help="top-N raw alternatives (0)"
     )
     io.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    io.add_argument(
+    _add_deterministic_flags(
+        io, "each pair's score", "differ in the last bits by the batch it runs in"
+    )
+    _add_model_flags(sc)
+
+
+def _add_deterministic_flags(group, what: str, otherwise: str) -> None:
+    """--deterministic / --no-deterministic; neither: on with --output (a resumable job;
+    run_generate.py and run_score.py decide), off otherwise."""
+    group.add_argument(
         "--deterministic",
         action="store_const",
         const=True,
-        default=None,  # None: on with --output (a resumable job), off otherwise
-        help="a pair's scores do not depend on the batch it runs in (slower); the default "
-        "with --output, so that a resumed job writes what an uninterrupted one would",
+        default=None,
+        help=f"{what} does not depend on the batch it runs in (slower); the default with "
+        "--output, so that a resumed job writes what an uninterrupted one would",
     )
-    io.add_argument(
+    group.add_argument(
         "--no-deterministic",
         dest="deterministic",
         action="store_const",
         const=False,
-        help="faster, also with --output; a pair's scores may then differ in the last bits "
-        "by the batch it runs in, so a job resumed in other batches can differ",
+        help=f"faster, also with --output; {what} may then {otherwise}, so a job resumed in "
+        "other batches can differ",
     )
-    _add_model_flags(sc)
 
 
 def _add_generation_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -521,21 +529,8 @@ def _add_sampling_flags(s, *, generation: bool, chat: bool = False) -> None:
             "-n", "--n", type=int, default=1, metavar="N", help="samples per prompt (default: 1)"
         )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
-    s.add_argument(
-        "--deterministic",
-        action="store_const",
-        const=True,
-        default=None,  # None: on with --output (a resumable job), off otherwise
-        help="a prompt's output does not depend on the batch it runs in (slower); the "
-        "default with --output, so that a resumed job writes what an uninterrupted one would",
-    )
-    s.add_argument(
-        "--no-deterministic",
-        dest="deterministic",
-        action="store_const",
-        const=False,
-        help="faster, also with --output; a prompt's output may then depend on its batch (a "
-        "near-tied draw can flip), so a job resumed in other batches can differ",
+    _add_deterministic_flags(
+        s, "a prompt's output", "depend on its batch (a near-tied draw can flip)"
     )
     s.add_argument(
         "--deterministic-model-parallel",

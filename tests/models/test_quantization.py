@@ -14,6 +14,7 @@ from flax import nnx  # noqa: E402
 import logitloop as ll  # noqa: E402
 from logitloop.decoding.loop.runner import model_info  # noqa: E402
 from logitloop.models import quantization  # noqa: E402
+from tests.models.quantized_reference import dequantized as _dequantized  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The function returns", "In the beginning", "A list of"]
 
@@ -27,16 +28,6 @@ def float_model():
 def quantized(request):
     fmt, group = request.param
     return fmt, ll.load_pretrained(quantize=fmt, group_size=group)
-
-
-def _dequantized(q) -> np.ndarray:
-    """The QArray's float64 value, with NumPy only: values times scales broadcast over
-    their tiles (independent of Qwix's own dequantize)."""
-    values = np.asarray(q.qvalue.astype(jnp.float32), np.float64)  # exact for int and fp8
-    scale = np.asarray(q.scale, np.float64)
-    for axis, (n, s) in enumerate(zip(values.shape, scale.shape, strict=True)):
-        scale = np.repeat(scale, n // s, axis=axis)
-    return values * scale
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 32), ("fp8", 128)])

@@ -22,21 +22,13 @@ from flax import nnx  # noqa: E402
 import logitloop as ll  # noqa: E402
 from logitloop.models import quantization  # noqa: E402
 from logitloop.models.quantization_accuracy import all_logits  # noqa: E402
+from tests.models.quantized_reference import dequantized as _dequantized  # noqa: E402
 
 DRAFT = Path(ll.__file__).parent / "models" / "tiny_draft"
 # token ids (the draft model ships without a tokenizer): "Once upon a time", "The
 # function returns", "In the beginning"
 PROMPTS = [[47, 411, 937, 265, 261, 1352], [341, 431, 941], [983, 268, 2451, 1495]]
 GREEDY = dict(temperature=0.0, max_new_tokens=6)
-
-
-def _dequantized(q) -> np.ndarray:
-    """A QArray's float64 value with NumPy only: values times scales over their tiles."""
-    values = np.asarray(q.qvalue.astype(jnp.float32), np.float64)
-    scale = np.asarray(q.scale, np.float64)
-    for axis, (n, s) in enumerate(zip(values.shape, scale.shape, strict=True)):
-        scale = np.repeat(scale, n // s, axis=axis)
-    return values * scale
 
 
 def _float_twin(path, quantized):

@@ -19,6 +19,7 @@ from flax import nnx  # noqa: E402
 import logitloop as ll  # noqa: E402
 from logitloop.models import quantization  # noqa: E402
 from logitloop.models.fixed_order import PLAIN, Numerics, head_product  # noqa: E402
+from tests.models.quantized_reference import dequantized as _dequantized  # noqa: E402
 
 
 def small_llama(tied: bool = True):
@@ -28,16 +29,6 @@ def small_llama(tied: bool = True):
         num_kv_heads=2, head_dim=8, max_position_embeddings=32, tie_word_embeddings=tied,
     )  # fmt: skip
     return ll.models.LlamaModel(config, rngs=nnx.Rngs(0))
-
-
-def _dequantized(q) -> np.ndarray:
-    """The QArray's float64 value with NumPy only (values times scales repeated over
-    their tiles), independent of Qwix's dequantize."""
-    values = np.asarray(q.qvalue.astype(jnp.float32), np.float64)
-    scale = np.asarray(q.scale, np.float64)
-    for axis, (n, s) in enumerate(zip(values.shape, scale.shape, strict=True)):
-        scale = np.repeat(scale, n // s, axis=axis)
-    return values * scale
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 16), ("fp8", 128)])

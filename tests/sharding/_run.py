@@ -31,8 +31,8 @@ def worker_env(devices: int) -> dict[str, str]:
     return env
 
 
-def command(*args: object) -> list[str]:
-    return [sys.executable, "-m", "tests.sharding.workers", *map(str, args)]
+def command(*args: object, module: str = "tests.sharding.workers") -> list[str]:
+    return [sys.executable, "-m", module, *map(str, args)]
 
 
 def parse(stdout: str, stderr: str, what: str) -> dict:
@@ -43,11 +43,14 @@ def parse(stdout: str, stderr: str, what: str) -> dict:
                          f"stderr:\n{stderr[-5000:]}")
 
 
-def run_worker(*args: object, devices: int, timeout: float) -> dict:
-    """Run one worker; raise with its output if it fails or runs past `timeout` seconds."""
+def run_worker(
+    *args: object, devices: int, timeout: float, module: str = "tests.sharding.workers"
+) -> dict:
+    """Run one worker (`python -m module *args`); raise with its output if it fails or
+    runs past `timeout` seconds."""
     try:
         proc = subprocess.run(
-            command(*args),
+            command(*args, module=module),
             cwd=REPO,
             env=worker_env(devices),
             capture_output=True,

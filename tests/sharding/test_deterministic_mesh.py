@@ -21,14 +21,11 @@ ways; the shipped model's 4098 do not)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from logitloop.models import fixed_order
 
-from ._run import REPO, parse, worker_env
+from ._run import run_worker
 
 # One subprocess, about a minute on 2 cores: in `-m slow`, beside the full batch matrix
 # (`tests/decoding/test_deterministic.py`).
@@ -45,16 +42,10 @@ def _model_parallel_kernel_holds() -> None:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.sharding.deterministic_worker", "8x1", "2x1", "2x4", "1x8"],
-        cwd=REPO,
-        env=worker_env(8),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return run_worker(
+        "8x1", "2x1", "2x4", "1x8",
+        devices=8, timeout=600, module="tests.sharding.deterministic_worker",
     )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return parse(proc.stdout, proc.stderr, "deterministic_worker")
 
 
 @pytest.mark.parametrize("model", ["shipped", "gqa_llama"])

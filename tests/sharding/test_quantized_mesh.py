@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("qwix", reason="quantized weights need the extra `quant` (qwix)")
 
-from ._run import REPO, parse, worker_env  # noqa: E402
+from ._run import run_worker  # noqa: E402
 
 # About 45 s of CPU in its subprocess (four generate compiles and a restore): -m slow.
 pytestmark = pytest.mark.slow
@@ -20,19 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.sharding.quantized_worker"],
-        cwd=REPO,
-        env=worker_env(2),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return parse(proc.stdout, proc.stderr, "quantized_worker")
+    return run_worker(devices=2, timeout=600, module="tests.sharding.quantized_worker")
 
 
 def test_mesh_tokens_equal_single_device(run):
