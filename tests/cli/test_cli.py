@@ -42,6 +42,11 @@ def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _CACHE_VARS}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONIOENCODING"] = "utf-8"
+    # The CLI's processes are compared with one another (and with fixed texts), not with
+    # this process's programs: LLVM's -O0 saves about a third of their compile time, as in
+    # the mesh workers (tests/sharding/_run.py). The library's numerics are tested in
+    # process, at XLA's default optimization.
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     if _compile_cache:
         env.update(jax_cache_env(_compile_cache[0]))
     else:

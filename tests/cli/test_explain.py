@@ -64,6 +64,7 @@ def _rows(stdout: str) -> tuple[list[str], list[tuple[int, list[float], str]]]:
 
 def test_table(explained):
     proc, _ = explained
+    assert proc.stdout.startswith("weights: float\n")
     header, rows = _rows(proc.stdout)
     for title in STAGES:
         assert title in header
@@ -171,8 +172,8 @@ def test_bad_explain_flags(flags, expected, capsys):
     assert expected in _error(capsys, ["explain", PROMPT, *flags])
 
 
-def test_explain_says_which_weights_are_quantized(explained, capsys):
-    assert explained[0].stdout.startswith("weights: float\n")
+def test_explain_says_which_weights_are_quantized(capsys):
+    # (a float model's "weights: float" line: test_table, -m slow, beside its table)
     pytest.importorskip("qwix", reason="--quantize needs the extra `quant` (qwix)")
     # refused before any tensor is read: the flag reaches load_pretrained
     assert "not divisible by group_size=96" in _error(

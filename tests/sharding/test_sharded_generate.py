@@ -1,8 +1,8 @@
 """`generate(..., mesh=...)` gives the single-device tokens on (8,1), (2,4) and (1,8) meshes.
 
-One subprocess with 8 CPU devices runs the single-device reference and the three meshes
-(to compile once per layout), plus `stream`, `generate_many` and an Orbax restore on the
-(2,4) mesh.
+One subprocess with 8 CPU devices runs the single-device reference and the meshes
+(to compile once per layout; (8,1) and (1,8) only under `-m slow`), plus `stream`,
+`generate_many` and an Orbax restore on the (2,4) mesh.
 """
 
 from __future__ import annotations
@@ -16,8 +16,15 @@ from ._run import run_worker
 
 
 @pytest.fixture(scope="module")
-def meshes() -> dict:
-    return run_worker("meshes", devices=8, timeout=420)
+def meshes(request) -> dict:
+    """The worker's run, with the layouts of the selected `test_mesh_tokens_equal_single_device`
+    cases ((2, 4) always; (8, 1) and (1, 8) are `-m slow`: the (2, 4) mesh splits both axes)."""
+    shapes = {
+        item.callspec.params["shape"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_mesh_tokens_equal_single_device"
+    }
+    return run_worker("meshes", *sorted(shapes), devices=8, timeout=420)
 
 
 def _assert_same_run(got: dict, want: dict) -> None:
@@ -30,7 +37,10 @@ def _assert_same_run(got: dict, want: dict) -> None:
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-@pytest.mark.parametrize("shape", ["8x1", "2x4", "1x8"])
+@pytest.mark.parametrize(
+    "shape", [pytest.param("8x1", marks=pytest.mark.slow), "2x4",
+              pytest.param("1x8", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_mesh_tokens_equal_single_device(meshes, shape):
     _assert_same_run(meshes["meshes"][shape], meshes["single"])
 

@@ -160,14 +160,14 @@ def param_layouts(original, restored) -> dict:
     return out
 
 
-def worker_meshes() -> None:
-    """generate on one device and on (8,1), (2,4), (1,8); stream and an Orbax restore on
-    (2,4) (these two reuse the compiled (2,4) programs)."""
+def worker_meshes(shapes: list[str]) -> None:
+    """generate on one device and on each of `shapes` ("8x1", "2x4", "1x8"; (2, 4) always);
+    stream and an Orbax restore on (2,4) (these two reuse the compiled (2,4) programs)."""
     t0 = time.time()
     model = tiny_model()
     params = mixed_params()
     out: dict = {"single": summarize(ll.generate(model, PROMPTS, params)), "meshes": {}}
-    for shape in [(8, 1), (2, 4), (1, 8)]:
+    for shape in sorted({(2, 4), *(tuple(map(int, x.split("x"))) for x in shapes)}):
         mesh = make_mesh(shape)
         out["meshes"][f"{shape[0]}x{shape[1]}"] = summarize(
             ll.generate(model, PROMPTS, params, mesh=mesh)
@@ -588,7 +588,7 @@ if __name__ == "__main__":
     if name == "structured":
         worker_structured()
     elif name == "meshes":
-        worker_meshes()
+        worker_meshes(args)
     elif name == "paged_mesh":
         worker_paged_mesh()
     elif name == "sampler":
