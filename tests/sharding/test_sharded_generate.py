@@ -22,7 +22,8 @@ def meshes(request) -> dict:
     shapes = {
         item.callspec.params["shape"]
         for item in request.session.items
-        if getattr(item, "originalname", None) == "test_mesh_tokens_equal_single_device"
+        if getattr(item, "module", None) is request.module
+        and item.originalname == "test_mesh_tokens_equal_single_device"
     }
     return run_worker("meshes", *sorted(shapes), devices=8, timeout=420)
 
