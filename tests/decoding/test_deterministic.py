@@ -124,6 +124,31 @@ def test_row_alone_equals_row_in_batch(request, model_name, vocab, seed, batch):
     assert _in_batch(model, prompt, batch, batch) == _alone(model, prompt)
 
 
+def test_score_row_alone_equals_row_beside_wider_pairs(shipped_f32):
+    """`ll.score`: a pair's bits alone, and beside pairs that widen its batch's prompt and
+    continuation buckets (prompt passes of 32 and 192 columns, a continuation pass of 95),
+    and those `generate` reports for the same tokens, over 100 of them.
+
+    XLA:CPU contracts a product and an add in one fusion into an FMA, so a pass whose ops
+    fuse otherwise at another width rounds otherwise: query blocks of 64 columns in the
+    fixed-order attention made a 192-column prompt pass give other bits than a 32-column
+    one (up to 4e-6 in a log-probability)."""
+    rng = np.random.default_rng(1)
+    prompt, cont = rng.integers(5, 4000, 21).tolist(), rng.integers(5, 4000, 15).tolist()
+    wide = rng.integers(5, 4000, 150).tolist()
+
+    def scores(prompts, conts):
+        out = ll.score(shipped_f32, prompts, conts, deterministic=True, share_prompts=False)
+        return out[0].raw_logprobs
+
+    alone = scores([prompt], [cont])
+    assert scores([prompt, wide], [cont, cont]) == alone
+    assert scores([prompt, prompt], [cont, cont * 6]) == alone
+    params = ll.SamplingParams.create(max_tokens=100, temperature=0.0)
+    gen = ll.generate(shipped_f32, [prompt], params, ignore_eos=True, deterministic=True)
+    assert scores([prompt], gen.token_ids) == gen.raw_logprobs[0]
+
+
 def test_model_parallel_mode_row_alone_equals_row_in_batch(gqa_llama):
     """`deterministic="model-parallel"` keeps the batch invariance of `True` (its products
     are chunked within the same row tiles)."""

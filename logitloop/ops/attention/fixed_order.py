@@ -27,10 +27,6 @@ import jax.numpy as jnp
 # allocates: prompt and buffer buckets are multiples of 16).
 SLOT_CHUNK = 16
 
-# Query columns per block of the attention: a block skips the key chunks none of its
-# queries sees (the causal half of a prompt pass). Any size gives the same bits.
-QUERY_BLOCK = 64
-
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     """The sum over `axis` by halving: entry i is added to entry i + n/2 (an odd length
@@ -88,13 +84,6 @@ def fixed_order_attention(
     value), as `layers` does for the plain path. Products and sums run in float32; the
     probabilities are cast to the query dtype before they weight the values, like the
     plain path's.
-
-    The queries run in blocks of `QUERY_BLOCK` columns, and a block computes the
-    products of only the key chunks some query of it may see (read from the mask): a
-    causal prompt pass's early blocks stop where they end, and blocks of left padding
-    skip the chunks of no row's tokens. Every query's arithmetic is its own (elementwise
-    ops and sums along its own row), so the block a query falls in, and the chunks
-    skipped, which add exact zeros, change none of its bits.
     """
     b, t, hkv, g, d = q.shape
     pad = -k.shape[2] % SLOT_CHUNK
@@ -102,78 +91,65 @@ def fixed_order_attention(
         k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
     chunks = k.shape[2] // SLOT_CHUNK
-    rows = min(t, QUERY_BLOCK)  # query columns per block
-    blocks = -(-t // rows)
-    if blocks * rows > t:  # padding columns: zero queries that see nothing, cut below
-        q = jnp.pad(q, ((0, 0), (0, blocks * rows - t), (0, 0), (0, 0), (0, 0)))
-        mask = jnp.pad(mask, ((0, 0), (0, blocks * rows - t), (0, 0)))
-    q32 = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T', D]
-    q_blocks = jnp.moveaxis(q32.reshape(b, hkv, g, blocks, rows, d), 3, 0)
-    mask_blocks = jnp.moveaxis(mask.reshape(b, blocks, rows, -1), 1, 0)  # [NB, B, rows, S]
-    # [NB, C]: whether any query of the block (in any row of the call) sees the chunk
-    live = jnp.any(mask.reshape(b, blocks, rows, chunks, SLOT_CHUNK), axis=(0, 2, 4))
+    q32 = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
 
     def by_chunk(a):  # [B, Hkv, S, ...] -> [C, B, Hkv, SLOT_CHUNK, ...]
         a = a.reshape(b, hkv, chunks, SLOT_CHUNK, *a.shape[3:])
         return jnp.moveaxis(a, 2, 0)
 
-    k_chunks, v_chunks = by_chunk(k), by_chunk(v)
-    score_shape = (b, hkv, g, rows, SLOT_CHUNK)
-    zero = jnp.zeros((b, hkv, g, rows, d), jnp.float32)
+    # One chunk of slots per loop iteration: the loop keeps XLA:CPU from fusing the
+    # producers of q (RoPE's sin and cos) and of the probabilities (an exp) into the
+    # broadcast products and recomputing them for every slot or head element.
+    def chunk_scores(kc):  # [B, Hkv, 16, D] -> [B, Hkv, G, T, 16]
+        # [B, Hkv, G, T, 1] * [B, Hkv, 1, 1, 16] for each of the D entries, added as
+        # `tree_sum` over D adds them (one fixed size), the products fused into the adds
+        k32 = kc.astype(jnp.float32)
+        return pairwise_sum([q32[..., e, None] * k32[:, :, None, None, :, e] for e in range(d)])
 
-    def attend_block(block):
-        qb, mb, live_b = block  # [B, Hkv, G, rows, D], [B, rows, S], [C]
+    # Chunks past the last one any query may see (the cache's bucket and buffer beyond
+    # the longest row: a third of the slots at lm-eval's lengths) add exact zeros, so
+    # their products are skipped: a `lax.cond` per chunk on the live-chunk count read
+    # from the mask. The chunks summed, and their order, are those of the full loop, bit
+    # for bit. (A loop of the live count alone would be a `while_loop` with a dynamic
+    # trip count, which reverse-mode differentiation, `ll.token_logprobs`' backward,
+    # cannot take.)
+    live = jnp.any(mask.reshape(b, t, chunks, SLOT_CHUNK), axis=(0, 1, 3))  # [C]
+    live_chunks = jnp.max(jnp.where(live, jnp.arange(1, chunks + 1), 0))
+    index = jnp.arange(chunks)
+    score_shape = (b, hkv, g, t, SLOT_CHUNK)
 
-        # One chunk of slots per loop iteration: the loop keeps XLA:CPU from fusing the
-        # producers of q (RoPE's sin and cos) and of the probabilities (an exp) into the
-        # broadcast products and recomputing them for every slot or head element.
-        def chunk_scores(kc):  # [B, Hkv, 16, D] -> [B, Hkv, G, rows, 16]
-            # [B, Hkv, G, rows, 1] * [B, Hkv, 1, 1, 16] for each of the D entries, added
-            # as `tree_sum` over D adds them (one fixed size), the products fused into
-            # the adds
-            k32 = kc.astype(jnp.float32)
-            return pairwise_sum([qb[..., e, None] * k32[:, :, None, None, :, e] for e in range(d)])
+    def live_scores(ikc):  # raw scores of chunk i; a dead chunk's stay 0, which
+        i, kc = ikc  # `masked_scores` turns into the mask value
+        return jax.lax.cond(
+            i < live_chunks, chunk_scores, lambda _: jnp.zeros(score_shape, jnp.float32), kc
+        )
 
-        # A chunk no query of the block sees adds exact zeros, so its products are
-        # skipped: a `lax.cond` per chunk. The chunks summed, and their order, are those
-        # of the full loop, bit for bit. (A loop over the live chunks alone would have a
-        # dynamic trip count, which reverse-mode differentiation, `ll.token_logprobs`'
-        # backward, cannot take.)
-        def live_scores(lkc):  # raw scores of one chunk; a dead chunk's stay 0, which
-            is_live, kc = lkc  # `masked_scores` turns into the mask value
-            return jax.lax.cond(
-                is_live, chunk_scores, lambda _: jnp.zeros(score_shape, jnp.float32), kc
-            )
+    scores = jax.lax.map(live_scores, (index, by_chunk(k)))  # [C, B, Hkv, G, T, 16]
+    scores = jnp.moveaxis(scores, 0, 4).reshape(b, hkv, g, t, chunks * SLOT_CHUNK)
+    scores = masked_scores(scores, mask[:, None, None, :, :])  # [B, Hkv, G, T, S]
+    peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
+    exp = jnp.exp(scores - peak).reshape(b, hkv, g, t, chunks, SLOT_CHUNK)
+    total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, T]
+    probs = (exp / total[..., None, None]).astype(q.dtype)
 
-        scores = jax.lax.map(live_scores, (live_b, k_chunks))  # [C, B, Hkv, G, rows, 16]
-        scores = jnp.moveaxis(scores, 0, 4).reshape(b, hkv, g, rows, chunks * SLOT_CHUNK)
-        scores = masked_scores(scores, mb[:, None, None, :, :])  # [B, Hkv, G, rows, S]
-        peak = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
-        exp = jnp.exp(scores - peak).reshape(b, hkv, g, rows, chunks, SLOT_CHUNK)
-        total = ordered_sum(tree_sum(exp), axis=-1)  # [B, Hkv, G, rows]
-        probs = (exp / total[..., None, None]).astype(q.dtype)
+    def chunk_sum(pv):
+        p, vc = pv  # [B, Hkv, G, T, 16], [B, Hkv, 16, D]
+        # [B, Hkv, G, T, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's slots
+        # as a list of the slots' products, added pairwise as `tree_sum` adds them: each
+        # product then has one consumer and fuses into the adds, where the whole
+        # `[.., T, 16, D]` product array was written out and read back per chunk.
+        p32, v32 = p.astype(jnp.float32), vc.astype(jnp.float32)
+        terms = [p32[..., s, None] * v32[:, :, None, None, s] for s in range(SLOT_CHUNK)]
+        return pairwise_sum(terms)
 
-        def chunk_sum(pv):
-            p, vc = pv  # [B, Hkv, G, rows, 16], [B, Hkv, 16, D]
-            # [B, Hkv, G, rows, 16, 1] * [B, Hkv, 1, 1, 16, D] summed over the chunk's
-            # slots as a list of the slots' products, added pairwise as `tree_sum` adds
-            # them: each product then has one consumer and fuses into the adds, where the
-            # whole `[.., rows, 16, D]` product array was written out and read back.
-            p32, v32 = p.astype(jnp.float32), vc.astype(jnp.float32)
-            terms = [p32[..., s, None] * v32[:, :, None, None, s] for s in range(SLOT_CHUNK)]
-            return pairwise_sum(terms)
+    zero = jnp.zeros((b, hkv, g, t, d), jnp.float32)
 
-        def add_chunk(acc, lpv):  # chunk after chunk from slot 0: acc + this chunk's sum
-            # A dead chunk's part is exact zeros (its probabilities are), so skipping it
-            # leaves every sum as the full loop's (a query that sees no key at all, a
-            # padding column never read, is the exception: its uniform weights lose
-            # the skipped slots).
-            is_live, pv = lpv
-            return acc + jax.lax.cond(is_live, chunk_sum, lambda _: zero, pv), None
+    def add_chunk(acc, ipv):  # chunk after chunk from slot 0: acc + this chunk's sum
+        # A dead chunk's part is exact zeros (its probabilities are), so skipping it
+        # leaves every sum as the full loop's (a query that sees no key at all, a padding
+        # column never read, is the exception: its uniform weights lose those slots).
+        i, pv = ipv
+        return acc + jax.lax.cond(i < live_chunks, chunk_sum, lambda _: zero, pv), None
 
-        out, _ = jax.lax.scan(add_chunk, zero, (live_b, (jnp.moveaxis(probs, 4, 0), v_chunks)))
-        return out  # [B, Hkv, G, rows, D]
-
-    out = jax.lax.map(attend_block, (q_blocks, mask_blocks, live))  # [NB, B, Hkv, G, rows, D]
-    out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, blocks * rows, d)[:, :, :, :t]
+    out, _ = jax.lax.scan(add_chunk, zero, (index, (jnp.moveaxis(probs, 4, 0), by_chunk(v))))
     return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)
