@@ -63,9 +63,19 @@ MIN_PROMPT_BUCKET = 16
 MIN_BUFFER_BUCKET = 16
 
 
-def bucket(n: int, minimum: int) -> int:
-    """Round up to a power of two (at least `minimum`) so that new lengths rarely compile."""
-    return bucket_width(n, minimum)
+def bucket(n: int, minimum: int, *, fine: bool = False) -> int:
+    """Round up to a power of two (at least `minimum`) so that new lengths rarely compile.
+
+    `fine`: also to three halves of a power of two where that is a multiple of 16 (48,
+    96, 192, 384, ...): a width at most 1.5 times `n` (a power of two pads 257 to 512),
+    for one more program per doubling. For passes whose cost grows with the width and
+    whose results do not depend on it (`score`'s: a document of 345 tokens runs 384
+    columns, not 512)."""
+    width = bucket_width(n, minimum)
+    three_halves = 3 * width // 4
+    if fine and three_halves % 16 == 0 and max(n, minimum) <= three_halves:
+        return three_halves
+    return width
 
 
 # What ended a row that finished with "stop", as vLLM's `stop_reason` (`int | str | None`),

@@ -319,11 +319,11 @@ def _score_rows(
     # One-token continuations (the letter of an MMLU answer, a one-token choice) need the
     # prompt pass alone: no continuation pass then.
     longest = max(len(c) for c in conts)
-    width = 1 if longest == 1 else bucket(longest, MIN_CONTINUATION_BUCKET)
-    plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET)
+    width = 1 if longest == 1 else bucket(longest, MIN_CONTINUATION_BUCKET, fine=True)
+    plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET, fine=True)
     # The cache holds the prompt bucket and at least MIN_PROMPT_BUCKET more slots, as
     # `generate`'s does (a multiple of the deterministic attention's slot chunk).
-    buffer = bucket(width, MIN_PROMPT_BUCKET)
+    buffer = bucket(width, MIN_PROMPT_BUCKET, fine=True)
     batch = prompt_batch(ids, buffer, plen)  # the rows' lengths and histories
     prompt, positions, row_prompt = batch.prompt, batch.positions, None
     shared = shared_prompts(ids, layout.row_multiple) if share_prompts else None
