@@ -2,9 +2,11 @@
 
     python scripts/bench_eval.py [--docs 24] [--repeats 3] [--tasks ll_mc] [--json out.json]
 
-Tasks: a multiple-choice task (`--docs` questions of 4 choices) and a rolling-perplexity
-task (`--docs // 3` documents), written as JSONL + YAML to a temporary folder (the tests'
-`lm_eval_tasks.write_tasks` format). Each backend is built once (one model instance, so
+Tasks: a multiple-choice task (`--docs` questions of 4 choices), a rolling-perplexity
+task (`--docs // 3` documents) and, with `--tasks ll_gen`, a generation task (`--docs //
+2` story openings, greedy, stop at "." or a newline, at most 12 tokens: the tests' task),
+written as JSONL + YAML to a temporary folder (the tests' `lm_eval_tasks.write_tasks`
+format). Each backend is built once (one model instance, so
 its compiled programs are reused), evaluated once untimed (warm-up: compiles, dataset
 caches) and then `--repeats` times; the table gives the medians of the wall time of a
 whole `simple_evaluate` call and of the backend's own calls in it (`loglikelihood`,
@@ -37,7 +39,7 @@ from tests.integrations import lm_eval_tasks  # noqa: E402
 WORDS = "girl boy cat dog park ball tree sun house car bird fish mom dad friend toy".split()
 
 
-def make_docs(n: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def make_docs(n: int, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
     rng = np.random.default_rng(seed)
     mc = []
     for _ in range(n):
@@ -50,7 +52,11 @@ def make_docs(n: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
             }
         )
     texts = [{"text": " ".join(rng.choice(WORDS, size=150)) + "."} for _ in range(max(1, n // 3))]
-    return mc, texts
+    gen = [
+        {"question": "Once upon a time, " + " ".join(rng.choice(WORDS, size=6)), "answer": " the"}
+        for _ in range(max(1, n // 2))
+    ]
+    return mc, texts, gen
 
 
 def time_backend(lm, tasks_at, tasks: list[str], repeats: int) -> tuple[list[float], list[float]]:
@@ -128,8 +134,8 @@ def main() -> None:
 
     from logitloop.integrations.lm_eval import LogitloopLM
 
-    mc, texts = make_docs(args.docs)
-    lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts)
+    mc, texts, gen = make_docs(args.docs)
+    lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts, ll_gen=gen)
     task_dir = lm_eval_tasks.write_tasks(Path(tempfile.mkdtemp(prefix="bench_eval_")))
     tasks = args.tasks.split(",")
     shipped = Path(ll.__file__).parent / "models" / "tiny"
@@ -157,7 +163,8 @@ def main() -> None:
               f"; backend calls {own[name]:6.2f} s {[round(t, 2) for t in calls]}")  # fmt: skip  # noqa: E501
     ref, ref_own = results["hf (torch, CPU)"], own["hf (torch, CPU)"]
     print(f"\n{tasks}: {len(mc)} questions x 4 choices, {len(texts)} rolling documents, "
-          f"batch_size {args.batch_size}; ratio = hf time / this time")  # fmt: skip
+          f"{len(gen)} generations; batch_size {args.batch_size}; "
+          "ratio = hf time / this time")  # fmt: skip
     print(f"  {'backend':36s} {'whole call':>10s} {'backend calls':>14s}")
     for name in results:
         print(f"  {name:36s} {ref / results[name]:9.2f}x {ref_own / own[name]:13.2f}x")
