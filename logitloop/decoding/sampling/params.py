@@ -384,36 +384,38 @@ class SamplingParams:
         bias_val_arr = np.zeros((b, nb), np.float32)
         for i, vals in enumerate(bias_vals):
             bias_val_arr[i, : len(vals)] = vals
+        # Host arrays, moved in one transfer (a device_put per leaf costs more than the
+        # rest of create for a request of one row).
         knobs = SamplerKnobs(
-            temperature=jnp.asarray(temp, jnp.float32),
-            top_k=jnp.asarray(k, jnp.int32),
-            top_p=jnp.asarray(p, jnp.float32),
-            min_p=jnp.asarray(mp, jnp.float32),
-            repetition_penalty=jnp.asarray(rep, jnp.float32),
-            presence_penalty=jnp.asarray(pres, jnp.float32),
-            frequency_penalty=jnp.asarray(freq, jnp.float32),
-            bias_ids=jnp.asarray(_pad_ids(bias_ids, nb)),
-            bias_values=jnp.asarray(bias_val_arr),
-            banned_ids=jnp.asarray(_pad_ids(banned)),
-            allowed_ids=jnp.asarray(_pad_ids(allowed)),
-            has_allowed=jnp.asarray(has_allowed, bool),
-            seed=jnp.asarray(np.asarray(seeds, np.uint64).astype(np.uint32)),
+            temperature=np.asarray(temp, np.float32),
+            top_k=np.asarray(k, np.int32),
+            top_p=np.asarray(p, np.float32),
+            min_p=np.asarray(mp, np.float32),
+            repetition_penalty=np.asarray(rep, np.float32),
+            presence_penalty=np.asarray(pres, np.float32),
+            frequency_penalty=np.asarray(freq, np.float32),
+            bias_ids=_pad_ids(bias_ids, nb),
+            bias_values=bias_val_arr,
+            banned_ids=_pad_ids(banned),
+            allowed_ids=_pad_ids(allowed),
+            has_allowed=np.asarray(has_allowed, bool),
+            seed=np.asarray(seeds, np.uint64).astype(np.uint32),
         )
         stop_rules = StopRules(
-            max_tokens=jnp.asarray(max_t, jnp.int32),
-            min_tokens=jnp.asarray(min_t, jnp.int32),
-            stop_token_ids=jnp.asarray(_pad_ids(stops)),
-            stop_sequences=jnp.asarray(stop_seqs),
-            guard_period=jnp.asarray(guard_period, jnp.int32),
-            guard_repeats=jnp.asarray(guard_repeats, jnp.int32),
+            max_tokens=np.asarray(max_t, np.int32),
+            min_tokens=np.asarray(min_t, np.int32),
+            stop_token_ids=_pad_ids(stops),
+            stop_sequences=stop_seqs,
+            guard_period=np.asarray(guard_period, np.int32),
+            guard_repeats=np.asarray(guard_repeats, np.int32),
             stop=stop_strs,
         )
         output = OutputOptions(
-            logprobs=jnp.asarray(n_logprobs, jnp.int32),
+            logprobs=np.asarray(n_logprobs, np.int32),
             top_logprobs_width=int(np.max(n_logprobs)),
             include_stop_str_in_output=tuple(bool(x) for x in include),
         )
-        return cls(
+        host = cls(
             knobs=knobs,
             stops=stop_rules,
             output=output,
@@ -421,6 +423,7 @@ class SamplingParams:
             vocab_size=None if vocab_size is None else int(vocab_size),
             broadcasts=broadcasts,
         )
+        return host._with_arrays(jax.device_put(host.device_only()))
 
     def broadcast_to(self, batch_size: int, what: str = "prompts") -> SamplingParams:
         """These params for a batch of `batch_size` rows: themselves when they have that
@@ -490,6 +493,10 @@ class SamplingParams:
         """The same rows with every per-row list at `widths` (entries kept, -1 padding added
         or removed) and the top logprobs `widths.top_logprobs` wide (at least every row's
         `logprobs`), so that params of different requests stack into one batch."""
+        return self._with_arrays(jax.device_put(self._widened_host(widths)))
+
+    def _widened_host(self, widths: Widths) -> SamplingParams:
+        """`widen`'s arrays on the host (numpy leaves, no metadata)."""
         host = jax.device_get(self.device_only())
         b = self.batch_size
         bias_keep = host.bias_ids >= 0  # ids and values move together
@@ -514,7 +521,7 @@ class SamplingParams:
             rows = [s[s >= 0] for s in host.stop_sequences[r] if np.any(s >= 0)]
             for j, s in enumerate(rows):
                 seqs[r, j, widths.sequence_len - len(s) :] = s
-        arrays = host.replace(
+        return host.replace(
             bias_ids=fit(host.bias_ids, bias_keep, widths.bias, -1),
             bias_values=fit(host.bias_values, bias_keep, widths.bias, 0),
             banned_ids=fit(host.banned_ids, host.banned_ids >= 0, widths.banned, -1),
@@ -523,7 +530,6 @@ class SamplingParams:
             stop_sequences=seqs,
             top_logprobs_width=widths.top_logprobs,
         )
-        return self._with_arrays(jax.tree.map(jax.device_put, arrays))
 
     @classmethod
     def concat(
@@ -533,8 +539,8 @@ class SamplingParams:
         at least `widths`)."""
         if widths is None:
             widths = functools.reduce(Widths.union, (p.widths() for p in parts))
-        wide = jax.device_get([p.widen(widths).device_only() for p in parts])
-        arrays = jax.tree.map(lambda *xs: jax.device_put(np.concatenate(xs, axis=0)), *wide)
+        wide = [p._widened_host(widths) for p in parts]
+        arrays = jax.device_put(jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *wide))
         has_stop = any(p.stop for p in parts)
         vocab = {p.vocab_size for p in parts}
         return arrays.replace(
@@ -585,8 +591,9 @@ class SamplingParams:
         The result has exactly those rows (it does not broadcast)."""
         idx = np.asarray(rows, np.int64)
         host = jax.device_get(self.device_only())
-        # device_put, not jnp.asarray: a transfer, where jnp.asarray compiles a copy program
-        arrays = jax.tree.map(lambda x: jax.device_put(x[idx]), host)
+        # device_put, not jnp.asarray: a transfer, where jnp.asarray compiles a copy program;
+        # one call for every leaf
+        arrays = jax.device_put(jax.tree.map(lambda x: x[idx], host))
         return self._rows_metadata(arrays, idx)
 
     def _rows_metadata(self, arrays: SamplingParams, idx: Any) -> SamplingParams:
