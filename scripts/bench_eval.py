@@ -59,6 +59,21 @@ def make_docs(n: int, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]
     return mc, texts, gen
 
 
+# Generation as in GSM8K-style tasks: the same openings, each continued until a blank line or
+# at most 64 tokens (lengths vary from row to row: the shipped model ends stories with EOS).
+LONG_GENERATION = """
+output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 64
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
 def time_backend(lm, tasks_at, tasks: list[str], repeats: int) -> tuple[list[float], list[float]]:
     """Wall times of whole `simple_evaluate` calls, and of the backend's own calls in them
     (`loglikelihood`, `loglikelihood_rolling`, `generate_until`: what lm-eval asks the
@@ -135,7 +150,8 @@ def main() -> None:
     from logitloop.integrations.lm_eval import LogitloopLM
 
     mc, texts, gen = make_docs(args.docs)
-    lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts, ll_gen=gen)
+    lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts, ll_gen=gen, ll_gen_long=gen)
+    lm_eval_tasks.TASKS["ll_gen_long"] = LONG_GENERATION
     task_dir = lm_eval_tasks.write_tasks(Path(tempfile.mkdtemp(prefix="bench_eval_")))
     tasks = args.tasks.split(",")
     shipped = Path(ll.__file__).parent / "models" / "tiny"
