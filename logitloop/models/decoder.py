@@ -133,6 +133,7 @@ class DecoderModel(nnx.Module):
             rows,
             numerics=numerics,
             head=True,
+            shape=(rows.shape[-1], head.shape[0]),
         )
         logits = self.output_logits(logits.reshape(*last.shape[:-1], -1))
         return (logits, new_cache) if routing is None else (logits, new_cache, used)

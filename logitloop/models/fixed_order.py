@@ -125,7 +125,8 @@ DECODE_TILE = 8
 # range is the CPU's, not a promise: on an Intel Xeon the LM head's product of bfloat16
 # rows into float32 gives a row other bits for every M from 3 to 16 than for M = 2. So a
 # probe decides, once per process, dtype and kind of product (`unpadded_rows_keep_bits`,
-# run by `calibrate`).
+# run by `calibrate`), and a probe of each product shape a decode pass traces
+# (`shape_keeps_row_bits`: N <= 8 and N = 4097..4100 fail on the Xeon this runs on).
 
 # The Pallas tile kernel's modes (`Numerics.tile_kernel`): compiled (a GPU) and interpreted
 # (anywhere: how the CPU tests run the GPU's path).
@@ -149,10 +150,15 @@ MAX_CHUNK = 128
 # by array size and which can take in the ops around them (a reduce, an `exp(x - max)`,
 # elementwise code) with another order and another `exp`, only YNNPACK's individual dots
 # stay: each is one product of a fixed tile shape, whose rows do not depend on each other
-# (`tests/decoding/test_deterministic.py`, the tile-product test).
+# (`tests/decoding/test_deterministic.py`, the tile-product test). And XLA:CPU's legacy
+# loop emitters, not its newer fusion emitters: with those, a float32 Gemma 2 (hidden 32)
+# generating one row alone rounded 15 of its 40 log-probs otherwise than the same rows in a
+# batch of 5 (a decode step's elementwise code at batch 1 compiled otherwise; found by
+# `tests/rl/test_token_logprobs.py`, -m slow); with the legacy emitters they are equal.
 CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "xla_cpu_experimental_xnn_fusion_type": "",
+    "xla_cpu_use_fusion_emitters": False,
 }
 # Every backend's deterministic program: no excess precision. XLA's default
 # (`xla_allow_excess_precision=true`) lets a bfloat16 value stay in float32 between two ops
@@ -296,16 +302,30 @@ def _calibrated(deterministic, dtype: str, tile_kernel: str | None, backend: str
     )
 
 
-def row_tile(rows: int, numerics: Numerics, *, head: bool = False, dtype=jnp.float32) -> int:
+def row_tile(
+    rows: int,
+    numerics: Numerics,
+    *,
+    head: bool = False,
+    dtype=jnp.float32,
+    shape: tuple[int, int] | None = None,
+) -> int:
     """Rows per product tile, for a product over `rows` rows (one device's) of `dtype` in
-    the pass `numerics` describes (`head`: the LM head's product): PROMPT_TILE for a prompt
-    pass's hidden states; for a decode step, a verification and every LM head, DECODE_TILE,
-    except where the policy's probe found that a row keeps its bits for 2..DECODE_TILE rows
-    (XLA:CPU's YNNPACK dots, no model-parallel splits): the rows themselves, at least 2 and
+    the pass `numerics` describes (`head`: the LM head's product; `shape`: its `(K, N)`,
+    `(E, V)` for the head, or None for a tile of several products): PROMPT_TILE for a
+    prompt pass's hidden states; for a decode step, a verification and every LM head,
+    DECODE_TILE, except where the policy's probe found that a row keeps its bits for
+    2..DECODE_TILE rows (XLA:CPU's YNNPACK dots, no model-parallel splits) and the probe of
+    this very shape agrees (`shape_keeps_row_bits`): the rows themselves, at least 2 and
     at most DECODE_TILE (see DECODE_TILE)."""
     if numerics.prompt and not head:
         return PROMPT_TILE
-    if (jnp.dtype(dtype).name, head) not in numerics.unpadded:
+    name = jnp.dtype(dtype).name
+    if (
+        (name, head) not in numerics.unpadded
+        or shape is None
+        or not shape_keeps_row_bits(name, head, *shape)
+    ):
         return DECODE_TILE
     return min(max(rows, 2), DECODE_TILE)
 
@@ -327,20 +347,28 @@ def unpadded_rows_keep_bits(dtype: str, head: bool) -> bool:
 
 
 def _probe_unpadded(dtype: str, head: bool) -> bool:
-    rng = np.random.default_rng(0)
+    return all(shape_keeps_row_bits(dtype, head, k, n) for k, n in _PROBE_SHAPES[head])
 
-    def fn(x, w):
-        if head:
-            return jnp.einsum("be,ve->bv", x, w, preferred_element_type=jnp.float32)
-        return x @ w
 
-    f = jax.jit(fn, compiler_options=compiler_options())
-    for k, n in _PROBE_SHAPES[head]:
+@functools.cache
+def shape_keeps_row_bits(dtype: str, head: bool, k: int, n: int) -> bool:
+    """`unpadded_rows_keep_bits` for one product shape (`(K, N)`, or `(E, V)` with `head`),
+    probed once per process when a decode pass first traces a product of that shape.
+    YNNPACK's float32 dots keep a row's bits for 2..8 rows at most shapes, not at all: not
+    with N <= 8 (a mixture of experts' router over 8 experts) nor N = 4097..4100, where
+    `x @ w` rounds a row otherwise with the row count (its `[V, E]^T` head form did not)."""
+    with jax.ensure_compile_time_eval():
+        rng = np.random.default_rng(0)
+
+        def fn(x, w):
+            if head:
+                return jnp.einsum("be,ve->bv", x, w, preferred_element_type=jnp.float32)
+            return x @ w
+
+        f = jax.jit(fn, compiler_options=compiler_options())
         x = jnp.asarray(rng.standard_normal((DECODE_TILE, k)), dtype)
         w = jnp.asarray(rng.standard_normal((n, k) if head else (k, n)), dtype)
-        if not _row_keeps_bits(f, x, w, 2, range(3, DECODE_TILE + 1)):
-            return False
-    return True
+        return _row_keeps_bits(f, x, w, 2, range(3, DECODE_TILE + 1))
 
 
 def _row_keeps_bits(f, x: jax.Array, w: jax.Array, ref_rows: int, counts) -> bool:
@@ -387,6 +415,7 @@ def rowwise(
     numerics: Numerics,
     head: bool = False,
     aux: jax.Array | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> Any:
     """`fn(x)` for a row-wise `fn: [M, K] -> [M, N]`; under a fixed-order policy over
     tiles of `row_tile(rows, numerics, head=head)` rows (zero rows pad the last), so that
@@ -403,7 +432,10 @@ def rowwise(
 
     `aux`: a second `[M, ...]` array whose rows go with x's (an MoE layer's replayed
     experts): `fn(x_rows, aux_rows)`, tiled alike. `fn` may return a tuple of `[M, N_i]`
-    arrays (the mixture and the experts it used); so does `rowwise` then."""
+    arrays (the mixture and the experts it used); so does `rowwise` then.
+    `shape`: `(K, N)` of `fn`'s one product (`(E, V)` for the head), whose probe decides
+    whether a decode pass may take its rows unpadded (`row_tile`); None (a tile of several
+    products, a mixture of experts' router and experts): decode tiles of DECODE_TILE."""
     args = (x,) if aux is None else (x, aux)
     if not numerics.fixed:
         return fn(*args)
@@ -415,7 +447,7 @@ def rowwise(
     if m % d:
         raise ValueError(f"{m} rows do not split over a data axis of size {d}")
     per = m // d
-    tile = row_tile(per, numerics, head=head, dtype=x.dtype)
+    tile = row_tile(per, numerics, head=head, dtype=x.dtype, shape=shape)
 
     def to_tiles(a):  # [M, K] -> [T, D, tile, K], zero rows padding each device's block
         a = a.reshape(d, per, -1)

@@ -175,6 +175,7 @@ def dense(x: jax.Array, w: jax.Array, *, groups: int = 1, numerics: Numerics = P
         lambda rows: fixed_order.product(rows, w, groups=groups, numerics=numerics),
         x.reshape(-1, x.shape[-1]),
         numerics=numerics,
+        shape=(x.shape[-1], w.shape[-1]),
     )
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
