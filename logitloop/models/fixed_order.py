@@ -359,16 +359,21 @@ def shape_keeps_row_bits(dtype: str, head: bool, k: int, n: int) -> bool:
     `x @ w` rounds a row otherwise with the row count (its `[V, E]^T` head form did not)."""
     with jax.ensure_compile_time_eval():
         rng = np.random.default_rng(0)
-
-        def fn(x, w):
-            if head:
-                return jnp.einsum("be,ve->bv", x, w, preferred_element_type=jnp.float32)
-            return x @ w
-
-        f = jax.jit(fn, compiler_options=compiler_options())
         x = jnp.asarray(rng.standard_normal((DECODE_TILE, k)), dtype)
         w = jnp.asarray(rng.standard_normal((n, k) if head else (k, n)), dtype)
-        return _row_keeps_bits(f, x, w, 2, range(3, DECODE_TILE + 1))
+        return _row_keeps_bits(_probe_product(head), x, w, 2, range(3, DECODE_TILE + 1))
+
+
+@functools.cache
+def _probe_product(head: bool):
+    """The probes' product, one jitted function per kind (its programs cached by shape)."""
+
+    def fn(x, w):
+        if head:
+            return jnp.einsum("be,ve->bv", x, w, preferred_element_type=jnp.float32)
+        return x @ w
+
+    return jax.jit(fn, compiler_options=compiler_options())
 
 
 def _row_keeps_bits(f, x: jax.Array, w: jax.Array, ref_rows: int, counts) -> bool:
