@@ -67,9 +67,8 @@ def token_bytes(tokenizer, vocab_size: int) -> TokenBytes:
     table = np.zeros((vocab_size, width), np.int32)
     for i, p in enumerate(pieces):
         table[i, : len(p)] = np.frombuffer(p, np.uint8)
-    out = TokenBytes(
-        bytes=jnp.asarray(table), length=jnp.asarray([len(p) for p in pieces], jnp.int32)
-    )
+    lengths = np.asarray([len(p) for p in pieces], np.int32)
+    out = jax.device_put(TokenBytes(bytes=table, length=lengths))  # compiles nothing
     _TABLE_CACHE[tokenizer] = out
     return out
 
@@ -89,7 +88,7 @@ def build(
         for j, s in enumerate(row):
             strings[i, j, : len(s)] = np.frombuffer(s, np.uint8)
             lengths[i, j] = len(s)
-    return StopStrings(tokens=tokens, strings=jnp.asarray(strings), lengths=jnp.asarray(lengths))
+    return StopStrings(tokens=tokens, **jax.device_put(dict(strings=strings, lengths=lengths)))
 
 
 def empty_window(batch: int, tables: StopStrings) -> jax.Array:

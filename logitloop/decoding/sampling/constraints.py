@@ -55,8 +55,12 @@ from logitloop.decoding.sampling.regex_errors import explain
 from logitloop.decoding.sampling.schema_subset import MAX_INTEGER_RANGE as MAX_INTEGER_RANGE
 from logitloop.decoding.sampling.schema_subset import checked_schema
 
-MIN_STATES = 64
-MIN_EDGES = 1024
+# The tables' smallest bucket (powers of two above): most small schemas, regexes and choices
+# fit it, so a new one compiles nothing ("What compiles", docs/performance.md). A step reads
+# one row of `bits` and a few `targets` per row whatever the tables' size; the cost is memory
+# (states x V/32 words: 4 MiB at a 128k vocabulary).
+MIN_STATES = 256
+MIN_EDGES = 16384
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
 
@@ -313,12 +317,8 @@ def pack(
         final[s0:s1] = a.final
         initial.append(s0 + a.initial)
         s0, e0 = s1, e1
-    tables = Automata(
-        bits=jnp.asarray(bits),
-        start=jnp.asarray(start),
-        targets=jnp.asarray(targets),
-        final=jnp.asarray(final),
-    )
+    # device_put, not jnp.asarray: a transfer, where jnp.asarray compiles a program per shape
+    tables = jax.device_put(Automata(bits=bits, start=start, targets=targets, final=final))
     return tables, initial
 
 
