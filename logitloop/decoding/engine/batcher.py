@@ -277,8 +277,13 @@ class _Batcher:
         # when they hold separate pools (`paged_batching`); 1 here.
         self.shards = 1
         self.structure = None  # the processors' tree structure, fixed by the first request
-        # Room for a few stop sequences from the start, so most jobs never widen them.
-        self.widths = Widths(sequences=MIN_LIST_WIDTH, sequence_len=MIN_LIST_WIDTH)
+        # Room for a few stop sequences from the start, and stop-string tables whenever the
+        # model has a tokenizer (as `generate`'s), so most jobs never widen them.
+        self.widths = Widths(
+            sequences=MIN_LIST_WIDTH,
+            sequence_len=MIN_LIST_WIDTH,
+            stop_strings=MIN_LIST_WIDTH if self.info.tokenizer is not None else 0,
+        )
         self.state: DecodeState | None = None
         # What the loop reads for the slots: params [S] at self.widths, the stop-string
         # tables (None while no slot had one) and the automata seen so far.

@@ -27,6 +27,7 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     buffer_for,
     check_count,
     collect,
+    fill_rows,
     initial_state,
     pad_prompts,
     prompt_batch,
@@ -187,7 +188,7 @@ def _start(
     params = sampling_params(model, len(ids), params, settings)
     ids, params = plan.rows(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params)
-    if on_pool(plan, len(ids)):
+    if on_pool(plan, params.batch_size):
         plan, state = _forked_state(plan, tables, ids, params, fsm)
     else:
         state = initial_state(plan.program, tables, ids, fsm=fsm)
@@ -212,18 +213,24 @@ def _forked_state(
     """`n > 1`: each prompt prefilled once into a paged pool, its `n` rows sharing its
     pages (`logitloop.decoding.loop.forked`, `forked.pool_shape`: each prompt's pages once,
     each row's own); the plan with the pool's shape and the state after prefill."""
+    plan, fn, args, kwargs = forked_call(plan, tables, ids, params, fsm)
+    return plan, memory_check.checked_call("prompts", args[2].prompt.size, fn, *args, **kwargs)
+
+
+def forked_call(
+    plan: Plan, tables: Tables, ids: list[list[int]], params: SamplingParams, fsm: Any
+) -> tuple[Plan, Any, tuple, dict[str, Any]]:
+    """The prefill `_forked_state` runs: the plan with the pool's shape, and the jitted
+    function with its arguments and keywords (what `precompile` compiles ahead of time)."""
     n = plan.options.n
+    ids = fill_rows(ids, params.batch_size)  # dummy prompts' rows included
     buffer_len = buffer_for(params)
     batch = prompt_batch(ids[::n], buffer_len)
     shards = plan.layout.row_multiple  # one pool per data shard
     shape = forked.pool_shape(len(ids) // n, n, batch.cache_len, PAGE_SIZE, buffer_len, shards)
     plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))
-    num_top = params.top_logprobs_width
-    state = memory_check.checked_call(
-        "prompts", batch.prompt.size, prefill_forked, plan.program, tables, batch, fsm,
-        n=n, buffer_len=buffer_len, num_top=num_top,
-    )  # fmt: skip
-    return plan, state
+    keywords = dict(n=n, buffer_len=buffer_len, num_top=params.top_logprobs_width)
+    return plan, prefill_forked, (plan.program, tables, batch, fsm), keywords
 
 
 @dataclasses.dataclass

@@ -49,6 +49,7 @@ from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import constraints
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.checks import (
+    MAX_TOP_LOGPROBS,
     Widths,
     bucket_width,
     check_text,
@@ -61,6 +62,11 @@ from logitloop.decoding.sampling.params import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 MIN_BUFFER_BUCKET = 16
+# `generate` and `stream`'s token buffer: at least 64 slots, so the usual short requests
+# (max_tokens 1..64) share one program; a decode step reads only the cache's live prefix
+# once it is long (`ops.attention.api.PREFIX_FRACTIONS`), and below that the extra slots
+# are a few KiB per row and layer.
+MIN_GENERATE_BUFFER = 64
 
 
 def bucket(n: int, minimum: int, *, fine: bool = False) -> int:
@@ -251,12 +257,20 @@ def request_rows(
 
 
 def stop_tables(
-    info: ModelInfo, stop: Sequence[Sequence[str]], widths: Widths | None = None
+    info: ModelInfo,
+    stop: Sequence[Sequence[str]],
+    widths: Widths | None = None,
+    *,
+    always: bool = False,
+    rows: int | None = None,
 ) -> StopStrings | None:
-    """Device tables for the rows' stop strings (`SamplingParams.stop`), at least `widths`
-    wide; None when no row has one and `widths` asks for none."""
-    if not any(stop) and (widths is None or not widths.stop_strings):
+    """Device tables for the rows' stop strings (`SamplingParams.stop`, () when no row has
+    one: then `rows` rows), at least `widths` wide; None when no row has one and neither
+    `widths` nor `always` asks for tables."""
+    if not any(stop) and not always and (widths is None or not widths.stop_strings):
         return None
+    if not stop:
+        stop = ((),) * rows
     if info.tokenizer is None:
         raise ValueError("stop strings need a model that carries a tokenizer")
     return stop_strings.build(
@@ -329,8 +343,29 @@ def suffix_batch(batch: PromptBatch, cached: np.ndarray) -> PromptBatch:
 
 
 def buffer_for(params: SamplingParams) -> int:
-    """The generation buffer of a batch: its largest max_tokens, bucketed."""
-    return bucket(int(np.max(np.asarray(params.max_tokens))), MIN_BUFFER_BUCKET)
+    """The generation buffer of a batch: its largest max_tokens, bucketed (at least
+    `MIN_GENERATE_BUFFER`)."""
+    return bucket(int(np.max(np.asarray(params.max_tokens))), MIN_GENERATE_BUFFER)
+
+
+def row_bucket(rows: int, multiple: int = 1) -> int:
+    """The rows a batch of `rows` prompts runs: a power of two or three halves of one from
+    48 on (1, 2, 4, 8, 16, 32, 48, 64, 96, ...; `bucket(fine=True)`), rounded up to a
+    multiple of `multiple` (a mesh's data axis)."""
+    rows = bucket(rows, 1, fine=True)
+    return -(-rows // multiple) * multiple
+
+
+def top_logprobs_bucket(params: SamplingParams) -> int:
+    """The width the loop computes the top logprobs at: 0 when no row asks for any, else
+    `MAX_TOP_LOGPROBS` (one program for every width; `collect` keeps each row's own n)."""
+    return MAX_TOP_LOGPROBS if params.top_logprobs_width else 0
+
+
+def fill_rows(ids: list[list[int]], rows: int) -> list[list[int]]:
+    """The prompts of a batch of `rows` rows: `ids`, then row 0's prompt for each dummy row
+    (`SamplingParams.with_dummy_rows`)."""
+    return list(ids) + [ids[0]] * (rows - len(ids))
 
 
 def initial_state(
@@ -345,22 +380,37 @@ def initial_state(
     """Pad the prompts `ids`, run prefill and return the state before the loop.
 
     `fsm`: the rows' initial automaton states (`constraint_tables`). Rows of the tables past
-    `len(ids)` (a mesh's dummy rows) get row 0's prompt. `buffer_len`: room for generated
+    `len(ids)` (dummy rows, `Plan.rows`) get row 0's prompt. `buffer_len`: room for generated
     tokens (default: the rows' largest max_tokens, bucketed). `prefill_chunk`: run the
     prompt columns through the model that many at a time (`loop.forward_prompt`) instead
     of in one pass.
     """
+    fn, args, kwargs = prefill_call(
+        program, tables, ids, fsm=fsm, buffer_len=buffer_len, prefill_chunk=prefill_chunk
+    )
+    return memory_check.checked_call("prompts", args[2].prompt.size, fn, *args, **kwargs)
+
+
+def prefill_call(
+    program: Program,
+    tables: Tables,
+    ids: list[list[int]],
+    *,
+    fsm: np.ndarray | None = None,
+    buffer_len: int | None = None,
+    prefill_chunk: int | None = None,
+) -> tuple[Any, tuple, dict[str, Any]]:
+    """The prefill `initial_state` runs, as (jitted function, arguments, keywords): what
+    `precompile` compiles ahead of time for the same batch."""
     if prefill_chunk is not None:
         check_count("prefill_chunk", prefill_chunk, 1)
     params = tables.params
-    ids = list(ids) + [ids[0]] * (params.batch_size - len(ids))
+    ids = fill_rows(ids, params.batch_size)
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
     num_top = params.top_logprobs_width
     batch = prompt_batch(ids, buffer_len)
-    return memory_check.checked_call(
-        "prompts", batch.prompt.size, prefill, program, tables, batch, fsm,
-        buffer_len=buffer_len, num_top=num_top, prefill_chunk=prefill_chunk,
-    )  # fmt: skip
+    keywords = dict(buffer_len=buffer_len, num_top=num_top, prefill_chunk=prefill_chunk)
+    return prefill, (program, tables, batch, fsm), keywords
 
 
 FINISH_REASON = {

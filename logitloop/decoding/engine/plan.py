@@ -34,8 +34,10 @@ from logitloop.decoding.engine.host import (
     check_count,
     constraint_tables,
     request_rows,
+    row_bucket,
     stop_tables,
     tokenize_prompts,
+    top_logprobs_bucket,
 )
 from logitloop.decoding.loop import sharding
 from logitloop.decoding.loop import speculative as speculation
@@ -179,7 +181,8 @@ class Plan:
     ) -> tuple[list[list[int]], SamplingParams]:
         """A batch's prompts as checked token ids and its params row by row: `n` samples per
         prompt, the model's EOS ids among the stop ids unless `ignore_eos`, `processors`
-        in the params, and a mesh's dummy rows (the ids keep the real rows only).
+        in the params, dummy rows up to the row bucket (`row_bucket`, a multiple of a mesh's
+        data axis; the ids keep the real rows only) and the top logprobs' bucketed width.
         `ids`: prompts already tokenized (then `prompts` is not read); `names`: the
         prompts' names in error messages (default "prompts[i]")."""
         if ids is None:
@@ -189,7 +192,12 @@ class Plan:
             self.info, ids, params, n=o.n, ignore_eos=o.ignore_eos, names=names,
             processors=o.processors,
         )  # fmt: skip
-        return ids, self.layout.pad_rows(params)
+        # The batch's shape is a bucket's, not the request's ("What compiles",
+        # docs/performance.md): dummy prompts (row 0's, one token each) up to the row bucket,
+        # each with its n rows, and the top logprobs at their one width.
+        prompts_run = row_bucket(len(ids) // o.n, self.layout.row_multiple)
+        params = params.with_dummy_rows(prompts_run * o.n)
+        return ids, params.replace(top_logprobs_width=top_logprobs_bucket(params))
 
     def tables(
         self,
@@ -205,7 +213,13 @@ class Plan:
         """`tables` for one batch, with its stop-string tables and automata built here;
         and the rows' initial automaton states (None without constraints)."""
         automata, fsm = constraint_tables(self.info, params)
-        return self.tables(params, stop_tables(self.info, params.stop), automata), fsm
+        # A model with a tokenizer always carries stop-string tables (empty rows match
+        # nothing), so a request's first stop string compiles nothing.
+        stops = stop_tables(
+            self.info, params.stop, always=self.info.tokenizer is not None,
+            rows=params.batch_size,
+        )  # fmt: skip
+        return self.tables(params, stops, automata), fsm
 
 
 def plan(model: Any, options: Options | None = None) -> Plan:

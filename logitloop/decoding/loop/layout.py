@@ -3,10 +3,9 @@
 The device loop (`logitloop.decoding.loop.decode_loop`) takes a layout as a static argument
 (in its `Program`) and asks it at a few fixed points to pin arrays to their places (`rows`,
 `cache`, `state`) and to run the sampling step (`sample`); the host side asks it to place
-the weights and pad the rows (`place`, `pad_rows`) and to make results readable
-(`host_view`). `ONE_DEVICE` does nothing at those
-points and runs `sampler.sample_step` as is, so the single-device path never consults the
-mesh code.
+the weights (`place`), how a batch's rows must divide (`row_multiple`) and to make results
+readable (`host_view`). `ONE_DEVICE` does nothing at those points and runs
+`sampler.sample_step` as is, so the single-device path never consults the mesh code.
 """
 
 from __future__ import annotations
@@ -56,10 +55,6 @@ class Layout:
     def place(self, info: Any) -> Any:
         """Host side: the model (`ModelInfo`) with its weights where the loop reads them."""
         return info
-
-    def pad_rows(self, params: SamplingParams) -> SamplingParams:
-        """Host side: params with as many rows as the loop's batch needs."""
-        return params
 
     @property
     def row_mesh(self) -> Any:

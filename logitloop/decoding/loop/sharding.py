@@ -193,25 +193,6 @@ class MeshLayout(Layout):
             batch_axis=rows,
         )
 
-    def pad_rows(self, params: SamplingParams) -> SamplingParams:
-        """Append dummy rows up to a multiple of the data-axis size.
-
-        A dummy row copies row 0 with `max_tokens = 1`, `min_tokens = 0` and no stop
-        strings, so it finishes on its first token and never holds the loop open.
-        """
-        batch = params.batch_size
-        pad = -batch % self.row_multiple
-        if pad == 0:
-            return params
-        padded = params.take(list(range(batch)) + [0] * pad)
-        dummy = np.arange(batch + pad) >= batch
-        return padded.replace(
-            max_tokens=jnp.where(dummy, 1, padded.max_tokens),
-            min_tokens=jnp.where(dummy, 0, padded.min_tokens),
-            stop=padded.stop[:batch] + ((),) * pad if padded.stop else (),
-            constraints=padded.constraints[:batch] + (None,) * pad if padded.constraints else (),
-        )
-
     def place(self, info: Any) -> Any:
         """Weights onto the mesh by the models' partition rules."""
         return dataclasses.replace(info, weights=place_weights(info.weights, self.mesh))

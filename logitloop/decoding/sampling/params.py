@@ -598,6 +598,28 @@ class SamplingParams:
         arrays = jax.device_put(jax.tree.map(lambda x: x[idx], host))
         return self._rows_metadata(arrays, idx)
 
+    def with_dummy_rows(self, rows: int) -> SamplingParams:
+        """These rows, then dummy rows up to `rows` (a batch padded to its row bucket, or to
+        a multiple of a mesh's data axis): each a copy of row 0 with `max_tokens = 1`,
+        `min_tokens = 0`, no stop strings and no constraint, so it finishes on its first
+        token and never holds the loop open. On the host, one transfer (compiles nothing)."""
+        batch = self.batch_size
+        if rows <= batch:
+            return self
+        idx = np.asarray(list(range(batch)) + [0] * (rows - batch), np.int64)
+        host = jax.tree.map(lambda x: x[idx], jax.device_get(self.device_only()))
+        dummy = np.arange(rows) >= batch
+        host = host.replace(
+            max_tokens=np.where(dummy, 1, host.max_tokens).astype(np.int32),
+            min_tokens=np.where(dummy, 0, host.min_tokens).astype(np.int32),
+        )
+        padded = self._rows_metadata(jax.device_put(host), idx)
+        pad = rows - batch
+        return padded.replace(
+            stop=self.stop + ((),) * pad if self.stop else (),
+            constraints=self.constraints + (None,) * pad if self.constraints else (),
+        )
+
     def _rows_metadata(self, arrays: SamplingParams, idx: Any) -> SamplingParams:
         """`arrays` (rows `idx` of these params' leaves) with the same rows' host metadata."""
         return arrays.replace(
