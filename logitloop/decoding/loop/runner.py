@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from logitloop.decoding.runtime import compiles
 from logitloop.models import fixed_order, layers, quantization
 from logitloop.models.fixed_order import MODEL_PARALLEL, PLAIN, Numerics
 from logitloop.ops.attention import describe as describe_attention
@@ -202,10 +204,33 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         return self._fixed[key]
 
     def __call__(self, runner: Any, *args, **kwargs):
-        return self._pick(runner, (args, kwargs))(runner, *args, **kwargs)
+        fn = self._pick(runner, (args, kwargs))
+        with compiles.CompileWatch() as watch:
+            out = fn(runner, *args, **kwargs)
+        if watch.count:  # a new program: counted, with what was new (`ll.compile_stats`)
+            self._record(watch.seconds, runner, args, kwargs)
+        return out
 
     def trace(self, runner: Any, *args, **kwargs):
         return self._pick(runner, (args, kwargs)).trace(runner, *args, **kwargs)
+
+    def precompile(self, runner: Any, *args, **kwargs) -> tuple[Any, bool]:
+        """Compile the program a call with these arguments (arrays or
+        `jax.ShapeDtypeStruct`s) runs, without running it (`jit(...).trace(...).lower()
+        .compile()`; a later call with arguments of the same shapes compiles nothing).
+        Returns the call's output shapes (`jax.ShapeDtypeStruct`s) and whether a program was
+        compiled (False: this process had it already)."""
+        fn = self._pick(runner, (args, kwargs))
+        with compiles.CompileWatch() as watch:
+            traced = fn.trace(runner, *args, **kwargs)
+            traced.lower().compile()
+        if watch.count:
+            self._record(watch.seconds, runner, args, kwargs)
+        return traced.out_info, bool(watch.count)
+
+    def _record(self, seconds: float, runner: Any, args: tuple, kwargs: dict) -> None:
+        bound = inspect.signature(self._fn).bind(runner, *args, **kwargs).arguments
+        compiles.record(self._fn.__name__, seconds, compiles.signature(bound))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,12 +8,20 @@
 The CLI reports `seconds`; the tests and benchmarks assert on `count` ("changing a value
 compiles nothing"). One listener is registered for the process, the first time a watch is
 entered; watches may nest (each sees the events while it is active).
+
+`compile_stats()` (public as `ll.compile_stats`) is the process-wide record of the programs
+logitloop's own jitted functions compiled (`runner.runner_jit` calls `record`), each with
+the reason: the dimension of its call that no earlier program of that function had.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 import time
+import warnings
+from typing import Any
 
 import jax
 
@@ -67,3 +75,198 @@ class CompileWatch:
             total += b - max(a, end)
             end = b
         return total
+
+
+# --------------------------------------------------------------------------- which and why
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileEvent:
+    """One program a logitloop entry point compiled: which (`program`: the jitted function,
+    "prefill", "decode", ...), how long (trace + lower + XLA compile) and why (`reason`:
+    the dimension that was new, e.g. "rows 4 -> 8", "buffer_len 64 -> 128", or "the first
+    program of its kind" in this process)."""
+
+    program: str
+    seconds: float
+    reason: str
+
+
+@dataclasses.dataclass
+class CompileStats:
+    """What logitloop's entry points compiled in this process (`compile_stats()`)."""
+
+    programs: int = 0
+    seconds: float = 0.0
+    events: list[CompileEvent] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: "3 programs compiled in 9.1 s: prefill (rows 4 -> 8), ..."."""
+        if not self.programs:
+            return "0 programs compiled"
+        what = ", ".join(f"{e.program} ({e.reason})" for e in self.events[-6:])
+        more = f"{len(self.events) - 6} more, then " if len(self.events) > 6 else ""
+        plural = "" if self.programs == 1 else "s"
+        return f"{self.programs} program{plural} compiled in {self.seconds:.1f} s: {more}{what}"
+
+
+_stats = CompileStats()
+# Set by `ll.precompile`: from then on a new program is a request outside the prepared
+# buckets, and `record` warns, naming the dimension (not while `precompile` itself runs).
+_prepared = False
+_preparing = False
+# program name -> the signatures it compiled for (`signature`), to name what was new.
+_seen: dict[str, list[dict[str, Any]]] = {}
+
+
+def compile_stats(reset: bool = False) -> CompileStats:
+    """How many programs logitloop's entry points (`generate`, `stream`, `generate_many`,
+    `score`, `token_logprobs`, `beam_search`, `precompile`, ...) compiled in this process,
+    how long it took and why each one compiled (`CompileStats.events`: the dimension that
+    was new). A copy; `reset=True` starts the count again (the record of shapes seen is
+    kept, so reasons stay meaningful).
+
+        ll.generate(model, prompts)
+        print(ll.compile_stats().summary())   # "2 programs compiled in 5.1 s: prefill ..."
+    """
+    global _stats
+    out = CompileStats(_stats.programs, _stats.seconds, list(_stats.events))
+    if reset:
+        _stats = CompileStats()
+    return out
+
+
+def signature(arguments: dict[str, Any]) -> dict[str, Any]:
+    """What picks a program among a call's `arguments` (name -> value): each array's shape
+    and dtype by its path, each other leaf (a static argument) by its value."""
+    out: dict[str, Any] = {}
+    for name, value in arguments.items():
+        leaves = jax.tree_util.tree_leaves_with_path(value, is_leaf=lambda x: x is None)
+        for path, leaf in leaves:
+            key = name + jax.tree_util.keystr(path)
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                out[key] = (tuple(leaf.shape), str(leaf.dtype))
+            else:
+                out[key] = leaf
+    return out
+
+
+def _distance(old: dict[str, Any], new: dict[str, Any]) -> int:
+    """How far apart two signatures are: entries present in one only or unequal, a static
+    argument (the model, the program) counting as many (a program of the same model is
+    the better comparison)."""
+    both = old.keys() & new.keys()
+    unequal = [k for k in both if not _same(old[k], new[k])]
+    static = sum(not _is_shape(new[k]) for k in unequal)
+    return len(old.keys() ^ new.keys()) + len(unequal) + 1000 * static
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two signatures, in words."""
+    if old.keys() != new.keys():
+        gone = {_head(k) for k in old.keys() - new.keys()}
+        came = {_head(k) for k in new.keys() - old.keys()}
+        return [f"{k} added" for k in sorted(came - gone)] + [
+            f"{k} removed" for k in sorted(gone - came)
+        ] or [f"{k} changed structure" for k in sorted(came)]
+    shapes, others = [], []
+    for key in new:
+        a, b = old[key], new[key]
+        if _is_shape(a) and _is_shape(b):
+            if a != b:
+                shapes.append((key, a, b))
+        elif not _same(a, b):
+            others.append(_static_difference(key, a, b))
+    rows = {(a[0][0], b[0][0]) for _, a, b in shapes if a[0][:1] != b[0][:1] and a[0] and b[0]}
+    if len(rows) == 1:  # the rows changed: name that once, then what else did
+        ((r0, r1),) = rows
+        others.insert(0, f"rows {r0} -> {r1}")
+        shapes = [(k, a, b) for k, a, b in shapes if a[0][1:] != b[0][1:] or a[1] != b[1]]
+    for key, a, b in shapes[:2]:
+        others.append(f"{key} {_brief(a)} -> {_brief(b)}")
+    if len(shapes) > 2:
+        others.append(f"{len(shapes) - 2} more arrays")
+    return others
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def _static_difference(key: str, a: Any, b: Any) -> str:
+    """A static argument's change: for dataclasses (the loop's `Program`), the fields that
+    differ."""
+    name = key.split("[")[0]
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        fields = [
+            f.name
+            for f in dataclasses.fields(a)
+            if not _same(getattr(a, f.name), getattr(b, f.name))
+        ]
+        if "runner" in fields:
+            return f"a new model or numerics ({name}.runner)"
+        if fields:
+            return ", ".join(
+                f"{name}.{f} {_brief(getattr(a, f))} -> {_brief(getattr(b, f))}" for f in fields
+            )
+    return f"{name} {_brief(a)} -> {_brief(b)}"
+
+
+def _head(key: str) -> str:
+    """A signature key's argument and first field: "tables.stops" of
+    "tables.stops.strings"."""
+    parts = [p for p in re.split(r"[.\[\]']+", key) if p]
+    return ".".join(parts[:2])
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # arrays or objects without a plain equality
+        return a is b
+
+
+def _brief(x: Any) -> str:
+    if _is_shape(x):
+        return f"{x[1]}{list(x[0])}"
+    text = repr(x)
+    return text if len(text) <= 60 else type(x).__name__
+
+
+class preparing:  # noqa: N801 - a context manager, used like a function
+    """While active (`ll.precompile`), new programs are the prepared buckets: no warning;
+    afterwards every new program warns."""
+
+    def __enter__(self):
+        global _preparing, _prepared
+        _preparing = _prepared = True
+
+    def __exit__(self, *exc):
+        global _preparing
+        _preparing = False
+
+
+def record(program: str, seconds: float, sig: dict[str, Any]) -> CompileEvent:
+    """Count one program `program` compiled for the call whose `signature` is `sig`,
+    naming what was new against the closest signature it compiled for before."""
+    seen = _seen.setdefault(program, [])
+    if not seen:
+        reason = "the first program of its kind"
+    else:
+        closest = min(reversed(seen), key=lambda old: _distance(old, sig))  # newest of ties
+        diffs = _differences(closest, sig)
+        reason = ", ".join(diffs) if diffs else "the same shapes (the jit cache was cleared)"
+    seen.append(sig)
+    del seen[:-64]  # the newest 64 are enough to name a difference
+    event = CompileEvent(program, seconds, reason)
+    if _prepared and not _preparing:
+        warnings.warn(
+            f"logitloop: {program} compiled a new program ({reason}), outside the buckets "
+            "ll.precompile prepared",
+            stacklevel=4,
+        )
+    _stats.programs += 1
+    _stats.seconds += seconds
+    _stats.events.append(event)
+    del _stats.events[:-1000]
+    return event
