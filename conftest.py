@@ -23,6 +23,41 @@ import pytest
 # their own shared cache (`tests/cli/test_cli.py`, `cli_env`).
 os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
 
+
+def _share_compiled_programs() -> None:
+    """One persistent compilation cache per test run, shared by its xdist workers (they
+    load the same models and compile many of the same programs; a worker then loads what
+    the other compiled). An entry is keyed by the program, its compile options and the
+    jax version, and it is the executable the compiler would make: every value a test
+    checks, bit-exact ones included, is the same; compile-counting tests count JAX's compile
+    events, which fire for a cache hit too. Off with LOGITLOOP_TEST_COMPILE_CACHE=off;
+    folders of runs older than a day are removed."""
+    if os.environ.get("LOGITLOOP_TEST_COMPILE_CACHE", "").lower() in ("0", "off", "no"):
+        return
+    import shutil
+    import tempfile
+    import time
+    import uuid
+
+    import jax
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+    base = Path(tempfile.gettempdir())
+    for old in base.glob("logitloop-test-programs-*"):
+        try:
+            if time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+    folder = base / f"logitloop-test-programs-{run[:16]}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_share_compiled_programs()
+
 from tests.docs import DOC_FILES
 
 _LOADED = pytest.StashKey[dict]()  # (path, dtype) -> the model, for the documentation blocks

@@ -10,6 +10,7 @@ from logitloop.conversation import chat, stream_chat
 from logitloop.decoding.engine.batching import Request, generate_many, iter_generate_many
 from logitloop.decoding.engine.beam import Beam, beam_search
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
+from logitloop.decoding.engine.precompile import PrecompileReport, precompile
 from logitloop.decoding.engine.score import ScoreResult, score
 from logitloop.decoding.engine.trainer import (
     RolloutBatch,
@@ -20,6 +21,7 @@ from logitloop.decoding.engine.trainer import (
 from logitloop.decoding.loop.decode_loop import DecodeState
 from logitloop.decoding.loop.runner import FunctionModel
 from logitloop.decoding.loop.speculative import DraftModel, PromptLookup
+from logitloop.decoding.runtime.compiles import CompileStats, compile_stats
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.decoding.sampling.processors import Processor, Step
@@ -42,10 +44,12 @@ __all__ = [
     "STATUS_OK",
     "DRY",
     "CompileCache",
+    "CompileStats",
     "DecodeState",
     "DraftModel",
     "FunctionModel",
     "GenerationResult",
+    "PrecompileReport",
     "History",
     "NoRepeatNGram",
     "Processor",
@@ -62,11 +66,13 @@ __all__ = [
     "TypicalP",
     "beam_search",
     "chat",
+    "compile_stats",
     "enable_compile_cache",
     "generate",
     "generate_many",
     "iter_generate_many",
     "load_pretrained",
+    "precompile",
     "stream",
     "stream_chat",
     "sample",
