@@ -107,8 +107,12 @@ class Generator:
       params: the job's sampling settings (`SamplingParams.create` arguments) that a row
         replaces key by key; a row without a `seed` uses the job's (default 0).
       n, ignore_eos, deterministic, slots, speculative ...: as in `ll.generate_many`.
-      compile_cache: keep compiled programs in the persistent cache
-        (`ll.enable_compile_cache`), so actors after the first one start warm.
+      compile_cache: keep compiled programs in JAX's persistent compilation cache, as the
+        CLI does (`logitloop.compile_cache.enable_default_compile_cache`: the folder
+        `LOGITLOOP_COMPILE_CACHE` names, none when it is "off", a JAX cache configured in
+        the actor's environment left as it is), so that an actor started after the first on
+        a node, or a restarted one, reads its programs instead of compiling them. False
+        leaves the process's JAX settings as they are.
     """
 
     def __init__(
@@ -125,17 +129,17 @@ class Generator:
         ignore_eos: bool = False,
         deterministic: bool | str = True,
         slots: int = 32,
-        compile_cache: bool = False,
+        compile_cache: bool = True,
         **options: Any,
     ):
         from logitloop.decoding.loop.runner import model_info
         from logitloop.jobs import load_model
         from logitloop.jobs.items import param_defaults, row_params
 
-        if compile_cache:
-            from logitloop.compile_cache import enable_compile_cache
+        if compile_cache:  # the actor owns its process: JAX's settings are its to choose
+            from logitloop.compile_cache import enable_default_compile_cache
 
-            enable_compile_cache()
+            enable_default_compile_cache()
         self.model = _checked(
             lambda: load_model(model, dtype, quantize, group_size, quantize_embedding)
         )
