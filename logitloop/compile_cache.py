@@ -112,6 +112,17 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     return CompileCache(chosen, previous)
 
 
+def enable_default_compile_cache() -> CompileCache | None:
+    """The cache a logitloop process that owns its model keeps by default (the command line,
+    a Ray actor): `enable_compile_cache()` in `default_folder()` (so none when
+    `LOGITLOOP_COMPILE_CACHE` is off), unless the process configured JAX's own cache
+    (`JAX_COMPILATION_CACHE_DIR`, or `JAX_ENABLE_COMPILATION_CACHE=false`), which is left as
+    it is. Returns the cache enabled here (None: none)."""
+    if jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache:
+        return None
+    return enable_compile_cache()
+
+
 def _unsafe(folder: Path) -> str | None:
     """Why `folder` must not hold compiled programs (created owner-only when absent), or
     None when it is this user's (or root's) and no other user can write to it, nor to a

@@ -52,7 +52,7 @@ a job that fails before that (a bad line, a broken model) leaves the old results
 were. A run holds a lock on its output: a second run on the same file fails, naming the
 first one's process id. `--output -` writes the JSONL lines to stdout, as does a path that is
 not a regular file (`/dev/stdout`); an output that is the input file is refused. See
-`logitloop.cli.sinks`.
+`logitloop.jobs.sinks`.
 
 Sampling settings that neither a flag nor a line sets come from the checkpoint's
 `generation_config.json` (`SamplingParams.from_model`, as vLLM does), named in one line on
@@ -75,14 +75,15 @@ prompt too long for the model's context) prints one line, `logitloop: error: ...
 stderr and exits with status 2.
 
 Where things live: `parser.py` (argparse: the flags and the settings they give),
-`jobs.py` (prompts from arguments or an input file, each with its SamplingParams, checked
-against the model; conversations rendered; result records), `sinks.py` (stdout text or the
-JSONL `--output`: resume, lock, fresh file put in place), `run_generate.py`,
-`run_explain.py` and `run_chat.py` (the three subcommands), `explain_view.py` (explain's
-table and figure), `cache.py` (the persistent compilation cache,
-`logitloop.compile_cache`), `common.py` (the error type,
-loading the model, the checkpoint's sampling defaults). Only what a subcommand needs is
-imported, when it runs.
+`run_generate.py`, `run_score.py`, `run_explain.py` and `run_chat.py` (the subcommands),
+`explain_view.py` (explain's table and figure), `cache.py` (the persistent compilation
+cache, `logitloop.compile_cache`), `common.py` (the error type, the checkpoint's sampling
+defaults). The job logic lives below the command line, in `logitloop.jobs`, shared with the
+Ray integration (`logitloop.integrations.ray`, which `--ray` calls and which imports
+nothing from here): `jobs/items.py` (prompts from arguments or input files, each with its
+SamplingParams, checked against the model; conversations rendered; result records),
+`jobs/sinks.py` (stdout text or the JSONL `--output`: resume, lock, fresh file put in
+place). Only what a subcommand needs is imported, when it runs.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ from collections.abc import Sequence
 from logitloop.cli.cache import COMPILE_CACHE_ENV, compile_cache_dir, use_compile_cache
 from logitloop.cli.common import EXIT_BAD_INPUT, PROG, CLIError
 from logitloop.cli.parser import build_parser
-from logitloop.cli.sinks import OutputError, discard_stdout
+from logitloop.jobs.sinks import OutputError, discard_stdout
 
 __all__ = [
     "COMPILE_CACHE_ENV",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from logitloop.compile_cache import (
     COMPILE_CACHE_ENV,
     CompileCache,
-    enable_compile_cache,
+    enable_default_compile_cache,
 )
 from logitloop.compile_cache import default_folder as compile_cache_dir
 
@@ -24,6 +24,4 @@ def use_compile_cache(enabled: bool) -> CompileCache | None:
     if not enabled or compile_cache_dir() is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    if jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache:
-        return None
-    return enable_compile_cache()
+    return enable_default_compile_cache()

@@ -1,5 +1,6 @@
-"""What every part of the command line shares: its name, the bad-input error, loading the
-model, the checkpoint's sampling defaults."""
+"""What every part of the command line shares: its name, the bad-input error, the model
+folder's check (loading it: `logitloop.jobs.load_model`), the checkpoint's sampling
+defaults."""
 
 from __future__ import annotations
 
@@ -7,43 +8,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from logitloop.jobs import JobError
+
 PROG = "logitloop"
 EXIT_BAD_INPUT = 2
 
 
-class CLIError(Exception):
-    """Bad input: reported as one `logitloop: error: ...` line, exit status 2."""
+# Bad input: reported as one `logitloop: error: ...` line, exit status 2. It is the jobs'
+# error (`logitloop.jobs`, below the CLI and shared with the Ray integration), so that a bad
+# line of an input file and a bad flag end the same way.
+CLIError = JobError
 
 
 def check_model_folder(path: str | None) -> None:
     if path is not None and not Path(path).expanduser().is_dir():
         raise CLIError(f"model folder not found: {path}")
-
-
-def load_model(
-    path: str | None,
-    dtype: str | None,
-    quantize: str | None = None,
-    group_size: int = 128,
-    quantize_embedding: bool = False,
-):
-    """`load_pretrained` of the --model folder (None: the shipped model), with --quantize,
-    --group-size and --quantize-embedding, errors as CLIError."""
-    from logitloop.models.loading import load_pretrained
-
-    path = None if path is None else str(Path(path).expanduser())
-    try:
-        return load_pretrained(
-            path,
-            dtype=dtype,
-            quantize=quantize,
-            group_size=group_size,
-            quantize_embedding=quantize_embedding,
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise CLIError(f"cannot load the model: {e}") from None
-    except OSError as e:
-        raise CLIError(f"cannot load the model from {path}: {e.strerror or e}") from None
 
 
 def checkpoint_defaults(args, *, show: bool = True) -> dict[str, Any]:

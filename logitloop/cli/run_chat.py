@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from logitloop.cli.common import CLIError, check_model_folder, checkpoint_defaults, load_model
-from logitloop.cli.jobs import row_params
+from logitloop.cli.common import CLIError, check_model_folder, checkpoint_defaults
 from logitloop.cli.parser import base_knobs
+from logitloop.jobs import load_model
+from logitloop.jobs.items import row_params
 
 
 class TerminalInput:

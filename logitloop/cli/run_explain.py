@@ -7,9 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from logitloop.cli.common import PROG, CLIError, check_model_folder, load_model
-from logitloop.cli.jobs import check_prompt, check_vocab, prompt_ids, row_params
+from logitloop.cli.common import PROG, CLIError, check_model_folder
 from logitloop.cli.parser import base_knobs
+from logitloop.jobs import load_model
+from logitloop.jobs.items import check_prompt, check_vocab, prompt_ids, row_params
 
 _EXPLAIN_MAX_TOKENS = 2**31 - 1  # explain has no --max-tokens: min_tokens is bounded by itself
 

@@ -12,20 +12,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from logitloop.cli.common import (
-    PROG,
-    CLIError,
-    check_model_folder,
-    checkpoint_defaults,
-    load_model,
-)
-from logitloop.cli.jobs import (
+from logitloop.cli.common import PROG, CLIError, check_model_folder, checkpoint_defaults
+from logitloop.cli.parser import base_knobs
+from logitloop.cli.run_stream import stream_items
+from logitloop.jobs import load_model
+from logitloop.jobs.items import (
     Item,
     check_vocab,
     job_bounds,
     param_defaults,
     prepare_tokens,
     prompt_items,
+    read_inputs,
     read_items,
     record,
     render_conversations,
@@ -33,9 +31,7 @@ from logitloop.cli.jobs import (
     span,
     validate_params,
 )
-from logitloop.cli.parser import base_knobs
-from logitloop.cli.run_stream import stream_items
-from logitloop.cli.sinks import JsonlOutput, TextOutput, check_not_input, id_key
+from logitloop.jobs.sinks import JsonlOutput, TextOutput, check_not_input, id_key, output_file
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,8 +82,6 @@ def run(args: argparse.Namespace) -> int:
         base["seed"] = secrets.randbelow(2**31)
     base_params = row_params(base)
     if args.ray:
-        from logitloop.integrations.ray import output_file, read_inputs
-
         _check_ray_flags(args)
         args.output = output_file(args.output)
         items = read_inputs(args.input, base, defaults)

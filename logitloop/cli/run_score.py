@@ -22,9 +22,10 @@ import sys
 import time
 from typing import Any
 
-from logitloop.cli.common import PROG, CLIError, check_model_folder, load_model
-from logitloop.cli.jobs import _read_text, json_line
-from logitloop.cli.sinks import JsonlOutput, check_not_input, describe_id, id_key
+from logitloop.cli.common import PROG, CLIError, check_model_folder
+from logitloop.jobs import load_model
+from logitloop.jobs.items import _read_text, json_line
+from logitloop.jobs.sinks import JsonlOutput, check_not_input, describe_id, id_key
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 CONTINUATION_KEYS = ("continuation", "continuation_token_ids")

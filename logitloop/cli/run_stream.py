@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from logitloop.cli.common import CLIError
-from logitloop.cli.jobs import Item, span
-from logitloop.cli.sinks import TextOutput
+from logitloop.jobs.items import Item, span
+from logitloop.jobs.sinks import TextOutput
 
 
 def stream_items(

@@ -4,9 +4,10 @@
   model once (`__init__`) and runs each batch through `ll.generate_many` (continuous
   batching and the prefix cache inside the actor). A batch's rows are prompts: the columns
   `id` and one of `prompt`, `prompt_token_ids`, `messages`, plus sampling settings under
-  `SamplingParams.create`'s names (a null cell sets nothing), read and checked by the CLI's
-  own code (`logitloop.cli.jobs.object_item`). It returns one column, `record`: each row's
-  output line, exactly the CLI's JSONL record (`logitloop.cli.jobs.record`) as JSON text.
+  `SamplingParams.create`'s names (a null cell sets nothing), read and checked by the
+  job code the CLI runs too (`logitloop.jobs.items.object_item`). It returns one column,
+  `record`: each row's output line, exactly the CLI's JSONL record
+  (`logitloop.jobs.items.record`) as JSON text.
   (A record's fields change type from row to row, `stop_reason` an int, a string, a list or
   null, which one Arrow column cannot hold.)
 - `generate_jsonl(inputs, output, ...)`: the whole job from input files to one resumable
@@ -17,23 +18,22 @@ actor or the batch that ran it: with `deterministic=True` (the default here, as 
 CLI's `--output`) bit for bit (docs/deterministic.md). Ray retries a batch whose actor died;
 the driver writes the records of finished batches only, so every row appears once.
 
-Ray is an optional extra (`pip install 'logitloop[ray]'`), imported when used.
+Ray is an optional extra (`pip install 'logitloop[ray]'`), imported when used. This module
+sits below the command line (`logitloop generate --ray` calls `run_items`) and imports
+nothing from it: the job logic both use is `logitloop.jobs`.
 """
 
 from __future__ import annotations
 
-import glob
-import inspect
 import json
 import logging
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from logitloop.cli.common import CLIError
+from logitloop.jobs import JobError
 
 __all__ = ["Generator", "generate_jsonl", "require_ray"]
 
@@ -103,13 +103,16 @@ class Generator:
       mesh_shape: a mesh of this actor's devices, `{"data": D, "model": M}` (D * M of
         `jax.devices()`), for a model too big for one device or data parallelism inside the
         actor; None: one device.
-      quantize, group_size, quantize_embedding: passed to `load_pretrained` where it takes
-        them (an error otherwise).
+      quantize, group_size, quantize_embedding: `load_pretrained`'s.
       params: the job's sampling settings (`SamplingParams.create` arguments) that a row
         replaces key by key; a row without a `seed` uses the job's (default 0).
       n, ignore_eos, deterministic, slots, speculative ...: as in `ll.generate_many`.
-      compile_cache: keep compiled programs in the persistent cache
-        (`ll.enable_compile_cache`), so actors after the first one start warm.
+      compile_cache: keep compiled programs in JAX's persistent compilation cache, as the
+        CLI does (`logitloop.compile_cache.enable_default_compile_cache`: the folder
+        `LOGITLOOP_COMPILE_CACHE` names, none when it is "off", a JAX cache configured in
+        the actor's environment left as it is), so that an actor started after the first on
+        a node, or a restarted one, reads its programs instead of compiling them. False
+        leaves the process's JAX settings as they are.
     """
 
     def __init__(
@@ -126,24 +129,19 @@ class Generator:
         ignore_eos: bool = False,
         deterministic: bool | str = True,
         slots: int = 32,
-        compile_cache: bool = False,
+        compile_cache: bool = True,
         **options: Any,
     ):
-        from logitloop.cli.common import load_model
-        from logitloop.cli.jobs import param_defaults, row_params
         from logitloop.decoding.loop.runner import model_info
+        from logitloop.jobs import load_model
+        from logitloop.jobs.items import param_defaults, row_params
 
-        if compile_cache:
-            from logitloop.compile_cache import enable_compile_cache
+        if compile_cache:  # the actor owns its process: JAX's settings are its to choose
+            from logitloop.compile_cache import enable_default_compile_cache
 
-            enable_compile_cache()
-        self.model = _load(
-            model,
-            dtype,
-            quantize,
-            load_model,
-            group_size=group_size,
-            quantize_embedding=quantize_embedding,
+            enable_default_compile_cache()
+        self.model = _checked(
+            lambda: load_model(model, dtype, quantize, group_size, quantize_embedding)
         )
         self.info = model_info(self.model)
         self.mesh = None if mesh_shape is None else _actor_mesh(mesh_shape)
@@ -168,7 +166,7 @@ class Generator:
 
     def _records(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         import logitloop as ll
-        from logitloop.cli.jobs import (
+        from logitloop.jobs.items import (
             check_vocab,
             job_bounds,
             object_item,
@@ -200,29 +198,17 @@ class Generator:
                 **self.bounds, **self.options,
             )  # fmt: skip
         except ValueError as e:
-            raise CLIError(f"{span(items)}: {e}") from None
+            raise JobError(f"{span(items)}: {e}") from None
         tokenizer = self.info.tokenizer
         return [record(it, r, self.n, tokenizer) for it, r in zip(items, results, strict=True)]
 
 
 def _checked(fn: Callable[[], Any]) -> Any:
-    """The CLI's bad-input error as the library's ValueError (same message)."""
+    """A job's bad-input error as the library's ValueError (same message)."""
     try:
         return fn()
-    except CLIError as e:
+    except JobError as e:
         raise ValueError(str(e)) from None
-
-
-def _load(path, dtype, quantize, load_model, **quantized):
-    if quantize is None:
-        return _checked(lambda: load_model(path, dtype))
-    from logitloop.models.loading import load_pretrained
-
-    if "quantize" not in inspect.signature(load_pretrained).parameters:
-        raise ValueError(
-            f"quantize = {quantize!r}: this logitloop's load_pretrained takes no quantize="
-        )
-    return load_pretrained(path, dtype=dtype, quantize=quantize, **quantized)
 
 
 def _actor_mesh(shape: Mapping[str, int]):
@@ -241,42 +227,6 @@ def _actor_mesh(shape: Mapping[str, int]):
 
 
 # --------------------------------------------------------------------------- the job
-
-
-def input_paths(pattern: str | Sequence[str]) -> list[str]:
-    """The input files: a path, a glob ('data/*.jsonl'), or a list of them, sorted."""
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
-    paths: list[str] = []
-    for p in patterns:
-        found = sorted(glob.glob(os.path.expanduser(p))) if glob.has_magic(p) else [p]
-        if not found:
-            raise CLIError(f"--input {p}: no file matches")
-        paths.extend(found)
-    return paths
-
-
-def read_inputs(pattern, base: dict[str, Any], defaults) -> list:
-    """Every input file's prompts (`jobs.read_items`), as one job: a line without an id has
-    its 0-based line number in the files concatenated in sorted order; ids are unique over
-    all files."""
-    from logitloop.cli.jobs import read_items
-    from logitloop.cli.sinks import describe_id, id_key
-
-    items, seen, first = [], {}, 0
-    for path in input_paths(pattern):
-        part = read_items(path, base, defaults, first_id=first)
-        text = Path(path).read_text(encoding="utf-8")
-        first += text.count("\n") + (0 if text.endswith("\n") else 1)
-        for item in part:
-            key = id_key(item.id)
-            if key in seen:
-                raise CLIError(
-                    f"duplicate id {describe_id(item.id)}: {seen[key].where} and {item.where}"
-                )
-            seen[key] = item
-            item.position = len(items)
-            items.append(item)
-    return items
 
 
 def item_rows(items: Iterable, base: dict[str, Any]) -> list[dict[str, str]]:
@@ -315,7 +265,7 @@ def run_items(
     from tqdm import tqdm
 
     if workers < 1:
-        raise CLIError(f"--workers = {workers} is outside the allowed range [1, inf)")
+        raise JobError(f"--workers = {workers} is outside the allowed range [1, inf)")
     if not ray.is_initialized():
         with warnings.catch_warnings():  # Ray's processes exec at once: JAX's threads are safe
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
@@ -343,7 +293,7 @@ def run_items(
     except ray.exceptions.RayError as e:  # a bad row the driver could not see: its message
         cause = getattr(e, "cause", None)
         if isinstance(cause, ValueError):
-            raise CLIError(str(cause)) from None
+            raise JobError(str(cause)) from None
         raise
     finally:
         bar.close()
@@ -363,8 +313,8 @@ def generate_jsonl(
     CLI resumes it (the ids already there are skipped; `overwrite` starts it afresh).
     `options`: `run_items`' and `Generator`'s (model, workers, batch_size, n, ...).
     Returns the number of prompts generated."""
-    from logitloop.cli.jobs import param_defaults, row_params, validate_params
-    from logitloop.cli.sinks import JsonlOutput, id_key
+    from logitloop.jobs.items import param_defaults, read_inputs, row_params, validate_params
+    from logitloop.jobs.sinks import JsonlOutput, id_key, output_file
 
     base = dict(params or {})
     items = _checked(lambda: read_inputs(inputs, base, param_defaults()))
@@ -377,13 +327,3 @@ def generate_jsonl(
         return len(todo)
     finally:
         sink.close()
-
-
-def output_file(output: str) -> str:
-    """`--output` of a Ray job: a file, or a folder (one that exists, or a path ending in
-    '/') whose results go to `results.jsonl` in it."""
-    path = Path(output).expanduser()
-    if output.endswith(("/", os.sep)) or path.is_dir():
-        path.mkdir(parents=True, exist_ok=True)
-        return str(path / "results.jsonl")
-    return output

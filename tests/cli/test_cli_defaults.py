@@ -12,10 +12,10 @@ import pytest
 import logitloop as ll
 from logitloop.cli import main, run_generate
 from logitloop.cli.common import CLIError
-from logitloop.cli.jobs import Item, read_items, record, row_params
 from logitloop.cli.parser import build_parser
 from logitloop.cli.run_stream import stream_items
-from logitloop.cli.sinks import TextOutput
+from logitloop.jobs.items import Item, read_items, record, row_params
+from logitloop.jobs.sinks import TextOutput
 from logitloop.models.loading import SHIPPED_MODEL_DIR
 from logitloop.models.tokenizer import Tokenizer
 from tests.decoding.scripted import make_model

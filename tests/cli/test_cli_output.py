@@ -1,4 +1,4 @@
-"""The `--output` file in process (`logitloop.cli.sinks`): resumed or fresh, locked, and
+"""The `--output` file in process (`logitloop.jobs.sinks`): resumed or fresh, locked, and
 never destroyed by a job that fails or a disk that fills."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from logitloop.cli.sinks import JsonlOutput, OutputError, check_not_input
+from logitloop.jobs.sinks import JsonlOutput, OutputError, check_not_input
 
 OLD = b'{"id": 0, "text": "old"}\n{"id": 1, "text": "old"}\n'
 

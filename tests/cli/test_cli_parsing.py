@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from logitloop import cli
-from logitloop.cli.jobs import read_items
+from logitloop.jobs.items import read_items
 
 # --stop: (the argument as the shell passes it, the stop string it must become)
 STOP_ESCAPES = [
@@ -190,8 +190,8 @@ def test_the_command_line_ends_its_process_with_every_line_delivered():
 
 def test_repetition_guard_flag():
     from logitloop.cli.common import CLIError
-    from logitloop.cli.jobs import row_params
     from logitloop.cli.parser import base_knobs
+    from logitloop.jobs.items import row_params
 
     params = row_params(base_knobs(_generate_args("--repetition-guard", "8,3")))
     assert (int(params.guard_period[0]), int(params.guard_repeats[0])) == (8, 3)
@@ -203,8 +203,8 @@ def test_repetition_guard_flag():
 def test_constraint_flags_and_jsonl_keys(tmp_path):
     """--json-schema FILE, --regex, --choice, and the same keys per JSONL line (a line's
     constraint replaces the flags')."""
-    from logitloop.cli.jobs import param_defaults, row_params
     from logitloop.cli.parser import base_knobs
+    from logitloop.jobs.items import param_defaults, row_params
 
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "boolean"}', encoding="utf-8")

@@ -20,16 +20,17 @@ ray = pytest.importorskip(
 
 import logitloop as ll  # noqa: E402
 from logitloop.cli import main  # noqa: E402
-from logitloop.cli.jobs import (  # noqa: E402
+from logitloop.decoding.loop.runner import model_info  # noqa: E402
+from logitloop.integrations import ray as ll_ray  # noqa: E402
+from logitloop.jobs.items import (  # noqa: E402
     job_bounds,
     param_defaults,
     prepare_tokens,
+    read_inputs,
     record,
     row_params,
     validate_params,
 )
-from logitloop.decoding.loop.runner import model_info  # noqa: E402
-from logitloop.integrations import ray as ll_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def _reference(paths: str, base: dict, slots: int) -> dict:
     shapes of a job of one batch of `slots` rows, so that its programs are the actor's)."""
     model = ll.load_pretrained()
     info = model_info(model)
-    items = ll_ray.read_inputs(paths, base, param_defaults())
+    items = read_inputs(paths, base, param_defaults())
     validate_params(items, base, row_params(base))
     prepare_tokens(items, info)
     results = ll.generate_many(
@@ -115,7 +116,7 @@ def test_cli_ray_job_equals_single_process_generate_many(local_ray, tmp_path):
 
 
 def test_bad_rows_are_named(tmp_path):
-    """Checked by the CLI's own reader, in the actor (here in-process: no Ray needed)."""
+    """Checked by the job reader the CLI uses, in the actor (here in-process: no Ray needed)."""
     import numpy as np
 
     generator = ll_ray.Generator(params={"max_tokens": 2})
@@ -194,11 +195,11 @@ def test_200_prompts_two_actors_one_killed(local_ray, tmp_path):
             os.kill(workers[0], signal.SIGKILL)
             killed.append(workers[0])
 
-    from logitloop.cli.sinks import JsonlOutput
+    from logitloop.jobs.sinks import JsonlOutput
 
     sink = JsonlOutput.open(str(tmp_path / "out.jsonl"), False, print)
     base = {"max_tokens": 4, "seed": 3}
-    items = ll_ray.read_inputs(str(tmp_path / "in.jsonl"), base, param_defaults())
+    items = read_inputs(str(tmp_path / "in.jsonl"), base, param_defaults())
     try:
         ll_ray.run_items(items, base, write, workers=2, batch_size=16, progress=False)
     finally:

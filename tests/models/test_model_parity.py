@@ -3,6 +3,10 @@
 Logits: each prompt's last-position logits from one left-padded batched call against HF's
 unpadded single-prompt forward. Greedy decoding: 32 tokens through the decode-loop
 protocol (prefill, then one column per step) against `generate(do_sample=False)`.
+
+Gemma 2's reference is HF's eager attention, the one that soft-caps attention logits as
+Gemma 2 does (`build_hf_model`); checked under transformers 5.12.1 (whose default for Gemma 2,
+sdpa, drops the cap: every logit differs) and 5.25 (eager by default).
 """
 
 from __future__ import annotations
@@ -72,6 +76,20 @@ def test_batched_left_padded_logits_match_hf(pair, forward):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0, -1].float().numpy()
         np.testing.assert_allclose(np.asarray(logits[row]), want, rtol=0, atol=1e-4)
+
+
+def test_gemma2_reference_caps_attention_logits():
+    """The reference applies `attn_logit_softcapping`, and at these sizes the cap bites: a
+    model (or a transformers default) without it fails the logits test above."""
+    hf = build_hf_model("gemma2")
+    assert hf.config._attn_implementation == "eager"
+    prompt = torch.tensor(random_prompts(hf.config.vocab_size, [13], seed=1))
+    with torch.no_grad():
+        capped = hf(prompt).logits[0, -1]
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = hf(prompt).logits[0, -1]
+    assert float((capped - uncapped).abs().max()) > 0.1
 
 
 def test_greedy_32_tokens_match_hf_generate(pair, forward):

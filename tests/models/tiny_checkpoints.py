@@ -198,6 +198,12 @@ def build_hf_model(case: str, seed: int = 0):
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.3).add_(3.0 if ".post_" in name else 0.0)
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        # Gemma 2 caps its attention logits (gemma_pytorch: scores = cap * tanh(scores / cap)
+        # before the mask and softmax), which only HF's eager attention applies. transformers
+        # 5.12.1 (tunix's pin) defaults Gemma 2 to sdpa, which drops the cap without a word;
+        # 5.25 defaults to eager and makes sdpa refuse a softcap. Eager on every version.
+        model.set_attn_implementation("eager")
     return model.eval()
 
 

@@ -1,6 +1,7 @@
-"""Where `logitloop generate` puts its results: without `--output`, text blocks on stdout
-(`TextOutput`); with it, JSONL lines (`JsonlOutput`), never destroying or duplicating them.
-Both take records in input order (`write(records, n)`) and are closed at the end.
+"""Where a job (`logitloop generate`, a Ray job) puts its results: without `--output`, text
+blocks on stdout (`TextOutput`); with it, JSONL lines (`JsonlOutput`), never destroying or
+duplicating them. Both take records (`write(records, n)`: in input order, or for a Ray job
+as batches finish) and are closed at the end.
 
 - `-` is stdout; a path that is not a regular file (`/dev/stdout` on a pipe or a terminal,
   `/dev/null`, a FIFO) is written as a stream: nothing to resume, nothing to replace.
@@ -30,6 +31,16 @@ STDOUT = "-"
 
 class OutputError(Exception):
     """A bad or unusable --output: one `logitloop: error: ...` line, exit status 2."""
+
+
+def output_file(output: str) -> str:
+    """A Ray job's `--output`: a file, or a folder (one that exists, or a path ending in
+    '/') whose results go to `results.jsonl` in it."""
+    path = Path(output).expanduser()
+    if output.endswith(("/", os.sep)) or path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path / "results.jsonl")
+    return output
 
 
 def id_key(value: Any) -> tuple[str, Any]:

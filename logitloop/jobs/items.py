@@ -1,27 +1,29 @@
-"""A `generate` job's prompts: read from arguments or an input file (plain text or JSONL),
-each with its sampling settings validated by `SamplingParams.create` once, tokenized and
-checked against the model, and turned into one output record when done.
+"""A job's prompts: read from arguments or input files (plain text or JSONL), each with its
+sampling settings validated by `SamplingParams.create` once, tokenized and checked against
+the model, and turned into one output record when done.
 
 A message about one prompt names it by where it came from ("prompts.jsonl line 4 (id
 "q1")", "prompt 1"), followed by the library's own message for that row, untouched: each
 prompt's settings are a `SamplingParams` of one row, whose messages name no row index
 ("top_p = 1.5 ..."), and its prompt is checked by `logitloop.decoding.engine.host`
-(`check_prompt`, `tokenize_prompt`, `check_context`).
+(`check_prompt`, `tokenize_prompt`, `check_context`). Bad input is a `JobError`.
 """
 
 from __future__ import annotations
 
+import glob
 import inspect
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from logitloop.cli.common import CLIError
-from logitloop.cli.sinks import describe_id, id_key
+from logitloop.jobs import JobError
+from logitloop.jobs.sinks import describe_id, id_key
 
 
 @dataclass
@@ -65,13 +67,13 @@ def _normalise_override(name: str, value: Any, where: str) -> Any:
         return None
     if name == "logit_bias":
         if not isinstance(value, dict):
-            raise CLIError(f"{where}: logit_bias must be an object of token id -> bias")
+            raise JobError(f"{where}: logit_bias must be an object of token id -> bias")
         out = {}
         for key, bias in value.items():
             try:
                 tok = int(key)
             except ValueError:
-                raise CLIError(
+                raise JobError(
                     f"{where}: logit_bias has key {key!r}; keys must be integer token ids"
                 ) from None
             out[tok] = bias
@@ -82,20 +84,20 @@ def _normalise_override(name: str, value: Any, where: str) -> Any:
         if not isinstance(value, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in value
         ):
-            raise CLIError(f"{where}: {name} must be a list of integer token ids, got {value!r}")
+            raise JobError(f"{where}: {name} must be a list of integer token ids, got {value!r}")
         return value
     if name == "stop":
         if isinstance(value, str):
             return [value]
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            raise CLIError(f"{where}: stop must be a string or a list of strings, got {value!r}")
+            raise JobError(f"{where}: stop must be a string or a list of strings, got {value!r}")
         return value
     if name == "stop_sequences":
         if not isinstance(value, list) or not all(
             isinstance(s, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
             for s in value
         ):
-            raise CLIError(
+            raise JobError(
                 f"{where}: stop_sequences must be a list of token-id lists, got {value!r}"
             )
         return value
@@ -117,7 +119,7 @@ def _row_value(name: str, value: Any) -> Any:
 
 def row_params(knobs: dict[str, Any], where: str | None = None):
     """`SamplingParams.create` of one row (which validates every setting); a bad setting is a
-    CLIError naming `where` (nothing: a flag)."""
+    JobError naming `where` (nothing: a flag)."""
     from logitloop.decoding.sampling.params import SamplingParams
 
     kwargs = {
@@ -139,8 +141,8 @@ def check_vocab(params, vocab_size: int, where: str | None = None) -> None:
         raise _row_error(where, e) from None
 
 
-def _row_error(where: str | None, error: Exception) -> CLIError:
-    return CLIError(str(error) if where is None else f"{where}: {error}")
+def _row_error(where: str | None, error: Exception) -> JobError:
+    return JobError(str(error) if where is None else f"{where}: {error}")
 
 
 def check_prompt(where: str, prompt: str | list[int]) -> None:
@@ -193,16 +195,16 @@ def _read_text(path: str) -> str:
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise CLIError(f"input file not found: {path}") from None
+        raise JobError(f"input file not found: {path}") from None
     except IsADirectoryError:
-        raise CLIError(f"input file {path} is a directory") from None
+        raise JobError(f"input file {path} is a directory") from None
     except OSError as e:
-        raise CLIError(f"cannot read input file {path}: {e.strerror or e}") from None
+        raise JobError(f"cannot read input file {path}: {e.strerror or e}") from None
     try:
         return data.decode("utf-8").removeprefix("\ufeff")  # a BOM is not part of a prompt
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise CLIError(f"{path} line {line}: not valid UTF-8 text") from None
+        raise JobError(f"{path} line {line}: not valid UTF-8 text") from None
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")  # a JSONL line has one of them
@@ -212,10 +214,10 @@ def _conversation(value: Any, where: str) -> list[dict[str, Any]]:
     """A line's `messages`: a non-empty list of objects, each with a string 'role' (the
     template checks the rest when it renders them)."""
     if not isinstance(value, list) or not value:
-        raise CLIError(f"{where}: messages must be a non-empty list of {{'role', 'content'}}")
+        raise JobError(f"{where}: messages must be a non-empty list of {{'role', 'content'}}")
     for index, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise CLIError(
+            raise JobError(
                 f"{where}: messages[{index}] = {json.dumps(message)} is not a message: an "
                 "object with a 'role' string and its 'content'"
             )
@@ -233,16 +235,16 @@ def _conversation(value: Any, where: str) -> list[dict[str, Any]]:
 def json_line(line: str, where: str, default_id: int) -> tuple[dict[str, Any], Any, str]:
     """One JSONL line (`where` names it, "prompts.jsonl line 4") as its object, its id
     (`default_id` when it has none) and its name with the id ("... (id 'a')"), or a
-    CLIError saying what is wrong with it."""
+    JobError saying what is wrong with it."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise JobError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
-        raise CLIError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise JobError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     item_id = obj.get("id", default_id)
     if isinstance(item_id, bool) or not isinstance(item_id, (int, str)):
-        raise CLIError(f"{where}: id must be a string or an integer, got {item_id!r}")
+        raise JobError(f"{where}: id must be a string or an integer, got {item_id!r}")
     if "id" in obj:
         where = f"{where} (id {describe_id(item_id)})"
     return obj, item_id, where
@@ -259,11 +261,11 @@ def object_item(
 ) -> Item:
     """One prompt from a JSON object (a JSONL line, a Ray Data row): exactly one of
     'prompt', 'prompt_token_ids' and 'messages', and per-prompt sampling settings (names in
-    `allowed`) that replace `base`'s; a CLIError naming `where` says what is wrong."""
+    `allowed`) that replace `base`'s; a JobError naming `where` says what is wrong."""
     given = [key for key in PROMPT_KEYS if key in obj]
     if len(given) != 1:
         both = f" (it has {' and '.join(given)})" if given else ""
-        raise CLIError(
+        raise JobError(
             f"{where}: give exactly one of 'prompt', 'prompt_token_ids' and 'messages'{both}"
         )
     messages = None
@@ -274,7 +276,7 @@ def object_item(
         prompt = obj[given[0]]
         if not isinstance(prompt, str if has_text else list):
             key, kind = ("prompt", "a string") if has_text else ("prompt_token_ids", "a list")
-            raise CLIError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
+            raise JobError(f"{where}: {key} must be {kind}, got {type(prompt).__name__}")
         check_prompt(where, prompt)
     knobs = dict(base)
     if any(key in obj for key in _CONSTRAINT_KNOBS):  # the line's replaces the flags'
@@ -284,12 +286,12 @@ def object_item(
 
         obj = canonical_knobs(obj)
     except ValueError as e:
-        raise CLIError(f"{where}: {e}") from None
+        raise JobError(f"{where}: {e}") from None
     for key, value in obj.items():
         if key == "id" or key in PROMPT_KEYS:
             continue
         if key not in allowed:
-            raise CLIError(
+            raise JobError(
                 f"{where}: unknown key {key!r}; a line holds id, prompt, "
                 f"prompt_token_ids or messages, and sampling settings "
                 f"({', '.join(sorted(allowed))})"
@@ -321,16 +323,51 @@ def read_items(
         obj, item_id, where = json_line(line, where, first_id + i)
         items.append(object_item(obj, item_id, where, base, allowed, len(items), i + 1))
     if not items:
-        raise CLIError(f"{name} holds no prompts")
+        raise JobError(f"{name} holds no prompts")
     seen: dict[tuple[str, Any], Item] = {}
     for item in items:
         key = id_key(item.id)
         if key in seen:
-            raise CLIError(
+            raise JobError(
                 f"duplicate id {describe_id(item.id)} in {name}: lines {seen[key].line} "
                 f"and {item.line}"
             )
         seen[key] = item
+    return items
+
+
+def input_paths(pattern: str | Sequence[str]) -> list[str]:
+    """The input files: a path, a glob ('data/*.jsonl'), or a list of them, sorted."""
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    paths: list[str] = []
+    for p in patterns:
+        found = sorted(glob.glob(os.path.expanduser(p))) if glob.has_magic(p) else [p]
+        if not found:
+            raise JobError(f"--input {p}: no file matches")
+        paths.extend(found)
+    return paths
+
+
+def read_inputs(pattern: str | Sequence[str], base: dict[str, Any], defaults) -> list[Item]:
+    """Every input file's prompts (`read_items`), as one job: a line without an id has its
+    0-based line number in the files concatenated in sorted order; ids are unique over all
+    files."""
+    items: list[Item] = []
+    seen: dict[tuple[str, Any], Item] = {}
+    first = 0
+    for path in input_paths(pattern):
+        part = read_items(path, base, defaults, first_id=first)
+        text = Path(path).read_text(encoding="utf-8")
+        first += text.count("\n") + (0 if text.endswith("\n") else 1)
+        for item in part:
+            key = id_key(item.id)
+            if key in seen:
+                raise JobError(
+                    f"duplicate id {describe_id(item.id)}: {seen[key].where} and {item.where}"
+                )
+            seen[key] = item
+            item.position = len(items)
+            items.append(item)
     return items
 
 
@@ -361,7 +398,7 @@ def render_conversations(items: Sequence[Item], model, ignore_eos: bool) -> list
     try:
         template = model_template(model)
     except ValueError as e:
-        raise CLIError(f"{chats[0].where}: messages need a chat template: {e}") from None
+        raise JobError(f"{chats[0].where}: messages need a chat template: {e}") from None
     for item in chats:
         try:  # the library's messages name the conversation by `where`
             if ignore_eos:  # neither EOS nor the end of a turn stops the reply
@@ -373,7 +410,7 @@ def render_conversations(items: Sequence[Item], model, ignore_eos: bool) -> list
                     model, item.messages, item.knobs, where=item.where, chat_template=template
                 )
         except ValueError as e:
-            raise CLIError(str(e)) from None
+            raise JobError(str(e)) from None
         item.prompt = ids
         if not ignore_eos and item.params is not None:
             item.params = row_params(item.knobs, item.where)
