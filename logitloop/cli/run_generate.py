@@ -123,8 +123,9 @@ def _run_job(
 ) -> int:
     """The job after its inputs, settings and output are settled: load, render the
     conversations, check, generate. `seed`: the seed drawn for this run (None: --seed)."""
+    from logitloop.decoding.engine.host import row_bucket
     from logitloop.decoding.loop.runner import model_info
-    from logitloop.decoding.runtime.compiles import CompileWatch
+    from logitloop.decoding.runtime.compiles import CompileWatch, compile_stats
 
     output = None if sink is None else sink.name
     t_load = time.perf_counter()
@@ -144,6 +145,7 @@ def _run_job(
     if sink is None:
         sink = TextOutput(headers=len(items) * args.n > 1)
     gen_started = time.perf_counter()
+    compile_stats(reset=True)  # the summary names this job's programs
     with CompileWatch() as timer:
         if args.num_beams is not None:
             tokens = _run_beams(args, model, todo, sink.write)
@@ -154,16 +156,22 @@ def _run_job(
                 speculative=speculative,
             )  # fmt: skip
         else:
-            shapes = dict(job_bounds(items, info, defaults), slots=min(args.batch_size, len(items)))
+            # Slots at the row bucket of the prompts (1, 2, 4, 8, ...: `row_bucket`), so a
+            # run with 3 prompts and one with 4 share their programs (and the disk cache).
+            slots = min(args.batch_size, row_bucket(len(items)))
+            shapes = dict(job_bounds(items, info, defaults), slots=slots)
             shapes["speculative"] = speculative
             kv_cache_tokens = _kv_cache_tokens(args, info, shapes)
             if kv_cache_tokens is not None:  # one paged pool (`paged_batching`)
                 shapes.update(kv_cache_tokens=kv_cache_tokens, page_size=args.page_size)
             if args.no_prefix_cache:
                 shapes["prefix_cache"] = False
+            if args.input is not None and not args.quiet:  # a batch job: its programs first
+                _precompile_job(args, model, shapes)
             tokens = _run_requests(args, model, todo, shapes, sink.write, info.tokenizer)
     gen_s = time.perf_counter() - gen_started
     compile_s = timer.seconds
+    why = compile_stats(reset=True)
 
     where = f" into {output}" if output is not None else ""
     skip = f" ({skipped} already in {output}, skipped)" if skipped else ""
@@ -173,11 +181,24 @@ def _run_job(
         f"({_fmt_rate(tokens, gen_s)} tokens/s overall, "
         f"{_fmt_rate(tokens, gen_s - compile_s)} tokens/s excluding compile); "
         f"compile {compile_s:.1f} s (measured: JAX trace + lowering + XLA compile events "
-        f"during generation); model load {load_s:.1f} s; total "
+        f"during generation; {why.summary()}); model load {load_s:.1f} s; total "
         f"{time.perf_counter() - started:.1f} s"
         + ("" if seed is None else f"; seed {seed} (drawn for this run; --seed {seed} repeats it)")
     )
     return 0
+
+
+def _precompile_job(args, model, shapes: dict[str, Any]) -> None:
+    """Compile the job's continuous-batching programs before its first request, with a
+    progress line (`ll.precompile(slots=...)`): the job's shapes, its shared options."""
+    from logitloop.decoding.engine.precompile import precompile
+
+    job = {k: v for k, v in shapes.items() if k not in ("max_prompt_len", "max_tokens_bound")}
+    precompile(
+        model, prompt_len=shapes["max_prompt_len"], max_tokens=shapes["max_tokens_bound"],
+        progress=True, n=args.n, ignore_eos=args.ignore_eos, deterministic=args.deterministic,
+        **job,
+    )  # fmt: skip
 
 
 def _check_ray_flags(args) -> None:
