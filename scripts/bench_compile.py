@@ -11,7 +11,10 @@ Sections:
   size, `max_tokens`, logprob width, a stop string, a JSON schema, `n`); then the same with
   `ll.precompile` of the job's buckets as the warm-up.
 - `first`: the first `generate` of a fresh process (3 prompts x 16 tokens), default and
-  `deterministic=True`: programs (logitloop's and JAX's small ones) and seconds.
+  `deterministic=True`: programs (logitloop's and JAX's small ones), seconds, and XLA's
+  compile seconds of the costliest programs.
+- `warm`: the first `generate` of a fresh process whose persistent compilation cache an
+  earlier process filled, against no cache (`bench_compile_cache.py`'s children).
 
 `--tree DIR` runs the children with DIR's `logitloop` (another checkout: a baseline in the
 same run). Each child is a fresh Python process; the table prints seconds and program counts,
@@ -26,6 +29,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CHILD_TABLE = r"""
@@ -79,15 +83,21 @@ import logitloop as ll
 names = []
 def listener(event, duration, **kw):
     if event == "/jax/core/compile/backend_compile_duration":
-        names.append(kw.get("fun_name"))
+        names.append((kw.get("fun_name"), duration))
 jax.monitoring.register_event_duration_secs_listener(listener)
 model = ll.load_pretrained()
 names.clear()
 t = time.perf_counter()
 ll.generate(model, ["The for statement", "A dictionary", "The with"], max_tokens=16,
             deterministic=sys.argv[1] == "deterministic")
-print(json.dumps(dict(seconds=time.perf_counter() - t, programs=len(names),
-                      big=sum(n in ("jit(prefill)", "jit(decode)") for n in names))))
+seconds = time.perf_counter() - t
+by_name = {}
+for name, d in names:
+    by_name.setdefault(name, [0, 0.0])
+    by_name[name][0] += 1
+    by_name[name][1] += d
+print(json.dumps(dict(seconds=seconds, programs=len(names), backend={k: v for k, v in
+                      sorted(by_name.items(), key=lambda kv: -kv[1][1])})))
 """
 
 
@@ -121,11 +131,31 @@ def first(args) -> dict:
         runs.sort(key=lambda r: r["seconds"])
         median = runs[len(runs) // 2]
         result[mode] = runs
-        print(f"  {mode:14s} {median['seconds']:7.2f} {median['programs']:4d} ({median['big']})")
+        top = ", ".join(
+            f"{k} x{n} {d:.1f} s" for k, (n, d) in list(median["backend"].items())[:4]
+        )
+        print(f"  {mode:14s} {median['seconds']:7.2f} {median['programs']:4d}  XLA: {top}")
     return result
 
 
-SECTIONS = {"table": table, "first": first}
+def warm(args) -> dict:
+    """A fresh process whose persistent cache an earlier one filled: its first `generate`
+    (`bench_compile_cache.py`'s children, the shipped model)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_compile_cache as cache_bench
+
+    with tempfile.TemporaryDirectory() as folder:
+        cache_bench._first_call("warm", folder, 16)  # fills the folder
+        runs = sorted(cache_bench._first_call("warm", folder, 16) for _ in range(args.repeats))
+        cold = sorted(cache_bench._first_call("none", folder, 16) for _ in range(args.repeats))
+    result = dict(warm=runs, cold=cold)
+    w, c = runs[len(runs) // 2][0], cold[len(cold) // 2][0]
+    print(f"\nfirst generate (1 prompt x 16 tokens) after loading: warm cache {w:.2f} s, "
+          f"no cache {c:.2f} s ({c / w:.1f}x)")
+    return result
+
+
+SECTIONS = {"table": table, "first": first, "warm": warm}
 
 
 def main() -> None:
