@@ -113,6 +113,10 @@ class Generator:
         the actor's environment left as it is), so that an actor started after the first on
         a node, or a restarted one, reads its programs instead of compiling them. False
         leaves the process's JAX settings as they are.
+      bounds: the job's longest prompt and largest max_tokens (`{"max_prompt_len": P,
+        "max_tokens_bound": M}`, as `job_bounds` gives them): every batch then runs the
+        programs of those bounds, compiled when the actor starts (`ll.precompile(slots=...)`)
+        and none later; None: bounds grow with the batches the actor sees.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class Generator:
         deterministic: bool | str = True,
         slots: int = 32,
         compile_cache: bool = True,
+        bounds: Mapping[str, int] | None = None,
         **options: Any,
     ):
         from logitloop.decoding.loop.runner import model_info
@@ -153,6 +158,15 @@ class Generator:
         # Bounds grow with the batches an actor sees (never shrink), so that it compiles a
         # few times at most; deterministic mode makes a row's bits independent of them.
         self.bounds = {"max_prompt_len": 1, "max_tokens_bound": 1}
+        if bounds is not None:  # the job's: its programs compiled before the first batch
+            import logitloop as ll
+
+            self.bounds = {k: max(v, int(bounds.get(k, v))) for k, v in self.bounds.items()}
+            ll.precompile(
+                self.model, slots=slots, prompt_len=self.bounds["max_prompt_len"],
+                max_tokens=self.bounds["max_tokens_bound"], n=n, ignore_eos=ignore_eos,
+                deterministic=deterministic, mesh=self.mesh, **options,
+            )  # fmt: skip
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         import numpy as np

@@ -63,3 +63,23 @@ def test_an_actor_leaves_a_jax_cache_the_user_configured(
     _start_actor(tmp_path)
     assert jax.config.jax_compilation_cache_dir == mine
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_actor_given_the_job_bounds_compiles_at_start_and_never_after(
+    fresh_jax_cache_settings, compile_counter, monkeypatch
+):
+    """`bounds=`: the actor precompiles its job's programs (`ll.precompile(slots=...)`);
+    batches of any prompts and settings inside the bounds compile nothing."""
+    from logitloop.decoding.runtime import compiles
+
+    monkeypatch.setenv(COMPILE_CACHE_ENV, "off")
+    monkeypatch.setattr(compiles, "_prepared", False)
+    with compile_counter as c:
+        actor = Generator(slots=2, bounds={"max_prompt_len": 12, "max_tokens_bound": 6})
+    assert c.count > 0
+    batch = {"id": [0, 1, 2], "prompt": ["The for", "A dict", "The with statement"],
+             "max_tokens": [3, 6, 5], "seed": [1, 2, 3]}
+    with compile_counter as c:
+        records = actor.records(batch)
+    assert c.count == 0
+    assert all(r["num_tokens"] <= m for r, m in zip(records, [3, 6, 5], strict=True))
