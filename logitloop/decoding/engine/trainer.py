@@ -153,7 +153,10 @@ def token_logprobs(
     same computation). Inside your own `jax.jit` the computation is traced into your
     program and compiled with your program's options: compile it with
     `logitloop.models.fixed_order.compiler_options()` to keep bfloat16 exact there.
-    New weights of the same structure (`nnx.update`) compile nothing.
+    New weights of the same structure (`nnx.update`) compile nothing, nor does a concrete
+    call whose `B` and `T` fall in the buckets of an earlier one (the rows padded to a
+    power of two, `T` to `bucket(T, MIN_CONTINUATION_BUCKET)`, the results cut back on the
+    host: `_padded`, `_cut`).
 
     `routing` (a mixture of experts, routing replay): `[B, T, L, k]` int, aligned with
     `token_ids`, for each token the k experts each of the model's L routed layers is to
