@@ -1,6 +1,7 @@
 """The lm-eval backend against lm-eval's `hf` backend on the same offline tasks and model.
 
     python scripts/bench_eval.py [--docs 24] [--repeats 3] [--tasks ll_mc] [--json out.json]
+    python scripts/bench_eval.py --cold [--tasks ll_mc,ll_rolling,ll_gen]
 
 Tasks: a multiple-choice task (`--docs` questions of 4 choices), a rolling-perplexity
 task (`--docs // 3` documents) and, with `--tasks ll_gen`, a generation task (`--docs //
@@ -14,6 +15,13 @@ whole `simple_evaluate` call and of the backend's own calls in it (`loglikelihoo
 metrics, the same for both), and the ratios hf / logitloop (above 1: logitloop is faster). Also:
 XLA's cost analysis of scoring one question's 4 choices as 4 full rows, with the shared
 prompt pass `ll.score` runs, and one context row alone.
+
+`--cold`: what a user waits for in a fresh process (issue 64): each backend in its own
+subprocess, the model loaded (not timed), then one `simple_evaluate` timed with its
+compiles (programs, `CompileWatch`, which counts a program loaded from the disk cache too;
+the disk cache's hits beside it); the logitloop backends with the
+persistent compilation cache off (`LOGITLOOP_COMPILE_CACHE=off`), and again as two
+processes sharing a fresh cache folder (the second process's time: `warm disk cache`).
 """
 
 from __future__ import annotations
@@ -131,6 +139,77 @@ def shared_prefix_cost(model, context_len: int = 64, choices: int = 4, cont_len:
     return out
 
 
+COLD_BACKENDS = ("hf", "deterministic", "deterministic=false")
+
+
+def cold_one(name: str, docs: int, tasks: list[str], batch_size: int) -> dict:
+    """One backend's first `simple_evaluate` in this (fresh) process: wall seconds, programs
+    compiled and seconds compiling (the model's loading is not timed)."""
+    from lm_eval.tasks import TaskManager
+
+    from logitloop.decoding.runtime.compiles import CompileWatch
+
+    mc, texts, gen = make_docs(docs)
+    lm_eval_tasks.DATA.update(ll_mc=mc, ll_rolling=texts, ll_gen=gen)
+    manager = TaskManager(
+        include_path=str(lm_eval_tasks.write_tasks(Path(tempfile.mkdtemp(prefix="bench_eval_"))))
+    )
+    shipped = Path(ll.__file__).parent / "models" / "tiny"
+    if name == "hf":
+        from lm_eval.models.huggingface import HFLM
+
+        lm = HFLM(pretrained=str(shipped), dtype="float32", batch_size=batch_size, device="cpu")
+    else:
+        from logitloop.integrations.lm_eval import LogitloopLM
+
+        lm = LogitloopLM(pretrained=str(shipped), dtype="float32", batch_size=batch_size,
+                         deterministic=name == "deterministic")  # fmt: skip
+    import collections
+
+    import jax
+
+    events = collections.Counter()  # the persistent cache's: a hit loads, a miss writes
+    jax.monitoring.register_event_listener(lambda event, **kw: events.update([event]))
+    with CompileWatch() as watch:  # counts a program loaded from the disk cache too
+        t0 = time.perf_counter()
+        lm_eval_tasks.evaluate(lm, None, manager, tasks)
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "programs": watch.count, "compile_s": watch.seconds,
+            "cache_hits": events["/jax/compilation_cache/cache_hits"],
+            "cache_misses": events["/jax/compilation_cache/cache_misses"]}  # fmt: skip
+
+
+def cold(args, tasks: list[str]) -> dict:
+    """`cold_one` of each backend in a subprocess of its own (module docstring)."""
+    import subprocess
+
+    def run(name: str, cache: str) -> dict:
+        env = dict(os.environ, LOGITLOOP_COMPILE_CACHE=cache)
+        cmd = [sys.executable, __file__, "--cold-one", name, "--docs", str(args.docs),
+               "--tasks", ",".join(tasks), "--batch-size", str(args.batch_size)]  # fmt: skip
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rows = {}
+    for name in COLD_BACKENDS:
+        rows[name] = run(name, "off")
+        if name != "hf":
+            folder = tempfile.mkdtemp(prefix="bench_eval_cache_")
+            run(name, folder)
+            rows[f"{name}, warm disk cache"] = run(name, folder)
+    ref = rows["hf"]["wall_s"]
+    mc, texts, gen = make_docs(args.docs)
+    print(f"\n{tasks}, first evaluation in a fresh process: {len(mc)} questions x 4 choices, "
+          f"{len(texts)} rolling documents, {len(gen)} generations; batch_size "
+          f"{args.batch_size}; ratio = this time / hf time")  # fmt: skip
+    print(f"  {'backend':36s} {'wall':>8s} {'ratio':>7s} {'programs':>9s} {'compiling':>10s} "
+          f"{'disk hits':>9s}")  # fmt: skip
+    for name, r in rows.items():
+        print(f"  {name:36s} {r['wall_s']:7.2f}s {r['wall_s'] / ref:6.2f}x {r['programs']:9d} "
+              f"{r['compile_s']:9.2f}s {r.get('cache_hits', 0):9d}")  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--docs", type=int, default=24)
@@ -139,7 +218,18 @@ def main() -> None:
     ap.add_argument("--tasks", default="ll_mc,ll_rolling", help="comma-separated task names")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--cost-only", action="store_true", help="only the XLA cost analysis")
+    ap.add_argument("--cold", action="store_true", help="first evaluations in fresh processes")
+    ap.add_argument("--cold-one", choices=COLD_BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cold_one:
+        print(json.dumps(cold_one(args.cold_one, args.docs, args.tasks.split(","),
+                                  args.batch_size)))  # fmt: skip
+        return
+    if args.cold:
+        rows = cold(args, args.tasks.split(","))
+        if args.json:
+            args.json.write_text(json.dumps({"cold": rows}, indent=2))
+        return
     if args.cost_only:
         shipped = Path(ll.__file__).parent / "models" / "tiny"
         print_cost(shared_prefix_cost(ll.load_pretrained(shipped, dtype="float32")))

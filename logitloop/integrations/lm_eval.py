@@ -15,13 +15,22 @@ A thin adapter over the public API (docs/evaluation.md):
   continuation; an empty context becomes BOS, else EOS), with the checkpoint's
   `transformers` tokenizer, so both backends score the same ids; `ll.score` scores them
   (`raw_logprob_sum`, `is_greedy`), all of a call's requests at once, so the choices of
-  one context share its prompt pass (`ll.score`'s shared prompts).
+  one context share its prompt pass (`ll.score`'s shared prompts). A pair longer than
+  `max_length + 1` tokens keeps its last `max_length + 1`, as `hf` cuts it (the context
+  loses its first tokens; one warning says how many requests were cut); only a
+  continuation of more than `max_length` tokens alone is refused.
 - `loglikelihood_rolling`: lm-eval's rolling windows (`get_rolling_token_windows` with
   `context_len=1`, `make_disjoint_window`), as `hf` cuts them, scored like the above and
   summed per document: one float each.
 - `generate_until`: `ll.generate_many` with the request's `until` (plus the EOS string, as
   `hf` adds it) as stop strings, `max_gen_toks` and the sampling keys of `gen_kwargs`; the
   continuation's ids decoded without special tokens and cut at the earliest stop string.
+
+Constructing the backend turns on JAX's persistent compilation cache
+(`ll.enable_compile_cache()`: `~/.cache/logitloop/jax`, or `LOGITLOOP_COMPILE_CACHE`), so a
+second evaluation in a new process loads the programs the first compiled;
+`compile_cache=false` (or `LOGITLOOP_COMPILE_CACHE=off`) keeps it off, `compile_cache=DIR`
+uses that folder. (Importing the module sets nothing.)
 
 `deterministic=True` (the default) runs the model with its reductions in a fixed order
 (`logitloop.models.fixed_order`), so every per-sample log-likelihood and generated string
@@ -31,6 +40,7 @@ is bit for bit the same at any `batch_size`; it costs some speed (docs/numerics.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +90,18 @@ def _parse_batch_size(value: Any, max_batch_size: Any) -> int:
     return size
 
 
+def _compile_cache(value: Any):
+    """`compile_cache=true|false|DIR`: the `CompileCache` in use, or None (off)."""
+    text = str(value).strip()
+    if text.lower() in ("true", "1", "yes", "false", "0", "no"):
+        if not _parse_bool("compile_cache", value):
+            return None
+        return ll.enable_compile_cache()
+    if not text:
+        raise ValueError("model_args compile_cache='': expected true, false or a folder")
+    return ll.enable_compile_cache(text)
+
+
 def _parse_mesh(value: Any):
     """`mesh=DxM`: a `jax.make_mesh((D, M), ("data", "model"))` over the first D*M devices."""
     if value is None or value == "":
@@ -114,7 +136,8 @@ class LogitloopLM(TemplateLM):
     `deterministic` (true, false or model-parallel; default true), `mesh` (DATAxMODEL),
     `prefix_cache` (default true: the choices of one context share its prompt pass, and
     generated rows the pages of a common prompt prefix), `add_bos_token`, `max_gen_toks` (as
-    `hf`'s). Any other key is an error.
+    `hf`'s), `compile_cache` (default true: JAX's persistent compilation cache in the
+    default folder, module docstring; false: off; or a folder). Any other key is an error.
     """
 
     def __init__(
@@ -129,6 +152,7 @@ class LogitloopLM(TemplateLM):
         prefix_cache: bool | str = True,
         add_bos_token: bool | str | None = None,
         max_gen_toks: int | str = DEFAULT_MAX_GEN_TOKS,
+        compile_cache: bool | str = True,
         device: str | None = None,  # lm-eval passes its --device; JAX places arrays itself
         **unknown: Any,
     ) -> None:
@@ -137,8 +161,10 @@ class LogitloopLM(TemplateLM):
             raise ValueError(
                 f"model_args: unknown key(s) {', '.join(sorted(unknown))} for --model "
                 "logitloop; known: pretrained, dtype, max_length, batch_size, deterministic, "
-                "mesh, prefix_cache, add_bos_token, max_gen_toks"
+                "mesh, prefix_cache, add_bos_token, max_gen_toks, compile_cache"
             )
+        # Before the model loads, so that loading's programs are kept too.
+        self.compile_cache = _compile_cache(compile_cache)
         if isinstance(pretrained, (str, type(None))) or hasattr(pretrained, "__fspath__"):
             try:
                 self.model = ll.load_pretrained(pretrained or None, dtype=dtype)
@@ -259,18 +285,18 @@ class LogitloopLM(TemplateLM):
     def _score_tokens(
         self, pairs: list[tuple[list[int], list[int]]], names: list[str], disable_tqdm: bool
     ) -> list[tuple[float, bool]]:
-        """(sum of the continuation's log-probs, greedy) per (context ids, continuation ids)."""
-        for (ctx, cont), name in zip(pairs, names, strict=True):
-            if not cont:
-                raise ValueError(f"{name}: the continuation is empty after tokenization")
-            # The last continuation token is never fed, as in hf (its input is cut to
-            # max_length + 1 tokens, then the last dropped).
-            if len(ctx) + len(cont) - 1 > self.max_length:
-                raise ValueError(
-                    f"{name}: context {len(ctx)} + continuation {len(cont)} tokens is over "
-                    f"the model's maximum of {self.max_length} (+1); shorten the task's "
-                    "context or raise max_length"
-                )
+        """(sum of the continuation's log-probs, greedy) per (context ids, continuation ids).
+        A pair over the model's maximum is left-truncated as `hf` cuts it (`_fit`)."""
+        fitted = [self._fit(c, x, name) for (c, x), name in zip(pairs, names, strict=True)]
+        cut = sum(len(a) != len(b) for (a, _), (b, _) in zip(fitted, pairs, strict=True))
+        pairs = fitted
+        if cut:
+            warnings.warn(
+                f"logitloop lm-eval backend: {cut} of {len(pairs)} requests were longer than "
+                f"max_length {self.max_length} + 1 tokens; their contexts were left-truncated "
+                "as the hf backend truncates them",
+                stacklevel=3,
+            )
         if not pairs:
             return []
         bar, update = self._progress(len(pairs), "Scoring requests", disable_tqdm)
@@ -281,6 +307,22 @@ class LogitloopLM(TemplateLM):
         )  # fmt: skip
         bar.close()
         return [(s.raw_logprob_sum, s.is_greedy) for s in scored]
+
+    def _fit(self, ctx: list[int], cont: list[int], name: str) -> tuple[list[int], list[int]]:
+        """(context, continuation) ids cut to the model's window as lm-eval's `hf` backend
+        cuts them: the last `max_length + 1` tokens of context plus continuation (the last
+        one is scored but never fed), so a long context loses its first tokens and its
+        scores are `hf`'s. A continuation of more than `max_length` tokens is refused."""
+        if not cont:
+            raise ValueError(f"{name}: the continuation is empty after tokenization")
+        if len(cont) > self.max_length:
+            raise ValueError(
+                f"{name}: the continuation alone has {len(cont)} tokens, over the model's "
+                f"maximum of {self.max_length}; raise max_length or shorten the continuation"
+            )
+        if len(ctx) + len(cont) - 1 > self.max_length:
+            ctx = ctx[len(ctx) + len(cont) - (self.max_length + 1) :]
+        return ctx, cont
 
     def _loglikelihood_tokens(
         self,

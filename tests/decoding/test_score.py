@@ -309,3 +309,32 @@ def test_shared_prompts_groups_a_batch_by_prompt():
     assert [distinct[i] for i in row_prompt] == [prompts[r] for r in order[:7]]
     assert shared_prompts([[1], [2], [3]]) is None  # nothing shared: the plain pass
     assert shared_prompts([[1], [1], [2]], row_multiple=4) is None  # a mesh's 4 rows: none saved
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_new_lengths_and_row_counts_inside_their_buckets_compile_nothing(
+    llama, deterministic, compile_counter
+):
+    """After one call, other continuation lengths (5..8 tokens: the 8-column bucket),
+    prompt lengths (up to 16 columns) and row counts (3..4: the 4-row bucket) compile
+    nothing (docs/scoring.md, "What compiles"); the padding rows leave each row's values
+    as it has them alone (deterministic: bit for bit)."""
+    rng = np.random.default_rng(5)
+
+    def pairs(rows: int, plen: int, clen: int):
+        return (
+            [rng.integers(3, 64, size=plen - r % 2).tolist() for r in range(rows)],
+            [rng.integers(3, 64, size=clen - r % 2).tolist() for r in range(rows)],
+        )
+
+    ll.score(llama, *pairs(3, 9, 5), deterministic=deterministic)
+    with compile_counter as c:
+        for rows, plen, clen in ((4, 12, 8), (3, 16, 6), (4, 5, 7)):
+            prompts, conts = pairs(rows, plen, clen)
+            out = ll.score(llama, prompts, conts, deterministic=deterministic)
+    assert c.count == 0
+    (alone,) = ll.score(llama, prompts[1:2], conts[1:2], deterministic=deterministic)
+    if deterministic:
+        assert alone.raw_logprobs == out[1].raw_logprobs
+    else:
+        np.testing.assert_allclose(alone.raw_logprobs, out[1].raw_logprobs, rtol=0, atol=1e-5)

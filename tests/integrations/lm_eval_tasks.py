@@ -78,15 +78,21 @@ DATA = {"ll_mc": MC_DOCS, "ll_rolling": TEXT_DOCS, "ll_gen": GEN_DOCS}
 
 def write_tasks(folder: Path) -> Path:
     """One YAML and one JSONL per task in `folder` (pass it as `include_path`)."""
-    folder.mkdir(parents=True, exist_ok=True)
     for name, body in TASKS.items():
-        data = folder / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(d) + "\n" for d in DATA[name]))
-        header = (
-            f"task: {name}\ndataset_path: json\n"
-            f"dataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-        )
-        (folder / f"{name}.yaml").write_text(header + body)
+        write_task(folder, name, body, DATA[name])
+    return folder
+
+
+def write_task(folder: Path, name: str, body: str, docs: list[dict]) -> Path:
+    """Task `name` (a YAML `body` of `TASKS`' kind over `docs`) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    header = (
+        f"task: {name}\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    )
+    (folder / f"{name}.yaml").write_text(header + body)
     return folder
 
 

@@ -19,6 +19,7 @@ from tests.integrations.lm_eval_tasks import (  # noqa: E402
     TASKS,
     evaluate,
     random_llama,
+    write_task,
     write_tasks,
 )
 
@@ -166,15 +167,101 @@ def test_bad_model_args_are_named(args, message):
     assert message in str(err.value)
 
 
-def test_a_context_over_the_model_maximum_is_named():
+def test_a_continuation_over_the_model_maximum_is_named():
     from lm_eval.api.instance import Instance
 
     from logitloop.integrations.lm_eval import LogitloopLM
 
     lm = LogitloopLM(max_length=16)
-    request = Instance("loglikelihood", {}, ("word " * 40, " end"), 0)
-    with pytest.raises(ValueError, match=r"loglikelihood request 0 .* over the model's maximum"):
+    request = Instance("loglikelihood", {}, ("Once", " word" * 17), 0)
+    with pytest.raises(ValueError, match=r"loglikelihood request 0 .* the continuation alone "
+                       r"has 17 tokens, over the model's maximum of 16"):  # fmt: skip
         lm.loglikelihood([request], disable_tqdm=True)
+
+
+# Questions longer than the random Llama's 48-token window (choices of 1 to 6 tokens, so each
+# row keeps another part of its context), and one that fits.
+LONG_MC_DOCS = [
+    {
+        "question": "Once upon a time there was a little girl named Lily who lived in a small "
+        "house near the big green park with her mom, her dad and a very old dog. Every day",
+        "choices": [" she played", " the dog ran to the park", " rain"],
+        "answer": 0,
+    },
+    {
+        "question": "The cat sat on the mat. " * 9 + "Then the cat",
+        "choices": [" slept", " ran away from the big red ball", " sat"],
+        "answer": 2,
+    },
+    {"question": "Tom had a", "choices": [" red ball", " dog"], "answer": 0},
+]
+
+
+def test_a_context_over_max_length_is_truncated_as_hf_does(llama_dir, tmp_path):
+    """Contexts longer than the model's 48 tokens: each request keeps the last
+    max_length + 1 tokens of context and continuation, as the `hf` backend cuts them, so
+    the per-request log-likelihoods and `is_greedy` are `hf`'s; one warning names how many
+    requests were cut (the 6 choices of the two long questions)."""
+    from lm_eval.tasks import TaskManager
+
+    folder = write_task(tmp_path, "ll_mc", TASKS["ll_mc"], LONG_MC_DOCS)
+    manager = TaskManager(include_path=str(folder))
+    with pytest.warns(UserWarning, match=r"6 of 8 requests were longer than max_length 48"):
+        _compare(llama_dir, manager, ["ll_mc"], ",deterministic=false", 16)
+
+
+# A process that scores two requests with the backend and prints, as JSON, the persistent
+# cache's events (`/jax/compilation_cache/...`: a hit loads a program; a miss compiles and
+# writes one) and the log-likelihoods.
+CACHE_RUN = """
+import collections, json, sys
+import jax
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda event, **kw: events.update([event]))
+from lm_eval.api.instance import Instance
+from logitloop.integrations.lm_eval import LogitloopLM
+lm = LogitloopLM(pretrained=sys.argv[1], dtype="float32", deterministic=False)
+requests = [Instance("loglikelihood", {}, ("The cat sat on the", " mat"), 0),
+            Instance("loglikelihood", {}, ("Once upon a time", " there was"), 1)]
+out = lm.loglikelihood(requests, disable_tqdm=True)
+print(json.dumps({"hits": events["/jax/compilation_cache/cache_hits"],
+                  "misses": events["/jax/compilation_cache/cache_misses"], "out": out}))
+"""
+
+
+def test_a_second_process_compiles_nothing_the_first_compiled(llama_dir, tmp_path):
+    """The backend keeps JAX's persistent compilation cache by default: a second process
+    scoring the same requests loads every program from it and compiles (writes) none."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env |= dict(JAX_PLATFORMS="cpu", LOGITLOOP_COMPILE_CACHE=str(tmp_path / "cache"),
+                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")  # fmt: skip
+    cmd = [sys.executable, "-c", CACHE_RUN, str(llama_dir)]
+    runs = [
+        json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
+                                  timeout=600).stdout.strip().splitlines()[-1])
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0]["misses"] > 0  # the first compiled and kept its programs
+    assert runs[1]["misses"] == 0 and runs[1]["hits"] >= runs[0]["misses"]
+    assert runs[1]["out"] == runs[0]["out"]
+
+
+def test_compile_cache_false_keeps_the_cache_off(llama_dir, tmp_path, monkeypatch):
+    import jax
+
+    from logitloop.integrations.lm_eval import LogitloopLM
+
+    monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(tmp_path / "cache"))
+    before = jax.config.jax_compilation_cache_dir
+    model = ll.load_pretrained(llama_dir, dtype="float32")
+    lm = LogitloopLM(pretrained=model, compile_cache="false")
+    assert lm.compile_cache is None and jax.config.jax_compilation_cache_dir == before
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.slow  # 8 s: lm-eval's CLI indexes its whole task library

@@ -323,3 +323,40 @@ def test_bad_input_names_the_argument(kwargs, match, llama_f32):
 def test_return_routing_needs_a_mixture_of_experts(llama_f32):
     with pytest.raises(ValueError, match="return_routing=True needs a mixture-of-experts"):
         ll.generate(llama_f32, PROMPTS[:1], max_tokens=2, return_routing=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_new_widths_and_row_counts_inside_their_buckets_compile_nothing(
+    llama_f32, deterministic, compile_counter
+):
+    """After one call, other widths (9..16 columns) and row counts (3..4) compile nothing:
+    the rows are padded to their buckets and the results cut back on the host. Each row of
+    the last call (3 rows and 12 columns, padded to 4 x 16) has the values of the row alone
+    at the bucket's width, unpadded (other ids past its length; deterministic: bit for
+    bit)."""
+    rng = np.random.default_rng(3)
+
+    def rows(batch: int, width: int):
+        ids = rng.integers(1, VOCAB, size=(batch, 16)).astype(np.int32)
+        plen = np.array([2 + r % 3 for r in range(batch)])
+        lens = np.array([width - r % 2 for r in range(batch)])
+        return ids, plen, lens
+
+    kw = dict(deterministic=deterministic)
+    ids, plen, lens = rows(3, 10)
+    ll.token_logprobs(llama_f32, ids[:, :10], plen, lengths=lens, **kw)
+    with compile_counter as c:
+        for batch, width in ((4, 16), (4, 9), (3, 12)):
+            ids, plen, lens = rows(batch, width)
+            out = ll.token_logprobs(llama_f32, ids[:, :width], plen, lengths=lens, **kw)
+            assert out.raw_logprobs.shape == (batch, width)
+    assert c.count == 0
+    for r in range(3):  # [1, 16]: no padding at all
+        alone = ll.token_logprobs(llama_f32, ids[r : r + 1], plen[r : r + 1],
+                                  lengths=lens[r : r + 1], **kw).raw_logprobs  # fmt: skip
+        got, want = np.asarray(out.raw_logprobs[r]), np.asarray(alone[0, :12])
+        assert np.any(got != 0)
+        if deterministic:
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+        else:
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -212,8 +212,10 @@ def score(
     for bit; for others it may differ from it in the last bit.
     `top_logprobs` (0..MAX_TOP_LOGPROBS): that many raw alternatives per position.
 
-    The pairs run in fixed-shape batches of `batch_size` rows, longest first (prompt and
-    continuation widths bucketed to powers of two, so few programs compile), and
+    The pairs run in batches of `batch_size` rows, longest first; the rows, the prompt and
+    continuation widths and a batch's distinct prompts are bucketed (`row_bucket`,
+    `host.bucket`, `shared_prompts`; docs/scoring.md, "What compiles"), so few programs
+    compile and a new length or row count inside a bucket compiles none, and
     `progress(done, total)` is called after each batch. Pairs whose prompts are the same
     ids run in the same batch and share one prompt pass (module docstring); with
     `share_prompts=False` every pair runs its own (the values are the same, with
@@ -243,7 +245,8 @@ def score(
     results: list[ScoreResult | None] = [None] * total
     for start in range(0, total, batch_size):
         rows = order[start : start + batch_size]
-        padded = rows + [rows[0]] * (batch_size - len(rows))
+        width = batch_size if total > batch_size else row_bucket(len(rows), batch_size, layout)
+        padded = rows + [rows[0]] * (width - len(rows))
         out = _score_rows(
             info, [ids[r] for r in padded], [conts[r] for r in padded],
             None if params is None else params.take(padded), top_logprobs, layout,
@@ -254,6 +257,15 @@ def score(
         if progress is not None:
             progress(min(start + batch_size, total), total)
     return results
+
+
+def row_bucket(rows: int, batch_size: int, layout: Layout) -> int:
+    """The rows a call of `rows` pairs, all in one batch, runs: a power of two, a multiple
+    of the layout's data shards, at most `batch_size` (already such a multiple). A call of
+    several batches runs every batch at `batch_size` rows (its last one too: one program
+    for all of them). Padding rows repeat the batch's first pair; a row's values do not
+    depend on them (with `deterministic=True` bit for bit)."""
+    return min(batch_size, -(-bucket(rows, 1) // layout.row_multiple) * layout.row_multiple)
 
 
 def pair_order(ids: list[list[int]], conts: list[list[int]], share: bool) -> list[int]:

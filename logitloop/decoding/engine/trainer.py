@@ -153,7 +153,10 @@ def token_logprobs(
     same computation). Inside your own `jax.jit` the computation is traced into your
     program and compiled with your program's options: compile it with
     `logitloop.models.fixed_order.compiler_options()` to keep bfloat16 exact there.
-    New weights of the same structure (`nnx.update`) compile nothing.
+    New weights of the same structure (`nnx.update`) compile nothing, nor does a concrete
+    call whose `B` and `T` fall in the buckets of an earlier one (the rows padded to a
+    power of two, `T` to `bucket(T, MIN_CONTINUATION_BUCKET)`, the results cut back on the
+    host: `_padded`, `_cut`).
 
     `routing` (a mixture of experts, routing replay): `[B, T, L, k]` int, aligned with
     `token_ids`, for each token the k experts each of the model's L routed layers is to
@@ -165,20 +168,29 @@ def token_logprobs(
     """
     job = plan(model, Options(deterministic=deterministic))
     info = job.info
+    if keep_mask and params is None:
+        raise ValueError("keep_mask is the processed distribution's: pass params with it")
     ids, prompt_len, lengths = _checked_rows(token_ids, prompt_lengths, lengths, info.vocab_size)
     if params is not None:
         params = _checked_params(params, ids.shape[0], info)
     if routing is not None:
         routing = _checked_routing(routing, ids.shape, info)
     inputs = _Inputs(ids, prompt_len, lengths, params, routing)
+    shape = ids.shape
+    concrete = not _is_traced((inputs, info.weights))
+    if concrete:  # bucketed rows and width: one program per bucket, not per shape
+        inputs = _padded(inputs)
+        ids, plen, total, routes = jax.device_put(
+            (inputs.token_ids, inputs.prompt_lengths, inputs.lengths, inputs.routing)
+        )
+        inputs = inputs.replace(token_ids=ids, prompt_lengths=plen, lengths=total, routing=routes)
     raw, processed = _exact(info.runner, job.layout, info.weights, inputs)
     keep = None
     if keep_mask:
-        if params is None:
-            raise ValueError("keep_mask is the processed distribution's: pass params with it")
         no_grad = jax.lax.stop_gradient(info.weights)
         keep = _program(info.runner, no_grad, inputs, keep_mask=True, layout=job.layout)[2]
-    return TokenLogprobs(raw, None if params is None else processed, keep)
+    out = TokenLogprobs(raw, None if params is None else processed, keep)
+    return _cut(out, shape) if concrete else out
 
 
 # ----------------------------------------------------------------------------- host side
@@ -189,9 +201,12 @@ def _is_traced(x: Any) -> bool:
 
 
 def _checked_rows(token_ids, prompt_lengths, lengths, vocab_size: int):
-    """int32 device arrays, their shapes checked, and their values when they are concrete
-    (inside a trace only the shapes can be)."""
-    ids = jnp.asarray(token_ids)
+    """int32 arrays, their shapes checked, and their values when they are concrete (inside
+    a trace only the shapes can be). Concrete rows stay NumPy arrays (an eager `jnp` op
+    would compile a program per new shape); traced ones are `jnp` arrays."""
+    traced = _is_traced((token_ids, prompt_lengths, lengths))
+    xp = jnp if traced else np
+    ids = xp.asarray(token_ids)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] < 2:
         raise ValueError(
             f"token_ids must be a [B, T] array of token ids with B >= 1 and T >= 2 (a prompt "
@@ -200,35 +215,76 @@ def _checked_rows(token_ids, prompt_lengths, lengths, vocab_size: int):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
     batch, width = ids.shape
-    plen = jnp.asarray(prompt_lengths)
-    total = jnp.full((batch,), width, jnp.int32) if lengths is None else jnp.asarray(lengths)
+    plen = xp.asarray(prompt_lengths)
+    total = xp.full((batch,), width, np.int32) if lengths is None else xp.asarray(lengths)
     for name, value in (("prompt_lengths", plen), ("lengths", total)):
         if value.shape != (batch,) or not jnp.issubdtype(value.dtype, jnp.integer):
             raise ValueError(
                 f"{name} must be {batch} integers (one per row of token_ids), got "
                 f"shape {tuple(value.shape)} of {value.dtype}"
             )
-    if not _is_traced((ids, plen, total)):
-        host_ids, host_p, host_t = (np.asarray(x) for x in (ids, plen, total))
+    if not traced:
         for r in range(batch):
-            if not 1 <= host_t[r] <= width:
+            if not 1 <= total[r] <= width:
                 raise ValueError(
-                    f"lengths[{r}] = {host_t[r]} is outside the allowed range [1, {width}] "
+                    f"lengths[{r}] = {total[r]} is outside the allowed range [1, {width}] "
                     "(the width of token_ids)"
                 )
-            if not 1 <= host_p[r] <= host_t[r]:
+            if not 1 <= plen[r] <= total[r]:
                 raise ValueError(
-                    f"prompt_lengths[{r}] = {host_p[r]} is outside the allowed range "
-                    f"[1, {host_t[r]}] (a prompt token at least, at most the row's length)"
+                    f"prompt_lengths[{r}] = {plen[r]} is outside the allowed range "
+                    f"[1, {total[r]}] (a prompt token at least, at most the row's length)"
                 )
-            row = host_ids[r, : host_t[r]]
+            row = ids[r, : total[r]]
             bad = np.flatnonzero((row < 0) | (row >= vocab_size))
             if bad.size:
                 raise ValueError(
                     f"token_ids[{r}, {bad[0]}] = {row[bad[0]]} is outside the vocabulary "
                     f"[0, {vocab_size})"
                 )
-    return ids.astype(jnp.int32), plen.astype(jnp.int32), total.astype(jnp.int32)
+    return ids.astype(np.int32), plen.astype(np.int32), total.astype(np.int32)
+
+
+def _padded(inputs: _Inputs) -> _Inputs:
+    """Concrete rows padded to their buckets (NumPy; the caller moves them): the rows to a
+    power of two, the width to `bucket(T, MIN_CONTINUATION_BUCKET)`, widths `_forward` pads
+    its passes to anyway, so a padded call runs the same passes and its real rows keep
+    their values (with `deterministic=True` bit for bit: a row's values do not depend on
+    the other rows). A padding row is one prompt token and nothing to score, with row 0's
+    params."""
+    batch, width = inputs.token_ids.shape
+    rows, cols = bucket(batch, 1), bucket(width, MIN_CONTINUATION_BUCKET)
+    if (rows, cols) == (batch, width):
+        return inputs
+
+    def pad(x, fill):
+        x = np.asarray(x)
+        shape = (rows, cols)[: x.ndim] + x.shape[2:]
+        out = np.full(shape, fill, x.dtype)
+        out[tuple(slice(n) for n in x.shape)] = x
+        return out
+
+    params = inputs.params
+    if params is not None and rows > batch:
+        params = params.take(list(range(batch)) + [0] * (rows - batch))
+    return _Inputs(
+        token_ids=pad(inputs.token_ids, 0),
+        prompt_lengths=pad(inputs.prompt_lengths, 1),
+        lengths=pad(inputs.lengths, 1),
+        params=params,
+        routing=None if inputs.routing is None else pad(inputs.routing, -1),
+    )
+
+
+def _cut(out: TokenLogprobs, shape: tuple[int, int]) -> TokenLogprobs:
+    """A padded call's results cut back to the caller's `[B, T]`, on the host (an eager
+    slice of a device array would compile a program per shape) and moved back in one
+    `device_put`; results already `[B, T]` are returned as they are."""
+    if out.raw_logprobs.shape == shape:
+        return out
+    rows, cols = shape
+    host = jax.device_get(out)
+    return jax.device_put(jax.tree.map(lambda x: np.asarray(x)[:rows, :cols], host))
 
 
 def _checked_routing(routing: Any, shape: tuple[int, int], info) -> jax.Array:
@@ -239,7 +295,7 @@ def _checked_routing(routing: Any, shape: tuple[int, int], info) -> jax.Array:
             "routing is a mixture of experts' record (generate(..., return_routing=True)); "
             "this model has no routed layers"
         )
-    routing = jnp.asarray(routing)
+    routing = jnp.asarray(routing) if _is_traced(routing) else np.asarray(routing)
     want = (*shape, *routes)
     if routing.shape != want or not jnp.issubdtype(routing.dtype, jnp.integer):
         raise ValueError(
@@ -257,7 +313,7 @@ def _checked_routing(routing: Any, shape: tuple[int, int], info) -> jax.Array:
                 f"routing{list(at)} = {host[at]} is outside the allowed range "
                 f"[-1, {num_experts}) (an expert id of this model, or -1)"
             )
-    return routing.astype(jnp.int32)
+    return routing.astype(np.int32)
 
 
 def _checked_params(params: SamplingParams, batch: int, info) -> SamplingParams:
