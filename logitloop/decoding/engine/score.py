@@ -48,6 +48,7 @@ from logitloop.decoding.engine.host import (
     check_prompt,
     constraint_tables,
     prompt_batch,
+    row_bucket,
     tokenize_prompt,
 )
 from logitloop.decoding.engine.plan import Options, plan
@@ -213,7 +214,7 @@ def score(
     `top_logprobs` (0..MAX_TOP_LOGPROBS): that many raw alternatives per position.
 
     The pairs run in batches of `batch_size` rows, longest first; the rows, the prompt and
-    continuation widths and a batch's distinct prompts are bucketed (`row_bucket`,
+    continuation widths and a batch's distinct prompts are bucketed (`score_rows`,
     `host.bucket`, `shared_prompts`; docs/scoring.md, "What compiles"), so few programs
     compile and a new length or row count inside a bucket compiles none, and
     `progress(done, total)` is called after each batch. Pairs whose prompts are the same
@@ -245,7 +246,7 @@ def score(
     results: list[ScoreResult | None] = [None] * total
     for start in range(0, total, batch_size):
         rows = order[start : start + batch_size]
-        width = batch_size if total > batch_size else row_bucket(len(rows), batch_size, layout)
+        width = batch_size if total > batch_size else score_rows(len(rows), batch_size, layout)
         padded = rows + [rows[0]] * (width - len(rows))
         out = _score_rows(
             info, [ids[r] for r in padded], [conts[r] for r in padded],
@@ -259,13 +260,14 @@ def score(
     return results
 
 
-def row_bucket(rows: int, batch_size: int, layout: Layout) -> int:
-    """The rows a call of `rows` pairs, all in one batch, runs: a power of two, a multiple
-    of the layout's data shards, at most `batch_size` (already such a multiple). A call of
-    several batches runs every batch at `batch_size` rows (its last one too: one program
-    for all of them). Padding rows repeat the batch's first pair; a row's values do not
-    depend on them (with `deterministic=True` bit for bit)."""
-    return min(batch_size, -(-bucket(rows, 1) // layout.row_multiple) * layout.row_multiple)
+def score_rows(rows: int, batch_size: int, layout: Layout) -> int:
+    """The rows a call of `rows` pairs, all in one batch, runs: `host.row_bucket` (a power
+    of two or three halves of one, a multiple of the layout's data shards), at most
+    `batch_size` (already such a multiple). A call of several batches runs every batch at
+    `batch_size` rows (its last one too: one program for all of them). Padding rows repeat
+    the batch's first pair; a row's values do not depend on them (with `deterministic=True`
+    bit for bit)."""
+    return min(batch_size, row_bucket(rows, layout.row_multiple))
 
 
 def pair_order(ids: list[list[int]], conts: list[list[int]], share: bool) -> list[int]:

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from logitloop.decoding.engine.host import MIN_PROMPT_BUCKET, bucket
+from logitloop.decoding.engine.host import MIN_PROMPT_BUCKET, bucket, row_bucket
 from logitloop.decoding.engine.plan import Options, plan
 from logitloop.decoding.engine.score import (
     MIN_CONTINUATION_BUCKET,
@@ -246,14 +246,14 @@ def _checked_rows(token_ids, prompt_lengths, lengths, vocab_size: int):
 
 
 def _padded(inputs: _Inputs) -> _Inputs:
-    """Concrete rows padded to their buckets (NumPy; the caller moves them): the rows to a
-    power of two, the width to `bucket(T, MIN_CONTINUATION_BUCKET)`, widths `_forward` pads
-    its passes to anyway, so a padded call runs the same passes and its real rows keep
-    their values (with `deterministic=True` bit for bit: a row's values do not depend on
-    the other rows). A padding row is one prompt token and nothing to score, with row 0's
-    params."""
+    """Concrete rows padded to their buckets (NumPy; the caller moves them): the rows to
+    `host.row_bucket` (as `generate`'s), the width to `bucket(T, MIN_CONTINUATION_BUCKET)`,
+    widths `_forward` pads its passes to anyway, so a padded call runs the same passes and
+    its real rows keep their values (with `deterministic=True` bit for bit: a row's values
+    do not depend on the other rows). A padding row is one prompt token and nothing to
+    score, with row 0's params."""
     batch, width = inputs.token_ids.shape
-    rows, cols = bucket(batch, 1), bucket(width, MIN_CONTINUATION_BUCKET)
+    rows, cols = row_bucket(batch), bucket(width, MIN_CONTINUATION_BUCKET)
     if (rows, cols) == (batch, width):
         return inputs
 
