@@ -407,12 +407,23 @@ class LogitloopLM(TemplateLM):
             ids = self.tok_encode(context)[-room:]
             jobs.append(ll.Request(ids, params, id=f"generate_until request {i}"))
             stops.append(until)
+        # The job's programs first, at its bounds (`ll.precompile`, with a progress line):
+        # every request then runs them.
+        bounds = dict(
+            max_prompt_len=max(len(job.prompt) for job in jobs),
+            max_tokens_bound=max(int(job.params["max_tokens"]) for job in jobs),
+        )
+        shared = dict(
+            slots=self.batch_size, mesh=self.mesh, deterministic=self.deterministic,
+            prefix_cache=self.prefix_cache,
+        )  # fmt: skip
+        ll.precompile(
+            self.model, prompt_len=bounds["max_prompt_len"],
+            max_tokens=bounds["max_tokens_bound"], progress=not disable_tqdm, **shared,
+        )  # fmt: skip
         bar = tqdm(total=len(jobs), desc="Running generate_until requests", disable=disable_tqdm)
         out: list[Any] = [None] * len(jobs)
-        for index, result in ll.iter_generate_many(
-            self.model, jobs, slots=self.batch_size, mesh=self.mesh,
-            deterministic=self.deterministic, prefix_cache=self.prefix_cache,
-        ):  # fmt: skip
+        for index, result in ll.iter_generate_many(self.model, jobs, **bounds, **shared):
             out[index] = result
             bar.update(1)
         bar.close()
