@@ -24,7 +24,7 @@ def load_model(
     path: str | None,
     dtype: str | None,
     quantize: str | None = None,
-    group_size: int = 128,
+    group_size: int | None = None,
     quantize_embedding: bool = False,
 ):
     """`load_pretrained` of the --model folder (None: the shipped model), with --quantize,
