@@ -289,8 +289,10 @@ class Quantization:
     weights: int  # projection weights quantized
     expert_weights: int = 0  # stacked expert weights `[X, K, N]` quantized
     vocab_tables: int = 0  # vocabulary tables `[V, E]` quantized (1 tied, 2 untied)
-    format_bytes: int | None = None  # all parameters, as the format counts them (`measure`)
-    device_bytes: int | None = None  # all parameters, in the backend's buffers
+    # All parameters' bytes (`measure`): as the format counts them, and in the backend's
+    # buffers (all devices). Not compared: the same quantization on a mesh holds more.
+    format_bytes: int | None = dataclasses.field(default=None, compare=False)
+    device_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     def __repr__(self) -> str:  # the model's repr says what is quantized and what is float
         return f"Quantization({self.describe()!r})"

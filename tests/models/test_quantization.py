@@ -195,7 +195,8 @@ def test_save_pretrained_writes_the_dequantized_weights_with_a_note(tmp_path):
         np.asarray(reloaded.layers[1].w_up[...]), _dequantized(w), rtol=1e-6, atol=1e-7
     )
     prompts, conts = [[47, 411, 937], [341, 431]], [[5, 6, 7], [8, 9]]
-    for a, b in zip(ll.score(model, prompts, conts), ll.score(reloaded, prompts, conts)):
+    pairs = zip(ll.score(model, prompts, conts), ll.score(reloaded, prompts, conts), strict=True)
+    for a, b in pairs:
         np.testing.assert_allclose(a.raw_logprobs, b.raw_logprobs, rtol=1e-5, atol=1e-5)
 
 
@@ -215,6 +216,7 @@ def test_orbax_round_trip_restores_the_quantized_arrays(saved_int8):
     model, directory = saved_int8
     restored = orbax_io.restore_converted(directory)
     assert restored.quantization == model.quantization
+    assert restored.quantization.describe() == model.quantization.describe()  # bytes too
     for a, b in zip(_leaves(model), _leaves(restored), strict=True):
         assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
 
