@@ -84,7 +84,13 @@ def _quantized_values(fmt) -> list:
     return [leaf.qvalue for leaf in leaves if quantization.is_quantized(leaf)]
 
 
-@pytest.mark.parametrize("run", [_generate, _generate_many], ids=["generate", "generate_many"])
+# generate_many's loop is the same `decode_loop.decode` on another state (-m slow: two more
+# compiles of the loop); the default case pins the property on `generate`'s.
+@pytest.mark.parametrize(
+    "run",
+    [_generate, pytest.param(_generate_many, marks=pytest.mark.slow)],
+    ids=["generate", "generate_many"],
+)
 def test_int8_decode_loop_holds_no_float_copy_of_the_weights(decode_temporaries, run):
     float_temp = decode_temporaries(None, run)
     int8_temp = decode_temporaries("int8", run)
@@ -96,6 +102,7 @@ def test_int8_decode_loop_holds_no_float_copy_of_the_weights(decode_temporaries,
     assert int8_temp - float_temp <= 2 * largest, (float_temp, int8_temp, copies)
 
 
+@pytest.mark.slow
 def test_int4_decode_loop_holds_at_most_a_byte_per_value(decode_temporaries):
     """XLA:CPU widens an int4 weight to int8 before any other operation on it, and that
     widening is hoisted out of the loop (a byte per value, a quarter of a float copy): what
