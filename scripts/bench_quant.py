@@ -5,7 +5,10 @@ A random Llama of Llama 3.2 1B's shapes (hidden 2048, MLP 8192, 16 layers, 32/8 
 filled one tensor at a time with random bfloat16 values, then quantized the way
 `load_pretrained(quantize=...)` does (`quantization.quantize_model`), with the tied
 embedding / LM head kept in bfloat16 (the default) and quantized (`quantize_embedding=True`,
-"+emb"); the bytes are counted from the resulting arrays (`quantization.parameter_bytes`).
+"+emb"); the bytes are counted from the resulting arrays two ways: as the format counts
+them (`quantization.parameter_bytes`, int4 at half a byte) and as the backend holds them
+(`quantization.device_bytes`, the arrays' device buffers: XLA:CPU keeps an int4 value in a
+whole byte).
 
 Run: PYTHONPATH=$PWD python scripts/bench_quant.py [--layers 16]
 """
@@ -62,14 +65,16 @@ def main():
             quantization.quantize_model(model, spec)
             took = time.perf_counter() - start
         n = quantization.parameter_bytes(model)
+        held = quantization.device_bytes(model)
         if fmt is None:
             float_bytes = n
-            print(f"bfloat16: {n / 2**30:.3f} GiB")
+            print(f"bfloat16: {n / 2**30:.3f} GiB (device buffers {held / 2**30:.3f} GiB)")
         else:
             name = fmt + ("+emb" if embedding else "")
             print(
-                f"{name}: {n / 2**30:.3f} GiB = {n / float_bytes:.3f}x of bfloat16 "
-                f"(quantized in {took:.1f} s)"
+                f"{name}: {n / 2**30:.3f} GiB = {n / float_bytes:.3f}x of bfloat16 as the "
+                f"format counts; device buffers ({jax.default_backend()}) "
+                f"{held / 2**30:.3f} GiB = {held / float_bytes:.3f}x (quantized in {took:.1f} s)"
             )
         del model
 

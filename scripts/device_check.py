@@ -411,7 +411,7 @@ def quantized(ck: Check, row: Row) -> None:
     s = ck.shapes
     base = ck.model()
     formats = ("int4",) if ck.smoke else ("int8", "int4")
-    group = 32 if ck.smoke else quantization.DEFAULT_GROUP_SIZE
+    group = 32 if ck.smoke else quantization.GROUP_SIZES[0]
     batches = s.decode_batches[:2]
     row.setup = (
         f"{s.model} bf16 vs {'/'.join(formats)} weights (int4 groups of {group}), "
@@ -426,6 +426,12 @@ def quantized(ck: Check, row: Row) -> None:
     size = {name: quantization.parameter_bytes(m) for name, m in models.items()}
     row.add(
         "weights " + ", ".join(f"{n} {gib(b)} ({b / size['bf16']:.2f}x)" for n, b in size.items())
+    )
+    # what the device holds: an int4 value in half a byte where it packs them (XLA:CPU: a byte)
+    held = {name: quantization.device_bytes(m) for name, m in models.items()}
+    row.add(
+        "device buffers "
+        + ", ".join(f"{n} {gib(b)} ({b / held['bf16']:.2f}x)" for n, b in held.items())
     )
     vocab = model_info(base).vocab_size
     rng = np.random.default_rng(0)

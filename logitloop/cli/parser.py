@@ -419,9 +419,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--group-size",
         type=int,
-        default=128,
+        default=None,
         metavar="N",
-        help="--quantize int4: contraction entries per scale (default: 128)",
+        help="--quantize int4: contraction entries per scale (default: the largest of 128, "
+        "64, 32 that divides every contraction)",
     )
     model.add_argument(
         "--quantize-embedding",

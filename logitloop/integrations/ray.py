@@ -126,7 +126,7 @@ class Generator:
         dtype: str | None = None,
         mesh_shape: Mapping[str, int] | None = None,
         quantize: Any = None,
-        group_size: int = 128,
+        group_size: int | None = None,
         quantize_embedding: bool = False,
         params: Mapping[str, Any] | None = None,
         n: int = 1,

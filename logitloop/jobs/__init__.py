@@ -28,7 +28,7 @@ def load_model(
     path: str | None,
     dtype: str | None,
     quantize: str | None = None,
-    group_size: int = 128,
+    group_size: int | None = None,
     quantize_embedding: bool = False,
 ):
     """`load_pretrained` of a job's model folder (None: the shipped model), with its

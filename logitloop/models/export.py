@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.flax import save_file
 
+from logitloop.models import quantization
 from logitloop.models.config import LlamaConfig
 from logitloop.models.llama import LlamaModel, checkpoint_tensors
 
@@ -76,7 +77,16 @@ def save_pretrained(
     tokenizer_config: dict[str, Any] | None = None,
     generation_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `model` as a Hugging Face checkpoint folder and return its path."""
+    """Write `model` as a Hugging Face checkpoint folder and return its path.
+
+    A quantized model (`load_pretrained(quantize=...)`) is written as its dequantized
+    float weights (values times scales, what its products compute), in `dtype`: a folder
+    that transformers and vLLM load as an ordinary float checkpoint and that gives the
+    quantized model's logits, not a smaller one (neither reads Qwix's arrays).
+    `config.json` says so under `logitloop_quantization` (the format, group size and
+    whether the vocabulary tables were quantized), a key both ignore; it is not
+    `quantization_config`, which would ask them for a quantization method.
+    `orbax_io.save_converted` keeps the integer values and scales instead."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -85,16 +95,27 @@ def save_pretrained(
         node: Any = model
         for key in spec.target:
             node = node[key] if isinstance(key, int) else getattr(node, key)
-        value = np.asarray(node[...], np.float32)
+        value = node[...]
+        if quantization.is_quantized(value):
+            value = quantization.dequantize(value)
+        value = np.asarray(value, np.float32)
         out = np.ascontiguousarray(_to_checkpoint(name, value, config))
         if out.shape != spec.shape:
             raise AssertionError(f"{name}: exported shape {out.shape} != {spec.shape}")
         tensors[name] = jnp.asarray(out, dtype)
     torch_dtype = jnp.dtype(dtype).name
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(
-        json.dumps(hf_config(config, torch_dtype=torch_dtype), indent=2) + "\n"
-    )
+    hf = hf_config(config, torch_dtype=torch_dtype)
+    quantized = quantization.storage_record(model)
+    if quantized is not None:
+        hf["logitloop_quantization"] = {
+            "format": quantized["format"],
+            "group_size": quantized["group_size"],
+            "embedding": quantized["embedding"],
+            "note": "the weights are the dequantized values of a quantized logitloop model "
+            "(values times scales), stored in torch_dtype: a float checkpoint",
+        }
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     if generation_config is not None:
         (folder / "generation_config.json").write_text(
             json.dumps(generation_config, indent=2) + "\n"

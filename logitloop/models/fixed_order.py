@@ -506,7 +506,7 @@ def product(rows: jax.Array, w: jax.Array, *, numerics: Numerics, groups: int = 
         # one; under the chunked contraction or the tile kernel, its dequantized value.
         if not _dequantizes(numerics):
             return quantization.product(rows, w)
-        w = quantization.dequantize(w)
+        w = quantization.dequantize(w, rows)
     if numerics.tile_kernel is not None:
         return _kernel_product(rows, w, numerics, transposed=False, out_dtype=None)
     if not numerics.splits:
@@ -567,7 +567,7 @@ def head_product(rows: jax.Array, head: jax.Array, *, numerics: Numerics) -> jax
     if quantization.is_quantized(head):  # a quantized vocabulary table (Qwix's product)
         if not _dequantizes(numerics):
             return quantization.head_product(rows, head)
-        head = quantization.dequantize(head)
+        head = quantization.dequantize(head, rows)
     if numerics.tile_kernel is not None:
         return _kernel_product(rows, head, numerics, transposed=True, out_dtype=jnp.float32)
     if not numerics.splits:

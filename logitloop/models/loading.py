@@ -58,7 +58,7 @@ def load_pretrained(
     *,
     dtype=None,
     quantize: str | None = None,
-    group_size: int = quantization.DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     quantize_embedding: bool = False,
 ) -> Model:
     """Load a Hugging Face checkpoint folder.
@@ -74,7 +74,10 @@ def load_pretrained(
         The embedding, LM head, norms and biases stay in `dtype`. Each projection is
         quantized as it is read (no whole float copy); every weight's shape is checked
         against the format before the first tensor is read.
-      group_size: int4's group along each weight's contraction.
+      group_size: int4's group along each weight's contraction; None (the default): the
+        largest of 128, 64, 32 that divides every quantized weight's contraction
+        (`quantization.GROUP_SIZES`; `model.quantization.describe()` names it). A given
+        size that does not divide a contraction is refused, naming the weight.
       quantize_embedding: with `quantize`, the token embedding and LM head too (one table
         when tied), a scale per vocabulary row (int4: per row and group of the embedding
         axis); False keeps them in `dtype`, as vLLM and torchao do by default.
@@ -113,7 +116,9 @@ def load_pretrained(
     model = abstract_model(config, dtype)
     # Checked on the abstract model before any tensor is read: a refused int4 group size
     # leaves no half-quantized model behind.
-    quantized = {} if quantize_spec is None else quantization.plan(model, quantize_spec)
+    quantized = {}
+    if quantize_spec is not None:
+        quantize_spec, quantized = quantization.plan(model, quantize_spec)
 
     def store(target: tuple, value: jax.Array) -> None:
         # Quantized as it is read, so the float copy of the whole model never exists.

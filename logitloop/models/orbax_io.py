@@ -138,6 +138,8 @@ def restore_converted(directory: str | os.PathLike, *, sharding: Any = None) -> 
     )
     nnx.replace_by_pure_dict(state, quantization.from_storable(place(restored), like))
     nnx.update(model, state)
+    if quantized is not None:
+        quantization.measure(model)  # its bytes, now that the arrays are there
 
     if meta.get("tokenizer") is not None:
         tok = tokenizers.Tokenizer.from_file(str(directory / _TOKENIZER_FILE))

@@ -9,8 +9,10 @@ Formats (`quantize=`):
 - "int8": per output channel (one scale per output column).
 - "fp8": float8 e4m3 values, per output channel like int8 (Qwix's product upcasts them;
   it runs on XLA:CPU, tested against NumPy).
-- "int4": per group of `group_size` entries of the contraction, per output column; a
-  contraction not divisible by `group_size` is refused.
+- "int4": per group of `group_size` entries of the contraction, per output column; by
+  default (`group_size=None`) the largest of `GROUP_SIZES` (128, 64, 32) that divides
+  every quantized weight's contraction (`plan`); a contraction not divisible by a given
+  `group_size` is refused, naming the weight.
 
 What is quantized: the attention and MLP projections of every layer and a
 mixture-of-experts layer's stacked expert weights (`[X, K, N]`: scales per expert and
@@ -50,7 +52,8 @@ STORAGE_VERSION = 3  # 2: MoE expert weights quantized too; 3: vocabulary tables
 # The versions this logitloop restores: a version-2 checkpoint is a version-3 one with
 # float vocabulary tables (its record has no "embedding" entry).
 READABLE_STORAGE_VERSIONS = (2, 3)
-DEFAULT_GROUP_SIZE = 128
+# int4's group sizes when none is given: the largest that divides every contraction.
+GROUP_SIZES = (128, 64, 32)
 
 # Parameter name -> the number of leading axes that the weight's product contracts
 # (a head-split output projection `[H, D, E]` contracts H and D; the rest contract axis 0).
@@ -78,8 +81,9 @@ class QuantizeSpec:
     """A checked `quantize=` setting."""
 
     format: str
-    group_size: int
+    group_size: int | None  # int4's group; None: chosen from GROUP_SIZES by `plan`
     embedding: bool = False  # the vocabulary tables (embedding, LM head) quantized too
+    chosen: bool = False  # `group_size` was chosen by `plan` (none was given)
 
     @property
     def qtype(self):
@@ -87,10 +91,10 @@ class QuantizeSpec:
 
 
 def check_quantize(
-    quantize: Any, group_size: Any = DEFAULT_GROUP_SIZE, quantize_embedding: Any = False
+    quantize: Any, group_size: Any = None, quantize_embedding: Any = False
 ) -> QuantizeSpec | None:
     """`quantize`, `group_size` and `quantize_embedding` checked: None (float weights) or
-    a `QuantizeSpec`."""
+    a `QuantizeSpec` (`group_size` None: int4's group is chosen by `plan`)."""
     if not isinstance(quantize_embedding, bool):
         raise ValueError(f"quantize_embedding must be True or False, got {quantize_embedding!r}")
     if quantize is None:
@@ -101,8 +105,14 @@ def check_quantize(
         return None
     if not isinstance(quantize, str) or quantize not in FORMATS:
         raise ValueError(f"quantize must be None, 'int8', 'int4' or 'fp8', got {quantize!r}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if group_size is not None and (
+        isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+    ):
+        raise ValueError(
+            "group_size must be None (int4: the largest of "
+            f"{', '.join(map(str, GROUP_SIZES))} that divides every contraction) or a "
+            f"positive int, got {group_size!r}"
+        )
     return QuantizeSpec(quantize, group_size, quantize_embedding)
 
 
@@ -159,12 +169,14 @@ STACKED_EXPERTS = 0
 VOCAB_ROWS = -1
 
 
-def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
-    """The weights `spec` quantizes: parameter path -> axes its product contracts
-    (`STACKED_EXPERTS` for a mixture's stacked experts). Checks every weight's shape first
-    (int4's group size), so that a refused model is refused before any weight is read or
-    quantized; works on an abstract model."""
+def plan(model: nnx.Module, spec: QuantizeSpec) -> tuple[QuantizeSpec, dict[tuple, int]]:
+    """The weights `spec` quantizes: `spec` with int4's group size chosen where none was
+    given (the largest of `GROUP_SIZES` that divides every contraction), and parameter
+    path -> axes its product contracts (`STACKED_EXPERTS` for a mixture's stacked experts).
+    Checks every weight's shape first (int4's group size), so that a refused model is
+    refused before any weight is read or quantized; works on an abstract model."""
     weights: dict[tuple, int] = {}
+    contractions: dict[tuple, tuple] = {}  # path -> (shape, the axis int4 groups split)
     tables = _VOCAB_TABLES if spec.embedding else ()
     for path, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param) or not path:
@@ -182,15 +194,38 @@ def plan(model: nnx.Module, spec: QuantizeSpec) -> dict[tuple, int]:
             axis = contracted - 1
             if contracted == 2:  # stored as its 2-D view `[H * D, E]`, see `quantize_param`
                 shape, axis = (shape[0] * shape[1], shape[2]), 0
-        if spec.format == "int4" and shape[axis] % spec.group_size:
-            raise ValueError(
-                f"quantize='int4': {_name(path)} has shape {shape}; its contraction axis "
-                f"{axis} ({shape[axis]}) is not divisible by group_size={spec.group_size}"
-            )
         weights[tuple(path)] = contracted
+        contractions[tuple(path)] = (shape, axis)
     if not weights:
         raise ValueError(f"quantize={spec.format!r}: this model has no projection weights")
-    return weights
+    if spec.format == "int4":
+        spec = _group_size(spec, contractions)
+    return spec, weights
+
+
+def _group_size(spec: QuantizeSpec, contractions: dict[tuple, tuple]) -> QuantizeSpec:
+    """int4's `spec` with its group size checked against every weight's contraction
+    (`plan`'s `contractions`), or chosen: the largest of `GROUP_SIZES` that divides all."""
+    sizes = {path: shape[axis] for path, (shape, axis) in contractions.items()}
+    if spec.group_size is None:
+        for group in GROUP_SIZES:
+            if all(n % group == 0 for n in sizes.values()):
+                return dataclasses.replace(spec, group_size=group, chosen=True)
+        path = next(p for p, n in sizes.items() if n % GROUP_SIZES[-1])
+        shape, axis = contractions[path]
+        raise ValueError(
+            f"quantize='int4': no group size of {', '.join(map(str, GROUP_SIZES))} divides "
+            f"every contraction: {_name(path)} has shape {shape}, its contraction axis "
+            f"{axis} ({sizes[path]}); pass a group_size that divides it"
+        )
+    for path, n in sizes.items():
+        if n % spec.group_size:
+            shape, axis = contractions[path]
+            raise ValueError(
+                f"quantize='int4': {_name(path)} has shape {shape}; its contraction axis "
+                f"{axis} ({n}) is not divisible by group_size={spec.group_size}"
+            )
+    return spec
 
 
 def _name(path) -> str:
@@ -218,7 +253,7 @@ def quantize_model(model: nnx.Module, spec: QuantizeSpec) -> None:
     `QArray`s, one tensor at a time, and record what was quantized (`record`).
     `load_pretrained(quantize=...)` instead quantizes each tensor as it is read
     (`loading._fill_parameters`)."""
-    weights = plan(model, spec)
+    spec, weights = plan(model, spec)
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and tuple(path) in weights:
             param.set_value(quantize_param(tuple(path), param[...], weights[tuple(path)], spec))
@@ -231,6 +266,19 @@ def record(model: nnx.Module, spec: QuantizeSpec, weights: dict[tuple, int]) -> 
     experts = sum(c == STACKED_EXPERTS for c in weights.values())
     tables = sum(c == VOCAB_ROWS for c in weights.values())
     model.quantization = Quantization(spec, len(weights) - experts - tables, experts, tables)
+    measure(model)
+
+
+def measure(model: nnx.Module) -> None:
+    """Record the parameters' bytes in `model.quantization` (what `describe` reports): as
+    the format counts them (`parameter_bytes`) and in the backend's buffers
+    (`device_bytes`); nothing on an abstract model (`orbax_io` measures after restoring)."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    if not all(isinstance(leaf, jax.Array) for leaf in leaves):
+        return
+    model.quantization = dataclasses.replace(
+        model.quantization, format_bytes=parameter_bytes(model), device_bytes=device_bytes(model)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +289,10 @@ class Quantization:
     weights: int  # projection weights quantized
     expert_weights: int = 0  # stacked expert weights `[X, K, N]` quantized
     vocab_tables: int = 0  # vocabulary tables `[V, E]` quantized (1 tied, 2 untied)
+    # All parameters' bytes (`measure`): as the format counts them, and in the backend's
+    # buffers (all devices). Not compared: the same quantization on a mesh holds more.
+    format_bytes: int | None = dataclasses.field(default=None, compare=False)
+    device_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     def __repr__(self) -> str:  # the model's repr says what is quantized and what is float
         return f"Quantization({self.describe()!r})"
@@ -248,6 +300,9 @@ class Quantization:
     def describe(self) -> str:
         s = self.spec
         how = f"groups of {s.group_size}" if s.format == "int4" else "per output channel"
+        if s.chosen:
+            largest = ", ".join(map(str, GROUP_SIZES))
+            how += f", the largest of {largest} dividing every contraction"
         if self.vocab_tables:
             tied = self.vocab_tables == 1
             tables = "tied embedding and LM head" if tied else "embedding and LM head"
@@ -264,12 +319,43 @@ class Quantization:
             text = text.replace(
                 "projections;", f"projections and {self.expert_weights} stacked expert weights;"
             )
+        if self.format_bytes is not None:
+            half = " (int4 at half a byte)" if s.format == "int4" else ""
+            text += (
+                f"; parameters {self.format_bytes / 2**20:.2f} MiB in the format{half}, "
+                f"{self.device_bytes / 2**20:.2f} MiB in the backend's buffers"
+            )
         return text
+
+
+def at_use(x: jax.Array, w: Any) -> Any:
+    """The `QArray` `w` with its integer values made to depend on the activation `x` (a
+    select on a predicate of `x`'s first element's bits that is always true, `(bits | 1)
+    != 0`, which XLA cannot prove), so that the dequantized weight is computed at the
+    product, inside the step that uses it.
+
+    Without it a weight's dequantization is loop-invariant in the decode `while_loop` and
+    XLA hoists it out of the loop: a float copy of every quantized weight held for the
+    whole loop, more memory than the float model (a Llama 3.2 1B shape in float32: 6.68 GB
+    peak during `generate` against the float model's 5.73 GB). With it the float weight is
+    a temporary of one product at a time, and the select is one more operation in the
+    dequantizing fusion (`scripts/bench_quant_memory.py`, BENCHMARKS.md). An
+    `optimization_barrier` does not do this on XLA:CPU: it is removed before the loop
+    optimizations run."""
+    if x.size == 0:
+        return w
+    first = jax.lax.slice(x.reshape(-1), (0,), (1,))  # [1]
+    bits = jax.lax.bitcast_convert_type(first, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    keep = (bits[0] | 1) != 0  # always true
+    qvalue = jnp.where(keep, w.qvalue, jnp.zeros((), w.qvalue.dtype))
+    return dataclasses.replace(w, qvalue=qvalue)
 
 
 def product(rows: jax.Array, w: Any) -> jax.Array:
     """`rows @ w` for a `QArray` `w` `[K, N]`, in `rows`' dtype (Qwix's quantized
-    `dot_general`: integer weights, scales applied to the output or per group)."""
+    `dot_general`: integer weights, scales applied to the output or per group; the weight
+    dequantized at the product, `at_use`)."""
+    w = at_use(rows, w)
     out = _qwix().dot_general(rows, w, (((1,), (0,)), ((), ())))
     return out.astype(rows.dtype)
 
@@ -277,14 +363,16 @@ def product(rows: jax.Array, w: Any) -> jax.Array:
 def head_product(rows: jax.Array, table: Any) -> jax.Array:
     """The LM head `rows @ table.T`, `[M, E] x [V, E]^T -> [M, V]` float32, for a quantized
     vocabulary table (Qwix's `dot_general`: each row's scale is an output column's)."""
+    table = at_use(rows, table)
     dims = (((1,), (1,)), ((), ()))
     return _qwix().dot_general(rows, table, dims, preferred_element_type=jnp.float32)
 
 
-def dequantize(w: Any) -> jax.Array:
-    """A `QArray`'s float value (Qwix's dequantize: values times scales in the scales'
-    dtype, what its product computes before a float product)."""
-    return _qwix().dequantize(w)
+def dequantize(w: Any, rows: jax.Array | None = None) -> jax.Array:
+    """The `QArray` `w`'s float value (Qwix's dequantize: values times scales in the
+    scales' dtype, what its product computes before a float product); inside a program,
+    computed at `rows`' product (`at_use`)."""
+    return _qwix().dequantize(w if rows is None else at_use(rows, w))
 
 
 def lookup(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
@@ -306,17 +394,27 @@ def einsum(subscripts: str, x: jax.Array, w: Any) -> jax.Array:
     `w` is a `QArray` (the expert products of moe.py: one path for float and quantized)."""
     if not is_quantized(w):
         return jnp.einsum(subscripts, x, w)
+    w = at_use(x, w)
     return _qwix().einsum(subscripts, x, w).astype(x.dtype)
 
 
 def parameter_bytes(model: nnx.Module) -> int:
-    """The bytes of the model's parameters as stored (a `QArray`'s values and scales; int4
-    counted at half a byte)."""
+    """The bytes of the model's parameters as the format counts them (a `QArray`'s values
+    and scales; int4 counted at half a byte). What the backend holds can be more:
+    `device_bytes`."""
     total = 0
     for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
         bits = 4 if leaf.dtype in (jnp.int4, jnp.uint4) else leaf.dtype.itemsize * 8
         total += math.prod(leaf.shape) * bits // 8
     return total
+
+
+def device_bytes(model: nnx.Module) -> int:
+    """The bytes the backend holds for the model's parameters: every array's device
+    buffers (`on_device_size_in_bytes()`, all its shards). XLA:CPU keeps each int4 value in
+    a whole byte, so there an int4 weight holds what an int8 one does."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return sum(leaf.on_device_size_in_bytes() for leaf in leaves)
 
 
 def storage_record(model: nnx.Module) -> dict | None:
@@ -370,7 +468,7 @@ def from_storable(tree: Any, like: Any) -> Any:
 def abstract_quantized(model: nnx.Module, spec: QuantizeSpec) -> None:
     """Give an abstract model the abstract `QArray`s `spec` makes (shapes only, nothing
     computed): the target a saved quantized model is restored into."""
-    weights = plan(model, spec)
+    spec, weights = plan(model, spec)
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and tuple(path) in weights:
             how = weights[tuple(path)]

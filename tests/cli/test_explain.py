@@ -189,5 +189,5 @@ def test_quantized_explain_names_the_format(capsys):
     out = capsys.readouterr().out
     assert out.startswith(
         "weights: int4 weights (groups of 32) for 28 attention/MLP projections; embedding, "
-        "LM head, norms and biases in float\n"
+        "LM head, norms and biases in float; parameters "
     ), out

@@ -81,7 +81,7 @@ def test_bad_input_is_named():
         ValueError, match="quantize must be None, 'int8', 'int4' or 'fp8', got 'int3'"
     ):
         ll.load_pretrained(quantize="int3")
-    with pytest.raises(ValueError, match="group_size must be a positive int"):
+    with pytest.raises(ValueError, match="group_size must be None .* or a positive int, got 0"):
         ll.load_pretrained(quantize="int4", group_size=0)
     with pytest.raises(
         ValueError, match=r"layers\.0\.\w+ has shape \(\d+, \d+.*not divisible by group_size=96"
@@ -123,6 +123,83 @@ def test_refused_group_size_reads_no_tensor(monkeypatch):
         ll.load_pretrained(quantize="int4", group_size=96)
 
 
+def _llama(hidden: int, mlp: int, heads: int, head_dim: int):
+    config = ll.models.LlamaConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=mlp, num_layers=1,
+        num_heads=heads, num_kv_heads=heads, head_dim=head_dim, max_position_embeddings=16,
+    )  # fmt: skip
+    return ll.models.LlamaModel(config, rngs=nnx.Rngs(0))
+
+
+def test_int4_default_group_size_is_the_largest_that_divides_every_contraction():
+    model = ll.load_pretrained(quantize="int4")  # w_down contracts over 704: not 128
+    q = model.quantization
+    assert q.spec.group_size == 64 and q.spec.chosen
+    assert "int4 weights (groups of 64, the largest of 128, 64, 32 dividing every " in (
+        q.describe()
+    )
+    assert model.layers[0].w_down[...].scale.shape == (704 // 64, 256)
+    # a given size is checked, not replaced
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0\.w_down has shape \(704, 256\); its contraction axis 0 \(704\) is "
+        r"not divisible by group_size=128",
+    ):
+        ll.load_pretrained(quantize="int4", group_size=128)
+    # 128 where it divides every contraction (hidden 128, MLP 256, heads 2 x 64)
+    model = _llama(128, 256, 2, 64)
+    quantization.quantize_model(model, quantization.check_quantize("int4"))
+    assert model.quantization.spec.group_size == 128
+    # none of 128, 64, 32 divides 48: refused, naming the weight
+    with pytest.raises(
+        ValueError,
+        match=r"no group size of 128, 64, 32 divides every contraction: layers\.0\.w_gate "
+        r"has shape \(48, 64\), its contraction axis 0 \(48\); pass a group_size",
+    ):
+        quantization.quantize_model(_llama(48, 64, 4, 12), quantization.check_quantize("int4"))
+
+
+def test_describe_reports_the_formats_bytes_and_the_backends():
+    model = ll.load_pretrained(quantize="int4", group_size=32)
+    q = model.quantization
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert q.format_bytes == quantization.parameter_bytes(model)
+    assert q.device_bytes == sum(leaf.on_device_size_in_bytes() for leaf in leaves)
+    values = sum(leaf.size for leaf in leaves if leaf.dtype == jnp.int4)
+    if jax.default_backend() == "cpu":  # XLA:CPU: a byte per int4 value, not half
+        assert q.device_bytes - q.format_bytes == values // 2
+    text = (
+        f"parameters {q.format_bytes / 2**20:.2f} MiB in the format (int4 at half a byte), "
+        f"{q.device_bytes / 2**20:.2f} MiB in the backend's buffers"
+    )
+    assert q.describe().endswith(text), q.describe()
+
+
+def test_save_pretrained_writes_the_dequantized_weights_with_a_note(tmp_path):
+    import json
+
+    from logitloop.models.export import save_pretrained
+
+    model = ll.load_pretrained(quantize="int4", dtype=jnp.float32)
+    save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in config  # transformers / vLLM: a float checkpoint
+    assert config["logitloop_quantization"]["format"] == "int4"
+    assert config["logitloop_quantization"]["group_size"] == 64
+    reloaded = ll.load_pretrained(tmp_path)
+    assert getattr(reloaded, "quantization", None) is None
+    # its weights are the quantized ones' values times scales (NumPy), and its log-probs
+    # the quantized model's
+    w = model.layers[1].w_up[...]
+    np.testing.assert_allclose(
+        np.asarray(reloaded.layers[1].w_up[...]), _dequantized(w), rtol=1e-6, atol=1e-7
+    )
+    prompts, conts = [[47, 411, 937], [341, 431]], [[5, 6, 7], [8, 9]]
+    pairs = zip(ll.score(model, prompts, conts), ll.score(reloaded, prompts, conts), strict=True)
+    for a, b in pairs:
+        np.testing.assert_allclose(a.raw_logprobs, b.raw_logprobs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def saved_int8(tmp_path_factory):
     from logitloop.models import orbax_io
@@ -139,6 +216,7 @@ def test_orbax_round_trip_restores_the_quantized_arrays(saved_int8):
     model, directory = saved_int8
     restored = orbax_io.restore_converted(directory)
     assert restored.quantization == model.quantization
+    assert restored.quantization.describe() == model.quantization.describe()  # bytes too
     for a, b in zip(_leaves(model), _leaves(restored), strict=True):
         assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
 
