@@ -175,10 +175,11 @@ def _admit(
     *,
     buffer_len: int,
     num_top: int,
-) -> tuple[DecodeState, Tables]:
+) -> tuple[DecodeState, SamplingParams, Any]:
     """Prefill G prompts and write their fresh rows (state, params, stop strings, automaton
-    states) into slots. With `prefix`, `prompts` holds only the columns after each row's
-    shared pages (`suffix_batch`): the prefill computes those and attends the rest."""
+    states) into slots; returns the state and the slots' params and stop-string tables.
+    With `prefix`, `prompts` holds only the columns after each row's shared pages
+    (`suffix_batch`): the prefill computes those and attends the rest."""
     rows = tables.replace(params=new.params, stops=new.stops)
     cache = None
     if state.pages is not None:  # the new rows' prefill writes into the shared pool
@@ -200,7 +201,9 @@ def _admit(
             strings=put(stops.strings, new.stops.strings),
             lengths=put(stops.lengths, new.stops.lengths),
         )
-    return state, tables.replace(params=jax.tree.map(put, tables.params, new.params), stops=stops)
+    # The slots' params and stop strings only: returning the tables would write a copy of
+    # every weight into a new output buffer at each admission.
+    return state, jax.tree.map(put, tables.params, new.params), stops
 
 
 # --------------------------------------------------------------------------- host side
@@ -512,7 +515,7 @@ class _Batcher:
             np.int32,
         )
         new = Tables(None, new_params.device_only(), new_stops)
-        self.state, self.tables = _admit(
+        self.state, params, stops = _admit(
             self.plan.program,
             self.tables,
             self.state,
@@ -524,6 +527,7 @@ class _Batcher:
             buffer_len=self.buffer_len,
             num_top=self.widths.top_logprobs,
         )
+        self.tables = self.tables.replace(params=params, stops=stops)
 
     def admissible(self, waiting: Sequence[_Row], free: list[int], occupant: dict) -> int:
         """How many of the `waiting` rows to admit into the `free` slots now (with a paged
