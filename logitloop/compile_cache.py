@@ -91,7 +91,7 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     chosen = default_folder() if folder is None else Path(folder).expanduser()
     if chosen is None:
         return None
-    refused = _unsafe(chosen)
+    refused = unsafe_folder(chosen)
     if refused is not None:
         key = str(chosen)
         if key not in _warned:
@@ -112,7 +112,7 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     return CompileCache(chosen, previous)
 
 
-def _unsafe(folder: Path) -> str | None:
+def unsafe_folder(folder: Path) -> str | None:
     """Why `folder` must not hold compiled programs (created owner-only when absent), or
     None when it is this user's (or root's) and no other user can write to it, nor to a
     folder above it that lacks the sticky bit."""
