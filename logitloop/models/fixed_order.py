@@ -71,8 +71,9 @@ program has YNNPACK's dots off as well (`CPU_SPLIT_OPTIONS`): they round a colum
 differently with the number of columns.
 
 The policy is a value, `Numerics`, never module state: `calibrate(deterministic, dtype=...)`
-builds it (and runs, once per backend and dtype, the probes that decide how a decode
-pass may tile its rows on this CPU), `decoding.loop.runner.ModelRunner` carries it as a
+builds it (and runs the probes that decide how a decode pass may tile its rows on this
+CPU: once per machine, their results kept on disk, `measure`),
+`decoding.loop.runner.ModelRunner` carries it as a
 static field (so it is part of every program's jit key), and `ModelRunner.forward` passes
 it, set for the pass (`Numerics.for_pass`: prompt or decode, the rows' mesh), to the
 model, which hands it to every layer function (`logitloop.models.layers`). `PLAIN`, the
@@ -127,9 +128,11 @@ DECODE_TILE = 8
 # no such range: on an AMD EPYC rows 6 and 7 of 8 round otherwise than rows 0-5.) That
 # range is the CPU's, not a promise: on an Intel Xeon the LM head's product of bfloat16
 # rows into float32 gives a row other bits for every M from 3 to 16 than for M = 2. So a
-# probe decides, once per process, dtype and kind of product (`unpadded_rows_keep_bits`,
+# probe decides, once per machine, dtype and kind of product (`unpadded_rows_keep_bits`,
 # run by `calibrate`), and a probe of each product shape a decode pass traces
-# (`shape_keeps_row_bits`: N <= 8 and N = 4097..4100 fail on the Xeon this runs on).
+# (`shape_keeps_row_bits`: N <= 8 and N = 4097..4101 failed on the Xeons this ran on), the
+# model's own shapes measured by `calibrate` ahead of the trace, all in one program, the
+# results kept on disk (`measure`, `probe_record`).
 
 # The Pallas tile kernel's modes (`Numerics.tile_kernel`): compiled (a GPU) and interpreted
 # (anywhere: how the CPU tests run the GPU's path).

@@ -1,0 +1,180 @@
+"""What XLA compiling costs a user: programs and seconds of first calls, each in a fresh
+Python process, by section.
+
+    python scripts/bench_compile.py --section first            # the shipped model
+    python scripts/bench_compile.py --section first --baseline /tmp/old   # vs another checkout
+    python scripts/bench_compile.py --section depth --layers 4 16 32
+    python scripts/bench_compile.py --section all --out bench_out/compile.json
+
+Sections (`--section`, repeatable; `all` runs each):
+
+- `first`: `ll.load_pretrained()`, then the first `ll.generate` of 3 prompts x 16 tokens
+  (seed 1): `default`; `deterministic` with no fixed-order probe known
+  (`LOGITLOOP_COMPILE_CACHE=off`); `deterministic-recorded`, the probes' results on disk
+  from an earlier process (`logitloop.models.probe_record`; JAX's compilation cache stays
+  off, so the model's programs still compile). `--baseline DIR` runs the same children
+  with `DIR` (a checkout of another revision: `git archive REV logitloop | tar -x -C DIR`)
+  first on the path, each repeat in turns with this checkout's.
+- `depth`: a Llama-3.2-1B-shaped model (hidden 2048, 32 heads, 8 kv heads of 64,
+  intermediate 8192, vocab 128256, tied head; bfloat16, so that 32 layers fit beside other
+  work in 24 GiB), built from its config with constant-pattern weights (compiling does not
+  depend on the values), at each of `--layers`: the first `ll.generate` of one prompt of 8
+  tokens x 16 new tokens, greedy, default mode.
+
+Each child reports the programs XLA compiled during the call (backend compiles, counted
+from JAX's monitoring events, by function name), the seconds of those backend compiles,
+the call's wall time and its CPU time over all the process's threads (which a loaded
+machine inflates less than wall time). Rows give the median over `--repeats` fresh processes (the
+calls run in turns, so load on the machine falls on each alike) and the ratio of medians
+against the section's first row. `--out` writes every measurement as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The child's measuring part: `run()` is timed, with JAX's compile events counted.
+MEASURE = r"""
+import collections, json, time
+import jax
+names, secs = collections.Counter(), [0.0]
+def listen(event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+        names[kw.get("fun_name", "?")] += 1
+        secs[0] += duration
+jax.monitoring.register_event_duration_secs_listener(listen)
+start, cpu = time.perf_counter(), time.process_time()
+run()
+wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps({"programs": sum(names.values()), "compile_s": secs[0], "wall_s": wall,
+                  "cpu_s": cpu, "by_name": dict(names.most_common())}))
+"""
+
+FIRST = r"""
+import sys
+import logitloop as ll
+model = ll.load_pretrained()
+deterministic = sys.argv[1] != "default"
+def run():
+    ll.generate(model, ["The for statement", "A dictionary", "x"], max_tokens=16, seed=1,
+                deterministic=deterministic)
+"""
+
+DEPTH = r"""
+import sys
+import jax, numpy as np
+import jax.numpy as jnp
+from flax import nnx
+import logitloop as ll
+from logitloop.models import LlamaConfig, LlamaModel
+config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_layers=int(sys.argv[1]), num_heads=32, num_kv_heads=8, head_dim=64,
+                     max_position_embeddings=1024, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True)
+abstract = nnx.eval_shape(lambda: LlamaModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+graphdef, state = nnx.split(abstract)
+block = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+def fill(s):
+    scale = 1.0 if len(s.shape) == 1 else s.shape[0] ** -0.5  # norms 1-ish, products unit
+    return jax.device_put((np.resize(block, s.shape) * scale).astype(s.dtype))
+model = nnx.merge(graphdef, jax.tree.map(fill, state))
+prompt = np.random.default_rng(1).integers(1, 128256, 8).tolist()
+def run():
+    ll.generate(model, [prompt], max_tokens=16, temperature=0.0, ignore_eos=True)
+"""
+
+
+def child(code: str, argv: list[str], *, path: Path, env: dict[str, str]) -> dict:
+    """One fresh process running `code` then MEASURE; its JSON line."""
+    env = {**os.environ, "PYTHONPATH": str(path), **env}
+    out = subprocess.run(
+        [sys.executable, "-c", code + MEASURE, *argv],
+        check=True, capture_output=True, text=True, env=env, cwd=path,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def turns(cases: dict[str, tuple], repeats: int) -> dict[str, list[dict]]:
+    """`repeats` measurements of each case (name -> `child` arguments), in turns."""
+    got = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, (code, argv, path, env) in cases.items():
+            got[name].append(child(code, argv, path=path, env=env))
+            print(f"  {name}: {got[name][-1]['programs']} programs, "
+                  f"{got[name][-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return got
+
+
+def section_first(args, tmp: Path) -> dict[str, list[dict]]:
+    record = tmp / "probes"
+    trees = {"": ROOT} | ({"baseline ": args.baseline} if args.baseline else {})
+    cases = {}
+    for label, path in trees.items():
+        cases[f"{label}default"] = (FIRST, ["default"], path, {"LOGITLOOP_COMPILE_CACHE": "off"})
+        cases[f"{label}deterministic"] = (
+            FIRST, ["deterministic"], path, {"LOGITLOOP_COMPILE_CACHE": "off"}
+        )  # fmt: skip
+    recorded = {"LOGITLOOP_COMPILE_CACHE": str(record)}
+    child(FIRST, ["deterministic"], path=ROOT, env=recorded)  # writes the probes' record
+    cases["deterministic-recorded"] = (FIRST, ["deterministic"], ROOT, recorded)
+    return turns(cases, args.repeats)
+
+
+def section_depth(args, tmp: Path) -> dict[str, list[dict]]:
+    env = {"LOGITLOOP_COMPILE_CACHE": "off"}
+    cases = {f"{n} layers": (DEPTH, [str(n)], ROOT, env) for n in args.layers}
+    return turns(cases, args.repeats)
+
+
+SECTIONS = {"first": section_first, "depth": section_depth}
+
+
+def table(title: str, got: dict[str, list[dict]]) -> None:
+    print(f"\n{title}: median of {len(next(iter(got.values())))} fresh processes")
+    print(f"{'case':<28} {'programs':>8} {'compile s':>10} {'wall s':>8} {'CPU s':>8} "
+          f"{'wall ratio':>10}")  # fmt: skip
+    base = None
+    for name, runs in got.items():
+        programs, compile_s, wall, cpu = (
+            statistics.median(r[k] for r in runs)
+            for k in ("programs", "compile_s", "wall_s", "cpu_s")
+        )
+        base = base or wall
+        print(f"{name:<28} {programs:>8g} {compile_s:>10.2f} {wall:>8.2f} {cpu:>8.2f} "
+              f"{wall / base:>10.2f}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--section", action="append", choices=[*SECTIONS, "all"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
+    ap.add_argument("--baseline", type=Path, help="another checkout, for `first`")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    chosen = args.section or ["first"]
+    chosen = list(SECTIONS) if "all" in chosen else list(dict.fromkeys(chosen))
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in chosen:
+            results[name] = SECTIONS[name](args, Path(tmp))
+            table(name, results[name])
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
