@@ -16,17 +16,24 @@ Sections (`--section`, repeatable; `all` runs each):
   with `DIR` (a checkout of another revision: `git archive REV logitloop | tar -x -C DIR`)
   first on the path, each repeat in turns with this checkout's.
 - `depth`: a Llama-3.2-1B-shaped model (hidden 2048, 32 heads, 8 kv heads of 64,
-  intermediate 8192, vocab 128256, tied head; bfloat16, so that 32 layers fit beside other
-  work in 24 GiB), built from its config with constant-pattern weights (compiling does not
-  depend on the values), at each of `--layers`: the first `ll.generate` of one prompt of 8
-  tokens x 16 new tokens, greedy, default mode.
+  intermediate 8192, vocab 128256, tied head; bfloat16), built from its config with
+  pattern weights, every layer's weight of one shape the same buffer (compiling and the
+  decode step's work do not depend on the values, and 32 layers then take 0.7 GB, not 4.4,
+  beside other work in 24 GiB), at each of `--layers`: the first `ll.generate` of one
+  prompt of 8 tokens x 16 new tokens, greedy, default mode.
+- `scan` (an experiment, not a first call): one decode step of a Llama layer stack alone
+  (`--scan-layers`, `--scan-hidden`; 64-wide heads, MLP 4x, float32 and bfloat16) as the
+  models run it (layers unrolled) against `lax.scan` over the layers' stacked weights and
+  caches and a `fori_loop` carrying the stacked cache: compile seconds and the step's
+  median milliseconds (the calls in turns).
 
-Each child reports the programs XLA compiled during the call (backend compiles, counted
-from JAX's monitoring events, by function name), the seconds of those backend compiles,
-the call's wall time and its CPU time over all the process's threads (which a loaded
-machine inflates less than wall time). Rows give the median over `--repeats` fresh processes (the
-calls run in turns, so load on the machine falls on each alike) and the ratio of medians
-against the section's first row. `--out` writes every measurement as JSON.
+Each child of `first` and `depth` reports the programs XLA compiled during the call
+(backend compiles, counted from JAX's monitoring events, by function name), the seconds of
+those backend compiles, the call's wall time and its CPU time over all the process's
+threads (which a loaded machine inflates less than wall time). Rows give the median over
+`--repeats` fresh processes (the calls run in turns, so load on the machine falls on each
+alike; a child killed for memory is noted and left out) and the ratio of medians against
+the section's first row. `--out` writes every measurement as JSON.
 """
 
 from __future__ import annotations
@@ -84,13 +91,71 @@ config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192
 abstract = nnx.eval_shape(lambda: LlamaModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
 graphdef, state = nnx.split(abstract)
 block = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
-def fill(s):
-    scale = 1.0 if len(s.shape) == 1 else s.shape[0] ** -0.5  # norms 1-ish, products unit
-    return jax.device_put((np.resize(block, s.shape) * scale).astype(s.dtype))
+shared = {}
+def fill(s):  # one buffer per shape, shared by every layer: a 32-layer model in 0.7 GB
+    key = (s.shape, s.dtype)
+    if key not in shared:
+        scale = 1.0 if len(s.shape) == 1 else s.shape[0] ** -0.5  # norms 1-ish, products unit
+        shared[key] = jax.device_put((np.resize(block, s.shape) * scale).astype(s.dtype))
+    return shared[key]
 model = nnx.merge(graphdef, jax.tree.map(fill, state))
 prompt = np.random.default_rng(1).integers(1, 128256, 8).tolist()
 def run():
     ll.generate(model, [prompt], max_tokens=16, temperature=0.0, ignore_eos=True)
+"""
+
+# Not a first call: one decode step of the layer stack alone (no embedding, head, sampler),
+# unrolled as the models run it against `lax.scan` over stacked weights and caches, and a
+# `fori_loop` carrying the stacked cache (updated in place); compile s and step ms.
+SCAN = r"""
+import json, statistics, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from logitloop.models import LlamaConfig, LlamaModel, layers
+L, H, dtype, repeats = int(sys.argv[1]), int(sys.argv[2]), jnp.dtype(sys.argv[3]), int(sys.argv[4])
+config = LlamaConfig(vocab_size=256, hidden_size=H, intermediate_size=4 * H, num_layers=L,
+                     num_heads=H // 64, num_kv_heads=max(H // 256, 1), head_dim=64,
+                     max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True)
+model = LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0))
+gdef, _ = nnx.split(model.layers[0])
+states = [nnx.split(b)[1] for b in model.layers]
+stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+stacked, cache = stack(states), model.init_cache(1, 1024, dtype)
+stacked_cache = stack(cache)
+x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, H)), dtype)
+pos = jnp.full((1, 1), 100, jnp.int32)
+first = lambda t: jax.tree.map(lambda a: a[0], t)
+at = lambda t, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), t)
+def unrolled(states, x, pos, cache):
+    mask, out = layers.layer_mask(pos, cache[0], None), []
+    for st, c in zip(states, cache):
+        x, c = nnx.merge(gdef, st)(x, pos, c, mask)
+        out.append(c)
+    return x, out
+def scan(stacked, x, pos, cache):
+    mask = layers.layer_mask(pos, first(cache), None)
+    body = lambda x, sc: nnx.merge(gdef, sc[0])(x, pos, sc[1], mask)
+    return jax.lax.scan(body, x, (stacked, cache))
+def carried(stacked, x, pos, cache):
+    mask = layers.layer_mask(pos, first(cache), None)
+    def body(i, xc):
+        h, c = nnx.merge(gdef, at(stacked, i))(xc[0], pos, at(xc[1], i), mask)
+        up = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u, i, 0)
+        return h, jax.tree.map(up, xc[1], c)
+    return jax.lax.fori_loop(0, L, body, (x, cache))
+cases = {"unrolled": (unrolled, states, cache), "scan": (scan, stacked, stacked_cache),
+         "fori_loop, cache carried": (carried, stacked, stacked_cache)}
+out, fns = {}, {}
+for name, (f, w, c) in cases.items():
+    t = time.perf_counter()
+    fns[name] = (jax.jit(f).lower(w, x, pos, c).compile(), w, c)
+    out[name] = {"compile_s": time.perf_counter() - t, "step_ms": []}
+for _ in range(repeats):
+    for name, (f, w, c) in fns.items():
+        t = time.perf_counter()
+        jax.block_until_ready(f(w, x, pos, c))
+        out[name]["step_ms"].append((time.perf_counter() - t) * 1e3)
+print(json.dumps(out))
 """
 
 
@@ -109,7 +174,11 @@ def turns(cases: dict[str, tuple], repeats: int) -> dict[str, list[dict]]:
     got = {name: [] for name in cases}
     for _ in range(repeats):
         for name, (code, argv, path, env) in cases.items():
-            got[name].append(child(code, argv, path=path, env=env))
+            try:
+                got[name].append(child(code, argv, path=path, env=env))
+            except subprocess.CalledProcessError as e:  # e.g. killed for memory: noted, skipped
+                print(f"  {name}: failed ({e.returncode})", file=sys.stderr, flush=True)
+                continue
             print(f"  {name}: {got[name][-1]['programs']} programs, "
                   f"{got[name][-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
     return got
@@ -136,21 +205,47 @@ def section_depth(args, tmp: Path) -> dict[str, list[dict]]:
     return turns(cases, args.repeats)
 
 
-SECTIONS = {"first": section_first, "depth": section_depth}
+def section_scan(args, tmp: Path) -> dict:
+    """The scan proxy (SCAN), one process per dtype; printed here (its rows are not first
+    calls)."""
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        argv = [str(args.scan_layers), str(args.scan_hidden), dtype, str(args.scan_steps)]
+        cmd = [sys.executable, "-c", SCAN, *argv]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        got[dtype] = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"\nscan: one decode step of {args.scan_layers} layers, hidden {args.scan_hidden}, "
+          f"median of {args.scan_steps} steps in turns")  # fmt: skip
+    print(f"{'dtype':<9} {'layers as':<26} {'compile s':>9} {'step ms':>8} {'step ratio':>10}")
+    for dtype, cases in got.items():
+        base = statistics.median(cases["unrolled"]["step_ms"])
+        for name, r in cases.items():
+            step = statistics.median(r["step_ms"])
+            print(f"{dtype:<9} {name:<26} {r['compile_s']:>9.2f} {step:>8.1f} {step / base:>10.2f}")
+    return got
+
+
+SECTIONS = {"first": section_first, "depth": section_depth, "scan": section_scan}
+PRINTED = {"scan"}  # sections that print their own table
 
 
 def table(title: str, got: dict[str, list[dict]]) -> None:
-    print(f"\n{title}: median of {len(next(iter(got.values())))} fresh processes")
+    print(f"\n{title}: median of the fresh processes (count in brackets)")
     print(f"{'case':<28} {'programs':>8} {'compile s':>10} {'wall s':>8} {'CPU s':>8} "
           f"{'wall ratio':>10}")  # fmt: skip
     base = None
     for name, runs in got.items():
+        if not runs:
+            print(f"{name:<28} (every run failed)")
+            continue
         programs, compile_s, wall, cpu = (
             statistics.median(r[k] for r in runs)
             for k in ("programs", "compile_s", "wall_s", "cpu_s")
         )
         base = base or wall
-        print(f"{name:<28} {programs:>8g} {compile_s:>10.2f} {wall:>8.2f} {cpu:>8.2f} "
+        label = f"{name} ({len(runs)})"
+        print(f"{label:<28} {programs:>8g} {compile_s:>10.2f} {wall:>8.2f} {cpu:>8.2f} "
               f"{wall / base:>10.2f}")  # fmt: skip
 
 
@@ -160,6 +255,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
     ap.add_argument("--baseline", type=Path, help="another checkout, for `first`")
+    ap.add_argument("--scan-layers", type=int, default=16)
+    ap.add_argument("--scan-hidden", type=int, default=1024)
+    ap.add_argument("--scan-steps", type=int, default=20)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     chosen = args.section or ["first"]
@@ -170,7 +268,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in chosen:
             results[name] = SECTIONS[name](args, Path(tmp))
-            table(name, results[name])
+            if name not in PRINTED:
+                table(name, results[name])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
