@@ -9,7 +9,10 @@ so that a second process neither compiles the decode loop nor its prefill again.
 
 It is JAX's own persistent compilation cache (`jax_compilation_cache_dir`), with every
 program kept however quick it was to compile, the mechanism the `logitloop` command line
-uses (`LOGITLOOP_COMPILE_CACHE`). Nothing is written anywhere until it is enabled.
+uses (`LOGITLOOP_COMPILE_CACHE`). No program is written anywhere until it is enabled. (The
+same folder holds, whether or not the cache is enabled, the deterministic mode's probe
+results, a small JSON file that is only data: `logitloop.models.probe_record`; "off" keeps
+none.)
 
 Entries are keyed by JAX on the lowered program, the compile options, the backend and the
 jax/jaxlib versions, so an entry written by another version is never read; an entry that

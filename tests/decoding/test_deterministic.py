@@ -359,7 +359,7 @@ def test_probe_results_are_kept_on_disk_per_machine(no_probes_yet, monkeypatch, 
     """`fixed_order.measure` records what it measured in the compile-cache folder, and a
     process that finds a shape there compiles nothing for it; an entry recorded under
     another machine key (another CPU, jax release, flag set) is not used; a corrupt file is
-    ignored with a warning and replaced."""
+    ignored with a warning and replaced; a folder other users can write to is not used."""
     from logitloop.models import probe_record
 
     monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(tmp_path))
@@ -392,6 +392,13 @@ def test_probe_results_are_kept_on_disk_per_machine(no_probes_yet, monkeypatch, 
         assert fixed_order.measure([entry]) == first
     assert c.count == 1
     assert json.loads(path.read_text())["format"] == probe_record.FORMAT
+
+    shared = tmp_path / "shared"  # a folder other users can write to: neither read nor written
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(shared))
+    with pytest.warns(UserWarning, match="other users can write"):
+        assert probe_record.folder() is None
 
 
 def test_contraction_chunks_fit_every_model_axis():
