@@ -15,6 +15,10 @@ Sections (`--section`, repeatable; `all` runs each):
   off, so the model's programs still compile). `--baseline DIR` runs the same children
   with `DIR` (a checkout of another revision: `git archive REV logitloop | tar -x -C DIR`)
   first on the path, each repeat in turns with this checkout's.
+- `options`: the shipped model's second `generate` (3 prompts x 16 tokens after a warm-up of
+  one prompt, so its programs compile and no probe runs), default, deterministic, and
+  deterministic with XLA:CPU's fusion emitters on or with none of the deterministic
+  compiler options: what the deterministic programs' options cost to compile.
 - `depth`: a Llama-3.2-1B-shaped model (hidden 2048, 32 heads, 8 kv heads of 64,
   intermediate 8192, vocab 128256, tied head; bfloat16), built from its config with
   pattern weights, every layer's weight of one shape the same buffer (compiling and the
@@ -72,6 +76,26 @@ import sys
 import logitloop as ll
 model = ll.load_pretrained()
 deterministic = sys.argv[1] != "default"
+def run():
+    ll.generate(model, ["The for statement", "A dictionary", "x"], max_tokens=16, seed=1,
+                deterministic=deterministic)
+"""
+
+# The programs of a second call (batch 3 after a warm-up of batch 1, so no probe runs) with
+# the deterministic compiler options varied: which of them costs compile time.
+OPTIONS = r"""
+import sys
+import logitloop as ll
+from logitloop.models import fixed_order
+variant = sys.argv[1]
+if variant == "deterministic, fusion emitters on":
+    fixed_order.CPU_COMPILER_OPTIONS = {**fixed_order.CPU_COMPILER_OPTIONS,
+                                        "xla_cpu_use_fusion_emitters": True}
+elif variant == "deterministic, no options":
+    fixed_order.compiler_options = lambda model_parallel=False: {}
+deterministic = variant != "default"
+model = ll.load_pretrained()
+ll.generate(model, ["x"], max_tokens=2, deterministic=deterministic)
 def run():
     ll.generate(model, ["The for statement", "A dictionary", "x"], max_tokens=16, seed=1,
                 deterministic=deterministic)
@@ -199,6 +223,13 @@ def section_first(args, tmp: Path) -> dict[str, list[dict]]:
     return turns(cases, args.repeats)
 
 
+def section_options(args, tmp: Path) -> dict[str, list[dict]]:
+    env = {"LOGITLOOP_COMPILE_CACHE": "off"}
+    variants = ("default", "deterministic", "deterministic, fusion emitters on",
+                "deterministic, no options")  # fmt: skip
+    return turns({v: (OPTIONS, [v], ROOT, env) for v in variants}, args.repeats)
+
+
 def section_depth(args, tmp: Path) -> dict[str, list[dict]]:
     env = {"LOGITLOOP_COMPILE_CACHE": "off"}
     cases = {f"{n} layers": (DEPTH, [str(n)], ROOT, env) for n in args.layers}
@@ -226,18 +257,23 @@ def section_scan(args, tmp: Path) -> dict:
     return got
 
 
-SECTIONS = {"first": section_first, "depth": section_depth, "scan": section_scan}
+SECTIONS = {
+    "first": section_first,
+    "options": section_options,
+    "depth": section_depth,
+    "scan": section_scan,
+}
 PRINTED = {"scan"}  # sections that print their own table
 
 
 def table(title: str, got: dict[str, list[dict]]) -> None:
     print(f"\n{title}: median of the fresh processes (count in brackets)")
-    print(f"{'case':<28} {'programs':>8} {'compile s':>10} {'wall s':>8} {'CPU s':>8} "
+    print(f"{'case':<36} {'programs':>8} {'compile s':>10} {'wall s':>8} {'CPU s':>8} "
           f"{'wall ratio':>10}")  # fmt: skip
     base = None
     for name, runs in got.items():
         if not runs:
-            print(f"{name:<28} (every run failed)")
+            print(f"{name:<36} (every run failed)")
             continue
         programs, compile_s, wall, cpu = (
             statistics.median(r[k] for r in runs)
@@ -245,7 +281,7 @@ def table(title: str, got: dict[str, list[dict]]) -> None:
         )
         base = base or wall
         label = f"{name} ({len(runs)})"
-        print(f"{label:<28} {programs:>8g} {compile_s:>10.2f} {wall:>8.2f} {cpu:>8.2f} "
+        print(f"{label:<36} {programs:>8g} {compile_s:>10.2f} {wall:>8.2f} {cpu:>8.2f} "
               f"{wall / base:>10.2f}")  # fmt: skip
 
 
