@@ -9,7 +9,10 @@ so that a second process neither compiles the decode loop nor its prefill again.
 
 It is JAX's own persistent compilation cache (`jax_compilation_cache_dir`), with every
 program kept however quick it was to compile, the mechanism the `logitloop` command line
-uses (`LOGITLOOP_COMPILE_CACHE`). Nothing is written anywhere until it is enabled.
+uses (`LOGITLOOP_COMPILE_CACHE`). No program is written anywhere until it is enabled. (The
+same folder holds, whether or not the cache is enabled, the deterministic mode's probe
+results, a small JSON file that is only data: `logitloop.models.probe_record`; "off" keeps
+none.)
 
 Entries are keyed by JAX on the lowered program, the compile options, the backend and the
 jax/jaxlib versions, so an entry written by another version is never read; an entry that
@@ -91,7 +94,7 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     chosen = default_folder() if folder is None else Path(folder).expanduser()
     if chosen is None:
         return None
-    refused = _unsafe(chosen)
+    refused = unsafe_folder(chosen)
     if refused is not None:
         key = str(chosen)
         if key not in _warned:
@@ -123,7 +126,7 @@ def enable_default_compile_cache() -> CompileCache | None:
     return enable_compile_cache()
 
 
-def _unsafe(folder: Path) -> str | None:
+def unsafe_folder(folder: Path) -> str | None:
     """Why `folder` must not hold compiled programs (created owner-only when absent), or
     None when it is this user's (or root's) and no other user can write to it, nor to a
     folder above it that lacks the sticky bit."""

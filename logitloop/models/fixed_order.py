@@ -71,8 +71,9 @@ program has YNNPACK's dots off as well (`CPU_SPLIT_OPTIONS`): they round a colum
 differently with the number of columns.
 
 The policy is a value, `Numerics`, never module state: `calibrate(deterministic, dtype=...)`
-builds it (and runs, once per backend and dtype, the probes that decide how a decode
-pass may tile its rows on this CPU), `decoding.loop.runner.ModelRunner` carries it as a
+builds it (and runs the probes that decide how a decode pass may tile its rows on this
+CPU: once per machine, their results kept on disk, `measure`),
+`decoding.loop.runner.ModelRunner` carries it as a
 static field (so it is part of every program's jit key), and `ModelRunner.forward` passes
 it, set for the pass (`Numerics.for_pass`: prompt or decode, the rows' mesh), to the
 model, which hands it to every layer function (`logitloop.models.layers`). `PLAIN`, the
@@ -84,7 +85,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -92,7 +96,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from logitloop.models import quantization
+from logitloop.models import probe_record, quantization
 from logitloop.models.partitioning import DATA_AXIS
 from logitloop.ops.attention.fixed_order import SLOT_CHUNK, ordered_sum, tree_sum
 from logitloop.ops.attention.fixed_order import fixed_order_attention as attention
@@ -124,9 +128,11 @@ DECODE_TILE = 8
 # no such range: on an AMD EPYC rows 6 and 7 of 8 round otherwise than rows 0-5.) That
 # range is the CPU's, not a promise: on an Intel Xeon the LM head's product of bfloat16
 # rows into float32 gives a row other bits for every M from 3 to 16 than for M = 2. So a
-# probe decides, once per process, dtype and kind of product (`unpadded_rows_keep_bits`,
+# probe decides, once per machine, dtype and kind of product (`unpadded_rows_keep_bits`,
 # run by `calibrate`), and a probe of each product shape a decode pass traces
-# (`shape_keeps_row_bits`: N <= 8 and N = 4097..4100 fail on the Xeon this runs on).
+# (`shape_keeps_row_bits`: N <= 8 and N = 4097..4101 failed on the Xeons this ran on), the
+# model's own shapes measured by `calibrate` ahead of the trace, all in one program, the
+# results kept on disk (`measure`, `probe_record`).
 
 # The Pallas tile kernel's modes (`Numerics.tile_kernel`): compiled (a GPU) and interpreted
 # (anywhere: how the CPU tests run the GPU's path).
@@ -260,11 +266,17 @@ def calibrate(
     dtype: jnp.dtype | str = jnp.float32,
     tile_kernel: str | None = "auto",
     backend: str | None = None,
+    shapes: Iterable[tuple[bool, int, int]] = (),
 ) -> Numerics:
     """The numerics policy of a runner with this `deterministic=` setting and activations
     of `dtype` on `backend` (default: the default backend), probes run here, once per
-    (setting, dtype, backend) in a process (1-3 s on XLA:CPU, `unpadded_rows_keep_bits`,
-    `split_tiles_keep_row_bits`).
+    (setting, dtype, backend) in a process, their results kept on disk
+    (`unpadded_rows_keep_bits`, `split_tiles_keep_row_bits`, `measure`: on XLA:CPU one
+    program each, a few tenths of a second, and none once recorded).
+
+    `shapes`: the model's decode products, `(head, K, N)` (`product_shapes`), measured
+    here too, in one program, for the kinds whose rows may run unpadded, so that a decode
+    pass's trace finds them known (one it does not find is measured then).
 
     `tile_kernel`: "auto" takes the Pallas tile kernel ("pallas") for `deterministic=True`
     on a GPU, where the libraries behind XLA's dots pick their kernel by the row count and
@@ -278,11 +290,14 @@ def calibrate(
             f"tile_kernel must be 'auto', 'off', None or one of {TILE_KERNELS}, got {tile_kernel!r}"
         )
     backend = backend or jax.default_backend()
-    return _calibrated(deterministic, jnp.dtype(dtype).name, tile_kernel, backend)
+    shapes = tuple(sorted({(bool(h), int(k), int(n)) for h, k, n in shapes}))
+    return _calibrated(deterministic, jnp.dtype(dtype).name, tile_kernel, backend, shapes)
 
 
 @functools.cache
-def _calibrated(deterministic, dtype: str, tile_kernel: str | None, backend: str) -> Numerics:
+def _calibrated(
+    deterministic, dtype: str, tile_kernel: str | None, backend: str, shapes: tuple
+) -> Numerics:
     Numerics(deterministic=deterministic)  # checks the setting before any probe runs
     if deterministic is not True:
         tile_kernel = None
@@ -290,9 +305,12 @@ def _calibrated(deterministic, dtype: str, tile_kernel: str | None, backend: str
         tile_kernel = "pallas" if backend == "gpu" else None
     unpadded = frozenset()
     if deterministic is True and tile_kernel is None and backend == "cpu":
+        # Both kinds' probes in one program, then the model's shapes of the kinds that passed.
+        measure([(dtype, head, k, n) for head in (False, True) for k, n in _PROBE_SHAPES[head]])
         unpadded = frozenset(
             (dtype, head) for head in (False, True) if unpadded_rows_keep_bits(dtype, head)
         )
+        measure([(dtype, head, k, n) for head, k, n in shapes if (dtype, head) in unpadded])
     split_bits = deterministic != MODEL_PARALLEL or split_tiles_keep_row_bits()
     return Numerics(
         deterministic=deterministic,
@@ -300,6 +318,36 @@ def _calibrated(deterministic, dtype: str, tile_kernel: str | None, backend: str
         unpadded=unpadded,
         split_rows_keep_bits=split_bits,
     )
+
+
+def product_shapes(
+    params: Iterable[Any], head: tuple[int, int] | None, head_dim: int | None = None
+) -> tuple[tuple[bool, int, int], ...]:
+    """The decode products a model's weights suggest, `(head, K, N)` for `calibrate`:
+    every 2-D floating weight `[K, N]` (`layers.dense`'s operand) but the `[V, E]`
+    vocabulary table `head`, whose product is the LM head's `(E, V)`; a 3-D one seen as
+    `layers.split_heads` and `merge_heads` see it, `[E, H, head_dim]` as `(E, H * head_dim)`
+    and `[H, head_dim, E]` as `(H * head_dim, E)`. A guess that only saves compiles: a
+    product it misses is measured when the decode pass traces it, one it adds costs its
+    share of one probe program (none larger than the LM head's is added)."""
+    out = set()
+    for p in params:
+        shape, dtype = tuple(getattr(p, "shape", ())), getattr(p, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            continue
+        if len(shape) == 2 and shape != tuple(head or ()):
+            out.add(shape)
+        elif len(shape) == 3 and head_dim is not None:
+            a, b, c = shape
+            if c == head_dim:
+                out.add((a, b * c))
+            if b == head_dim:
+                out.add((a * b, c))
+    limit = math.prod(head) if head is not None else math.inf
+    found = {(False, k, n) for k, n in out if k * n <= limit}
+    if head is not None:
+        found.add((True, int(head[1]), int(head[0])))
+    return tuple(sorted(found))
 
 
 def row_tile(
@@ -333,58 +381,128 @@ def row_tile(
 # (E, V) of the head probe and (K, N) of the product probe (the shipped model's sizes).
 _PROBE_SHAPES = {True: ((64, 512), (256, 4096)), False: ((256, 704), (704, 256))}
 
+# The probes' results in this process, (dtype name, head, K, N) -> whether a row keeps its
+# bits (`measure`); `probe_record` keeps them on disk across processes.
+_measured: dict[probe_record.Entry, bool] = {}
+_measured_lock = threading.Lock()
 
-@functools.cache
+
 def unpadded_rows_keep_bits(dtype: str, head: bool) -> bool:
     """Whether a row of a decode-pass product in `dtype` on XLA:CPU's YNNPACK dots (the
     compiler options of `deterministic=True`) has the same bits for every row count from 2
     to DECODE_TILE and every place among them (`head`: the LM head's `[M, E] x [V, E]^T`
-    into float32; else `[M, K] x [K, N]` in `dtype`), probed at `_PROBE_SHAPES` once per
-    process (1-3 s; `calibrate` runs it). Where it does not, decode passes pad to
-    DECODE_TILE rows (`row_tile`)."""
-    with jax.ensure_compile_time_eval():
-        return _probe_unpadded(dtype, head)
+    into float32; else `[M, K] x [K, N]` in `dtype`), probed at `_PROBE_SHAPES` (`measure`:
+    once per machine; `calibrate` runs it). Where it does not, decode passes pad to
+    DECODE_TILE rows (`row_tile`), whatever the shape."""
+    return all(measure([(dtype, head, k, n) for k, n in _PROBE_SHAPES[head]]).values())
 
 
-def _probe_unpadded(dtype: str, head: bool) -> bool:
-    return all(shape_keeps_row_bits(dtype, head, k, n) for k, n in _PROBE_SHAPES[head])
-
-
-@functools.cache
 def shape_keeps_row_bits(dtype: str, head: bool, k: int, n: int) -> bool:
     """`unpadded_rows_keep_bits` for one product shape (`(K, N)`, or `(E, V)` with `head`),
-    probed once per process when a decode pass first traces a product of that shape.
-    YNNPACK's float32 dots keep a row's bits for 2..8 rows at most shapes, not at all: not
-    with N <= 8 (a mixture of experts' router over 8 experts) nor N = 4097..4100, where
+    asked when a decode pass traces a product of that shape (`measure`; `calibrate` has
+    measured the model's own shapes already). YNNPACK's float32 dots keep a row's bits for
+    2..8 rows at most shapes, not at all: on the Xeons this was built on, not with N <= 8 (a
+    mixture of experts' router over 8 experts) on one, nor N = 4097..4101 on both, where
     `x @ w` rounds a row otherwise with the row count (its `[V, E]^T` head form did not)."""
-    with jax.ensure_compile_time_eval():
+    return measure([(dtype, head, k, n)])[(dtype, head, k, n)]
+
+
+def measure(entries: Iterable[probe_record.Entry]) -> dict[probe_record.Entry, bool]:
+    """Whether a decode tile's rows keep their bits, for each `(dtype name, head, K, N)` of
+    `entries` (`shape_keeps_row_bits`), each entry measured once per machine: known in this
+    process, or recorded on disk by an earlier one for the same jax, jaxlib, backend, CPU,
+    threads, XLA flags and options (`probe_record`), else probed, all those at once in one
+    program (`_probe`), and recorded.
+
+    Every shape is measured; none is inferred from another. The shapes where YNNPACK's dot
+    rounds a row by the row count form no rule one could extend safely: the narrowest
+    (N <= 8) on one Xeon and not on another (N = 8 keeps its bits on the 2-core Xeon of the
+    December 2026 measurements), and a band of a few widths just above 4096 (4097..4101)
+    between widths that keep them, by the dot's blocking, which depends on the CPU's vector
+    width and the library's release. So a shape nobody measured on this machine is probed
+    before its rows run unpadded; a probe costs one compile for all the shapes asked
+    together (a few tenths of a second), and nothing in a process that finds them on disk."""
+    entries = list(dict.fromkeys(entries))
+    with _measured_lock:
+        missing = [e for e in entries if e not in _measured]
+        if missing:
+            key = probe_record.machine_key(compiler_options())
+            stored = probe_record.load(key)
+            _measured.update({e: stored[e] for e in missing if e in stored})
+            new = [e for e in missing if e not in _measured]
+            if new:
+                results = dict(zip(new, _probe(new), strict=True))
+                _measured.update(results)
+                probe_record.save(key, results)
+        return {e: _measured[e] for e in entries}
+
+
+def _probe(entries: Sequence[probe_record.Entry]) -> list[bool]:
+    """For each `(dtype, head, K, N)`: whether row 0 of random `[DECODE_TILE, K]` rows
+    times a random weight (`[K, N]` in `dtype`, or with `head` `[N, K]` transposed into
+    float32) has the same bits at every place p among the first M rows for every M from 2
+    to DECODE_TILE, all in one program of the deterministic options (`_rows_keep_bits`).
+    Each entry draws its inputs from seed 0, so its answer does not depend on the entries
+    probed beside it."""
+    cases = []
+    for dtype, head, k, n in entries:
         rng = np.random.default_rng(0)
-        x = jnp.asarray(rng.standard_normal((DECODE_TILE, k)), dtype)
-        w = jnp.asarray(rng.standard_normal((n, k) if head else (k, n)), dtype)
-        return _row_keeps_bits(_probe_product(head), x, w, 2, range(3, DECODE_TILE + 1))
+        x = rng.standard_normal((DECODE_TILE, k), np.float32)
+        w = rng.standard_normal((n, k) if head else (k, n), np.float32)
+        cases.append((_head_rows if head else _dot_rows, x.astype(dtype), w.astype(dtype), n))
+    return _rows_keep_bits(cases, range(2, DECODE_TILE + 1))
 
 
-@functools.cache
-def _probe_product(head: bool):
-    """The probes' product, one jitted function per kind (its programs cached by shape)."""
-
-    def fn(x, w):
-        if head:
-            return jnp.einsum("be,ve->bv", x, w, preferred_element_type=jnp.float32)
-        return x @ w
-
-    return jax.jit(fn, compiler_options=compiler_options())
+def _dot_rows(x, w):
+    return x @ w
 
 
-def _row_keeps_bits(f, x: jax.Array, w: jax.Array, ref_rows: int, counts) -> bool:
-    """Whether row 0 of `f(x[:ref_rows], w)` has the same bits as that row at every place
-    among the first m rows of x, for every m in `counts` (the probes' comparison)."""
-    ref = np.asarray(f(x[:ref_rows], w), np.float32)[0]
-    return all(
-        np.array_equal(np.asarray(f(jnp.roll(x[:m], p, 0), w), np.float32)[p], ref)
-        for m in counts
-        for p in range(m)
-    )
+def _head_rows(x, w):
+    return jnp.einsum("be,ve->bv", x, w, preferred_element_type=jnp.float32)
+
+
+def _rows_keep_bits(cases: list, counts: Sequence[int], model_parallel=False) -> list[bool]:
+    """For each `(product, x, w, N)` of `cases` (x and w NumPy, `product(rows, w)` of N
+    columns): whether row 0 of `x` comes out of `product` with the same bits at every place
+    p among the first m rows of x (x's rows rolled by p), for every m in `counts`, as at
+    place 0 among the first `counts[0]` rows. One program for all (`model_parallel`: its
+    compiler options): per case and count, a `lax.map` over the m placements, so each
+    product is its own dot of `[m, K]` rows, as a decode tile's is. The compiled program is
+    checked to hold exactly those dots (XLA merging dots that share a weight would compute
+    other row counts than the ones asked); where it does not, every case answers False
+    (pad: always exact)."""
+
+    def fn(args):
+        return [
+            tuple(jax.lax.map(lambda rows, w=w, f=f: f(rows, w), xs) for xs in placements)
+            for (placements, w), (f, *_) in zip(args, cases, strict=True)
+        ]
+
+    args = [
+        (tuple(np.stack([np.roll(x[:m], p, 0) for p in range(m)]) for m in counts), w)
+        for _, x, w, _ in cases
+    ]
+    options = compiler_options(model_parallel)
+    compiled = jax.jit(fn, compiler_options=options).lower(args).compile()
+    expected = sorted((m, n) for *_, n in cases for m in counts)
+    found = sorted((int(a), int(b)) for a, b in _DOT.findall(compiled.as_text()))
+    if found != expected:
+        warnings.warn(
+            f"logitloop: the fixed-order probe's program holds dots {found}, not {expected}: "
+            "decode tiles pad to DECODE_TILE rows",
+            stacklevel=2,
+        )
+        return [False] * len(cases)
+    keeps = []
+    for per_count in compiled(args):  # one case: per count, [m placements, m rows, N]
+        outs = [np.asarray(o, np.float32) for o in per_count]
+        ref = outs[0][0, 0]
+        keeps.append(all(np.array_equal(o[p, p], ref) for o in outs for p in range(len(o))))
+    return keeps
+
+
+# A dot instruction of a rank-2 result in optimized HLO text: `f32[3,4098]{1,0} dot(`.
+_DOT = re.compile(r"\[(\d+),(\d+)\]\{[^}]*\} dot\(")
 
 
 def compiler_options(model_parallel: bool = False) -> dict[str, str]:
@@ -407,10 +525,10 @@ def split_tiles_keep_row_bits() -> bool:
     if jax.default_backend() != "cpu":
         return True
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((DECODE_TILE, 32)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
-    f = jax.jit(lambda x, w: x @ w, compiler_options=compiler_options(model_parallel=True))
-    return _row_keeps_bits(f, x, w, DECODE_TILE, [DECODE_TILE])
+    x = rng.standard_normal((DECODE_TILE, 32), np.float32)
+    w = rng.standard_normal((32, 64), np.float32)
+    (keeps,) = _rows_keep_bits([(_dot_rows, x, w, 64)], [DECODE_TILE], model_parallel=True)
+    return keeps
 
 
 def rowwise(

@@ -284,6 +284,18 @@ def check_weight_dtypes(weights: Any, dtype: Any) -> None:
             )
 
 
+def _product_shapes(model: Any, deterministic: bool | str) -> tuple:
+    """The decode products `calibrate` measures ahead of the trace under
+    `deterministic=True` (`fixed_order.product_shapes`; none for a quantized model, whose
+    tables are not products of their own shape, nor for the other settings)."""
+    if deterministic is not True or getattr(model, "quantization", None) is not None:
+        return ()
+    head = model.head_weight() if hasattr(model, "head_weight") else None
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    head_dim = getattr(getattr(model, "config", None), "head_dim", None)
+    return fixed_order.product_shapes(params, getattr(head, "shape", None), head_dim)
+
+
 def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> ModelInfo:
     """Resolve a FunctionModel or an NNX module into what the decode loop needs.
 
@@ -319,7 +331,9 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
         numerics = deterministic
         if not isinstance(numerics, Numerics):
             dtype = getattr(model, "dtype", jnp.float32)
-            numerics = fixed_order.calibrate(deterministic, dtype=dtype)
+            numerics = fixed_order.calibrate(
+                deterministic, dtype=dtype, shapes=_product_shapes(model, deterministic)
+            )
         if not numerics.split_rows_keep_bits:
             warnings.warn(
                 f"deterministic={MODEL_PARALLEL!r}: this CPU's XLA product rounds a row by "
