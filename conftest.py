@@ -24,6 +24,11 @@ import pytest
 os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
 
 
+from tests.docs import DOC_FILES
+
+_LOADED = pytest.StashKey[dict]()  # (path, dtype) -> the model, for the documentation blocks
+
+
 def _share_compiled_programs() -> None:
     """One persistent compilation cache per test run, shared by its xdist workers (they
     load the same models and compile many of the same programs; a worker then loads what
@@ -57,10 +62,6 @@ def _share_compiled_programs() -> None:
 
 
 _share_compiled_programs()
-
-from tests.docs import DOC_FILES
-
-_LOADED = pytest.StashKey[dict]()  # (path, dtype) -> the model, for the documentation blocks
 
 
 def pytest_collect_file(file_path: Path, parent):

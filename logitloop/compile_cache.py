@@ -99,9 +99,7 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
         key = str(chosen)
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(
-                f"logitloop: compile cache {chosen} not used: {refused}", stacklevel=2
-            )
+            warnings.warn(f"logitloop: compile cache {chosen} not used: {refused}", stacklevel=2)
         return None
     previous = tuple((name, getattr(jax.config, name)) for name in _SETTINGS)
     jax.config.update("jax_compilation_cache_dir", str(chosen))

@@ -234,6 +234,7 @@ run("n=2", n=2)
 print(json.dumps(rows))
 """
 
+
 def child(code: str, argv: list[str], *, path: Path, env: dict[str, str]) -> dict:
     """One fresh process running `code` then MEASURE; its JSON line."""
     env = {**os.environ, "PYTHONPATH": str(path), **env}

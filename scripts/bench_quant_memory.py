@@ -116,7 +116,9 @@ def main():
         for fmt in args.formats:
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, str(folder), fmt, args.dtype, str(args.new_tokens)],
-                capture_output=True, text=True, cwd=tmp,
+                capture_output=True,
+                text=True,
+                cwd=tmp,
             )  # fmt: skip (cwd: the package comes from PYTHONPATH, not the current folder)
             if out.returncode:
                 raise SystemExit(f"{fmt}: exit status {out.returncode}\n{out.stderr[-3000:]}")

@@ -55,8 +55,6 @@ def first_loop(ids: list[int], max_period: int, min_repeats: int) -> int | None:
     return None
 
 
-
-
 def rows_of(result) -> tuple[list[list[int]], list[list[float]], list[str]]:
     if isinstance(result, list):  # generate_many: one result per request
         return (

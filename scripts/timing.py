@@ -23,6 +23,7 @@ def median_time(fn, repeats: int, warmup: int = 0) -> float:
         jax.block_until_ready(fn())
     return statistics.median(first_call(fn) for _ in range(repeats))
 
+
 def timed_turns(fns: dict, repeats: int, warm_ups: dict | None = None) -> dict:
     """For each of `fns` (name -> call), `(median seconds, last result, programs the timed
     calls compiled)` of `repeats` calls after one warm-up call (of `warm_ups[name]`, a

@@ -199,7 +199,9 @@ def forward_all(model: LlamaModel, tokens: jax.Array) -> jax.Array:
     positions = jnp.broadcast_to(jnp.arange(length)[None, :], (batch, length))
     x, _ = model.hidden_states(tokens, positions, model.init_cache(batch, length))
     logits = jnp.einsum(
-        "bte,ve->btv", model.output_norm(x), model.head_weight(),
+        "bte,ve->btv",
+        model.output_norm(x),
+        model.head_weight(),
         preferred_element_type=jnp.float32,
     )
     return model.output_logits(logits)
@@ -419,9 +421,9 @@ def main() -> None:
         "chat_validation_loss": chat_val_loss,
         "chat_conversations": int(len(chats[1])),
         "chat_tokens": int(len(chats[0])),
-        "initialised_from": None if init_report is None else {
-            "folder": str(args.init_from), "training_report": init_report
-        },
+        "initialised_from": None
+        if init_report is None
+        else {"folder": str(args.init_from), "training_report": init_report},
         "log": log,
         "args": vars(args),
     }

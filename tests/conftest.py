@@ -129,8 +129,16 @@ SLOW_CASES = (
     "tests/cli/test_cli.py::test_stream_with_stop_prints_the_plain_text",
     *(
         f"tests/cli/test_cli.py::test_bad_input_is_one_line_and_status_2[{case}]"
-        for case in ("line-knob", "model", "too-long", "input-file", "surrogate-in-jsonl",
-                     "string-max-tokens", "duplicate-id", "jsonl")
+        for case in (
+            "line-knob",
+            "model",
+            "too-long",
+            "input-file",
+            "surrogate-in-jsonl",
+            "string-max-tokens",
+            "duplicate-id",
+            "jsonl",
+        )
     ),
     "tests/cli/test_cli.py::test_output_to_stdout[/dev/stdout]",
     # - the chat CLI's generation defaults and template stop (the library's

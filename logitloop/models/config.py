@@ -420,7 +420,8 @@ def gemma_config_from_hf(hf: HFConfig) -> GemmaConfig:
             hf,
             fields={
                 **hf.fields,
-                "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act")
+                "hidden_act": hf.get("hidden_activation")
+                or hf.get("hidden_act")
                 or "gelu_pytorch_tanh",
                 "rope_parameters": None,
                 "rope_scaling": None,
@@ -526,7 +527,11 @@ def _moe_config(base: LlamaConfig, **moe: Any) -> MoeConfig:
 # one present must be a positive integer.
 _SIZE_FIELDS = (
     "vocab_size",
-    "n_embd", "n_inner", "n_layer", "n_head", "n_positions",  # GPT-2's names
+    "n_embd",
+    "n_inner",
+    "n_layer",
+    "n_head",
+    "n_positions",  # GPT-2's names
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
@@ -534,7 +539,10 @@ _SIZE_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "max_position_embeddings",
-    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
 )
 
 

@@ -123,7 +123,5 @@ def save_pretrained(
     if tokenizer_json is not None:
         (folder / "tokenizer.json").write_text(Path(tokenizer_json).read_text())
     if tokenizer_config is not None:
-        (folder / "tokenizer_config.json").write_text(
-            json.dumps(tokenizer_config, indent=2) + "\n"
-        )
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return folder

@@ -197,7 +197,6 @@ def test_ignore_eos(model, table):
     assert got[0].finish_reason == ["length"]
 
 
-
 def test_stop_strings_added_mid_job(table):
     pieces = [bytes([c]) for c in b"abcdefghij \n.,"] + [b"ab", b"\n\n", b"the", b"\xc3", b"\xa9"]
     pieces += [b"x%d" % i for i in range(V - len(pieces))]

@@ -117,7 +117,7 @@ def test_messages_job_resumes(chat_job):
 BAD_LINES = {
     "both": ('{"prompt": "a", "messages": []}', "line 2: give exactly one of 'prompt', "),
     "neither": ('{"temperature": 0}', "line 2: give exactly one of 'prompt', "),
-    "not-a-message": ('{"messages": ["hi"]}', "line 2: messages[0] = \"hi\" is not a message"),
+    "not-a-message": ('{"messages": ["hi"]}', 'line 2: messages[0] = "hi" is not a message'),
     "template-refuses": (
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}',
         "line 2, messages[1] (role 'user'): the chat template",

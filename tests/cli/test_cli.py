@@ -259,8 +259,19 @@ def test_stream_prints_the_same_text(plain_run, clean_run, model_args):
 STREAM_STOP_CASES = {
     "min-tokens": (["--stop", " ", "--min-tokens", "4"], ".  Without"),
     "sampled": (
-        ["--stop", "e", "--stop", ", ", "--min-tokens", "2", "--include-stop-str-in-output",
-         "--temperature", "1.3", "--seed", "5"],
+        [
+            "--stop",
+            "e",
+            "--stop",
+            ", ",
+            "--min-tokens",
+            "2",
+            "--include-stop-str-in-output",
+            "--temperature",
+            "1.3",
+            "--seed",
+            "5",
+        ],
         None,
     ),
 }
@@ -370,8 +381,9 @@ def test_output_that_is_the_input_is_refused(link, flags, model_args, tmp_path):
     if link:
         output = tmp_path / "results.jsonl"
         output.symlink_to(prompts)
-    proc = run_cli("generate", "--input", str(prompts), "--output", str(output), *flags,
-                   *model_args)
+    proc = run_cli(
+        "generate", "--input", str(prompts), "--output", str(output), *flags, *model_args
+    )
     assert "is the input file" in _one_error_line(proc)
     assert prompts.read_text(encoding="utf-8") == text
 
@@ -395,8 +407,16 @@ def test_overwrite_that_fails_keeps_the_old_results(failure, model_args, tmp_pat
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     out = tmp_path / "out.jsonl"
     out.write_text(OLD_RESULTS, encoding="utf-8")
-    proc = run_cli("generate", "--input", str(prompts), "--output", str(out), "--overwrite",
-                   *BASE_FLAGS, *flags)
+    proc = run_cli(
+        "generate",
+        "--input",
+        str(prompts),
+        "--output",
+        str(out),
+        "--overwrite",
+        *BASE_FLAGS,
+        *flags,
+    )
     line = _one_error_line(proc)
     assert ("line 7" in line) if failure == "bad-line-7" else ("model" in line), line
     assert out.read_text(encoding="utf-8") == OLD_RESULTS
@@ -408,8 +428,12 @@ def test_second_run_on_one_output_fails_naming_the_first(jobs, model_args, tmp_p
     out = tmp_path / "out.jsonl"
     out.write_text("", encoding="utf-8")  # a restart: the output already exists
     args = ["generate", "--input", str(jobs), "--output", str(out), *BASE_FLAGS, *model_args]
-    first = subprocess.Popen([sys.executable, "-m", "logitloop", *args], env=cli_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "logitloop", *args],
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while f" {first.pid} " not in Path("/proc/locks").read_text():
@@ -429,8 +453,7 @@ def test_resume_says_when_the_output_holds_duplicates(jobs, clean_run, model_arg
     out = tmp_path / "out.jsonl"
     lines = [json.dumps(r) + "\n" for r in records]
     out.write_text("".join(lines[:5] + lines[3:4] + lines[5:]), encoding="utf-8")
-    proc = run_cli("generate", "--input", str(jobs), "--output", str(out), *BASE_FLAGS,
-                   *model_args)
+    proc = run_cli("generate", "--input", str(jobs), "--output", str(out), *BASE_FLAGS, *model_args)
     assert proc.returncode == 0, proc.stderr
     assert "1 duplicate result line" in proc.stderr and "lines 4 and 6" in proc.stderr
     assert "nothing to do" in proc.stderr
@@ -448,8 +471,9 @@ def four_greedy_lines(jobs) -> tuple[Path, list[int]]:
 def test_output_to_stdout(output, four_greedy_lines, clean_run, model_args):
     path, rows = four_greedy_lines
     records, _ = clean_run
-    proc = run_cli("generate", "--input", str(path), "--output", output, *BASE_FLAGS,
-                   *model_args)  # stdout is a pipe here
+    proc = run_cli(
+        "generate", "--input", str(path), "--output", output, *BASE_FLAGS, *model_args
+    )  # stdout is a pipe here
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(line) for line in proc.stdout.splitlines()] == [records[i] for i in rows]
     assert not Path("-").exists()
@@ -457,8 +481,9 @@ def test_output_to_stdout(output, four_greedy_lines, clean_run, model_args):
 
 def test_full_disk_is_one_error_line(four_greedy_lines, model_args):
     path, _ = four_greedy_lines
-    proc = run_cli("generate", "--input", str(path), "--output", "/dev/full", *BASE_FLAGS,
-                   *model_args)
+    proc = run_cli(
+        "generate", "--input", str(path), "--output", "/dev/full", *BASE_FLAGS, *model_args
+    )
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("logitloop:")]

@@ -112,8 +112,9 @@ def _link(path, make, name):
     return link
 
 
-@pytest.mark.parametrize("name, same", SAME_FILE, ids=["path", "dot", "symlink", "hardlink",
-                                                      "other"])
+@pytest.mark.parametrize(
+    "name, same", SAME_FILE, ids=["path", "dot", "symlink", "hardlink", "other"]
+)
 def test_output_that_is_the_input_is_refused(tmp_path, name, same):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a\nb\n")

@@ -16,7 +16,7 @@ STOP_ESCAPES = [
     (r"back\\slash", "back\\slash"),
     (r"\\n", "\\n"),
     (r"quote\"s\'", "quote\"s'"),
-    (r"\x41\u00e9\U0001F600", "A\u00e9\U0001F600"),
+    (r"\x41\u00e9\U0001F600", "A\u00e9\U0001f600"),
     (r"\0", "\0"),
     ("plain text", "plain text"),
     ("caf\u00e9 \u2014 ok", "caf\u00e9 \u2014 ok"),
@@ -92,34 +92,64 @@ def test_stop_flag_help_names_the_escapes():
 # fails before the model is loaded, except the last two, which load a model without a
 # tokenizer.
 MESSAGES = [
-    (["--logit-bias", "5=200"], {},
-     "logit_bias token 5: bias = 200.0 is outside the allowed range [-100, 100]"),
-    (["--seed", "4294967296"], {},
-     "seed = 4294967296 is outside the allowed range [0, 4294967295]"),
-    (["--max-tokens", "2147483648"], {},
-     "max_tokens = 2147483648 is outside the allowed range [1, 2147483647]"),
-    (["--repetition-guard", "40,3"], {},
-     "repetition_guard max_period = 40 is outside the allowed range [1, 32]"),
-    (["--input", "{tmp}/g.jsonl"], {"g.jsonl": '{"prompt": "a", "repetition_guard": [4, 1]}\n'},
-     "{tmp}/g.jsonl line 1: repetition_guard min_repeats = 1 is outside the allowed range "
-     "[2, 65536]"),
-    (["--input", "{tmp}/b.jsonl"],
-     {"b.jsonl": '{"prompt": "a"}\n{"prompt": "b", "logit_bias": {"7": 500}}\n'},
-     "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "
-     "[-100, 100]"),
+    (
+        ["--logit-bias", "5=200"],
+        {},
+        "logit_bias token 5: bias = 200.0 is outside the allowed range [-100, 100]",
+    ),
+    (
+        ["--seed", "4294967296"],
+        {},
+        "seed = 4294967296 is outside the allowed range [0, 4294967295]",
+    ),
+    (
+        ["--max-tokens", "2147483648"],
+        {},
+        "max_tokens = 2147483648 is outside the allowed range [1, 2147483647]",
+    ),
+    (
+        ["--repetition-guard", "40,3"],
+        {},
+        "repetition_guard max_period = 40 is outside the allowed range [1, 32]",
+    ),
+    (
+        ["--input", "{tmp}/g.jsonl"],
+        {"g.jsonl": '{"prompt": "a", "repetition_guard": [4, 1]}\n'},
+        "{tmp}/g.jsonl line 1: repetition_guard min_repeats = 1 is outside the allowed range "
+        "[2, 65536]",
+    ),
+    (
+        ["--input", "{tmp}/b.jsonl"],
+        {"b.jsonl": '{"prompt": "a"}\n{"prompt": "b", "logit_bias": {"7": 500}}\n'},
+        "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "
+        "[-100, 100]",
+    ),
     # Prompts: the library's own check (logitloop.decoding.engine.host), named by the line.
-    (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"prompt_token_ids": [1, 2.5]}\n'},
-     "{tmp}/p.jsonl line 1: prompt_token_ids holds 2.5, which is not a token id (an int)"),
-    (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"prompt": "a"}\n{"prompt_token_ids": []}\n'},
-     "{tmp}/p.jsonl line 2: prompt_token_ids is empty: a prompt needs at least one token"),
-    (["--input", "{tmp}/p.jsonl"], {"p.jsonl": '{"id": "q", "prompt_token_ids": "12"}\n'},
-     '{tmp}/p.jsonl line 1 (id "q"): prompt_token_ids must be a list, got str'),
-    (["--input", "{tmp}/s.jsonl", "--model", "{tmp}/no-tokenizer"],
-     {"s.jsonl": '{"prompt_token_ids": [1, 2], "stop": ["x"]}\n'},
-     "{tmp}/s.jsonl line 1: stop strings need a model that carries a tokenizer"),
-    (["--input", "{tmp}/s.jsonl", "--model", "{tmp}/no-tokenizer"],
-     {"s.jsonl": '{"prompt_token_ids": [1, 2]}\n{"prompt": "hi"}\n'},
-     "{tmp}/s.jsonl line 2: the prompt is a string but the model has no tokenizer"),
+    (
+        ["--input", "{tmp}/p.jsonl"],
+        {"p.jsonl": '{"prompt_token_ids": [1, 2.5]}\n'},
+        "{tmp}/p.jsonl line 1: prompt_token_ids holds 2.5, which is not a token id (an int)",
+    ),
+    (
+        ["--input", "{tmp}/p.jsonl"],
+        {"p.jsonl": '{"prompt": "a"}\n{"prompt_token_ids": []}\n'},
+        "{tmp}/p.jsonl line 2: prompt_token_ids is empty: a prompt needs at least one token",
+    ),
+    (
+        ["--input", "{tmp}/p.jsonl"],
+        {"p.jsonl": '{"id": "q", "prompt_token_ids": "12"}\n'},
+        '{tmp}/p.jsonl line 1 (id "q"): prompt_token_ids must be a list, got str',
+    ),
+    (
+        ["--input", "{tmp}/s.jsonl", "--model", "{tmp}/no-tokenizer"],
+        {"s.jsonl": '{"prompt_token_ids": [1, 2], "stop": ["x"]}\n'},
+        "{tmp}/s.jsonl line 1: stop strings need a model that carries a tokenizer",
+    ),
+    (
+        ["--input", "{tmp}/s.jsonl", "--model", "{tmp}/no-tokenizer"],
+        {"s.jsonl": '{"prompt_token_ids": [1, 2]}\n{"prompt": "hi"}\n'},
+        "{tmp}/s.jsonl line 2: the prompt is a string but the model has no tokenizer",
+    ),
 ]
 
 
@@ -135,8 +165,9 @@ def _no_tokenizer_model(folder):
         shutil.copy(shipped / name, folder / name)
 
 
-@pytest.mark.parametrize("argv, files, expected", MESSAGES,
-                         ids=[f"message-{i}" for i in range(len(MESSAGES))])
+@pytest.mark.parametrize(
+    "argv, files, expected", MESSAGES, ids=[f"message-{i}" for i in range(len(MESSAGES))]
+)
 def test_error_messages_read_right(argv, files, expected, tmp_path, capsys):
     for name, text in files.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
@@ -177,7 +208,10 @@ def test_the_command_line_ends_its_process_with_every_line_delivered():
     env["JAX_PLATFORMS"] = "cpu"
     run = lambda *argv: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "logitloop", *argv],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     shown = run("generate", "--help")
     assert shown.returncode == 0, shown.stderr

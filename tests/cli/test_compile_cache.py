@@ -34,8 +34,21 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 
 def test_a_run_fills_the_cache_and_a_second_reads_it(tmp_path, model_args):
     folder = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "logitloop", "generate", "The for", "--max-tokens", "3",
-           "--temperature", "0.9", "--seed", "7", "-q", *model_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "logitloop",
+        "generate",
+        "The for",
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "7",
+        "-q",
+        *model_args,
+    ]
     env = _env(LOGITLOOP_COMPILE_CACHE=str(folder))
     first = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     assert folder.is_dir() and any(folder.iterdir()), "no compiled program was kept"

@@ -16,7 +16,7 @@ def _inside(module: str, package: str) -> bool:
 
 
 def _arrows_into(graph: dict[str, set[str]], target: str, sources: str) -> list[str]:
-    """"A -> B" for each module A under `sources` that imports a module B under `target`."""
+    """ "A -> B" for each module A under `sources` that imports a module B under `target`."""
     return sorted(
         f"{module} -> {imported}"
         for module, edges in graph.items()

@@ -50,7 +50,10 @@ TEMPERATURES = [1.0, 0.0, 1.0]  # the row that goes bad is greedy: `expected` gi
 
 def _params(logprobs=2):
     return ll.SamplingParams.create(
-        batch_size=3, temperature=TEMPERATURES, seed=SEEDS, max_tokens=MAX_TOKENS,
+        batch_size=3,
+        temperature=TEMPERATURES,
+        seed=SEEDS,
+        max_tokens=MAX_TOKENS,
         logprobs=logprobs,
     )
 
@@ -108,8 +111,10 @@ def test_stream_ends_the_bad_row_with_error(value, k):
 @pytest.mark.parametrize("value, k", CASES)
 def test_generate_many_ends_the_bad_request_only(value, k):
     model = bad_model(value, k)
-    knobs = [dict(temperature=t, seed=s, max_tokens=MAX_TOKENS, logprobs=2)
-             for t, s in zip(TEMPERATURES, SEEDS, strict=True)]
+    knobs = [
+        dict(temperature=t, seed=s, max_tokens=MAX_TOKENS, logprobs=2)
+        for t, s in zip(TEMPERATURES, SEEDS, strict=True)
+    ]
     requests = [(GOOD[0], knobs[0]), ([MARKER, 1], knobs[1]), (GOOD[2], knobs[2])]
     got = ll.generate_many(model, requests * 2, slots=2, chunk_steps=3)
     ref = ll.generate(model, GOOD, _params())
@@ -117,11 +122,22 @@ def test_generate_many_ends_the_bad_request_only(value, k):
         if i % 3 == 1:
             _check_bad_row(res, 0, k)
         else:
-            one = ll.GenerationResult(**{
-                f: [getattr(ref, f)[i % 3]] for f in
-                ("token_ids", "finish_reason", "stop_reason", "num_tokens", "prompt_token_ids",
-                 "logprobs", "raw_logprobs", "top_logprobs", "error")
-            })
+            one = ll.GenerationResult(
+                **{
+                    f: [getattr(ref, f)[i % 3]]
+                    for f in (
+                        "token_ids",
+                        "finish_reason",
+                        "stop_reason",
+                        "num_tokens",
+                        "prompt_token_ids",
+                        "logprobs",
+                        "raw_logprobs",
+                        "top_logprobs",
+                        "error",
+                    )
+                }
+            )
             _check_good_rows(res, one, [0])
 
 
@@ -140,6 +156,7 @@ def test_sample_gives_token_zero_and_minus_inf(value):
     logits[1, 7] = 0.0
     clean = ll.sample(jnp.asarray(logits), params, jnp.zeros(3, jnp.int32))
     for name in ("tokens", "logprobs", "raw_logprobs"):
-        np.testing.assert_array_equal(np.asarray(getattr(out, name))[[0, 2]],
-                                      np.asarray(getattr(clean, name))[[0, 2]])
+        np.testing.assert_array_equal(
+            np.asarray(getattr(out, name))[[0, 2]], np.asarray(getattr(clean, name))[[0, 2]]
+        )
     assert np.all(np.isfinite(np.asarray(clean.logprobs)))

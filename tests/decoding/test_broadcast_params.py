@@ -90,8 +90,7 @@ def test_score_beam_explain_and_generate_many_broadcast(model):
     beams = ll.beam_search(model, prompts, num_beams=2, max_tokens=4, params=greedy)
     assert len(beams) == 3
     assert [b[0].token_ids for b in beams] == [
-        b[0].token_ids
-        for b in ll.beam_search(model, prompts, num_beams=2, max_tokens=4)
+        b[0].token_ids for b in ll.beam_search(model, prompts, num_beams=2, max_tokens=4)
     ]
     assert explain_next_token(model, [1], one).sampled_token == want.token_ids[0][0]
     got = ll.generate_many(model, [ll.Request(p, one) for p in prompts], slots=2)

@@ -41,9 +41,7 @@ def _forget_precompile():
 def _model(seed: int):
     shipped = ll.load_pretrained()
     c = shipped.config
-    model = small_llama(
-        c.vocab_size, c.max_position_embeddings, seed, eos_token_id=c.eos_token_id
-    )
+    model = small_llama(c.vocab_size, c.max_position_embeddings, seed, eos_token_id=c.eos_token_id)
     model.tokenizer = shipped.tokenizer
     return model
 

@@ -106,8 +106,9 @@ def _in_batch(model, prompt, batch, seed, deterministic=True):
 def test_the_default_mode_is_not_batch_invariant(shipped):
     """What the mode fixes: without it a batch of 17 changes the row's raw logprobs."""
     prompt = _target(4096, 0)
-    alone = _row(ll.generate(shipped, [prompt], _params(1, [0.9], [11], [MAX_TOKENS]),
-                             ignore_eos=True), 0)
+    alone = _row(
+        ll.generate(shipped, [prompt], _params(1, [0.9], [11], [MAX_TOKENS]), ignore_eos=True), 0
+    )
     batched = _in_batch(shipped, prompt, 17, 1, deterministic=False)
     assert batched[1] != alone[1]
 
@@ -196,15 +197,24 @@ def test_generate_many_slot_equals_row_alone(gqa_llama, slots):
     rng = np.random.default_rng(slots)
     prompt = _target(512, 4)
     requests = [
-        (rng.integers(1, 512, int(rng.integers(1, 30))).tolist(),
-         {"temperature": float(rng.uniform(0, 1.3)), "seed": int(rng.integers(0, 1000)),
-          "max_tokens": int(rng.integers(1, 30))})
+        (
+            rng.integers(1, 512, int(rng.integers(1, 30))).tolist(),
+            {
+                "temperature": float(rng.uniform(0, 1.3)),
+                "seed": int(rng.integers(0, 1000)),
+                "max_tokens": int(rng.integers(1, 30)),
+            },
+        )
         for _ in range(40)
     ]
     at = int(rng.integers(0, 40))
     requests[at] = (prompt, {"temperature": 0.9, "seed": 11, "max_tokens": MAX_TOKENS})
     results = ll.generate_many(
-        gqa_llama, requests, {"top_p": 0.95, "logprobs": 2}, slots=slots, ignore_eos=True,
+        gqa_llama,
+        requests,
+        {"top_p": 0.95, "logprobs": 2},
+        slots=slots,
+        ignore_eos=True,
         deterministic=True,
     )
     assert _row(results[at], 0) == _alone(gqa_llama, prompt)
@@ -354,8 +364,9 @@ def test_the_first_deterministic_generate_compiles_a_handful_of_programs(
     )
 
 
-def test_probe_results_are_kept_on_disk_per_machine(no_probes_yet, monkeypatch, tmp_path,
-                                                    compile_counter):
+def test_probe_results_are_kept_on_disk_per_machine(
+    no_probes_yet, monkeypatch, tmp_path, compile_counter
+):
     """`fixed_order.measure` records what it measured in the compile-cache folder, and a
     process that finds a shape there compiles nothing for it; an entry recorded under
     another machine key (another CPU, jax release, flag set) is not used; a corrupt file is
@@ -404,8 +415,17 @@ def test_probe_results_are_kept_on_disk_per_machine(no_probes_yet, monkeypatch, 
 def test_contraction_chunks_fit_every_model_axis():
     """Chunks of at most MAX_CHUNK entries that tile every device's share of the
     contraction on a model axis of 1, 2, 4 or 8 devices."""
-    cases = {(256, 1): 128, (512, 1): 128, (704, 704): 88, (256, 4): 64, (64, 8): 8,
-             (2048, 16): 128, (11008, 11008): 86, (96, 1): 96, (24, 3): 24}
+    cases = {
+        (256, 1): 128,
+        (512, 1): 128,
+        (704, 704): 88,
+        (256, 4): 64,
+        (64, 8): 8,
+        (2048, 16): 128,
+        (11008, 11008): 86,
+        (96, 1): 96,
+        (24, 3): 24,
+    }
     for (k, groups), chunk in cases.items():
         got = fixed_order.contraction_chunk(k, groups)
         assert got == chunk, (k, groups, got)
@@ -450,8 +470,9 @@ def test_a_product_split_over_a_model_axis_gives_the_one_device_bits(k, n, group
         np.testing.assert_array_equal(np.asarray(fixed(x, w[:, :cols])), full[:, :cols])
         if k % (parts * fixed_order.contraction_chunk(k, groups)) == 0:
             share = k // parts  # the first device's share of the contraction
-            np.testing.assert_array_equal(np.asarray(partials(x[:, :share], w[:share])),
-                                          chunks[: chunks.shape[0] // parts])
+            np.testing.assert_array_equal(
+                np.asarray(partials(x[:, :share], w[:share])), chunks[: chunks.shape[0] // parts]
+            )
     total = chunks[0]
     for c in chunks[1:]:
         total = total + c
@@ -533,8 +554,10 @@ def test_deterministic_logits_are_the_models(request, model_name):
 def test_fixed_order_attention_matches_a_float64_reference():
     rng = np.random.default_rng(0)
     b, t, h, hkv, s, d = 2, 3, 4, 2, 40, 8
-    q, k, v = (rng.standard_normal(shape).astype(np.float32)
-               for shape in ((b, t, h, d), (b, hkv, s, d), (b, hkv, s, d)))
+    q, k, v = (
+        rng.standard_normal(shape).astype(np.float32)
+        for shape in ((b, t, h, d), (b, hkv, s, d), (b, hkv, s, d))
+    )
     pos = np.array([[10, 11, 12], [-1, 0, 1]])
     mask = np.arange(s)[None, None, :] <= pos[:, :, None]
     got = np.asarray(layers._attend(q, k, v, mask, 0.3, deterministic=True))
@@ -569,9 +592,19 @@ def test_decode_attention_over_a_longer_cache_or_prefix_is_exact():
 # chunks; caches a multiple of the 16-slot chunk or not.
 # (2, 150, 288): three query blocks of 64 columns, the last padded, the query's block
 # among blocks that see fewer or more key chunks.
-ATTENTION_CALLS = [(1, 1, 128), (2, 1, 136), (3, 5, 160), (8, 1, 200), (17, 5, 208),
-                   (64, 1, 1024), (64, 5, 256), (1, 16, 144), (8, 33, 256), (3, 64, 128),
-                   (2, 150, 288)]
+ATTENTION_CALLS = [
+    (1, 1, 128),
+    (2, 1, 136),
+    (3, 5, 160),
+    (8, 1, 200),
+    (17, 5, 208),
+    (64, 1, 1024),
+    (64, 5, 256),
+    (1, 16, 144),
+    (8, 33, 256),
+    (3, 64, 128),
+    (2, 150, 288),
+]
 
 
 @pytest.mark.parametrize(("hkv", "g", "d"), [(2, 2, 8), (2, 4, 64)])

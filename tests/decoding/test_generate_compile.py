@@ -71,17 +71,17 @@ def _random_knobs(rng, batch):
         min_tokens=rng.integers(0, 4, batch).tolist(),
         # Row 0 fills the width (the top logprobs are as wide as the widest row asks).
         logprobs=[20] + rng.integers(0, 21, batch - 1).tolist(),
-        logit_bias=[{t: float(rng.uniform(-3, 3)) for t in _ids(rng, 0, 4)}
-                    for _ in range(batch)],
+        logit_bias=[{t: float(rng.uniform(-3, 3)) for t in _ids(rng, 0, 4)} for _ in range(batch)],
         banned_token_ids=[_ids(rng, 0, 4) for _ in range(batch)],
         allowed_token_ids=[None if rng.random() < 0.5 else _ids(rng, 1, 4) for _ in range(batch)],
         stop_token_ids=[_ids(rng, 0, 4) for _ in range(batch)],
         # Row 0 fills the bucket (2 sequences, one of 3 or 4 tokens); the others vary freely.
-        stop_sequences=[[_ids(rng, 3, 4), _ids(rng, 1, 4)]] + [
-            [_ids(rng, 1, 4) for _ in range(int(rng.integers(0, 3)))] for _ in range(batch - 1)
+        stop_sequences=[[_ids(rng, 3, 4), _ids(rng, 1, 4)]]
+        + [[_ids(rng, 1, 4) for _ in range(int(rng.integers(0, 3)))] for _ in range(batch - 1)],
+        stop=[
+            [_stop_string(rng, 16) for _ in range(int(rng.integers(1 if r == 0 else 0, 5)))]
+            for r in range(batch)
         ],
-        stop=[[_stop_string(rng, 16) for _ in range(int(rng.integers(1 if r == 0 else 0, 5)))]
-              for r in range(batch)],
         include_stop_str_in_output=(rng.random(batch) < 0.5).tolist(),
     )
 
@@ -95,8 +95,11 @@ def test_changing_any_value_never_recompiles(compile_counter):
     rng = np.random.default_rng(0)
     batch = 3
     with compile_counter as c:
-        ll.generate(model, _prompts(rng, batch),
-                    ll.SamplingParams.create(batch, **_random_knobs(rng, batch)))
+        ll.generate(
+            model,
+            _prompts(rng, batch),
+            ll.SamplingParams.create(batch, **_random_knobs(rng, batch)),
+        )
     assert c.count > 0  # a new model compiles: the counter does see this test's programs
     with compile_counter as c:
         for trial in range(4):

@@ -163,7 +163,11 @@ def test_logprobs_match_the_closed_form(table):
     # min_p = 0.1, which keeps the scripted token alone (final log-probability 0).
     model = make_model(table)
     params = ll.SamplingParams.create(
-        batch_size=2, temperature=[2.0, 1.0], min_p=[0.0, 0.1], max_tokens=8, logprobs=[3, 5],
+        batch_size=2,
+        temperature=[2.0, 1.0],
+        min_p=[0.0, 0.1],
+        max_tokens=8,
+        logprobs=[3, 5],
         seed=[1, 2],
     )
     res = ll.generate(model, [[1], [2]], params)

@@ -25,8 +25,11 @@ def _row1(bad, good):
 INVALID = [
     ("temperature", _row1(-0.5, 1.0), ["temperature[1]", "[0, 3.40282e+38]"]),
     ("temperature", _row1(NAN, 1.0), ["temperature[1]", "[0, 3.40282e+38]"]),
-    ("temperature", _row1(1e-45, 1.0),
-     ["temperature[1]", "0 (greedy) or [1.17549e-38, 3.40282e+38]"]),
+    (
+        "temperature",
+        _row1(1e-45, 1.0),
+        ["temperature[1]", "0 (greedy) or [1.17549e-38, 3.40282e+38]"],
+    ),
     ("top_p", _row1(0.0, 1.0), ["top_p[1]", "(0, 1]"]),
     ("top_p", _row1(1.5, 1.0), ["top_p[1]", "(0, 1]"]),
     ("top_p", _row1(NAN, 1.0), ["top_p[1]", "(0, 1]"]),
@@ -54,8 +57,11 @@ F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32)
 # Values that float32 cannot hold: overflow to inf, or round to a denormal or 0. Each names
 # the argument, the row and the float32 range; integer ranges print as exact integers.
 NOT_FLOAT32 = [
-    ("repetition_penalty", _row1(1e-45, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]",
-                                               "1.17549e-38"]),
+    (
+        "repetition_penalty",
+        _row1(1e-45, 1.0),
+        ["repetition_penalty[1]", "(0, 3.40282e+38]", "1.17549e-38"],
+    ),
     ("repetition_penalty", _row1(1e300, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]"]),
     ("repetition_penalty", _row1(math.inf, 1.0), ["repetition_penalty[1]", "(0, 3.40282e+38]"]),
     ("temperature", _row1(1e39, 1.0), ["temperature[1]", "[0, 3.40282e+38]"]),
@@ -65,16 +71,20 @@ NOT_FLOAT32 = [
     ("min_p", _row1(1e-45, 0.0), ["min_p[1]", "[0, 1]", "1.17549e-38"]),
     ("presence_penalty", _row1(-1e-40, 0.0), ["presence_penalty[1]", "[-2, 2]", "1.17549e-38"]),
     ("frequency_penalty", _row1(1e-39, 0.0), ["frequency_penalty[1]", "[-2, 2]"]),
-    ("logit_bias", _row1({3: 1e-45}, {}),
-     ["logit_bias[1] token 3: bias", "[-100, 100]", "1.17549e-38"]),
+    (
+        "logit_bias",
+        _row1({3: 1e-45}, {}),
+        ["logit_bias[1] token 3: bias", "[-100, 100]", "1.17549e-38"],
+    ),
     ("seed", _row1(2**32, 0), ["seed[1]", "[0, 4294967295]"]),
     ("max_tokens", _row1(2**31, 4), ["max_tokens[1]", "[1, 2147483647]"]),
     ("top_k", _row1(2**31, 0), ["top_k[1]", "[-2147483647, 2147483647]"]),
 ]
 
 
-@pytest.mark.parametrize("arg, value, expected", NOT_FLOAT32,
-                         ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(NOT_FLOAT32)])
+@pytest.mark.parametrize(
+    "arg, value, expected", NOT_FLOAT32, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(NOT_FLOAT32)]
+)
 def test_values_float32_cannot_hold_are_rejected(arg, value, expected):
     with pytest.raises(ValueError) as err:
         ll.SamplingParams.create(batch_size=B, vocab_size=V, **{arg: value})
@@ -115,8 +125,11 @@ def test_extreme_accepted_values_never_give_nan():
     out = jax.tree.map(np.asarray, ll.sample(logits, params, positions, hist))
     assert (out.status == ll.STATUS_OK).all(), out.status
     assert ((out.tokens >= 0) & (out.tokens < V)).all(), out.tokens
-    for name, values in (("logprobs", out.logprobs), ("raw_logprobs", out.raw_logprobs),
-                         ("top_logprobs.values", out.top_logprobs.values)):
+    for name, values in (
+        ("logprobs", out.logprobs),
+        ("raw_logprobs", out.raw_logprobs),
+        ("top_logprobs.values", out.top_logprobs.values),
+    ):
         assert not np.isnan(values).any(), f"{name}: {values}"
     assert np.isfinite(out.logprobs).all() and (out.logprobs <= 0).all(), out.logprobs
     probs = np.asarray(ll.sampling_distribution(logits, params, positions, hist), np.float64)
@@ -165,8 +178,9 @@ BAD_TYPES = [
 ]
 
 
-@pytest.mark.parametrize("arg, value, expected", BAD_TYPES,
-                         ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD_TYPES)])
+@pytest.mark.parametrize(
+    "arg, value, expected", BAD_TYPES, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD_TYPES)]
+)
 def test_wrong_types_are_errors_naming_the_argument(arg, value, expected):
     with pytest.raises(ValueError) as err:
         ll.SamplingParams.create(batch_size=B, vocab_size=V, **{arg: value})
@@ -182,9 +196,15 @@ def test_a_two_by_two_array_is_not_flattened_into_four_rows():
 
 def test_the_accepted_list_forms_still_mean_what_they_did():
     params = ll.SamplingParams.create(
-        batch_size=B, vocab_size=V, banned_token_ids=np.asarray([1, 2]), stop_token_ids=7,
-        allowed_token_ids=[[3, 4], None, 5], stop_sequences=[[1, 2], [3]], stop="x",
-        include_stop_str_in_output=np.asarray([True, False, True]), temperature=np.float32(0.5),
+        batch_size=B,
+        vocab_size=V,
+        banned_token_ids=np.asarray([1, 2]),
+        stop_token_ids=7,
+        allowed_token_ids=[[3, 4], None, 5],
+        stop_sequences=[[1, 2], [3]],
+        stop="x",
+        include_stop_str_in_output=np.asarray([True, False, True]),
+        temperature=np.float32(0.5),
     )
     assert np.asarray(params.banned_ids)[:, :2].tolist() == [[1, 2]] * B
     assert np.asarray(params.stop_token_ids)[:, 0].tolist() == [7] * B
@@ -207,8 +227,9 @@ WRONG_LENGTH = [
 ]
 
 
-@pytest.mark.parametrize("arg, value, expected", INVALID,
-                         ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(INVALID)])
+@pytest.mark.parametrize(
+    "arg, value, expected", INVALID, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(INVALID)]
+)
 def test_invalid_value_names_argument_row_and_range(arg, value, expected):
     with pytest.raises(ValueError) as err:
         ll.SamplingParams.create(batch_size=B, vocab_size=V, **{arg: value})
@@ -222,8 +243,10 @@ def test_invalid_value_names_argument_row_and_range(arg, value, expected):
 ONE_ROW = [
     (dict(top_p=1.5), "top_p = 1.5 is outside the allowed range (0, 1]"),
     (dict(temperature=[1e-45]), "temperature = 1e-45 is outside the allowed range: 0 (greedy)"),
-    (dict(min_tokens=5, max_tokens=4), "min_tokens = 5 is outside the allowed range "
-                                       "[0, max_tokens = 4]"),
+    (
+        dict(min_tokens=5, max_tokens=4),
+        "min_tokens = 5 is outside the allowed range [0, max_tokens = 4]",
+    ),
     (dict(logit_bias={3: 500}), "logit_bias token 3: bias = 500 is outside"),
     (dict(logit_bias=[{True: 1.0}]), "logit_bias has key True"),
     (dict(banned_token_ids=[[V]]), f"banned_token_ids holds token id {V}, outside"),
@@ -236,8 +259,9 @@ ONE_ROW = [
 ]
 
 
-@pytest.mark.parametrize("knobs, message", ONE_ROW,
-                         ids=[f"one-row-{i}" for i in range(len(ONE_ROW))])
+@pytest.mark.parametrize(
+    "knobs, message", ONE_ROW, ids=[f"one-row-{i}" for i in range(len(ONE_ROW))]
+)
 def test_a_batch_of_one_row_names_no_row_index(knobs, message):
     with pytest.raises(ValueError) as err:
         ll.SamplingParams.create(batch_size=1, vocab_size=V, **knobs)
@@ -274,12 +298,21 @@ def test_min_tokens_above_max_tokens_names_both():
 
 def test_valid_values_at_the_edges_of_their_ranges_are_accepted():
     ll.SamplingParams.create(
-        batch_size=B, vocab_size=V, temperature=[0.0, 1e-3, 100.0], top_p=[1.0, 1e-6, 0.5],
-        min_p=[0.0, 1.0, 0.5], presence_penalty=[-2.0, 2.0, 0.0],
-        frequency_penalty=[2.0, -2.0, 0.0], repetition_penalty=[1e-3, 1.0, 50.0],
-        logprobs=[0, 20, 5], logit_bias={0: 1.0, V - 1: -1.0}, banned_token_ids=[V - 1],
-        allowed_token_ids=[[0], None, [V - 1]], stop_token_ids=[0, V - 1],
-        min_tokens=[4, 0, 0], max_tokens=[4, 1, 1],
+        batch_size=B,
+        vocab_size=V,
+        temperature=[0.0, 1e-3, 100.0],
+        top_p=[1.0, 1e-6, 0.5],
+        min_p=[0.0, 1.0, 0.5],
+        presence_penalty=[-2.0, 2.0, 0.0],
+        frequency_penalty=[2.0, -2.0, 0.0],
+        repetition_penalty=[1e-3, 1.0, 50.0],
+        logprobs=[0, 20, 5],
+        logit_bias={0: 1.0, V - 1: -1.0},
+        banned_token_ids=[V - 1],
+        allowed_token_ids=[[0], None, [V - 1]],
+        stop_token_ids=[0, V - 1],
+        min_tokens=[4, 0, 0],
+        max_tokens=[4, 1, 1],
     )
 
 
@@ -311,8 +344,14 @@ def _unsampleable_batch():
 # row -> expected status: 1, 2, 3 hold NaN / +inf / all-NaN; 4 allows only a banned token,
 # 5 is all -inf, 6 allows only stop tokens that min_tokens suppresses; 0 and 7 are fine.
 EXPECTED_STATUS = {
-    0: ll.STATUS_OK, 1: ll.STATUS_BAD_LOGITS, 2: ll.STATUS_BAD_LOGITS, 3: ll.STATUS_BAD_LOGITS,
-    4: ll.STATUS_ALL_MASKED, 5: ll.STATUS_ALL_MASKED, 6: ll.STATUS_ALL_MASKED, 7: ll.STATUS_OK,
+    0: ll.STATUS_OK,
+    1: ll.STATUS_BAD_LOGITS,
+    2: ll.STATUS_BAD_LOGITS,
+    3: ll.STATUS_BAD_LOGITS,
+    4: ll.STATUS_ALL_MASKED,
+    5: ll.STATUS_ALL_MASKED,
+    6: ll.STATUS_ALL_MASKED,
+    7: ll.STATUS_OK,
 }
 
 
@@ -327,8 +366,11 @@ def test_unsampleable_rows_give_a_valid_token_and_no_nan():
     logits, params, positions = _unsampleable_batch()
     out = jax.tree.map(np.asarray, ll.sample(logits, params, positions))
     assert ((out.tokens >= 0) & (out.tokens < V)).all(), out.tokens
-    for name, values in (("logprobs", out.logprobs), ("raw_logprobs", out.raw_logprobs),
-                         ("top_logprobs.values", out.top_logprobs.values)):
+    for name, values in (
+        ("logprobs", out.logprobs),
+        ("raw_logprobs", out.raw_logprobs),
+        ("top_logprobs.values", out.top_logprobs.values),
+    ):
         assert not np.isnan(values).any(), f"{name}: {values}"
     probs = np.asarray(ll.sampling_distribution(logits, params, positions))
     assert not np.isnan(probs).any()
@@ -339,8 +381,9 @@ def test_unsampleable_rows_do_not_disturb_the_others():
     out = ll.sample(logits, params, positions)
     good = np.asarray([0, 7])
     alone = ll.sample(logits[good], params.take(good), positions[good])
-    for a, b in zip(jax.tree.leaves(jax.tree.map(lambda v: v[good], out)),
-                    jax.tree.leaves(alone), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(jax.tree.map(lambda v: v[good], out)), jax.tree.leaves(alone), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -362,8 +405,9 @@ def shipped_model():
     return ll.load_pretrained()
 
 
-@pytest.mark.parametrize("prompts, expected", BAD_PROMPTS,
-                         ids=[f"prompt-{i}" for i in range(len(BAD_PROMPTS))])
+@pytest.mark.parametrize(
+    "prompts, expected", BAD_PROMPTS, ids=[f"prompt-{i}" for i in range(len(BAD_PROMPTS))]
+)
 def test_bad_prompts_are_errors_naming_the_prompt(shipped_model, prompts, expected):
     batch = len(prompts) if isinstance(prompts, list) else 1
     params = ll.SamplingParams.create(batch_size=batch, max_tokens=2)
@@ -374,8 +418,14 @@ def test_bad_prompts_are_errors_naming_the_prompt(shipped_model, prompts, expect
 
 
 # ll.sample's inputs whose shapes do not fit: one line naming what is wrong, at trace time.
-def _shape_case(logits_shape=(B, V), params_batch=B, positions_shape=(B,), history_batch=None,
-                vocab_size=None, ids=None):
+def _shape_case(
+    logits_shape=(B, V),
+    params_batch=B,
+    positions_shape=(B,),
+    history_batch=None,
+    vocab_size=None,
+    ids=None,
+):
     logits = jnp.zeros(logits_shape, jnp.float32)
     params = ll.SamplingParams.create(batch_size=params_batch, vocab_size=vocab_size, **(ids or {}))
     positions = jnp.zeros(positions_shape, jnp.int32)
@@ -393,15 +443,18 @@ BAD_SHAPES = [
     (dict(positions_shape=()), f"positions must be [B] = ({B},), one per row, got shape ()"),
     (dict(positions_shape=(B + 2,)), f"got shape ({B + 2},)"),
     (dict(history_batch=B - 1), f"history has {B - 1} rows but logits have {B}"),
-    (dict(vocab_size=V + 14, ids=dict(banned_token_ids=[V + 3])),
-     f"vocab_size = {V + 14}, but the logits have V = {V}"),
+    (
+        dict(vocab_size=V + 14, ids=dict(banned_token_ids=[V + 3])),
+        f"vocab_size = {V + 14}, but the logits have V = {V}",
+    ),
     (dict(vocab_size=V + 1, ids=dict(logit_bias={V: 1.0})), f"V = {V}"),
     (dict(vocab_size=V + 1, ids=dict(allowed_token_ids=[0, V])), f"V = {V}"),
 ]
 
 
-@pytest.mark.parametrize("case, message", BAD_SHAPES,
-                         ids=[f"shape-{i}" for i in range(len(BAD_SHAPES))])
+@pytest.mark.parametrize(
+    "case, message", BAD_SHAPES, ids=[f"shape-{i}" for i in range(len(BAD_SHAPES))]
+)
 def test_sample_rejects_inputs_that_do_not_fit(case, message):
     logits, params, positions, history = _shape_case(**case)
     for fn in (ll.sample, ll.sampling_distribution):

@@ -33,18 +33,35 @@ TINY = 1e-30
 
 
 def _history(rng):
-    return dict(prompt_tokens=tuple(rng.integers(0, V, 6).tolist()),
-                generated_tokens=tuple(rng.integers(0, V, 4).tolist()))
+    return dict(
+        prompt_tokens=tuple(rng.integers(0, V, 6).tolist()),
+        generated_tokens=tuple(rng.integers(0, V, 4).tolist()),
+    )
 
 
 def _rows(rng):
     return [
-        Row(temperature=0.5), Row(temperature=1.3), Row(top_k=1), Row(top_k=5), Row(top_k=40),
-        Row(top_p=0.3), Row(top_p=0.9), Row(min_p=0.05), Row(min_p=0.3),
-        Row(repetition_penalty=1.3, **_history(rng)), Row(repetition_penalty=0.7, **_history(rng)),
-        Row(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
-            **_history(rng)),
-        Row(temperature=1.7, top_p=0.95, min_p=0.01), Row(temperature=0.6, top_k=10, top_p=0.5),
+        Row(temperature=0.5),
+        Row(temperature=1.3),
+        Row(top_k=1),
+        Row(top_k=5),
+        Row(top_k=40),
+        Row(top_p=0.3),
+        Row(top_p=0.9),
+        Row(min_p=0.05),
+        Row(min_p=0.3),
+        Row(repetition_penalty=1.3, **_history(rng)),
+        Row(repetition_penalty=0.7, **_history(rng)),
+        Row(
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            min_p=0.02,
+            repetition_penalty=1.2,
+            **_history(rng),
+        ),
+        Row(temperature=1.7, top_p=0.95, min_p=0.01),
+        Row(temperature=0.6, top_k=10, top_p=0.5),
     ]
 
 
@@ -55,8 +72,9 @@ def transformers_distribution(logits, row: Row) -> np.ndarray:
     ids = torch.tensor([list(row.prompt_tokens) + list(row.generated_tokens)], dtype=torch.long)
     processors = []
     if row.repetition_penalty != 1.0:
-        processors.append(logits_process.RepetitionPenaltyLogitsProcessor(
-            f32(row.repetition_penalty)))
+        processors.append(
+            logits_process.RepetitionPenaltyLogitsProcessor(f32(row.repetition_penalty))
+        )
     processors.append(logits_process.TemperatureLogitsWarper(f32(row.temperature)))
     if row.top_k > 0:
         processors.append(logits_process.TopKLogitsWarper(row.top_k))
@@ -74,9 +92,12 @@ def compared():
     rng = np.random.default_rng(2718)
     rows = _rows(rng)
     n_gen = max(len(r.generated_tokens) for r in rows)
-    rows = [r if r.generated_tokens else
-            dataclasses.replace(r, generated_tokens=tuple(rng.integers(0, V, n_gen).tolist()))
-            for r in rows]
+    rows = [
+        r
+        if r.generated_tokens
+        else dataclasses.replace(r, generated_tokens=tuple(rng.integers(0, V, n_gen).tolist()))
+        for r in rows
+    ]
     logits = [unambiguous_logits(rng, r, V, tie_frac=0.0, tie_max=False)[0] for r in rows]
     params, positions, hist = batch_inputs(rows, V)
     x = np.stack([np.asarray(v) for v in logits])

@@ -33,8 +33,16 @@ def test_temperature_divides_the_logits():
 
 @pytest.mark.parametrize(
     "top_k, expected",
-    [(1, {1}), (2, {1, 3}), (3, {1, 2, 3, 4}), (4, {1, 2, 3, 4}), (5, {0, 1, 2, 3, 4}),
-     (0, {0, 1, 2, 3, 4}), (-3, {0, 1, 2, 3, 4}), (9, {0, 1, 2, 3, 4})],
+    [
+        (1, {1}),
+        (2, {1, 3}),
+        (3, {1, 2, 3, 4}),
+        (4, {1, 2, 3, 4}),
+        (5, {0, 1, 2, 3, 4}),
+        (0, {0, 1, 2, 3, 4}),
+        (-3, {0, 1, 2, 3, 4}),
+        (9, {0, 1, 2, 3, 4}),
+    ],
 )
 def test_top_k_keeps_ties_with_the_kth(top_k, expected):
     _, kept = reference_distribution([1.0, 3.0, 2.0, 3.0, 2.0], top_k=top_k)
@@ -46,8 +54,9 @@ def test_top_k_counts_only_finite_tokens():
     assert kept_ids(kept) == {0, 2}
 
 
-@pytest.mark.parametrize("top_p, expected", [(0.45, {0}), (0.55, {0, 1}), (0.85, {0, 1, 2}),
-                                             (1.0, {0, 1, 2, 3})])
+@pytest.mark.parametrize(
+    "top_p, expected", [(0.45, {0}), (0.55, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})]
+)
 def test_top_p_keeps_the_shortest_prefix_reaching_p(top_p, expected):
     probs, kept = reference_distribution(LN([0.5, 0.3, 0.15, 0.05]), top_p=top_p)
     assert kept_ids(kept) == expected
@@ -68,8 +77,9 @@ def test_top_p_works_on_the_top_k_renormalised_distribution():
     assert kept_ids(reference_distribution(logits, top_k=3, top_p=0.75)[1]) == {0, 1}
 
 
-@pytest.mark.parametrize("min_p, expected", [(0.5, {0, 1}), (0.7, {0}), (0.35, {0, 1, 2}),
-                                             (0.0, {0, 1, 2})])
+@pytest.mark.parametrize(
+    "min_p, expected", [(0.5, {0, 1}), (0.7, {0}), (0.35, {0, 1, 2}), (0.0, {0, 1, 2})]
+)
 def test_min_p_keeps_tokens_above_a_fraction_of_the_max(min_p, expected):
     _, kept = reference_distribution(LN([0.5, 0.3, 0.2]), min_p=min_p)
     assert kept_ids(kept) == expected
@@ -88,26 +98,37 @@ def test_greedy_is_one_hot_at_the_lowest_tied_argmax(settings):
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_once_per_token():
-    x = adjusted_logits([2.0, -2.0, 1.0, 0.0], repetition_penalty=2.0, prompt_tokens=[0, 3],
-                        generated_tokens=[1, 1, 0])
+    x = adjusted_logits(
+        [2.0, -2.0, 1.0, 0.0],
+        repetition_penalty=2.0,
+        prompt_tokens=[0, 3],
+        generated_tokens=[1, 1, 0],
+    )
     np.testing.assert_array_equal(x, [1.0, -4.0, 1.0, 0.0])
 
 
 def test_presence_and_frequency_count_generated_tokens_only():
-    x = adjusted_logits(np.zeros(4), presence_penalty=0.25, frequency_penalty=0.5,
-                        prompt_tokens=[3, 3], generated_tokens=[1, 1, 2])
+    x = adjusted_logits(
+        np.zeros(4),
+        presence_penalty=0.25,
+        frequency_penalty=0.5,
+        prompt_tokens=[3, 3],
+        generated_tokens=[1, 1, 2],
+    )
     np.testing.assert_allclose(x, [0.0, -1.25, -0.75, 0.0])
 
 
 def test_repetition_penalty_acts_before_presence():
-    x = adjusted_logits([3.0, 0.0], repetition_penalty=1.5, presence_penalty=1.0,
-                        generated_tokens=[0])
+    x = adjusted_logits(
+        [3.0, 0.0], repetition_penalty=1.5, presence_penalty=1.0, generated_tokens=[0]
+    )
     np.testing.assert_allclose(x, [1.0, 0.0], rtol=1e-7)
 
 
 def test_masks_and_bias():
-    x = adjusted_logits([0.5, 0.5, 0.5, 0.5], allowed=[1, 2], banned=[2],
-                        logit_bias={0: 5.0, 1: 1.0, 2: 9.0})
+    x = adjusted_logits(
+        [0.5, 0.5, 0.5, 0.5], allowed=[1, 2], banned=[2], logit_bias={0: 5.0, 1: 1.0, 2: 9.0}
+    )
     np.testing.assert_array_equal(x, [-np.inf, 1.5, -np.inf, -np.inf])
 
 
@@ -124,8 +145,9 @@ def test_every_token_masked_gives_an_empty_distribution():
 
 
 def test_raw_logprobs_are_log_softmax():
-    np.testing.assert_allclose(reference_raw_logprobs([0.0, LN(3), -np.inf]),
-                               [LN(0.25), LN(0.75), -np.inf], rtol=1e-12)
+    np.testing.assert_allclose(
+        reference_raw_logprobs([0.0, LN(3), -np.inf]), [LN(0.25), LN(0.75), -np.inf], rtol=1e-12
+    )
 
 
 def test_top_logprobs_sorted_with_ties_in_id_order():

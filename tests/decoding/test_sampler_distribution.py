@@ -53,11 +53,23 @@ SETTINGS = {
     "temperature_top_k": (SMALL_VOCAB, Row(temperature=0.7, top_k=10), dict(tie_frac=0.2)),
     "top_p": (SMALL_VOCAB, Row(top_p=0.9), {}),
     "min_p": (SMALL_VOCAB, Row(min_p=0.1, temperature=1.3), {}),
-    "penalties_and_truncation": (SMALL_VOCAB, Row(
-        temperature=0.8, top_k=30, top_p=0.95, min_p=0.01, repetition_penalty=1.3,
-        presence_penalty=0.5, frequency_penalty=0.3, logit_bias={3: 2.0, 4: -1.0},
-        banned=(5,), prompt_tokens=(0, 1, 2, 7), generated_tokens=(1, 3, 3, 8, 9, 9, 9),
-    ), dict(scale=2.0)),
+    "penalties_and_truncation": (
+        SMALL_VOCAB,
+        Row(
+            temperature=0.8,
+            top_k=30,
+            top_p=0.95,
+            min_p=0.01,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logit_bias={3: 2.0, 4: -1.0},
+            banned=(5,),
+            prompt_tokens=(0, 1, 2, 7),
+            generated_tokens=(1, 3, 3, 8, 9, 9, 9),
+        ),
+        dict(scale=2.0),
+    ),
     # A nucleus wider than the sampler's candidate list: hundreds of kept tokens, in a
     # vocabulary that is not a multiple of a power of two.
     "wide_nucleus": (2000, Row(temperature=1.5, top_p=0.99), dict(scale=2.5, neg_inf_frac=0.0)),

@@ -43,26 +43,30 @@ def rows(draw, n=B, temperatures=(0.0, 0.5, 0.7, 1.0, 1.5, 2.0), repetition=True
     out = []
     for _ in range(n):
         ids = st.integers(0, V - 1)
-        out.append(Row(
-            temperature=draw(st.sampled_from(temperatures)),
-            top_k=draw(st.sampled_from([0, 1, 2, 5, V - 1, V, V + 3, -1])),
-            top_p=draw(st.sampled_from([1.0, 0.9, 0.5, 0.2])),
-            min_p=draw(st.sampled_from([0.0, 0.05, 0.3])),
-            repetition_penalty=draw(st.sampled_from([1.0, 1.3, 0.7])) if repetition else 1.0,
-            presence_penalty=draw(st.sampled_from([0.0, 0.5, -1.0])),
-            frequency_penalty=draw(st.sampled_from([0.0, 0.25, -0.5])),
-            logit_bias=draw(st.dictionaries(ids, st.sampled_from([-3.0, 1.5, 4.0]), max_size=3)),
-            banned=tuple(draw(st.lists(ids, max_size=3, unique=True))),
-            min_tokens=draw(st.integers(0, 2)),
-            stop_token_ids=tuple(draw(st.lists(ids, max_size=2, unique=True))),
-            position=draw(st.integers(0, 3)),
-            prompt_tokens=tuple(draw(st.lists(ids, max_size=5))),
-            generated_tokens=tuple(draw(st.lists(ids, min_size=generated, max_size=generated))),
-            seed=draw(st.integers(0, 2**32 - 1)),
-            # The top-logprobs width is static (the widest row's): three widths, so the
-            # examples share a few compiled programs rather than compiling one each.
-            logprobs=draw(st.sampled_from([0, 3, 20])),
-        ))
+        out.append(
+            Row(
+                temperature=draw(st.sampled_from(temperatures)),
+                top_k=draw(st.sampled_from([0, 1, 2, 5, V - 1, V, V + 3, -1])),
+                top_p=draw(st.sampled_from([1.0, 0.9, 0.5, 0.2])),
+                min_p=draw(st.sampled_from([0.0, 0.05, 0.3])),
+                repetition_penalty=draw(st.sampled_from([1.0, 1.3, 0.7])) if repetition else 1.0,
+                presence_penalty=draw(st.sampled_from([0.0, 0.5, -1.0])),
+                frequency_penalty=draw(st.sampled_from([0.0, 0.25, -0.5])),
+                logit_bias=draw(
+                    st.dictionaries(ids, st.sampled_from([-3.0, 1.5, 4.0]), max_size=3)
+                ),
+                banned=tuple(draw(st.lists(ids, max_size=3, unique=True))),
+                min_tokens=draw(st.integers(0, 2)),
+                stop_token_ids=tuple(draw(st.lists(ids, max_size=2, unique=True))),
+                position=draw(st.integers(0, 3)),
+                prompt_tokens=tuple(draw(st.lists(ids, max_size=5))),
+                generated_tokens=tuple(draw(st.lists(ids, min_size=generated, max_size=generated))),
+                seed=draw(st.integers(0, 2**32 - 1)),
+                # The top-logprobs width is static (the widest row's): three widths, so the
+                # examples share a few compiled programs rather than compiling one each.
+                logprobs=draw(st.sampled_from([0, 3, 20])),
+            )
+        )
     return out
 
 
@@ -75,11 +79,12 @@ def run(logits, batch):
 
 
 def assert_outputs_equal(a, b):
-    for name, x, y in zip(("tokens", "logprobs", "raw_logprobs", "ids", "values", "status"),
-                          (a.tokens, a.logprobs, a.raw_logprobs, a.top_logprobs.ids,
-                           a.top_logprobs.values, a.status),
-                          (b.tokens, b.logprobs, b.raw_logprobs, b.top_logprobs.ids,
-                           b.top_logprobs.values, b.status), strict=True):
+    for name, x, y in zip(
+        ("tokens", "logprobs", "raw_logprobs", "ids", "values", "status"),
+        (a.tokens, a.logprobs, a.raw_logprobs, a.top_logprobs.ids, a.top_logprobs.values, a.status),
+        (b.tokens, b.logprobs, b.raw_logprobs, b.top_logprobs.ids, b.top_logprobs.values, b.status),
+        strict=True,
+    ):
         np.testing.assert_array_equal(x, y, err_msg=name)
 
 
@@ -90,8 +95,17 @@ def assert_outputs_equal(a, b):
     history=st.lists(st.integers(0, V - 1), max_size=4),
 )
 def test_neutral_settings_give_the_plain_softmax(x, top_k, history):
-    batch = [Row(top_k=k, temperature=1.0, top_p=1.0, min_p=0.0, prompt_tokens=tuple(history),
-                 generated_tokens=tuple(history[:2])) for k in top_k]
+    batch = [
+        Row(
+            top_k=k,
+            temperature=1.0,
+            top_p=1.0,
+            min_p=0.0,
+            prompt_tokens=tuple(history),
+            generated_tokens=tuple(history[:2]),
+        )
+        for k in top_k
+    ]
     _, probs = run(x, batch)
     x64 = x.astype(np.float64)
     softmax = np.exp(x64 - x64.max(1, keepdims=True))
@@ -126,8 +140,14 @@ def test_permuting_the_rows_permutes_the_outputs(x, batch, perm):
 
 
 @SETTINGS
-@given(x=grid_logits(), batch=rows(), others=grid_logits(), other_rows=rows(),
-       row=st.integers(0, B - 1), slot=st.integers(0, B - 1))
+@given(
+    x=grid_logits(),
+    batch=rows(),
+    others=grid_logits(),
+    other_rows=rows(),
+    row=st.integers(0, B - 1),
+    slot=st.integers(0, B - 1),
+)
 def test_a_rows_token_depends_only_on_its_own_inputs(x, batch, others, other_rows, row, slot):
     a, _ = run(x, batch)
     again, _ = run(x, batch)
@@ -156,13 +176,25 @@ def own_row(out, r, n):
 
 
 @SETTINGS
-@given(x=grid_logits(), batch=rows(temperatures=(0.0,)),
-       hot=st.lists(st.tuples(st.sampled_from([0.3, 1.0, 1.7]), st.sampled_from([1.0, 0.5, 0.1]),
-                              st.sampled_from([0.0, 0.5, 1.0])), min_size=B, max_size=B))
+@given(
+    x=grid_logits(),
+    batch=rows(temperatures=(0.0,)),
+    hot=st.lists(
+        st.tuples(
+            st.sampled_from([0.3, 1.0, 1.7]),
+            st.sampled_from([1.0, 0.5, 0.1]),
+            st.sampled_from([0.0, 0.5, 1.0]),
+        ),
+        min_size=B,
+        max_size=B,
+    ),
+)
 def test_temperature_zero_is_top_k_one_bit_for_bit(x, batch, hot):
     greedy_rows = [dataclasses.replace(r, temperature=0.0) for r in batch]
-    top1_rows = [dataclasses.replace(r, temperature=t, top_k=1, top_p=p, min_p=m)
-                 for r, (t, p, m) in zip(batch, hot, strict=True)]
+    top1_rows = [
+        dataclasses.replace(r, temperature=t, top_k=1, top_p=p, min_p=m)
+        for r, (t, p, m) in zip(batch, hot, strict=True)
+    ]
     a, pa = run(x, greedy_rows)
     b, pb = run(x, top1_rows)
     assert_outputs_equal(a, b)
@@ -198,24 +230,25 @@ def test_top_p_one_and_min_p_zero_are_exact_identities(x, top_k, temperature, se
     from logitloop.ops.sampling.noise import row_keys
     from logitloop.ops.sampling.xla import Thresholds, candidates, draw
 
-    batch = [Row(top_k=k, temperature=t, top_p=1.0, min_p=0.0, seed=s)
-             for k, t, s in zip(top_k, temperature, seeds, strict=True)]
+    batch = [
+        Row(top_k=k, temperature=t, top_p=1.0, min_p=0.0, seed=s)
+        for k, t, s in zip(top_k, temperature, seeds, strict=True)
+    ]
     out, probs = run(x, batch)
     params, positions, _ = batch_inputs(batch, V)
     # Powers of two: the product with 1 / T is exact, so these are the sampler's scaled bits.
     scaled = x * (np.float32(1) / np.asarray(temperature, np.float32))[:, None]
     desc = -np.sort(-scaled, axis=1)
-    t_k = np.asarray([desc[r, k - 1] if 0 < k < V else -np.inf for r, k in enumerate(top_k)],
-                     np.float32)
+    t_k = np.asarray(
+        [desc[r, k - 1] if 0 < k < V else -np.inf for r, k in enumerate(top_k)], np.float32
+    )
     off = jnp.full((B,), -jnp.inf, jnp.float32)
-    thr = Thresholds(row_max=jnp.asarray(desc[:, 0]), top_k=jnp.asarray(t_k), top_p=off,
-                     min_p=off)
+    thr = Thresholds(row_max=jnp.asarray(desc[:, 0]), top_k=jnp.asarray(t_k), top_p=off, min_p=off)
     greedy = jnp.zeros((B,), bool)
     want_probs = kept_distribution(jnp.asarray(scaled), thr, greedy)
     np.testing.assert_array_equal(probs, np.asarray(want_probs))
     cand_x, cand_i = candidates(jnp.asarray(scaled), V)
-    want = draw(jnp.asarray(scaled), thr, cand_x, cand_i, greedy,
-                row_keys(params.seed, positions))
+    want = draw(jnp.asarray(scaled), thr, cand_x, cand_i, greedy, row_keys(params.seed, positions))
     np.testing.assert_array_equal(out.tokens, np.asarray(want.tokens))
     np.testing.assert_array_equal(out.logprobs, np.asarray(want.logprobs))
     # Every finite top-k survivor is kept, the far tail included.

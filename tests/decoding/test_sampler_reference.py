@@ -74,93 +74,227 @@ V = 256  # one vocabulary (and 8 rows per case) so that the cases share compiled
 LARGE_V = 20_011
 # name -> (vocab, dtype, logits kwargs, rows(rng) -> 8 Rows)
 CASES = {
-    "temperature": (V, jnp.float32, {}, _alone(
-        "temperature", [0.25, 0.5, 0.7, 1.0, 1.3, 2.0, 5.0, 0.9])),
-    "greedy": (V, jnp.float32, dict(tie_frac=0.3), lambda rng: [
-        Row(temperature=0.0), Row(temperature=0.0, top_p=0.3, min_p=0.5),
-        Row(temperature=0.0, top_k=7), Row(top_k=1), Row(top_k=1, temperature=0.4),
-        Row(top_k=1, temperature=2.0, top_p=0.2), Row(temperature=0.0, logit_bias={3: 50.0}),
-        Row(top_k=1, banned=(0, 1, 2, 3)),
-    ]),
-    "top_k": (V, jnp.float32, dict(tie_frac=0.3), _alone(
-        "top_k", [-1, 0, 2, 17, 100, V - 1, V, V + 44], temperature=0.8)),
-    "top_k_on_a_grid": (V, jnp.float32, dict(grid=0.25, scale=1.5), _alone(
-        "top_k", [2, 3, 5, 8, 13, 70, 130, 200])),
-    "top_p": (V, jnp.float32, {}, _alone(
-        "top_p", [0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0])),
-    "top_p_on_a_grid": (V, jnp.float32, dict(grid=0.5, scale=1.5), _alone(
-        "top_p", [0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97])),
-    "min_p": (V, jnp.float32, dict(tie_frac=0.3), _alone(
-        "min_p", [0.0, 0.001, 0.01, 0.05, 0.1, 0.3, 0.7, 1.0], temperature=1.2)),
-    "repetition_penalty": (V, jnp.float32, dict(offset=0.5), lambda rng: [
-        Row(repetition_penalty=v, **_history(rng, V))
-        for v in [0.5, 0.8, 1.0, 1.2, 1.5, 2.0, 3.0, 1.1]
-    ]),
-    "presence_penalty": (V, jnp.float32, {}, lambda rng: [
-        Row(presence_penalty=v, **_history(rng, V)) for v in [-2, -0.5, 0, 0.3, 0.7, 1, 2, 1.5]
-    ]),
-    "frequency_penalty": (V, jnp.float32, {}, lambda rng: [
-        Row(frequency_penalty=v, **_history(rng, V)) for v in [-2, -0.5, 0, 0.3, 0.7, 1, 2, 1.5]
-    ]),
-    "logit_bias": (V, jnp.float32, {}, lambda rng: [
-        Row(logit_bias={int(t): float(rng.uniform(-100, 100)) for t in _ids(rng, V, n)})
-        for n in [0, 1, 2, 3, 4, 4, 7, 12]
-    ]),
-    "banned": (V, jnp.float32, {}, lambda rng: [
-        Row(banned=_ids(rng, V, n)) for n in [0, 1, 3, 4, 8, 40, 120]
-    ] + [Row(banned=(5, 6), logit_bias={5: 100.0, 7: 3.0})]),
-    "allowed": (V, jnp.float32, {}, lambda rng: [
-        Row(allowed=None), Row(allowed=_ids(rng, V, 1)), Row(allowed=_ids(rng, V, 3)),
-        Row(allowed=_ids(rng, V, 30), temperature=0.0),
-        Row(allowed=(1, 2, 3, 4), banned=(2,), logit_bias={1: 100.0, 9: 100.0}),
-        Row(allowed=_ids(rng, V, 60), top_k=5), Row(allowed=None, banned=(0, 1)),
-        Row(allowed=_ids(rng, V, 120), top_p=0.5),
-    ]),
-    "min_tokens": (V, jnp.float32, dict(tie_frac=0.0), lambda rng: [
-        Row(min_tokens=3, stop_token_ids=_ids(rng, V, 2), position=p, temperature=t)
-        for p, t in [(0, 1.0), (1, 1.0), (2, 0.0), (2, 1.0), (3, 1.0), (4, 0.0), (7, 1.0)]
-    ] + [Row(min_tokens=2, stop_token_ids=(0, 1, 2, 3), position=0, logit_bias={0: 100.0})]),
-    "temperature_top_k_top_p": (V, jnp.float32, {}, lambda rng: [
-        _random_row(rng, V, penalties=False, masks=False) for _ in range(8)
-    ]),
-    "top_p_min_p": (V, jnp.float32, {}, lambda rng: [
-        Row(top_p=p, min_p=m, temperature=t)
-        for p, m, t in [(0.9, 0.1, 1.0), (0.5, 0.05, 1.5), (0.99, 0.3, 0.7), (0.2, 0.01, 3.0),
-                        (0.95, 0.02, 2.0), (0.7, 0.5, 1.0), (0.8, 0.001, 0.5), (0.6, 0.2, 1.2)]
-    ]),
+    "temperature": (
+        V,
+        jnp.float32,
+        {},
+        _alone("temperature", [0.25, 0.5, 0.7, 1.0, 1.3, 2.0, 5.0, 0.9]),
+    ),
+    "greedy": (
+        V,
+        jnp.float32,
+        dict(tie_frac=0.3),
+        lambda rng: [
+            Row(temperature=0.0),
+            Row(temperature=0.0, top_p=0.3, min_p=0.5),
+            Row(temperature=0.0, top_k=7),
+            Row(top_k=1),
+            Row(top_k=1, temperature=0.4),
+            Row(top_k=1, temperature=2.0, top_p=0.2),
+            Row(temperature=0.0, logit_bias={3: 50.0}),
+            Row(top_k=1, banned=(0, 1, 2, 3)),
+        ],
+    ),
+    "top_k": (
+        V,
+        jnp.float32,
+        dict(tie_frac=0.3),
+        _alone("top_k", [-1, 0, 2, 17, 100, V - 1, V, V + 44], temperature=0.8),
+    ),
+    "top_k_on_a_grid": (
+        V,
+        jnp.float32,
+        dict(grid=0.25, scale=1.5),
+        _alone("top_k", [2, 3, 5, 8, 13, 70, 130, 200]),
+    ),
+    "top_p": (V, jnp.float32, {}, _alone("top_p", [0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0])),
+    "top_p_on_a_grid": (
+        V,
+        jnp.float32,
+        dict(grid=0.5, scale=1.5),
+        _alone("top_p", [0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97]),
+    ),
+    "min_p": (
+        V,
+        jnp.float32,
+        dict(tie_frac=0.3),
+        _alone("min_p", [0.0, 0.001, 0.01, 0.05, 0.1, 0.3, 0.7, 1.0], temperature=1.2),
+    ),
+    "repetition_penalty": (
+        V,
+        jnp.float32,
+        dict(offset=0.5),
+        lambda rng: [
+            Row(repetition_penalty=v, **_history(rng, V))
+            for v in [0.5, 0.8, 1.0, 1.2, 1.5, 2.0, 3.0, 1.1]
+        ],
+    ),
+    "presence_penalty": (
+        V,
+        jnp.float32,
+        {},
+        lambda rng: [
+            Row(presence_penalty=v, **_history(rng, V)) for v in [-2, -0.5, 0, 0.3, 0.7, 1, 2, 1.5]
+        ],
+    ),
+    "frequency_penalty": (
+        V,
+        jnp.float32,
+        {},
+        lambda rng: [
+            Row(frequency_penalty=v, **_history(rng, V)) for v in [-2, -0.5, 0, 0.3, 0.7, 1, 2, 1.5]
+        ],
+    ),
+    "logit_bias": (
+        V,
+        jnp.float32,
+        {},
+        lambda rng: [
+            Row(logit_bias={int(t): float(rng.uniform(-100, 100)) for t in _ids(rng, V, n)})
+            for n in [0, 1, 2, 3, 4, 4, 7, 12]
+        ],
+    ),
+    "banned": (
+        V,
+        jnp.float32,
+        {},
+        lambda rng: (
+            [Row(banned=_ids(rng, V, n)) for n in [0, 1, 3, 4, 8, 40, 120]]
+            + [Row(banned=(5, 6), logit_bias={5: 100.0, 7: 3.0})]
+        ),
+    ),
+    "allowed": (
+        V,
+        jnp.float32,
+        {},
+        lambda rng: [
+            Row(allowed=None),
+            Row(allowed=_ids(rng, V, 1)),
+            Row(allowed=_ids(rng, V, 3)),
+            Row(allowed=_ids(rng, V, 30), temperature=0.0),
+            Row(allowed=(1, 2, 3, 4), banned=(2,), logit_bias={1: 100.0, 9: 100.0}),
+            Row(allowed=_ids(rng, V, 60), top_k=5),
+            Row(allowed=None, banned=(0, 1)),
+            Row(allowed=_ids(rng, V, 120), top_p=0.5),
+        ],
+    ),
+    "min_tokens": (
+        V,
+        jnp.float32,
+        dict(tie_frac=0.0),
+        lambda rng: (
+            [
+                Row(min_tokens=3, stop_token_ids=_ids(rng, V, 2), position=p, temperature=t)
+                for p, t in [(0, 1.0), (1, 1.0), (2, 0.0), (2, 1.0), (3, 1.0), (4, 0.0), (7, 1.0)]
+            ]
+            + [Row(min_tokens=2, stop_token_ids=(0, 1, 2, 3), position=0, logit_bias={0: 100.0})]
+        ),
+    ),
+    "temperature_top_k_top_p": (
+        V,
+        jnp.float32,
+        {},
+        lambda rng: [_random_row(rng, V, penalties=False, masks=False) for _ in range(8)],
+    ),
+    "top_p_min_p": (
+        V,
+        jnp.float32,
+        {},
+        lambda rng: [
+            Row(top_p=p, min_p=m, temperature=t)
+            for p, m, t in [
+                (0.9, 0.1, 1.0),
+                (0.5, 0.05, 1.5),
+                (0.99, 0.3, 0.7),
+                (0.2, 0.01, 3.0),
+                (0.95, 0.02, 2.0),
+                (0.7, 0.5, 1.0),
+                (0.8, 0.001, 0.5),
+                (0.6, 0.2, 1.2),
+            ]
+        ],
+    ),
     "everything": (V, jnp.float32, {}, lambda rng: [_random_row(rng, V) for _ in range(8)]),
     # Kept sets wider than the sampler's candidate list, and top-k beyond it; a vocabulary
     # that is not a multiple of a power of two.
-    "wide_nucleus": (1000, jnp.float32, dict(scale=1.0), lambda rng: [
-        Row(top_p=0.99, temperature=1.5), Row(top_k=300), Row(top_k=100, top_p=0.95),
-        Row(top_k=700, top_p=0.7, temperature=1.3), Row(top_p=0.9, min_p=0.05),
-        Row(top_p=0.5), Row(top_k=65), Row(top_k=64, temperature=0.5),
-    ]),
+    "wide_nucleus": (
+        1000,
+        jnp.float32,
+        dict(scale=1.0),
+        lambda rng: [
+            Row(top_p=0.99, temperature=1.5),
+            Row(top_k=300),
+            Row(top_k=100, top_p=0.95),
+            Row(top_k=700, top_p=0.7, temperature=1.3),
+            Row(top_p=0.9, min_p=0.05),
+            Row(top_p=0.5),
+            Row(top_k=65),
+            Row(top_k=64, temperature=0.5),
+        ],
+    ),
     # Magnitudes near 1e4 (float32 spacing 2^-10) with only float32-exact knobs: temperature
     # a power of two, penalty 2, no bias, so both sides see the same scaled logits.
-    "large_magnitude": (V, jnp.float32, dict(offset=1e4, scale=3.0), lambda rng: [
-        Row(), Row(temperature=0.5), Row(temperature=2.0, top_k=10), Row(temperature=0.0),
-        Row(top_p=0.8), Row(min_p=0.1, temperature=0.5), Row(banned=(0, 1, 2)),
-        Row(repetition_penalty=2.0, **_history(rng, V)),
-    ]),
-    "large_negative_magnitude": (V, jnp.float32, dict(offset=-1e4, scale=3.0), lambda rng: [
-        Row(), Row(temperature=0.5, top_p=0.7), Row(top_k=5), Row(top_k=1), Row(min_p=0.2),
-        Row(temperature=2.0, top_p=0.9, top_k=20), Row(temperature=0.25),
-        Row(repetition_penalty=2.0, **_history(rng, V)),
-    ]),
-    "spread_1e4": (V, jnp.float32, dict(scale=4e3), lambda rng: [
-        Row(), Row(top_k=3, temperature=2.0), Row(top_p=0.5), Row(temperature=0.0),
-        Row(banned=(0, 1, 2, 3), min_p=0.5), Row(temperature=1024.0), Row(temperature=4096.0,
-        top_p=0.9), Row(temperature=2048.0, top_k=10),
-    ]),
+    "large_magnitude": (
+        V,
+        jnp.float32,
+        dict(offset=1e4, scale=3.0),
+        lambda rng: [
+            Row(),
+            Row(temperature=0.5),
+            Row(temperature=2.0, top_k=10),
+            Row(temperature=0.0),
+            Row(top_p=0.8),
+            Row(min_p=0.1, temperature=0.5),
+            Row(banned=(0, 1, 2)),
+            Row(repetition_penalty=2.0, **_history(rng, V)),
+        ],
+    ),
+    "large_negative_magnitude": (
+        V,
+        jnp.float32,
+        dict(offset=-1e4, scale=3.0),
+        lambda rng: [
+            Row(),
+            Row(temperature=0.5, top_p=0.7),
+            Row(top_k=5),
+            Row(top_k=1),
+            Row(min_p=0.2),
+            Row(temperature=2.0, top_p=0.9, top_k=20),
+            Row(temperature=0.25),
+            Row(repetition_penalty=2.0, **_history(rng, V)),
+        ],
+    ),
+    "spread_1e4": (
+        V,
+        jnp.float32,
+        dict(scale=4e3),
+        lambda rng: [
+            Row(),
+            Row(top_k=3, temperature=2.0),
+            Row(top_p=0.5),
+            Row(temperature=0.0),
+            Row(banned=(0, 1, 2, 3), min_p=0.5),
+            Row(temperature=1024.0),
+            Row(temperature=4096.0, top_p=0.9),
+            Row(temperature=2048.0, top_k=10),
+        ],
+    ),
     # Large enough that the candidates come from the two-step blocked top_k (not a multiple
     # of its block size), with every knob, kept sets wider than the candidates and ties.
-    "large_vocabulary": (LARGE_V, jnp.float32, dict(tie_frac=0.05), lambda rng: [
-        _random_row(rng, LARGE_V) for _ in range(4)
-    ] + [
-        Row(min_p=0.2, temperature=3.0), Row(top_k=400, temperature=0.7), Row(temperature=0.0),
-        Row(top_k=200, top_p=0.9, min_p=0.01, **_history(rng, LARGE_V)),
-    ]),
+    "large_vocabulary": (
+        LARGE_V,
+        jnp.float32,
+        dict(tie_frac=0.05),
+        lambda rng: (
+            [_random_row(rng, LARGE_V) for _ in range(4)]
+            + [
+                Row(min_p=0.2, temperature=3.0),
+                Row(top_k=400, temperature=0.7),
+                Row(temperature=0.0),
+                Row(top_k=200, top_p=0.9, min_p=0.01, **_history(rng, LARGE_V)),
+            ]
+        ),
+    ),
     "bfloat16": (V, jnp.bfloat16, {}, lambda rng: [_random_row(rng, V) for _ in range(8)]),
     "float16": (V, jnp.float16, {}, lambda rng: [_random_row(rng, V) for _ in range(8)]),
 }
@@ -187,8 +321,9 @@ def run_case(name: str) -> CaseResult:
     # appends one per row per step); their penalties are neutral, so any tokens do.
     n_gen = max(len(r.generated_tokens) for r in rows)
     rows = [
-        r if r.generated_tokens else dataclasses.replace(
-            r, generated_tokens=tuple(rng.integers(0, vocab, n_gen).tolist()))
+        r
+        if r.generated_tokens
+        else dataclasses.replace(r, generated_tokens=tuple(rng.integers(0, vocab, n_gen).tolist()))
         for r in rows
     ]
     rows = [
@@ -240,12 +375,17 @@ def test_probabilities_match_reference(name):
     # the probabilities would let a tail token's be off by orders of magnitude.
     res = run_case(name)
     for r, row in enumerate(res.rows):
-        np.testing.assert_array_equal(res.probs[r][res.ref_probs[r] == 0], 0,
-                                      err_msg=f"row {r} {row}")
+        np.testing.assert_array_equal(
+            res.probs[r][res.ref_probs[r] == 0], 0, err_msg=f"row {r} {row}"
+        )
         both = (res.probs[r] > 0) & (res.ref_probs[r] > TINY)  # the kept-set test covers > 0
-        np.testing.assert_allclose(np.log(res.probs[r][both].astype(np.float64)),
-                                   np.log(res.ref_probs[r][both]), rtol=0, atol=LOG_PROB_TOL,
-                                   err_msg=f"row {r} {row}")
+        np.testing.assert_allclose(
+            np.log(res.probs[r][both].astype(np.float64)),
+            np.log(res.ref_probs[r][both]),
+            rtol=0,
+            atol=LOG_PROB_TOL,
+            err_msg=f"row {r} {row}",
+        )
 
 
 @case_names
@@ -283,8 +423,9 @@ def test_logprobs_are_the_log_of_the_reference_probability(name):
     tokens = np.asarray(res.out.tokens)
     ref_p = res.ref_probs[np.arange(len(tokens)), tokens]
     sure = ref_p > 1e-6
-    np.testing.assert_allclose(np.asarray(res.out.logprobs)[sure], np.log(ref_p[sure]),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(res.out.logprobs)[sure], np.log(ref_p[sure]), rtol=0, atol=1e-5
+    )
 
 
 @case_names
@@ -306,8 +447,9 @@ def test_top_logprobs_match_the_reference_top_n(name):
         n = row.logprobs
         raw = reference_raw_logprobs(res.logits[r])
         _, ref_values = reference_top_logprobs(res.logits[r], n)
-        np.testing.assert_allclose(values[r, :n], ref_values, rtol=1e-6, atol=1e-5,
-                                   err_msg=f"row {r}")
+        np.testing.assert_allclose(
+            values[r, :n], ref_values, rtol=1e-6, atol=1e-5, err_msg=f"row {r}"
+        )
         # Ids may come in any order within an exact tie, but each must carry its own value.
         assert len(set(ids[r, :n].tolist())) == n, f"row {r}: repeated ids {ids[r, :n]}"
         np.testing.assert_allclose(values[r, :n], raw[ids[r, :n]], rtol=1e-6, atol=1e-5)
@@ -318,8 +460,16 @@ def test_top_logprobs_match_the_reference_top_n(name):
 def test_vocabulary_smaller_than_the_top_logprobs_width():
     vocab = 5  # fewer tokens than the 20 top-logprob slots
     rng = np.random.default_rng(55)
-    rows = [Row(), Row(top_k=2), Row(top_p=0.5), Row(temperature=0.0), Row(min_p=0.3),
-            Row(allowed=(1, 3), logprobs=5), Row(banned=(0,), logprobs=2), Row(logprobs=3)]
+    rows = [
+        Row(),
+        Row(top_k=2),
+        Row(top_p=0.5),
+        Row(temperature=0.0),
+        Row(min_p=0.3),
+        Row(allowed=(1, 3), logprobs=5),
+        Row(banned=(0,), logprobs=2),
+        Row(logprobs=3),
+    ]
     drawn = [unambiguous_logits(rng, r, vocab, neg_inf_frac=0.0) for r in rows]
     logits = jnp.stack([x for x, _, _ in drawn])
     params, positions, hist = batch_inputs(rows, vocab)
@@ -331,4 +481,4 @@ def test_vocabulary_smaller_than_the_top_logprobs_width():
         ids = np.asarray(out.top_logprobs.ids[r])
         ref_ids, _ = reference_top_logprobs(np.asarray(x), min(row.logprobs, vocab))
         assert set(ids[: len(ref_ids)].tolist()) == set(ref_ids.tolist()), f"row {r}"
-        np.testing.assert_array_equal(ids[len(ref_ids):], -1)
+        np.testing.assert_array_equal(ids[len(ref_ids) :], -1)

@@ -23,10 +23,12 @@ BYTES = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
 
 _text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)
 _scalar = st.one_of(
-    st.none(), st.booleans(), st.integers(-10**6, 10**6),
-    st.tuples(st.sampled_from([1, -1]), st.floats(1e-6, 1e6)).map(
-        lambda sx: sx[0] * float(f"{sx[1]:.6g}")
-    ).filter(lambda x: not x.is_integer()),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.tuples(st.sampled_from([1, -1]), st.floats(1e-6, 1e6))
+    .map(lambda sx: sx[0] * float(f"{sx[1]:.6g}"))
+    .filter(lambda x: not x.is_integer()),
     _text,
 )
 _plain_key = st.text(st.sampled_from("ab_ 1Z"), max_size=3)
@@ -75,8 +77,10 @@ _leaf = st.one_of(
         lambda tv: {"type": tv[0], "enum": tv[1]}  # values of other types are dropped
     ),
     st.sampled_from(
-        [{"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
-         {"oneOf": [{"enum": [1, 2]}, {"const": 3}, {"type": "string"}]}]
+        [
+            {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
+            {"oneOf": [{"enum": [1, 2]}, {"const": 3}, {"type": "string"}]},
+        ]
     ),
 )
 
@@ -254,8 +258,9 @@ def test_a_stop_token_the_constraint_can_write_is_refused():
     with pytest.raises(ValueError, match=f"row 0: stop token id {n_id} is a token its choice"):
         ll.generate(model, [[1, 2]], params)
     with pytest.raises(ValueError, match=f"stop token id {n_id}"):
-        ll.generate_many(model, [ll.Request([1, 2], dict(choice=["yes", "no"],
-                                                         stop_token_ids=[n_id]))])
+        ll.generate_many(
+            model, [ll.Request([1, 2], dict(choice=["yes", "no"], stop_token_ids=[n_id]))]
+        )
     far = next(i for i, b in enumerate(tok.all_token_bytes()) if b == b"z")
     ok = ll.SamplingParams.create(1, choice=["yes", "no"], stop_token_ids=[far])
     assert constraint_tables(model_info(model), ok)[0] is not None  # never written: fine

@@ -100,8 +100,9 @@ def settings_rows(draw):
     """Per-prompt knobs for the two prompts (each prompt's n samples share them)."""
     rows = []
     for i in range(2):
-        stops = draw(st.lists(st.sampled_from(STOPS), min_size=1 if i == 0 else 0, max_size=4,
-                              unique=True))
+        stops = draw(
+            st.lists(st.sampled_from(STOPS), min_size=1 if i == 0 else 0, max_size=4, unique=True)
+        )
         rows.append(
             dict(
                 temperature=draw(st.sampled_from([0.0, 0.7, 1.0, 1.6])),
@@ -116,8 +117,13 @@ def settings_rows(draw):
     return rows
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(rows=settings_rows(), prompts=st.permutations(PROMPTS), chunk=st.sampled_from([1, 3, 8]))
 def test_stream_concatenates_to_generate_text(shipped, hf_tokenizer, rows, prompts, chunk):
     params = ll.SamplingParams.create(
@@ -145,12 +151,18 @@ def test_stream_concatenates_to_generate_text(shipped, hf_tokenizer, rows, promp
 MIN_TOKENS_CASES = [
     # (knobs, prompt, expected text)
     (dict(max_tokens=24, stop=[" "], min_tokens=4), "The for statement", ".  Without"),
-    (dict(max_tokens=24, stop=[" "], min_tokens=4, include_stop_str_in_output=True),
-     "The for statement", ".  Without "),
+    (
+        dict(max_tokens=24, stop=[" "], min_tokens=4, include_stop_str_in_output=True),
+        "The for statement",
+        ".  Without ",
+    ),
     (dict(max_tokens=24, stop=[" "], min_tokens=0), "The for statement", "."),
-    (dict(max_tokens=24, stop=[" f", "to"], min_tokens=3), "The for statement",
-     ".  Without argument, do zero, the result is bound in the module\nprmary and the "
-     "optional argument"),
+    (
+        dict(max_tokens=24, stop=[" f", "to"], min_tokens=3),
+        "The for statement",
+        ".  Without argument, do zero, the result is bound in the module\nprmary and the "
+        "optional argument",
+    ),
 ]
 
 

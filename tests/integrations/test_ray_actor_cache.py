@@ -77,8 +77,12 @@ def test_an_actor_given_the_job_bounds_compiles_at_start_and_never_after(
     with compile_counter as c:
         actor = Generator(slots=2, bounds={"max_prompt_len": 12, "max_tokens_bound": 6})
     assert c.count > 0
-    batch = {"id": [0, 1, 2], "prompt": ["The for", "A dict", "The with statement"],
-             "max_tokens": [3, 6, 5], "seed": [1, 2, 3]}
+    batch = {
+        "id": [0, 1, 2],
+        "prompt": ["The for", "A dict", "The with statement"],
+        "max_tokens": [3, 6, 5],
+        "seed": [1, 2, 3],
+    }
     with compile_counter as c:
         records = actor.records(batch)
     assert c.count == 0

@@ -87,24 +87,36 @@ BAD_FOLDERS = [
     ({}, {"eos_token_id": "x"}, "generation_config.json", "eos_token_id = 'x' must be"),
     ({}, {"eos_token_id": 0.7}, "generation_config.json", "eos_token_id = 0.7 must be"),
     ({}, {"eos_token_id": -1}, "generation_config.json", "holds -1, outside the vocabulary"),
-    ({}, {"eos_token_id": 99999}, "generation_config.json", "holds 99999, outside the "
-                                                             "vocabulary range [0, 31]"),
+    (
+        {},
+        {"eos_token_id": 99999},
+        "generation_config.json",
+        "holds 99999, outside the vocabulary range [0, 31]",
+    ),
     ({}, {"eos_token_id": [2, True]}, "generation_config.json", "eos_token_id = [2, True]"),
     ({}, {"bos_token_id": [1]}, "generation_config.json", "bos_token_id = [1] must be"),
     ({"eos_token_id": 40}, None, "config.json", "eos_token_id = 40 holds 40"),
     ({"vocab_size": -5}, None, "config.json", "vocab_size = -5 must be a positive integer"),
     ({"vocab_size": "big"}, None, "config.json", "vocab_size = 'big' must be a positive"),
-    ({"max_position_embeddings": 0}, None, "config.json",
-     "max_position_embeddings = 0 must be a positive integer"),
+    (
+        {"max_position_embeddings": 0},
+        None,
+        "config.json",
+        "max_position_embeddings = 0 must be a positive integer",
+    ),
     ({"num_hidden_layers": 2.5}, None, "config.json", "num_hidden_layers = 2.5"),
     ({"num_attention_heads": True}, None, "config.json", "num_attention_heads = True"),
 ]
 
 
-@pytest.mark.parametrize("change, generation, file, message", BAD_FOLDERS,
-                         ids=[f"folder-{i}" for i in range(len(BAD_FOLDERS))])
-def test_bad_fields_in_a_model_folder_name_the_file_and_field(change, generation, file, message,
-                                                              tmp_path):
+@pytest.mark.parametrize(
+    "change, generation, file, message",
+    BAD_FOLDERS,
+    ids=[f"folder-{i}" for i in range(len(BAD_FOLDERS))],
+)
+def test_bad_fields_in_a_model_folder_name_the_file_and_field(
+    change, generation, file, message, tmp_path
+):
     import json
 
     from logitloop.models import load_pretrained

@@ -80,8 +80,13 @@ def test_tiny_temperature_scales_every_read_alike():
     temperature = jnp.full((3,), 1e-30, jnp.float32)
     key = row_keys(jnp.arange(3, dtype=jnp.uint32), jnp.zeros(3))
     draw, _ = jax.jit(xla.filter_and_sample)(
-        z, jnp.zeros(3, jnp.int32), jnp.asarray([1.0, 0.9, 0.5]), jnp.zeros(3),
-        jnp.zeros(3, bool), key, temperature=temperature,
+        z,
+        jnp.zeros(3, jnp.int32),
+        jnp.asarray([1.0, 0.9, 0.5]),
+        jnp.zeros(3),
+        jnp.zeros(3, bool),
+        key,
+        temperature=temperature,
     )
     np.testing.assert_array_equal(np.asarray(draw.tokens), np.asarray(jnp.argmax(z, axis=1)))
     np.testing.assert_array_equal(np.asarray(draw.logprobs), 0.0)

@@ -26,9 +26,7 @@ def repetitive_tokens(rng: np.random.Generator, length: int, vocab: int) -> list
     return out + out[a : a + tail]
 
 
-def make_history(
-    rows: list[list[int]], num_prompt: list[int], capacity: int
-) -> History:
+def make_history(rows: list[list[int]], num_prompt: list[int], capacity: int) -> History:
     """A History holding `rows[r]` (its first `num_prompt[r]` tokens the prompt)."""
     buf = np.full((len(rows), capacity), -1, np.int32)
     for r, toks in enumerate(rows):

@@ -11,18 +11,26 @@ import pytest
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
 BAD = [
-    (lambda: NoRepeatNGram.create(3, [2, -1, 0]),
-     "size[1] = -1 is outside the allowed range [0, 2147483647]"),
+    (
+        lambda: NoRepeatNGram.create(3, [2, -1, 0]),
+        "size[1] = -1 is outside the allowed range [0, 2147483647]",
+    ),
     (lambda: NoRepeatNGram.create(2, 2.5), "size[0] = 2.5 is not an integer"),
     (lambda: NoRepeatNGram.create(2, [1, 2, 3]), "size has 3 entries but batch_size is 2"),
-    (lambda: DRY.create(2, multiplier=[1.0, -0.5]),
-     "multiplier[1] = -0.5 is outside the allowed range [0, "),
+    (
+        lambda: DRY.create(2, multiplier=[1.0, -0.5]),
+        "multiplier[1] = -0.5 is outside the allowed range [0, ",
+    ),
     (lambda: DRY.create(2, base=0.5), "base[0] = 0.5 is outside the allowed range [1, "),
     (lambda: DRY.create(2, allowed_length=[1, 1.5]), "allowed_length[1] = 1.5 is not an integer"),
-    (lambda: DRY.create(2, penalty_range=-1),
-     "penalty_range[0] = -1 is outside the allowed range [0, 2147483647]"),
-    (lambda: DRY.create(2, sequence_breakers=[[1], [5]], vocab_size=4),
-     "sequence_breakers[1] holds token id 5, outside the vocabulary range [0, 3]"),
+    (
+        lambda: DRY.create(2, penalty_range=-1),
+        "penalty_range[0] = -1 is outside the allowed range [0, 2147483647]",
+    ),
+    (
+        lambda: DRY.create(2, sequence_breakers=[[1], [5]], vocab_size=4),
+        "sequence_breakers[1] holds token id 5, outside the vocabulary range [0, 3]",
+    ),
     (lambda: DRY.create(2, sequence_breakers=[1, "x"]), "sequence_breakers holds 'x'"),
     (lambda: TypicalP.create(2, [0.5, 0.0]), "mass[1] = 0.0 is outside the allowed range (0, 1]"),
     (lambda: TypicalP.create(1, 1.5), "mass = 1.5 is outside the allowed range (0, 1]"),

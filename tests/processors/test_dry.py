@@ -37,8 +37,13 @@ def _inputs(seed: int):
 
 def _dry(breakers):
     return DRY.create(
-        B, multiplier=MULTIPLIER, base=BASE, allowed_length=ALLOWED, penalty_range=RANGE,
-        sequence_breakers=breakers, vocab_size=V,
+        B,
+        multiplier=MULTIPLIER,
+        base=BASE,
+        allowed_length=ALLOWED,
+        penalty_range=RANGE,
+        sequence_breakers=breakers,
+        vocab_size=V,
     )
 
 
@@ -70,7 +75,10 @@ def test_worked_example():
     hist = make_history([[7, 1, 2, 9, 1, 2]] * 4, [3, 3, 3, 3], 8)
     logits = jnp.zeros((4, 10), jnp.float32)
     proc = DRY.create(
-        4, multiplier=0.5, base=3.0, allowed_length=[1, 1, 1, 0],
+        4,
+        multiplier=0.5,
+        base=3.0,
+        allowed_length=[1, 1, 1, 0],
         sequence_breakers=[None, [1], [9], None],
     )
     out = np.asarray(apply_jit(proc, logits, hist))
@@ -86,8 +94,12 @@ def test_new_values_compile_nothing(compile_counter):
     hist = make_history(rows, num_prompt, C)
     apply_jit(_dry(breakers), jnp.asarray(logits), hist)
     other = DRY.create(
-        B, multiplier=MULTIPLIER[::-1], base=2.5, allowed_length=ALLOWED[::-1],
-        penalty_range=3, sequence_breakers=[[1, 2]] * B,
+        B,
+        multiplier=MULTIPLIER[::-1],
+        base=2.5,
+        allowed_length=ALLOWED[::-1],
+        penalty_range=3,
+        sequence_breakers=[[1, 2]] * B,
     )
     with compile_counter as c:
         apply_jit(other, jnp.asarray(logits), hist)

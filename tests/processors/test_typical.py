@@ -90,8 +90,9 @@ def test_mass_reached_exactly():
 def test_scores_one_ulp_apart_split_at_the_boundary():
     # Tokens 0 and 1 differ by one float32 ulp of their logit, so their scores differ by
     # about two ulps; `mass` is put where token 0 reaches it and token 1 would exceed it.
-    logits = np.asarray([2.0, np.nextafter(np.float32(2), np.float32(3)), 0, 0.5, -1, 1,
-                         -0.5, 0.25], np.float32)
+    logits = np.asarray(
+        [2.0, np.nextafter(np.float32(2), np.float32(3)), 0, 0.5, -1, 1, -0.5, 0.25], np.float32
+    )
     logp = logits - np.log(np.exp(logits.astype(np.float64)).sum())
     score = np.abs(-logp - -(np.exp(logp) * logp).sum())
     before = np.exp(logp)[score < min(score[0], score[1])].sum()

@@ -39,8 +39,9 @@ def parse(stdout: str, stderr: str, what: str) -> dict:
     for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT:"):
             return json.loads(line[len("RESULT:") :])
-    raise AssertionError(f"{what} printed no result.\nstdout:\n{stdout[-3000:]}\n"
-                         f"stderr:\n{stderr[-5000:]}")
+    raise AssertionError(
+        f"{what} printed no result.\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-5000:]}"
+    )
 
 
 def run_worker(

@@ -43,8 +43,13 @@ def _model_parallel_kernel_holds() -> None:
 @pytest.fixture(scope="module")
 def runs() -> dict:
     return run_worker(
-        "8x1", "2x1", "2x4", "1x8",
-        devices=8, timeout=600, module="tests.sharding.deterministic_worker",
+        "8x1",
+        "2x1",
+        "2x4",
+        "1x8",
+        devices=8,
+        timeout=600,
+        module="tests.sharding.deterministic_worker",
     )
 
 

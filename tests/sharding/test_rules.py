@@ -35,8 +35,14 @@ def _specs(model, size):
 
 def test_llama_parameters():
     config = LlamaConfig(
-        vocab_size=250, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
-        num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
     )
     specs = _specs(abstract_model(config, jnp.float32), 4)
     layer = specs["layers"][0]
@@ -51,7 +57,11 @@ def test_llama_parameters():
 
 def test_gpt2_parameters():
     config = GPT2Config(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
         max_position_embeddings=64,
     )
     specs = _specs(abstract_model(config, jnp.float32), 2)

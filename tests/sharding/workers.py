@@ -400,9 +400,7 @@ def worker_sampler() -> None:
     checked_rows = 0
     ref = jax.jit(xla.filter_and_sample)
     fns = {
-        k: jax.jit(
-            lambda *a, m=m, b=b: sharded.filter_and_sample_sharded(*a, mesh=m, batch_axis=b)
-        )
+        k: jax.jit(lambda *a, m=m, b=b: sharded.filter_and_sample_sharded(*a, mesh=m, batch_axis=b))
         for k, (m, b) in meshes.items()
     }
     for name, s in settings.items():
@@ -489,15 +487,17 @@ def worker_sampler() -> None:
             got = got_fn(x, params, pos, hist)
             compared += batch
             for field in ("tokens", "status"):
-                if not np.array_equal(np.asarray(getattr(got, field)),
-                                      np.asarray(getattr(want, field))):
+                if not np.array_equal(
+                    np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+                ):
                     step_mismatch.append([mname, trial, field])
             for field in ("logprobs", "raw_logprobs"):
                 a, b2 = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
                 if not np.allclose(a, b2, atol=1e-4, equal_nan=True):
                     step_mismatch.append([mname, trial, field])
-            if not np.array_equal(np.asarray(got.top_logprobs.ids),
-                                  np.asarray(want.top_logprobs.ids)):
+            if not np.array_equal(
+                np.asarray(got.top_logprobs.ids), np.asarray(want.top_logprobs.ids)
+            ):
                 step_mismatch.append([mname, trial, "top_ids"])
     # What crosses the mesh in the compiled sampling step, on a vocabulary large enough
     # that each shard holds more than the candidates it contributes.
@@ -519,12 +519,16 @@ def worker_sampler() -> None:
                 lg, p, pos, h, mesh=m, batch_axis=b
             )
         )
-        hlo = fn.lower(
-            jnp.zeros((batch, big_vocab), jnp.float32),
-            ll.SamplingParams.create(**big),
-            jnp.zeros(batch, jnp.int32),
-            big_hist,
-        ).compile().as_text()
+        hlo = (
+            fn.lower(
+                jnp.zeros((batch, big_vocab), jnp.float32),
+                ll.SamplingParams.create(**big),
+                jnp.zeros(batch, jnp.int32),
+                big_hist,
+            )
+            .compile()
+            .as_text()
+        )
         collectives[mname] = collective_results(hlo)
     # top_k_sharded is lax.top_k
     x = _random_logits(rng, batch, vocab)
@@ -533,10 +537,18 @@ def worker_sampler() -> None:
     topk_ok = bool(np.array_equal(np.asarray(i), np.asarray(wi))) and bool(
         np.array_equal(np.asarray(v), np.asarray(wv))
     )
-    emit({"mismatches": mismatches, "step_mismatches": step_mismatch, "compared": compared,
-          "top_k_ok": topk_ok, "collectives": collectives, "hlo_vocab": big_vocab,
-          "kept_rows_checked": checked_rows,
-          "seconds": time.time() - t0})
+    emit(
+        {
+            "mismatches": mismatches,
+            "step_mismatches": step_mismatch,
+            "compared": compared,
+            "top_k_ok": topk_ok,
+            "collectives": collectives,
+            "hlo_vocab": big_vocab,
+            "kept_rows_checked": checked_rows,
+            "seconds": time.time() - t0,
+        }
+    )
 
 
 def worker_multiprocess(process_id: int, port: int) -> None:

@@ -427,9 +427,7 @@ def continuation_logits(
     col = jnp.arange(width - 1)[None, :]  # [1, C - 1]
     pos = jnp.where(col < cont_len[:, None] - 1, prompt_len[:, None] + col, -1)
     routed = {} if cont_routing is None else {"routing": cont_routing[:, :-1]}
-    rest, *_ = runner.forward_columns(
-        weights, cont[:, :-1], pos.astype(jnp.int32), cache, **routed
-    )
+    rest, *_ = runner.forward_columns(weights, cont[:, :-1], pos.astype(jnp.int32), cache, **routed)
     return jnp.concatenate([first[:, None], rest], axis=1).astype(jnp.float32)
 
 

@@ -127,8 +127,7 @@ def init(runner: Any, weights: Any, shape: PoolShape, batch: int) -> tuple[Any, 
     cache = runner.init_pool(weights, shape.layer_pages(), shape.page_size)
     counts = (shape.num_pages, *(n for _, n in shape.groups))
     states = [
-        paging.init_pages(n, batch, shape.entries, shape.page_size, shape.shards)
-        for n in counts
+        paging.init_pages(n, batch, shape.entries, shape.page_size, shape.shards) for n in counts
     ]
     no = jnp.zeros((batch,), bool)
     return cache, Pool(states[0], jnp.zeros((batch,), jnp.int32), no, no, tuple(states[1:]))

@@ -45,8 +45,18 @@ MAX_INTEGER_RANGE = 1024  # integer bounds spanning at most this many values bec
 
 TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 ANNOTATIONS = frozenset(
-    {"title", "description", "$schema", "$id", "$comment", "examples", "default",
-     "deprecated", "readOnly", "writeOnly"}
+    {
+        "title",
+        "description",
+        "$schema",
+        "$id",
+        "$comment",
+        "examples",
+        "default",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
 )
 # ("time" is left out: outlines-core 0.2 writes its fraction as `\\.`, an invalid escape.)
 STRING_FORMATS = frozenset({"date-time", "date", "uuid"})
@@ -127,7 +137,7 @@ def _node(node: Any, path: str) -> Any:
 def _unknown(key: str, types: tuple[str, ...], path: str) -> str:
     owner = next((t for t, keys in _BY_TYPE.items() if key in keys), None)
     if owner is not None and len(types) != 1:
-        return f"{path} uses {key!r}, which needs \"type\": {owner!r} alone beside it"
+        return f'{path} uses {key!r}, which needs "type": {owner!r} alone beside it'
     if owner is not None:
         return f"{path} uses {key!r}, which applies to {owner} schemas, not {list(types)}"
     return (
@@ -248,8 +258,13 @@ def _exclusive(branches: list, path: str) -> None:
     kinds = []
     for i, b in enumerate(branches):
         if "enum" in b:
-            kinds.append(("values", [json.dumps(v, sort_keys=True) for v in b["enum"]],
-                          {_json_type(v) for v in b["enum"]}))
+            kinds.append(
+                (
+                    "values",
+                    [json.dumps(v, sort_keys=True) for v in b["enum"]],
+                    {_json_type(v) for v in b["enum"]},
+                )
+            )
         elif "type" in b and not ({"anyOf", "$ref"} & b.keys()):
             t = set(_types(b, path))
             kinds.append(("types", None, t | ({"integer"} if "number" in t else set())))
