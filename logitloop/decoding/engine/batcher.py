@@ -386,7 +386,7 @@ class _Batcher:
         if self.state is None:
             # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
             empty = template.widen(widths).take([0] * self.slots)
-            empty = empty.replace(temperature=jnp.zeros((self.slots,), jnp.float32))
+            empty = empty.replace(temperature=jax.device_put(np.zeros(self.slots, np.float32)))
             self.tables = self.plan.tables(empty, stops)
             self.state = _empty_state(
                 self.plan.program,
