@@ -193,8 +193,8 @@ class Plan:
             processors=o.processors,
         )  # fmt: skip
         # The batch's shape is a bucket's, not the request's ("What compiles",
-        # docs/performance.md): dummy prompts (row 0's, one token each) up to the row bucket,
-        # each with its n rows, and the top logprobs at their one width.
+        # docs/performance.md): dummy prompts (copies of the first, each generating one
+        # token) up to the row bucket, each with its n rows; the top logprobs at one width.
         prompts_run = row_bucket(len(ids) // o.n, self.layout.row_multiple)
         params = params.with_dummy_rows(prompts_run * o.n)
         return ids, params.replace(top_logprobs_width=top_logprobs_bucket(params))

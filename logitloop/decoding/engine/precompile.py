@@ -93,10 +93,11 @@ def _precompile_job(
 
 
 def _sizes(name: str, value: int | Sequence[int], lo: int) -> list[int]:
-    values = [value] if isinstance(value, (int,)) or not isinstance(value, Sequence) else value
+    """A size argument as a sorted list of ints >= `lo` (an int or a list of them)."""
+    values = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
     if not values:
         raise ValueError(f"{name} is empty: give at least one size")
-    return sorted({check_count(f"{name}", v, lo) for v in values})
+    return sorted({check_count(name, v, lo) for v in values})
 
 
 def precompile(
