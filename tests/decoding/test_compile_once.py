@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -32,10 +33,10 @@ OTHER_SCHEMA = {
 
 @pytest.fixture(autouse=True)
 def _forget_precompile():
-    """`ll.precompile` makes every later new program warn, for the rest of the process:
-    the other tests of this worker compile their own programs on purpose."""
+    """`ll.precompile` makes every later new program of its model warn, for the rest of the
+    process (the models here are the tests' own; forgotten all the same)."""
     yield
-    compiles._prepared = False
+    compiles._prepared.clear()
 
 
 def _model(seed: int):
@@ -167,6 +168,9 @@ def test_a_call_past_the_prepared_buckets_warns_naming_the_dimension():
     ll.precompile(model, rows=2, prompt_len=8, max_tokens=8)
     with pytest.warns(UserWarning, match=r"rows 2 -> 4.*outside the buckets ll.precompile"):
         ll.generate(model, [[4], [5], [6]], max_tokens=4)
+    with warnings.catch_warnings():  # another model's programs are its own business
+        warnings.simplefilter("error")
+        ll.generate(_model(7), [[4], [5], [6]], max_tokens=4)
 
 
 def test_importing_logitloop_sets_no_jax_option():

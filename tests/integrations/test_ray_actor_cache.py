@@ -73,7 +73,7 @@ def test_an_actor_given_the_job_bounds_compiles_at_start_and_never_after(
     from logitloop.decoding.runtime import compiles
 
     monkeypatch.setenv(COMPILE_CACHE_ENV, "off")
-    monkeypatch.setattr(compiles, "_prepared", False)
+    monkeypatch.setattr(compiles, "_prepared", set())
     with compile_counter as c:
         actor = Generator(slots=2, bounds={"max_prompt_len": 12, "max_tokens_bound": 6})
     assert c.count > 0

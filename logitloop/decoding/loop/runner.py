@@ -230,7 +230,8 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
 
     def _record(self, seconds: float, runner: Any, args: tuple, kwargs: dict) -> None:
         bound = inspect.signature(self._fn).bind(runner, *args, **kwargs).arguments
-        compiles.record(self._fn.__name__, seconds, compiles.signature(bound))
+        model = getattr(runner, "runner", runner)  # a Program holds its model's runner
+        compiles.record(self._fn.__name__, seconds, compiles.signature(bound), model)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,9 +111,11 @@ class CompileStats:
 
 
 _stats = CompileStats()
-# Set by `ll.precompile`: from then on a new program is a request outside the prepared
-# buckets, and `record` warns, naming the dimension (not while `precompile` itself runs).
-_prepared = False
+# The models (`ModelRunner`s) `ll.precompile` prepared programs for: from then on a new
+# program of one of them is a request outside the prepared buckets, and `record` warns,
+# naming the dimension (not while `precompile` itself runs). Another model's programs do
+# not warn.
+_prepared: set = set()
 _preparing = False
 # program name -> the signatures it compiled for (`signature`), to name what was new.
 _seen: dict[str, list[dict[str, Any]]] = {}
@@ -234,21 +236,23 @@ def _brief(x: Any) -> str:
 
 
 class preparing:  # noqa: N801 - a context manager, used like a function
-    """While active (`ll.precompile`), new programs are the prepared buckets: no warning;
-    afterwards every new program warns."""
+    """While active (`ll.precompile`), new programs are the prepared buckets and their
+    models are marked prepared; afterwards a new program of such a model warns."""
 
     def __enter__(self):
-        global _preparing, _prepared
-        _preparing = _prepared = True
+        global _preparing
+        _preparing = True
 
     def __exit__(self, *exc):
         global _preparing
         _preparing = False
 
 
-def record(program: str, seconds: float, sig: dict[str, Any]) -> CompileEvent:
+def record(program: str, seconds: float, sig: dict[str, Any], model: Any = None) -> CompileEvent:
     """Count one program `program` compiled for the call whose `signature` is `sig`,
-    naming what was new against the closest signature it compiled for before."""
+    naming what was new against the closest signature it compiled for before. `model`
+    (hashable: the call's `ModelRunner`): while `precompile` runs, it is marked prepared;
+    afterwards a new program of a prepared model warns."""
     seen = _seen.setdefault(program, [])
     if not seen:
         reason = "the first program of its kind"
@@ -259,7 +263,9 @@ def record(program: str, seconds: float, sig: dict[str, Any]) -> CompileEvent:
     seen.append(sig)
     del seen[:-64]  # the newest 64 are enough to name a difference
     event = CompileEvent(program, seconds, reason)
-    if _prepared and not _preparing:
+    if _preparing and model is not None:
+        _prepared.add(model)
+    elif model is not None and model in _prepared:
         warnings.warn(
             f"logitloop: {program} compiled a new program ({reason}), outside the buckets "
             "ll.precompile prepared",
