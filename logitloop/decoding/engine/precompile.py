@@ -73,12 +73,8 @@ def _precompile_job(
     started, buckets = time.perf_counter(), []
     with CompileWatch() as watch:
         for i, (p, m) in enumerate(itertools.product(prompt_sizes, token_sizes)):
-            if progress:
-                print(
-                    f"\rprecompile: job {i + 1}/{len(prompt_sizes) * len(token_sizes)} "
-                    f"(slots {slots}, prompt_len {p}, max_tokens {m})",
-                    end="", file=sys.stderr, flush=True,
-                )  # fmt: skip
+            total = len(prompt_sizes) * len(token_sizes)
+            _progress(progress, f"job {i + 1}/{total} (slots {slots}, prompt_len {p}", m)
             bound = sampling_params(model, 1, None, settings).max_tokens if m is None else m
             bound = int(np.max(np.asarray(bound)))
             request = Request([0] * p, {**settings, "max_tokens": 1})
@@ -90,6 +86,13 @@ def _precompile_job(
     if progress:
         print(file=sys.stderr)
     return PrecompileReport(watch.count, 0, time.perf_counter() - started, buckets)
+
+
+def _progress(show: bool, what: str, max_tokens: int | None) -> None:
+    """The progress line: `what` and the bucket's max_tokens, over the previous line."""
+    if show:
+        tokens = "" if max_tokens is None else f", max_tokens {max_tokens}"
+        print(f"\rprecompile: {what}{tokens})", end="", file=sys.stderr, flush=True)
 
 
 def _sizes(name: str, value: int | Sequence[int], lo: int) -> list[int]:
@@ -145,12 +148,7 @@ def _precompile(model, rows, prompt_len, max_tokens, slots, progress, keywords):
     combos = list(itertools.product(row_sizes, prompt_sizes, token_sizes))
     started, compiled, cached, buckets = time.perf_counter(), 0, 0, []
     for i, (r, p, m) in enumerate(combos):
-        if progress:
-            print(
-                f"\rprecompile: bucket {i + 1}/{len(combos)} (rows {r}, prompt_len {p}"
-                f"{'' if m is None else f', max_tokens {m}'})",
-                end="", file=sys.stderr, flush=True,
-            )  # fmt: skip
+        _progress(progress, f"bucket {i + 1}/{len(combos)} (rows {r}, prompt_len {p}", m)
         given = dict(settings) if m is None else {**settings, "max_tokens": m}
         params = sampling_params(model, r, None, given)
         ids = [[0] * p for _ in range(r)]
