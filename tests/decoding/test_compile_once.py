@@ -110,6 +110,7 @@ def test_a_padded_batch_gives_each_row_its_own_tokens():
     prompts = _prompts(rng, 3)
     knobs = dict(temperature=[0.0, 0.9, 1.2], seed=[4, 5, 6], max_tokens=[3, 9, 5], logprobs=2)
     batch = ll.generate(model, prompts, deterministic=True, **knobs)
+    assert len(batch.token_ids) == len(batch.finish_reason) == 3  # the real rows only
     assert batch.num_tokens == [3, 9, 5] or all(r in ("stop",) for r in batch.finish_reason)
     for r in range(3):
         alone = ll.generate(
