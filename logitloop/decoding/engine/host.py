@@ -369,25 +369,12 @@ def fill_rows(ids: list[list[int]], rows: int) -> list[list[int]]:
 
 
 def initial_state(
-    program: Program,
-    tables: Tables,
-    ids: list[list[int]],
-    *,
-    fsm: np.ndarray | None = None,
-    buffer_len: int | None = None,
-    prefill_chunk: int | None = None,
+    program: Program, tables: Tables, ids: list[list[int]], **options: Any
 ) -> DecodeState:
     """Pad the prompts `ids`, run prefill and return the state before the loop.
 
-    `fsm`: the rows' initial automaton states (`constraint_tables`). Rows of the tables past
-    `len(ids)` (dummy rows, `Plan.rows`) get row 0's prompt. `buffer_len`: room for generated
-    tokens (default: the rows' largest max_tokens, bucketed). `prefill_chunk`: run the
-    prompt columns through the model that many at a time (`loop.forward_prompt`) instead
-    of in one pass.
-    """
-    fn, args, kwargs = prefill_call(
-        program, tables, ids, fsm=fsm, buffer_len=buffer_len, prefill_chunk=prefill_chunk
-    )
+    `options`: `prefill_call`'s (`fsm`, `buffer_len`, `prefill_chunk`)."""
+    fn, args, kwargs = prefill_call(program, tables, ids, **options)
     return memory_check.checked_call("prompts", args[2].prompt.size, fn, *args, **kwargs)
 
 
@@ -401,7 +388,13 @@ def prefill_call(
     prefill_chunk: int | None = None,
 ) -> tuple[Any, tuple, dict[str, Any]]:
     """The prefill `initial_state` runs, as (jitted function, arguments, keywords): what
-    `precompile` compiles ahead of time for the same batch."""
+    `precompile` compiles ahead of time for the same batch.
+
+    `fsm`: the rows' initial automaton states (`constraint_tables`). Rows of the tables past
+    `len(ids)` (dummy rows, `Plan.rows`) get row 0's prompt. `buffer_len`: room for generated
+    tokens (default: the rows' largest max_tokens, bucketed). `prefill_chunk`: run the
+    prompt columns through the model that many at a time (`loop.forward_prompt`) instead
+    of in one pass."""
     if prefill_chunk is not None:
         check_count("prefill_chunk", prefill_chunk, 1)
     params = tables.params

@@ -251,7 +251,7 @@ def _padded(inputs: _Inputs) -> _Inputs:
     widths `_forward` pads its passes to anyway, so a padded call runs the same passes and
     its real rows keep their values (with `deterministic=True` bit for bit: a row's values
     do not depend on the other rows). A padding row is one prompt token and nothing to
-    score, with row 0's params."""
+    score, with row 0's params (`SamplingParams.with_dummy_rows`)."""
     batch, width = inputs.token_ids.shape
     rows, cols = row_bucket(batch), bucket(width, MIN_CONTINUATION_BUCKET)
     if (rows, cols) == (batch, width):
@@ -264,9 +264,7 @@ def _padded(inputs: _Inputs) -> _Inputs:
         out[tuple(slice(n) for n in x.shape)] = x
         return out
 
-    params = inputs.params
-    if params is not None and rows > batch:
-        params = params.take(list(range(batch)) + [0] * (rows - batch))
+    params = None if inputs.params is None else inputs.params.with_dummy_rows(rows)
     return _Inputs(
         token_ids=pad(inputs.token_ids, 0),
         prompt_lengths=pad(inputs.prompt_lengths, 1),
