@@ -19,7 +19,7 @@ from logitloop.decoding.engine.trainer import (
     token_logprobs,
 )
 from logitloop.decoding.loop.decode_loop import DecodeState
-from logitloop.decoding.loop.runner import FunctionModel
+from logitloop.decoding.loop.runner import FunctionModel, NNXModel, from_linen, from_nnx
 from logitloop.decoding.loop.speculative import DraftModel, PromptLookup
 from logitloop.decoding.runtime.compiles import CompileStats, compile_stats
 from logitloop.decoding.sampling.history import History
@@ -34,6 +34,7 @@ from logitloop.decoding.sampling.sampler import (
     sample,
     sampling_distribution,
 )
+from logitloop.models.kv import CONTRACT_VERSION, KV, KVSpec, attention, dense
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
@@ -47,7 +48,11 @@ __all__ = [
     "CompileStats",
     "DecodeState",
     "DraftModel",
+    "CONTRACT_VERSION",
     "FunctionModel",
+    "KV",
+    "KVSpec",
+    "NNXModel",
     "GenerationResult",
     "PrecompileReport",
     "History",
@@ -64,10 +69,14 @@ __all__ = [
     "RolloutBatch",
     "TopLogprobs",
     "TypicalP",
+    "attention",
     "beam_search",
     "chat",
     "compile_stats",
     "enable_compile_cache",
+    "dense",
+    "from_linen",
+    "from_nnx",
     "generate",
     "generate_many",
     "iter_generate_many",

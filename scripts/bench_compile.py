@@ -142,7 +142,8 @@ SCAN = r"""
 import json, statistics, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from logitloop.models import LlamaConfig, LlamaModel, layers
+import logitloop as ll
+from logitloop.models import LlamaConfig, LlamaModel
 L, H, dtype, repeats = int(sys.argv[1]), int(sys.argv[2]), jnp.dtype(sys.argv[3]), int(sys.argv[4])
 config = LlamaConfig(vocab_size=256, hidden_size=H, intermediate_size=4 * H, num_layers=L,
                      num_heads=H // 64, num_kv_heads=max(H // 256, 1), head_dim=64,
@@ -155,22 +156,23 @@ stacked, cache = stack(states), model.init_cache(1, 1024, dtype)
 stacked_cache = stack(cache)
 x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, H)), dtype)
 pos = jnp.full((1, 1), 100, jnp.int32)
-first = lambda t: jax.tree.map(lambda a: a[0], t)
 at = lambda t, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), t)
+# Each block of layer 0's graph (`ll.attention(layer=0)`) over a one-layer KV of its cache.
+one = ll.KVSpec(1, config.num_kv_heads, config.head_dim, dtype)
+def block(state, x, c):
+    x, kv = nnx.merge(gdef, state)(x, pos, ll.KV([c], pos, one))
+    return x, kv.finish()[0]
 def unrolled(states, x, pos, cache):
-    mask, out = layers.layer_mask(pos, cache[0], None), []
+    out = []
     for st, c in zip(states, cache):
-        x, c = nnx.merge(gdef, st)(x, pos, c, mask)
+        x, c = block(st, x, c)
         out.append(c)
     return x, out
 def scan(stacked, x, pos, cache):
-    mask = layers.layer_mask(pos, first(cache), None)
-    body = lambda x, sc: nnx.merge(gdef, sc[0])(x, pos, sc[1], mask)
-    return jax.lax.scan(body, x, (stacked, cache))
+    return jax.lax.scan(lambda x, sc: block(sc[0], x, sc[1]), x, (stacked, cache))
 def carried(stacked, x, pos, cache):
-    mask = layers.layer_mask(pos, first(cache), None)
     def body(i, xc):
-        h, c = nnx.merge(gdef, at(stacked, i))(xc[0], pos, at(xc[1], i), mask)
+        h, c = block(at(stacked, i), xc[0], at(xc[1], i))
         up = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u, i, 0)
         return h, jax.tree.map(up, xc[1], c)
     return jax.lax.fori_loop(0, L, body, (x, cache))

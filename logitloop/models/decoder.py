@@ -10,26 +10,28 @@ parameters under the names its checkpoint map targets and puts its blocks in
   head_weight() -> [V, E]                  the LM head (the embedding when tied)
   output_logits(logits) -> logits          after the head, float32 (soft-capping, Gemma 2)
 
-Each block is called as `block(x, positions, layer_cache, mask) -> (x, layer_cache)`
-(`mask`: a `layers.layer_mask`, positions, never a `[T, S]` array); under a deterministic
-policy with `numerics=` too (the pass's `fixed_order.Numerics`, which the block hands to
-every layer function it calls; so does `output_norm`), and on a mesh (whose data axis a
-paged pool's layers read from it). A plain pass on one device passes no `numerics`, so a
-family written without it runs as before, and needs it only for `deterministic=` and
-meshes. What
-happens inside (RoPE or not, the kind of norm and MLP, biases) is the family's own. The
-config supplies `num_layers`, `num_kv_heads`, `head_dim` and `sliding_windows` (one
-window or None per layer).
+Each block is called as `block(x, positions, kv) -> (x, kv)` and calls the public
+attention contract, `ll.attention(q, k, v, kv, layer=self.layer, ...)` (`logitloop.models.
+kv`), exactly as a user's model does: the cache, its layout (contiguous, ring or paged) and
+the attention implementation are the library's, behind the pass's `kv`. Under a
+deterministic policy, or on a mesh, the block gets `numerics=` too (the pass's
+`fixed_order.Numerics`, `kv.numerics`, which the block hands to every layer function it
+calls; so does `output_norm`). What happens inside (RoPE or not, the kind of norm and MLP,
+biases) is the family's own. The config supplies `num_layers`, `num_kv_heads`, `head_dim`
+and `sliding_windows` (one window or None per layer): the model's `kv_spec`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import fixed_order, layers
+from logitloop.models import fixed_order
 from logitloop.models.fixed_order import PLAIN, Numerics
+from logitloop.models.kv import KV, KVSpec
 from logitloop.models.layers import KVCache
 
 
@@ -72,31 +74,37 @@ class DecoderModel(nnx.Module):
         (identity; Gemma 2 soft-caps them)."""
         return logits
 
+    @property
+    def kv_spec(self) -> KVSpec:
+        """What the model keeps per token and layer (`ll.KVSpec`): the config's layers, KV
+        heads, head size and windows, in the parameter dtype."""
+        c = self.config
+        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, c.sliding_windows)
+
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """Zeros: per layer `dict(k=[B, Hkv, S, D], v=[B, Hkv, S, D])`, S = max_length, or
         for a sliding-window layer whose window is shorter than that a ring of fewer slots
-        (`layers.init_layer_caches`)."""
-        c = self.config
-        return layers.init_layer_caches(
-            batch_size,
-            max_length,
-            c.sliding_windows,
-            c.num_kv_heads,
-            c.head_dim,
-            self.dtype if dtype is None else dtype,
-        )
+        (`KVSpec.init_cache`, `layers.init_layer_caches`)."""
+        spec = self.kv_spec if dtype is None else dataclasses.replace(self.kv_spec, dtype=dtype)
+        return spec.init_cache(batch_size, max_length)
 
     def __call__(
         self,
         tokens: jax.Array,  # [B, T] int32
         positions: jax.Array,  # [B, T] int32, -1 for (left) padding
-        cache: KVCache,
+        cache: KV | KVCache | None,
         *,
         all_columns: bool = False,
-        numerics: Numerics = PLAIN,
+        numerics: Numerics | None = None,
         routing: jax.Array | None = None,
     ) -> tuple[jax.Array, ...]:
         """Run T columns through the model, writing their keys/values into `cache`.
+
+        The model follows the public attention contract (`logitloop.models.kv`): `cache`
+        is the pass's `ll.KV`, which every block's attention goes through (`ll.attention`),
+        or None (plain causal attention over the call's columns, for training). A list of
+        layer caches (`init_cache`) is taken too, as the `KV` of a pass with `numerics`
+        (default plain), and comes back as a list.
 
         Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
         Only the last column goes through the final norm and LM head: prompts are
@@ -121,10 +129,13 @@ class DecoderModel(nnx.Module):
         returns `(logits, cache, routing used)`, the last `[B, T, L, k]` (pass all -1 to
         record the router's choices).
         """
+        kv = self.pass_kv(cache, positions, numerics)
+        numerics = PLAIN if kv is None else kv.numerics
         if routing is None:
-            x, new_cache = self.hidden_states(tokens, positions, cache, numerics)  # [B, T, E]
+            x, kv = self.hidden_states(tokens, positions, kv)  # [B, T, E]
         else:
-            x, new_cache, used = self.hidden_states(tokens, positions, cache, numerics, routing)
+            x, kv, used = self.hidden_states(tokens, positions, kv, routing=routing)
+        new_cache = kv.finish("the model") if kv is not None and not isinstance(cache, KV) else kv
         last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
         rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
         head = self.head_weight()
@@ -143,39 +154,42 @@ class DecoderModel(nnx.Module):
         layers; none in a dense model): the L of a routing record `[B, T, L, k]`."""
         return tuple(i for i, b in enumerate(self.layers) if getattr(b, "sparse", False))
 
+    def pass_kv(self, cache: KV | KVCache | None, positions: jax.Array, numerics=None) -> KV | None:
+        """The pass's `KV`: `cache` itself, None, or a list of layer caches wrapped as the
+        `KV` of a pass with `numerics` (default plain)."""
+        if cache is None or isinstance(cache, KV):
+            if numerics is not None:
+                raise ValueError("numerics= goes with a list of layer caches; a KV carries its own")
+            return cache
+        return KV(cache, positions, self.kv_spec, PLAIN if numerics is None else numerics)
+
     def hidden_states(
         self,
         tokens: jax.Array,  # [B, T] int32
         positions: jax.Array,  # [B, T] int32, -1 for (left) padding
-        cache: KVCache,
-        numerics: Numerics = PLAIN,
+        kv: KV | KVCache | None,
+        numerics: Numerics | None = None,
         routing: jax.Array | None = None,  # [B, T, L, k] i32 (`__call__`)
     ) -> tuple[jax.Array, ...]:
         """The blocks' output at every column, `[B, T, E]` (before the final norm) and the
-        updated cache, and with `routing` the experts used, `[B, T, L, k]`: `__call__`
-        without the head, for training (which needs every column's logits: `output_norm`
-        and `head_weight` apply to `[B, T, E]` as well)."""
-        windows = self.config.sliding_windows
-        masks = {}  # one per (layout, window): every ring of a window holds the same positions
-        for layer_cache, window in zip(cache, windows, strict=True):
-            ring = "pos" in layer_cache
-            if (ring, window) not in masks:
-                masks[ring, window] = layers.layer_mask(positions, layer_cache, window)
+        updated `kv` (as `__call__` takes and returns it), and with `routing` the experts
+        used, `[B, T, L, k]`: `__call__` without the head, for training (which needs every
+        column's logits: `output_norm` and `head_weight` apply to `[B, T, E]` as well)."""
+        given = kv
+        kv = self.pass_kv(kv, positions, numerics)
+        keywords = policy(PLAIN if kv is None else kv.numerics)
         x = self.embed(tokens, positions)  # [B, T, E]
-        new_cache, used = [], []
+        used = []
         routed = self.routed_layers() if routing is not None else ()
-        for i, (block, layer_cache, window) in enumerate(
-            zip(self.layers, cache, windows, strict=True)
-        ):
-            mask = masks["pos" in layer_cache, window]
-            keywords = policy(numerics)
+        for i, block in enumerate(self.layers):
             if i in routed:
-                keywords["routing"] = routing[:, :, routed.index(i)]
-                x, layer_cache, experts = block(x, positions, layer_cache, mask, **keywords)
+                r = routing[:, :, routed.index(i)]
+                x, kv, experts = block(x, positions, kv, routing=r, **keywords)
                 used.append(experts)
             else:
-                x, layer_cache = block(x, positions, layer_cache, mask, **keywords)
-            new_cache.append(layer_cache)
+                x, kv = block(x, positions, kv, **keywords)
+        if kv is not None and not isinstance(given, KV):
+            kv = kv.finish("the model")
         if routing is None:
-            return x, new_cache
-        return x, new_cache, jnp.stack(used, axis=2)
+            return x, kv
+        return x, kv, jnp.stack(used, axis=2)

@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from logitloop.models import kv as kv_contract
 from logitloop.models import layers, quantization, registry
 from logitloop.models.config import GPT2Config, gpt2_config_from_hf
 from logitloop.models.decoder import DecoderModel
 from logitloop.models.fixed_order import PLAIN, Numerics
+from logitloop.models.kv import KV
 from logitloop.models.layers import CheckpointTensor
 
 
@@ -50,28 +52,28 @@ class GPT2Block(nnx.Module):
         if c.scale_attn_by_inverse_layer_idx:
             scale /= layer_index + 1
         self.scale = scale
+        self.layer = layer_index  # its index in the KVSpec (`ll.attention(..., layer=)`)
 
     def __call__(
         self,
         x: jax.Array,  # [B, T, E]
         positions: jax.Array,  # [B, T] int, -1 for padding
-        cache: dict[str, jax.Array],  # k, v: [B, H, S, D]
-        mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
+        kv: KV | None,  # the pass's cache (`ll.attention`)
         *,
         numerics: Numerics = PLAIN,  # the pass's (`fixed_order.Numerics`)
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    ) -> tuple[jax.Array, KV | None]:
         c = self.config
         num = dict(numerics=numerics)
         h = layers.layer_norm(x, self.ln_1_scale[...], self.ln_1_bias[...], c.layer_norm_eps, **num)
         qkv = layers.split_heads(h, self.w_qkv[...], **num) + self.b_qkv[...]  # [B, T, 3, H, D]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        attn, cache = layers.cached_attention(q, k, v, positions, cache, mask, self.scale, **num)
+        attn, kv = kv_contract.attention(q, k, v, kv, layer=self.layer, scale=self.scale)
         x = x + layers.merge_heads(attn, self.wo[...], **num) + self.bo[...]
 
         h = layers.layer_norm(x, self.ln_2_scale[...], self.ln_2_bias[...], c.layer_norm_eps, **num)
         h = layers.activation(c.hidden_act, layers.dense(h, self.w_fc[...], **num) + self.b_fc[...])
         out = layers.dense(h, self.w_proj[...], groups=c.intermediate_size, **num)
-        return x + out + self.b_proj[...], cache  # [B, T, E]
+        return x + out + self.b_proj[...], kv  # [B, T, E]
 
 
 class GPT2Model(DecoderModel):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from logitloop.models import kv as kv_contract
 from logitloop.models import layers, quantization, registry
 from logitloop.models.config import (
     LlamaConfig,
@@ -26,6 +27,7 @@ from logitloop.models.config import (
 )
 from logitloop.models.decoder import DecoderModel
 from logitloop.models.fixed_order import PLAIN, Numerics
+from logitloop.models.kv import KV
 from logitloop.models.layers import CheckpointTensor
 
 
@@ -65,6 +67,7 @@ class LlamaBlock(nnx.Module):
         self.mlp_norm = p((e,), ("embed",), self.norm_init)
         self.init_mlp(c, p)
         self.config = config
+        self.layer = layer  # its index in the KVSpec (`ll.attention(..., layer=)`)
         self.rope = c.rope
         self.scale = c.head_dim**-0.5
         self.softcap = None
@@ -87,10 +90,9 @@ class LlamaBlock(nnx.Module):
         self,
         h: jax.Array,  # [B, T, E], normalised
         positions: jax.Array,  # [B, T] int, -1 for padding
-        cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
-        mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
+        kv: KV | None,  # the pass's cache (`ll.attention`)
         numerics: Numerics = PLAIN,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    ) -> tuple[jax.Array, KV | None]:
         c = self.config
         q = layers.split_heads(h, self.wq[...], numerics=numerics)  # [B, T, H, D]
         k = layers.split_heads(h, self.wk[...], numerics=numerics)  # [B, T, Hkv, D]
@@ -101,13 +103,14 @@ class LlamaBlock(nnx.Module):
             q = self.norm(q, self.q_norm[...], numerics)
             k = self.norm(k, self.k_norm[...], numerics)
         q, k = layers.rope_qk(q, k, positions, self.rope, c.head_dim)
-        attn, cache = layers.cached_attention(
-            q, k, v, positions, cache, mask, self.scale, self.softcap, numerics=numerics
+        window = c.sliding_windows[self.layer]
+        attn, kv = kv_contract.attention(
+            q, k, v, kv, layer=self.layer, scale=self.scale, softcap=self.softcap, window=window
         )
         attn = layers.merge_heads(attn, self.wo[...], numerics=numerics)  # [B, T, E]
         if c.o_bias:
             attn = attn + self.bo[...]
-        return attn, cache
+        return attn, kv
 
     def mlp(self, h: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         """`[B, T, E] -> [B, T, E]`: down(act(gate(h)) * up(h))."""
@@ -127,22 +130,21 @@ class LlamaBlock(nnx.Module):
         self,
         x: jax.Array,  # [B, T, E]
         positions: jax.Array,  # [B, T] int, -1 for padding
-        cache: dict[str, jax.Array],  # k, v: [B, Hkv, S, D]
-        mask: layers.Mask,  # which slots each query sees (`layers.layer_mask`)
+        kv: KV | None,  # the pass's cache (`ll.attention`)
         *,
         numerics: Numerics = PLAIN,
         routing: jax.Array | None = None,
     ) -> tuple[jax.Array, ...]:
-        """`(x, cache)`; with `routing` (an MoE layer's `[B, T, k]` experts to replay, -1:
-        its own choice) `(x, cache, experts used)` (`moe.MoeBlock.mlp`)."""
+        """`(x, kv)`; with `routing` (an MoE layer's `[B, T, k]` experts to replay, -1:
+        its own choice) `(x, kv, experts used)` (`moe.MoeBlock.mlp`)."""
         h = self.norm(x, self.attn_norm[...], numerics)
-        attn, cache = self.attention(h, positions, cache, mask, numerics)
+        attn, kv = self.attention(h, positions, kv, numerics)
         x = x + self.after_attention(attn, numerics)
         h = self.norm(x, self.mlp_norm[...], numerics)
         if routing is None:
-            return x + self.after_mlp(self.mlp(h, numerics), numerics), cache
+            return x + self.after_mlp(self.mlp(h, numerics), numerics), kv
         out, used = self.mlp(h, numerics, routing=routing)
-        return x + self.after_mlp(out, numerics), cache, used
+        return x + self.after_mlp(out, numerics), kv, used
 
     def after_attention(self, attn: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
         """What the attention output goes through before the residual add (Gemma: a norm)."""

@@ -652,7 +652,7 @@ def test_bad_deterministic_values_are_rejected(gqa_llama):
     fn = ll.FunctionModel(
         lambda p, t, pos, c: (jnp.zeros((t.shape[0], 8)), c), None, lambda b, n: None, 8, 64
     )
-    with pytest.raises(ValueError, match="deterministic=True needs a logitloop model"):
+    with pytest.raises(ValueError, match="deterministic=True needs a model whose attention"):
         ll.generate(fn, [[1, 2]], params, deterministic=True)
     job = plan(gqa_llama, Options(deterministic=True))
     with pytest.raises(ValueError, match="prefill_chunk"):

@@ -196,7 +196,8 @@ def generate_many(
       (`logitloop.decoding.engine.paged_batching`: admission by free pages, pages freed as
       rows finish, preemption); default: a pool of the memory a contiguous cache per slot
       holds (`slots * (max_prompt_len + max_tokens_bound)`, in the buckets), or with
-      `prefix_cache=False` (or a `FunctionModel`, a model whose layers' windows differ) that
+      `prefix_cache=False` (or a `FunctionModel` with its own `init_cache`, a model whose
+      layers' windows differ) that
       contiguous cache itself. A model whose layers' windows differ (Gemma 2 and 3) gets a
       page table per window: `kv_cache_tokens` is then the global layers' tokens, and each
       window's layers get the pages their windows need (docs/paged_cache.md). On a mesh:

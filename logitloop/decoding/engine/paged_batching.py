@@ -34,7 +34,7 @@ from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET,
 from logitloop.decoding.engine.plan import Plan
 from logitloop.decoding.loop import pages as paging
 from logitloop.decoding.loop import pool
-from logitloop.decoding.loop.runner import ModelInfo
+from logitloop.decoding.loop.runner import OWN_CACHE_REFUSAL, ModelInfo
 
 RESERVE_PAGES = 1  # free pages a new or resumed row leaves for each running row's growth
 
@@ -322,8 +322,8 @@ class PagedBatcher(_Batcher):
 
 def pool_refusal(job: Plan) -> str | None:
     """Why a paged pool cannot run `job` (a sentence), or None when it can."""
-    if job.info.runner.graphdef is None:
-        return "a paged pool needs a logitloop model: a FunctionModel's cache is its own"
+    if job.info.runner.kv_spec is None:
+        return OWN_CACHE_REFUSAL.format(what="a paged pool")
     windows = job.info.runner.sliding_windows(job.info.weights)
     if job.options.mesh is not None and len(set(windows)) > 1:
         return "a pool of a page table per window (layers' windows differ) on a mesh is not built"

@@ -1,23 +1,27 @@
 """The model protocol that `generate` drives.
 
-A decodable model computes, for a batch of token columns, the logits of the next token and
-writes the keys and values of those tokens into a pre-allocated cache:
+A decodable model computes, for a batch of token columns, the logits of the next token,
+and reads and writes its keys and values through the library's attention contract
+(`logitloop.models.kv`, docs/own_model.md):
 
-    apply(weights, tokens, positions, cache) -> (logits, cache)
+    apply(weights, tokens, positions, kv) -> (logits, kv)
       tokens:    [B, T] int32
       positions: [B, T] int32, each token's absolute position in its row; -1 marks padding.
                  Prompts are left-padded, so every row's last column is its last real token.
-      cache:     the model's own pytree, allocated by `init_cache(batch_size, max_length)`;
-                 a real token's key/value is written at the slot equal to its position, per
-                 row, and a query at position q attends to slots <= q.
+      kv:        an `ll.KV`, which the model hands to `ll.attention(q, k, v, kv, layer=i)`
+                 once per layer; the cache behind it (contiguous, rings or a paged pool)
+                 and its shape (`ll.KVSpec`) are the library's.
       logits:    [B, V] for the last column (the LM head runs on one position per row), or
                  [B, T, V], of which the last column is used.
 
-Two kinds of model satisfy it:
+Three kinds of model satisfy it, all through the same `ll.attention`:
 
-- logitloop's Flax NNX modules (`logitloop.models`): `model(tokens, positions, cache)` and
-  `model.init_cache(batch_size, max_length)`, with `model.config` and `model.tokenizer`.
-- `FunctionModel`, which wraps plain functions from another codebase.
+- logitloop's Flax NNX families (`logitloop.models`): `model(tokens, positions, kv)`, with
+  `model.kv_spec`, `model.config` and `model.tokenizer`.
+- `NNXModel` (`from_nnx`): a user's NNX module whose attention calls `ll.attention`.
+- `FunctionModel` with a `kv_spec`: plain functions (a Linen module's `apply`,
+  `from_linen`, or any JAX code). A `FunctionModel` with `init_cache` instead keeps a cache
+  of its own (contract version 0: contiguous rows only, no pages, no `deterministic=`).
 
 `generate` compiles against a hashable static description of the model (`ModelRunner`) and
 passes the weights as an argument, so the weights are never baked into the program and one
@@ -38,11 +42,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from logitloop.decoding.runtime import compiles
-from logitloop.models import fixed_order, layers, quantization
+from logitloop.models import fixed_order, quantization
+from logitloop.models import kv as kv_contract
 from logitloop.models.fixed_order import MODEL_PARALLEL, PLAIN, Numerics
+from logitloop.models.kv import KV, KVSpec
 from logitloop.ops.attention import describe as describe_attention
 
-__all__ = ["MODEL_PARALLEL", "FunctionModel", "ModelInfo", "ModelRunner", "model_info"]
+__all__ = [
+    "MODEL_PARALLEL",
+    "FunctionModel",
+    "ModelInfo",
+    "ModelRunner",
+    "NNXModel",
+    "from_linen",
+    "from_nnx",
+    "model_info",
+]
 
 
 def is_model_parallel(deterministic: Any) -> bool:
@@ -57,17 +72,117 @@ def is_model_parallel(deterministic: Any) -> bool:
 class FunctionModel:
     """A model given as plain functions (identity-hashed, so keep one instance around).
 
-    apply_fn: `(params, tokens [B, T], positions [B, T], cache) -> (logits, cache)`, see the
-      module docstring; init_cache: `(batch_size, max_length) -> cache`.
+    apply_fn: `(params, tokens [B, T], positions [B, T], kv) -> (logits, kv)`, see the
+      module docstring.
+    kv_spec: the model's `ll.KVSpec`: the library owns the cache, and `apply_fn` calls
+      `ll.attention` once per layer (every entry point, pages and `deterministic=`).
+    init_cache: instead of `kv_spec`, `(batch_size, max_length) -> cache` of the model's
+      own, which `apply_fn` gets and returns as its `kv` (contiguous rows only: no paged
+      pool, shared prefixes nor `deterministic=`).
     """
 
     apply_fn: Callable[..., tuple[jax.Array, Any]]
     params: Any
-    init_cache: Callable[[int, int], Any]
+    init_cache: Callable[[int, int], Any] | None = None
+    vocab_size: int = 0
+    max_length: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    tokenizer: Any = None
+    kv_spec: KVSpec | None = None
+
+    def __post_init__(self):
+        _check_model_fields(self, "FunctionModel")
+        if (self.init_cache is None) == (self.kv_spec is None):
+            raise ValueError(
+                "FunctionModel needs exactly one of kv_spec= (the library's cache, through "
+                "ll.attention) and init_cache= (a cache of the model's own)"
+            )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NNXModel:
+    """A user's Flax NNX module as a model (`from_nnx`): `call(module, tokens, positions,
+    kv) -> (logits, kv)` (default `module(tokens, positions, kv)`), its attention through
+    `ll.attention`. The module is read at each call (`nnx.split`): weights changed with
+    `nnx.update` are used as they are, and compile nothing."""
+
+    module: nnx.Module
+    kv_spec: KVSpec
     vocab_size: int
     max_length: int
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: Any = None
+    call: Callable | None = None
+
+    def __post_init__(self):
+        _check_model_fields(self, "from_nnx")
+        if not isinstance(self.module, nnx.Module):
+            raise TypeError(f"from_nnx takes an nnx.Module, got {type(self.module).__name__}")
+
+
+def _check_model_fields(model: Any, where: str) -> None:
+    for name in ("vocab_size", "max_length"):
+        value = getattr(model, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    spec = getattr(model, "kv_spec", None)
+    if spec is not None and not isinstance(spec, KVSpec):
+        raise TypeError(f"{where}: kv_spec must be an ll.KVSpec, got {type(spec).__name__}")
+
+
+def _call_module(module, tokens, positions, kv):
+    return module(tokens, positions, kv)
+
+
+def from_nnx(
+    module: nnx.Module,
+    kv_spec: KVSpec,
+    *,
+    vocab_size: int,
+    max_length: int,
+    eos_token_ids: Any = (),
+    tokenizer: Any = None,
+    call: Callable | None = None,
+) -> NNXModel:
+    """The model every entry point takes, from an NNX module whose attention calls
+    `ll.attention(q, k, v, kv, layer=i)`: `module(tokens, positions, kv) -> (logits, kv)`,
+    or `call(module, tokens, positions, kv)` for another signature (keep one `call`
+    function: it is part of the programs' key). The weights are the module's state, read
+    at each call; `nnx.update(module, new_state)` compiles nothing."""
+    return NNXModel(
+        module, kv_spec, vocab_size, max_length, _eos_tuple(eos_token_ids), tokenizer,
+        _call_module if call is None else call,
+    )  # fmt: skip
+
+
+class _LinenApply:
+    """`module.apply(variables, tokens, positions, kv)`, hashed by the module's identity."""
+
+    def __init__(self, module: Any, method: Any):
+        self.module, self.method = module, method
+
+    def __call__(self, variables, tokens, positions, kv):
+        return self.module.apply(variables, tokens, positions, kv, method=self.method)
+
+
+def from_linen(
+    module: Any,
+    variables: Any,
+    kv_spec: KVSpec,
+    *,
+    vocab_size: int,
+    max_length: int,
+    eos_token_ids: Any = (),
+    tokenizer: Any = None,
+    method: Any = None,
+) -> FunctionModel:
+    """The model every entry point takes, from a Linen module and its variables:
+    `module.apply(variables, tokens, positions, kv)` (or `method=`), whose attention calls
+    `ll.attention`. Keep the returned model: it is the programs' key."""
+    return FunctionModel(
+        _LinenApply(module, method), variables, vocab_size=vocab_size, max_length=max_length,
+        eos_token_ids=_eos_tuple(eos_token_ids), tokenizer=tokenizer, kv_spec=kv_spec,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +191,13 @@ class ModelRunner:
 
     graphdef: Any = None  # nnx.GraphDef for NNX modules
     apply_fn: Callable | None = None  # for FunctionModel
-    init_cache_fn: Callable | None = None
+    init_cache_fn: Callable | None = None  # a FunctionModel's own cache (no kv_spec)
+    # The library's cache (`ll.KVSpec`): every model but a FunctionModel with its own.
+    kv_spec: KVSpec | None = None
+    # How a user's NNX module is called (`from_nnx`); None: a logitloop family.
+    call: Callable | None = None
+    # A user's model's vocabulary, to check its logits' shape (None: a family's own).
+    vocab_size: int | None = None
     # How the layers reduce (`fixed_order.Numerics`, from `fixed_order.calibrate`): plain
     # XLA ops, or a fixed order (`deterministic=True` or "model-parallel"), with the tile
     # kernel choice and this backend's probe results. Static, so part of the jit key.
@@ -86,6 +207,11 @@ class ModelRunner:
     def deterministic(self) -> bool | str:
         """The `deterministic=` mode: False, True or "model-parallel"."""
         return self.numerics.deterministic
+
+    @property
+    def family(self) -> bool:
+        """Whether the model is one of logitloop's families (routing, `all_columns`)."""
+        return self.graphdef is not None and self.call is None
 
     def forward(
         self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None,
@@ -97,14 +223,8 @@ class ModelRunner:
         "data" axis (a deterministic runner tiles each device's rows by themselves).
         `routing` (a mixture of experts: `[B, T, L, k]` experts to replay, -1 for the
         router's own): the routing used comes back third (`DecoderModel.__call__`)."""
-        if self.graphdef is not None:
-            numerics = self.numerics.for_pass(prompt=prompt, mesh=mesh)
-            model = nnx.merge(self.graphdef, weights)
-            routed = {} if routing is None else {"routing": routing}
-            logits, cache, *used = model(tokens, positions, cache, numerics=numerics, **routed)
-        else:
-            logits, cache = self.apply_fn(weights, tokens, positions, cache)
-            used = []
+        numerics = self.numerics.for_pass(prompt=prompt, mesh=mesh)
+        logits, cache, *used = self._pass(weights, tokens, positions, cache, numerics, routing)
         if logits.ndim == 3:
             logits = logits[:, -1]
         return (logits, cache, *used)
@@ -114,23 +234,42 @@ class ModelRunner:
     ) -> tuple[jax.Array, ...]:
         """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts:
         generated tokens, so a deterministic runner treats the call as a decode step)."""
-        if self.graphdef is not None:
-            model = nnx.merge(self.graphdef, weights)
-            numerics = self.numerics.for_pass()
-            routed = {} if routing is None else {"routing": routing}
-            return model(tokens, positions, cache, all_columns=True, numerics=numerics, **routed)
-        logits, cache = self.apply_fn(weights, tokens, positions, cache)
-        if logits.ndim != 3:
+        numerics = self.numerics.for_pass()
+        out = self._pass(weights, tokens, positions, cache, numerics, routing, all_columns=True)
+        if out[0].ndim != 3:
             raise ValueError(
-                "speculative decoding needs a model whose apply_fn returns the logits of "
-                f"every column, [B, T, V]; this one returned shape {tuple(logits.shape)}"
+                "speculative decoding and scoring need a model that returns the logits of "
+                f"every column, [B, T, V]; this one returned shape {tuple(out[0].shape)}"
             )
-        return logits, cache
+        return out
+
+    def _pass(self, weights, tokens, positions, cache, numerics, routing, all_columns=False):
+        """One forward pass: `(logits, cache[, routing used])`, the model handed the pass's
+        `KV` over `cache` (a layer list) and the layers read back from what it returns."""
+        if self.kv_spec is None:  # a FunctionModel with a cache of its own
+            return self.apply_fn(weights, tokens, positions, cache)
+        kv = KV(cache, positions, self.kv_spec, numerics)
+        if self.family:
+            routed = {} if routing is None else {"routing": routing}
+            model = nnx.merge(self.graphdef, weights)
+            logits, kv_out, *used = model(tokens, positions, kv, all_columns=all_columns, **routed)
+            return (logits, kv_out.finish("the model"), *used)
+        if self.graphdef is not None:
+            where = "the NNX module"
+            out = self.call(nnx.merge(self.graphdef, weights), tokens, positions, kv)
+        else:
+            where = "apply_fn"
+            out = self.apply_fn(weights, tokens, positions, kv)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(f"{where} must return (logits, kv), got {type(out).__name__}")
+        logits, kv_out = out
+        _check_logits(logits, tokens.shape, self.vocab_size, where)
+        return logits, kv_contract.finish(kv_out, kv, where)
 
     def routing_shape(self, weights) -> tuple[int, int] | None:
         """(L, k) of a routing record `[B, T, L, k]`: the model's routed layers and experts
-        per token; None where nothing routes (a dense model, a FunctionModel)."""
-        if self.graphdef is None:
+        per token; None where nothing routes (a dense model, a user's model)."""
+        if not self.family:
             return None
         model = nnx.merge(self.graphdef, weights)
         routed = model.routed_layers() if hasattr(model, "routed_layers") else ()
@@ -142,41 +281,49 @@ class ModelRunner:
         return jnp.full((batch, width, layers_, k), -1, jnp.int32)
 
     def init_cache(self, weights, batch_size: int, max_length: int) -> Any:
-        if self.graphdef is not None:
-            return nnx.merge(self.graphdef, weights).init_cache(batch_size, max_length)
+        if self.kv_spec is not None:
+            return self.kv_spec.init_cache(batch_size, max_length)
         return self.init_cache_fn(batch_size, max_length)
 
     def sliding_windows(self, weights) -> tuple[int | None, ...]:
-        """Each layer's attention window in tokens (None: global); a FunctionModel's
-        are unknown: ()."""
-        if self.graphdef is None:
-            return ()
-        return tuple(nnx.merge(self.graphdef, weights).config.sliding_windows)
+        """Each layer's attention window in tokens (None: global); a model with a cache of
+        its own: ()."""
+        return () if self.kv_spec is None else self.kv_spec.windows
 
     def kv_bytes_per_token(self, weights) -> int | None:
         """Bytes of keys and values one token holds in a paged pool, every layer together
-        (None for a FunctionModel)."""
-        if self.graphdef is None:
-            return None
-        shapes = jax.eval_shape(lambda: self.init_pool(weights, 1, 1))
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        (None for a model with a cache of its own)."""
+        return None if self.kv_spec is None else self.kv_spec.bytes_per_token()
 
     def init_pool(self, weights, num_pages: int | tuple[int, ...], page_size: int) -> Any:
         """A paged pool of zeros: per layer `dict(k_pages, v_pages)`, each `[Hkv, num_pages,
-        page_size, D]` (`layers.init_paged_caches`, without tables: the loop keeps those in
+        page_size, D]` (`KVSpec.init_pool`; without tables: the loop keeps those in
         `pool.Pool`); `num_pages` one count for every layer or one per layer (a pool with
         layer groups, `pool.PoolShape.layer_pages`)."""
-        if self.graphdef is None:
-            raise ValueError(
-                "kv_cache_tokens needs a logitloop model: a FunctionModel's cache is its own"
-            )
-        model = nnx.merge(self.graphdef, weights)
-        c = model.config
-        no_tables = jnp.zeros((0, 0), jnp.int32)
-        caches = layers.init_paged_caches(
-            c.num_layers, num_pages, page_size, no_tables, c.num_kv_heads, c.head_dim, model.dtype
+        if self.kv_spec is None:
+            raise ValueError(OWN_CACHE_REFUSAL.format(what="a paged pool (kv_cache_tokens)"))
+        return self.kv_spec.init_pool(num_pages, page_size)
+
+
+# Why a FunctionModel with a cache of its own cannot have something (`.format(what=...)`).
+OWN_CACHE_REFUSAL = (
+    "{what} needs a model whose attention goes through ll.attention: this FunctionModel "
+    "keeps a cache of its own (init_cache=); give it kv_spec= instead (docs/own_model.md)"
+)
+
+
+def _check_logits(logits: Any, tokens_shape: tuple, vocab_size: int | None, where: str) -> None:
+    """Refuse logits that are not `[B, T, V]` or `[B, V]` for this call, by shape."""
+    b, t = tokens_shape
+    shape = tuple(getattr(logits, "shape", ()))
+    if shape not in ((b, t, vocab_size), (b, vocab_size)):
+        raise ValueError(
+            f"{where} returned logits of shape {shape} for tokens of shape {(b, t)}: "
+            f"expected [B, T, V] = {(b, t, vocab_size)} (or [B, V] = {(b, vocab_size)}, the "
+            "last column), V the model's vocab_size"
         )
-        return [{"k_pages": x["k_pages"], "v_pages": x["v_pages"]} for x in caches]
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"{where} returned logits of dtype {logits.dtype}, not a float")
 
 
 class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
@@ -314,12 +461,9 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
             f"fixed_order.Numerics, got {deterministic!r}"
         )
     fixed = deterministic.fixed if isinstance(deterministic, Numerics) else bool(deterministic)
-    if isinstance(model, FunctionModel):
+    if isinstance(model, FunctionModel) and model.kv_spec is None:
         if fixed:
-            raise ValueError(
-                "deterministic=True needs a logitloop model: a FunctionModel's forward pass "
-                "is its own code, whose reduction order logitloop cannot fix"
-            )
+            raise ValueError(OWN_CACHE_REFUSAL.format(what="deterministic=True"))
         return ModelInfo(
             runner=ModelRunner(apply_fn=model.apply_fn, init_cache_fn=model.init_cache),
             weights=model.params,
@@ -328,21 +472,34 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
             eos_token_ids=_eos_tuple(model.eos_token_ids),
             tokenizer=model.tokenizer,
         )
-    if isinstance(model, nnx.Module):
-        numerics = deterministic
-        if not isinstance(numerics, Numerics):
-            dtype = getattr(model, "dtype", jnp.float32)
-            numerics = fixed_order.calibrate(
-                deterministic, dtype=dtype, shapes=_product_shapes(model, deterministic)
-            )
-        if not numerics.split_rows_keep_bits:
-            warnings.warn(
-                f"deterministic={MODEL_PARALLEL!r}: this CPU's XLA product rounds a row by "
-                "its place in a row tile (rows 6-7 of 8 otherwise than 0-5, as on an AMD "
-                "EPYC), so a row's bits may depend on its batch and the mesh here; "
-                "deterministic=True is unaffected",
-                stacklevel=3,
-            )
+    if isinstance(model, (FunctionModel, NNXModel)):  # a user's model through ll.attention
+        spec = model.kv_spec
+        numerics = _numerics(deterministic, spec.dtype, ())
+        if isinstance(model, NNXModel):
+            graphdef, weights = nnx.split(model.module)
+            runner = ModelRunner(graphdef=graphdef, call=model.call, kv_spec=spec)
+        else:
+            weights = model.params
+            runner = ModelRunner(apply_fn=model.apply_fn, kv_spec=spec)
+        runner = dataclasses.replace(runner, vocab_size=int(model.vocab_size), numerics=numerics)
+        return ModelInfo(
+            runner=runner,
+            weights=weights,
+            vocab_size=int(model.vocab_size),
+            max_length=int(model.max_length),
+            eos_token_ids=_eos_tuple(model.eos_token_ids),
+            tokenizer=model.tokenizer,
+            attention=describe_attention(
+                head_dim=spec.head_dim,
+                dtype=spec.dtype,
+                softcap=None,
+                windows=spec.windows,
+                deterministic=numerics.fixed,
+            ),  # fmt: skip
+        )
+    if isinstance(model, nnx.Module) and hasattr(model, "kv_spec") and hasattr(model, "config"):
+        dtype = getattr(model, "dtype", jnp.float32)
+        numerics = _numerics(deterministic, dtype, _product_shapes(model, deterministic))
         config = model.config
         graphdef, weights = nnx.split(model)
         check_weight_dtypes(weights, model.dtype)
@@ -354,7 +511,7 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
             deterministic=numerics.fixed,
         )
         return ModelInfo(
-            runner=ModelRunner(graphdef=graphdef, numerics=numerics),
+            runner=ModelRunner(graphdef=graphdef, kv_spec=model.kv_spec, numerics=numerics),
             weights=weights,
             vocab_size=int(config.vocab_size),
             max_length=int(config.max_position_embeddings),
@@ -367,6 +524,29 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
                 else "float"
             ),
         )
-    raise ValueError(
-        f"model must be a logitloop NNX model or a logitloop.FunctionModel, got {type(model)!r}"
+    hint = (
+        "; wrap an NNX module of your own with ll.from_nnx(module, kv_spec, ...)"
+        if isinstance(model, nnx.Module)
+        else ""
     )
+    raise ValueError(
+        "model must be a logitloop model, an ll.FunctionModel or an ll.from_nnx / "
+        f"ll.from_linen model, got {type(model)!r}{hint}"
+    )
+
+
+def _numerics(deterministic: bool | str | Numerics, dtype: Any, shapes: tuple) -> Numerics:
+    """The runner's policy for a `deterministic=` setting (`fixed_order.calibrate`), or the
+    `Numerics` given; warns where the model-parallel mode cannot keep a row's bits here."""
+    numerics = deterministic
+    if not isinstance(numerics, Numerics):
+        numerics = fixed_order.calibrate(deterministic, dtype=dtype, shapes=shapes)
+    if not numerics.split_rows_keep_bits:
+        warnings.warn(
+            f"deterministic={MODEL_PARALLEL!r}: this CPU's XLA product rounds a row by "
+            "its place in a row tile (rows 6-7 of 8 otherwise than 0-5, as on an AMD "
+            "EPYC), so a row's bits may depend on its batch and the mesh here; "
+            "deterministic=True is unaffected",
+            stacklevel=4,
+        )
+    return numerics

@@ -1,0 +1,314 @@
+"""The attention contract: how any model, logitloop's own families included, reads and
+writes the KV cache (contract version 1, `CONTRACT_VERSION`; docs/own_model.md).
+
+A model is a function of its weights, the tokens and their positions, and a `KV`:
+
+    def apply_fn(params, tokens, positions, kv):  # tokens, positions: [B, T] int32
+        ...                                         # the model's own embedding, norms, MLP
+        out, kv = ll.attention(q, k, v, kv, layer=i, scale=..., softcap=None)
+        ...
+        return logits, kv                           # logits [B, T, V] (or [B, V]: last column)
+
+- `positions[b, t]` is the absolute position of column t of row b, -1 for padding (prompts
+  are left-padded). The model rotates (RoPE) or embeds by these positions, never by the
+  column index: a row's first token in a call is at position 0 only in its first call.
+- `ll.attention(q, k, v, kv, layer=i)` with q `[B, T, H, D]`, k and v `[B, T, Hkv, D]`
+  writes this call's keys and values into layer i of the cache and returns the attention
+  output `[B, T, H, D]` over everything row b holds up to each query's position (causal,
+  within the layer's window), with the new `kv`. Every layer of the `KVSpec` is called once
+  per forward pass; the model returns the `kv` the last call gave back.
+- `kv=None` is plain causal attention over the call's own columns (column t sees columns
+  <= t, within `window=`): the same model code then trains, and `check_model` compares the
+  cached passes with it.
+
+The library owns the cache behind `KV`: contiguous rows, sliding-window rings or a paged
+pool shared by rows (prefix pages, `n > 1`, continuous batching), and picks the attention
+implementation (`logitloop.ops.attention`) as for its own families. `KV` is a pytree with
+no global state: it passes through `jax.jit`, `jax.checkpoint` (remat) and Python loops
+over layers. Its static part records which layers were written, so a layer called twice,
+a layer never called, or a `kv` returned that did not come from `ll.attention` is refused
+when the pass is traced, naming the layer.
+
+Under `deterministic=True` the attention runs in a fixed order; the model's own products
+stay its own, and `dense` is the fixed-order `x @ w` a model calls to keep a row's bits
+independent of the batch (a plain product otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logitloop.models import fixed_order, layers
+from logitloop.models.fixed_order import PLAIN, Numerics
+from logitloop.ops import attention as ops_attention
+
+__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "attention", "dense"]
+
+# The version of the contract above; docs/own_model.md says what changed between versions.
+CONTRACT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """What a model keeps per token and layer: the cache's shape (static, hashable).
+
+    num_layers: the layers that call `attention` (layer = 0 .. num_layers - 1).
+    num_kv_heads, head_dim: the shape of a layer's keys and values per token,
+      `[Hkv, D]` (grouped-query attention: the queries' H heads a multiple of Hkv).
+    dtype: the cache's dtype; the keys and values a model passes must have it.
+    window: a sliding window in tokens (a query at position p sees p - window < s <= p),
+      one for every layer or a sequence with one per layer (None: global attention).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any = jnp.float32
+    window: int | None | tuple[int | None, ...] = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"KVSpec.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError as e:
+            raise ValueError(f"KVSpec.dtype must be a dtype, got {self.dtype!r}") from e
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"KVSpec.dtype must be a floating dtype, got {dtype}")
+        object.__setattr__(self, "dtype", dtype)
+        window = self.window
+        if window is None or isinstance(window, (int, np.integer)):
+            window = (window,) * self.num_layers
+        window = tuple(None if w is None else w for w in window)
+        if len(window) != self.num_layers:
+            raise ValueError(
+                f"KVSpec.window has {len(window)} entries for {self.num_layers} layers: give "
+                "one window (or None) per layer, or one for all"
+            )
+        for i, w in enumerate(window):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
+                                  or w < 1):  # fmt: skip
+                raise ValueError(f"KVSpec.window[{i}] must be None or a positive int, got {w!r}")
+        window = tuple(None if w is None else int(w) for w in window)
+        object.__setattr__(self, "window", window[0] if len(set(window)) == 1 else window)
+        object.__setattr__(self, "_windows", window)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """One window (or None) per layer."""
+        return self._windows
+
+    def bytes_per_token(self) -> int:
+        """Bytes of keys and values one token holds, every layer together."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def init_cache(self, batch_size: int, max_length: int) -> layers.KVCache:
+        """The contiguous cache of `batch_size` rows of `max_length` slots (a ring for a
+        window shorter than that, `layers.init_layer_caches`)."""
+        return layers.init_layer_caches(
+            batch_size, max_length, self.windows, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def init_pool(self, num_pages: int | Sequence[int], page_size: int) -> layers.KVCache:
+        """A paged pool of zeros: per layer `dict(k_pages, v_pages)`, each `[Hkv, pages,
+        page_size, D]` (no tables: the loop keeps those, `decoding.loop.pool.Pool`)."""
+        no_tables = jnp.zeros((0, 0), jnp.int32)
+        caches = layers.init_paged_caches(
+            self.num_layers, num_pages, page_size, no_tables, self.num_kv_heads,
+            self.head_dim, self.dtype,
+        )  # fmt: skip
+        return [{"k_pages": x["k_pages"], "v_pages": x["v_pages"]} for x in caches]
+
+
+@jax.tree_util.register_pytree_node_class
+class KV:
+    """The cache a forward pass threads through its `attention` calls.
+
+    Hands-off for a model: it passes `kv` to `attention` and returns what that gave back.
+    The library builds one per pass (`KV(layers, positions, spec, numerics)`) and reads the
+    layers back (`finish`). Children: the layers' caches (`layers.KVCache`, contiguous, ring
+    or paged) and the positions `[B, T]`; static: the spec, the pass's numerics policy and
+    the layers written so far.
+    """
+
+    def __init__(
+        self,
+        caches: layers.KVCache,
+        positions: jax.Array,
+        spec: KVSpec,
+        numerics: Numerics = PLAIN,
+        written: tuple[int, ...] = (),
+    ):
+        self.caches = list(caches)
+        self.positions = positions
+        self.spec = spec
+        self.numerics = numerics
+        self.written = written
+
+    def tree_flatten(self):
+        return (self.caches, self.positions), (self.spec, self.numerics, self.written)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], children[1], *aux)
+
+    def __repr__(self) -> str:
+        shape = getattr(self.positions, "shape", None)
+        return f"KV(layers={self.spec.num_layers}, positions={shape}, written={list(self.written)})"
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether this pass runs its reductions in a fixed order (`deterministic=True`)."""
+        return self.numerics.fixed
+
+    def finish(self, where: str = "the model") -> layers.KVCache:
+        """The layers' caches after a pass, once every layer wrote exactly once."""
+        missing = [i for i in range(self.spec.num_layers) if i not in self.written]
+        if missing:
+            raise ValueError(
+                f"{where} returned a kv in which layer(s) {missing} were never written: every "
+                f"layer 0..{self.spec.num_layers - 1} of its KVSpec must call ll.attention once "
+                "per forward pass, and the model must return the kv the last call gave back"
+            )
+        return self.caches
+
+
+def finish(kv: Any, given: KV, where: str) -> layers.KVCache:
+    """`kv.finish` for what a model returned as its kv, refusing anything else by name."""
+    if not isinstance(kv, KV):
+        raise TypeError(
+            f"{where} returned {type(kv).__name__} as its kv: return the kv that "
+            "ll.attention gave back (logits, kv)"
+        )
+    if kv.spec != given.spec:
+        raise ValueError(f"{where} returned a kv of another KVSpec ({kv.spec}, not {given.spec})")
+    return kv.finish(where)
+
+
+def attention(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, T, Hkv, D]
+    v: jax.Array,  # [B, T, Hkv, D]
+    kv: KV | None,
+    *,
+    layer: int,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> tuple[jax.Array, KV | None]:
+    """Causal grouped-query attention of layer `layer` through the library's KV cache.
+
+    Writes this call's keys and values (rows and positions from the pass, `kv.positions`)
+    into layer `layer`, then returns `(out [B, T, H, D], kv)`: each query attends the keys
+    of its own row at positions up to its own (those of earlier calls and of this one),
+    within the layer's window. `scale` multiplies the scores (default `D ** -0.5`);
+    `softcap` caps them as `softcap * tanh(s / softcap)` before the mask (Gemma 2).
+
+    `kv=None`: plain causal attention over this call's columns (column t sees t' <= t,
+    within `window`), `(out, None)`: the model's full forward, for training and checks.
+    With a `kv`, `window` may be left out; given, it must equal the spec's for the layer.
+    Scores and softmax run in float32; out has q's dtype.
+    """
+    _check_qkv(q, k, v, kv, layer)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    softcap = None if softcap is None else float(softcap)
+    if kv is None:
+        b, t = q.shape[:2]
+        columns = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = ops_attention.Mask(columns, None, window)
+        keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+        return ops_attention.attention(q, keys, values, mask, scale, softcap), None
+    spec_window = kv.spec.windows[layer]
+    if window is not None and window != spec_window:
+        raise ValueError(
+            f"ll.attention(layer={layer}): window={window} but the KVSpec gives layer {layer} "
+            f"window {spec_window}"
+        )
+    cache = kv.caches[layer]
+    mask = layers.layer_mask(kv.positions, cache, spec_window)
+    out, cache = layers.cached_attention(
+        q, k, v, kv.positions, cache, mask, scale, softcap, numerics=kv.numerics
+    )
+    caches = list(kv.caches)
+    caches[layer] = cache
+    return out, KV(caches, kv.positions, kv.spec, kv.numerics, (*kv.written, layer))
+
+
+def _check_qkv(q, k, v, kv: KV | None, layer: Any) -> None:
+    """Refuse a call whose shapes, dtypes or layer do not fit (at trace time), by name."""
+    where = f"ll.attention(layer={layer!r})"
+    if kv is not None and not isinstance(kv, KV):
+        raise TypeError(
+            f"{where}: kv must be the KV the model was handed (or None), got {type(kv).__name__}"
+        )
+    if isinstance(layer, jax.core.Tracer) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(
+            f"{where}: layer must be a Python int (the layer's index in the KVSpec), got "
+            f"{type(layer).__name__}; a model that scans over its layers is not supported by "
+            "contract version 1 (loop over them in Python; remat works)"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{where}: {name} must be [B, T, heads, head_dim], got shape "
+                f"{tuple(getattr(x, 'shape', ()))}"
+            )
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"{where}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
+            "share B, T and head_dim, and k and v their shape"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"{where}: {q.shape[2]} query heads is not a multiple of {k.shape[2]} key/value heads"
+        )
+    if kv is None:
+        return
+    spec = kv.spec
+    if not 0 <= layer < spec.num_layers:
+        raise ValueError(f"{where}: layer must be in [0, {spec.num_layers}) (KVSpec.num_layers)")
+    if layer in kv.written:
+        raise ValueError(
+            f"{where}: layer {layer} was already written in this forward pass (its cache "
+            "would be written twice); call ll.attention once per layer, each with its own "
+            "layer index"
+        )
+    if k.shape[2] != spec.num_kv_heads or k.shape[3] != spec.head_dim:
+        raise ValueError(
+            f"{where}: k and v have {k.shape[2]} heads of {k.shape[3]}, but the KVSpec says "
+            f"num_kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}"
+        )
+    if k.dtype != spec.dtype or v.dtype != spec.dtype:
+        raise ValueError(
+            f"{where}: k is {k.dtype} and v is {v.dtype}, but the KVSpec's dtype is "
+            f"{spec.dtype}: cast them (or declare the cache's dtype in the KVSpec)"
+        )
+    if tuple(q.shape[:2]) != tuple(kv.positions.shape):
+        raise ValueError(
+            f"{where}: q has B, T = {tuple(q.shape[:2])} but the pass's positions are "
+            f"{tuple(kv.positions.shape)}"
+        )
+
+
+def dense(x: jax.Array, w: jax.Array, kv: KV | None = None) -> jax.Array:
+    """`x @ w`, `[..., K] x [K, N] -> [..., N]`: under `deterministic=True` (a `kv` of a
+    deterministic pass) in a fixed order, so a row's result does not depend on how many
+    rows the batch has (`fixed_order`); a plain product otherwise. A model's products
+    that should keep a row's bits whatever the batch call this with the pass's `kv`."""
+    numerics = PLAIN if kv is None else kv.numerics
+    return layers.dense(x, w, numerics=numerics)
+
+
+def mean(x: jax.Array, kv: KV | None = None) -> jax.Array:
+    """The mean over the last axis (keeping it), in a fixed order under a deterministic
+    `kv` (`fixed_order.mean`; norms that should keep a row's bits whatever the batch)."""
+    return fixed_order.mean(x, numerics=PLAIN if kv is None else kv.numerics)
