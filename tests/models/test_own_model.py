@@ -1,0 +1,239 @@
+"""A user's own model through the attention contract (issue 65, `logitloop.models.kv`):
+a decoder written here as plain JAX functions (not `logitloop.models`), random weights,
+run through every entry point. Its attention goes through `ll.attention`, so the library's
+cache serves it: contiguous and paged decoding give the same tokens, `n = 4` rows on
+shared prefix pages are four separate rows, `generate_many` (prefix cache on and off) is
+`generate`, speculation is plain decoding, `deterministic=True` keeps a row's bits
+whatever its batch, and its scores are its own full forward's (`kv=None`). A family goes
+through the same contract: the shipped model as a `FunctionModel` is the shipped model,
+bit for bit. The tiny sizes keep each program's compile short: this file runs in the
+default suite."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import logitloop as ll
+from logitloop.decoding.loop.runner import model_info
+
+V, E, H, HKV, D, F, L = 96, 32, 4, 2, 8, 64, 2
+SPEC = ll.KVSpec(num_layers=L, num_kv_heads=HKV, head_dim=D, dtype=jnp.float32)
+
+
+def init_params(seed: int = 0) -> dict:
+    """Random weights, scaled so that greedy decoding does not just repeat a token."""
+    keys = iter(jax.random.split(jax.random.key(seed), 4 + 8 * L))
+
+    def w(*shape, scale=1.0):
+        return scale * jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
+
+    blocks = [
+        dict(norm1=1 + 0.1 * w(E), wq=w(E, H * D), wk=w(E, HKV * D), wv=w(E, HKV * D),
+             wo=w(H * D, E), norm2=1 + 0.1 * w(E), w_up=w(E, F), w_down=w(F, E))
+        for _ in range(L)
+    ]  # fmt: skip
+    return dict(embed=w(V, E, scale=4.0), blocks=blocks, norm=1 + 0.1 * w(E), head=w(E, V, scale=3))
+
+
+def rms_norm(x, scale, kv):
+    return x * jax.lax.rsqrt(ll.mean(x * x, kv) + 1e-6) * scale
+
+
+def rope(x, positions):  # x [B, T, heads, D], rotate-half at each token's own position
+    freq = 1.0 / (10000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D))
+    angles = positions.astype(jnp.float32)[..., None] * freq  # [B, T, D/2]
+    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def apply_fn(params, tokens, positions, kv):
+    """`(logits [B, T, V], kv)`: the model's own code, its attention `ll.attention`."""
+    b, t = tokens.shape
+    x = params["embed"][tokens]
+    for i, p in enumerate(params["blocks"]):
+        h = rms_norm(x, p["norm1"], kv)
+        q = rope(ll.dense(h, p["wq"], kv).reshape(b, t, H, D), positions)
+        k = rope(ll.dense(h, p["wk"], kv).reshape(b, t, HKV, D), positions)
+        v = ll.dense(h, p["wv"], kv).reshape(b, t, HKV, D)
+        out, kv = ll.attention(q, k, v, kv, layer=i)
+        x = x + ll.dense(out.reshape(b, t, H * D), p["wo"], kv)
+        h = rms_norm(x, p["norm2"], kv)
+        x = x + ll.dense(jax.nn.silu(ll.dense(h, p["w_up"], kv)), p["w_down"], kv)
+    return ll.dense(rms_norm(x, params["norm"], kv), params["head"], kv), kv
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ll.FunctionModel(apply_fn, init_params(), kv_spec=SPEC, vocab_size=V, max_length=128)
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, V, n).tolist() for n in lengths]
+
+
+def test_full_forward_equals_cached_decoding(model):
+    """kv=None (plain causal attention over the columns) against a left-padded prefill and
+    decode steps through the library's cache: the same logits at every real column."""
+    tokens = np.asarray(prompts([12], seed=1)[0], np.int32)[None]
+    positions = np.arange(12, dtype=np.int32)[None]
+    full, none = jax.jit(apply_fn)(model.params, tokens, positions, None)
+    assert none is None and full.shape == (1, 12, V)
+    runner = model_info(model).runner
+    pad = 3  # left padding: positions -1, then the first 8 tokens, then 4 decode steps
+    cache = runner.init_cache(model.params, 1, 16)
+    toks = np.concatenate([np.zeros((1, pad), np.int32), tokens[:, :8]], axis=1)
+    pos = np.concatenate([np.full((1, pad), -1, np.int32), positions[:, :8]], axis=1)
+    logits, cache = runner.forward_columns(model.params, toks, pos, cache)
+    got = [logits[:, pad:]]
+    for t in range(8, 12):
+        logits, cache = runner.forward_columns(
+            model.params, tokens[:, t : t + 1], positions[:, t : t + 1], cache
+        )
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=2e-5, rtol=1e-5)
+
+
+def test_paged_and_contiguous_decoding_agree(model):
+    """generate (contiguous) = generate_many on contiguous slots = generate_many on a paged
+    pool with the prefix cache on and off, greedy and sampled."""
+    ps = prompts([5, 11, 3, 11])
+    ps[3][:8] = ps[1][:8]  # a common prefix: the prefix cache shares its page
+    for knobs in (
+        dict(temperature=0.0, max_tokens=8),
+        dict(temperature=0.9, top_p=0.95, max_tokens=8, seed=[3, 4, 5, 6]),
+    ):
+        want = ll.generate(model, ps, **knobs)
+        requests = [
+            ll.Request(p, {k: (v[i] if isinstance(v, list) else v) for k, v in knobs.items()})
+            for i, p in enumerate(ps)
+        ]
+        bounds = dict(slots=2, chunk_steps=4, max_prompt_len=16, max_tokens_bound=8)
+        jobs = {
+            "contiguous": dict(prefix_cache=False),
+            "paged": dict(kv_cache_tokens=96, page_size=8, prefix_cache=False),
+            "paged, prefix cache": dict(kv_cache_tokens=96, page_size=8),
+        }
+        for name, job in jobs.items():
+            got = ll.generate_many(model, requests, **bounds, **job)
+            assert [r.token_ids[0] for r in got] == want.token_ids, name
+
+
+def test_n_rows_share_pages_and_equal_separate_rows(model):
+    """n = 4 (the prompt prefilled once, its rows on its pages) against the prompt given
+    four times with the same rows' seeds (`SamplingParams.samples`), each row its own
+    prefill in the contiguous cache: bit for bit under deterministic=True (a row beside
+    others is the row alone, next test)."""
+    p = prompts([19], seed=2)[0]
+    knobs = dict(temperature=1.0, max_tokens=6, seed=11, logprobs=1)
+    rows = ll.SamplingParams.create(1, **knobs).samples(4)
+    forked = ll.generate(model, [p], n=4, ignore_eos=True, deterministic=True, **knobs)
+    separate = ll.generate(model, [p] * 4, rows, ignore_eos=True, deterministic=True)
+    assert forked.token_ids == separate.token_ids
+    assert forked.raw_logprobs == separate.raw_logprobs
+    assert len(set(map(tuple, forked.token_ids))) > 1  # the rows sampled apart
+
+
+def test_deterministic_rows_keep_their_bits_whatever_the_batch(model):
+    """deterministic=True: a row alone and the same row beside others (and as one of n = 4
+    rows on shared pages) give the same tokens and logprob bits."""
+    ps = prompts([7, 13, 4, 9])
+    knobs = dict(temperature=0.8, max_tokens=6, ignore_eos=True, logprobs=1)
+    batch = ll.generate(model, ps, seed=[1, 2, 3, 4], deterministic=True, **knobs)
+    alone = ll.generate(model, ps[1:2], seed=2, deterministic=True, **knobs)
+    assert batch.token_ids[1] == alone.token_ids[0]
+    assert batch.raw_logprobs[1] == alone.raw_logprobs[0]
+
+
+def test_speculative_equals_plain(model):
+    """Prompt lookup (strict) verifies drafts in one T = k + 1 call: the same tokens."""
+    p = prompts([6], seed=4)[0] * 3
+    plain = ll.generate(model, [p, p[:9]], temperature=0.0, max_tokens=10)
+    lookup = ll.PromptLookup(max_ngram=3, num_draft=3, cycle_cost=1.0)
+    spec = ll.generate(model, [p, p[:9]], temperature=0.0, max_tokens=10, speculative=lookup)
+    assert spec.token_ids == plain.token_ids
+
+
+def test_scores_equal_the_models_own_full_forward(model):
+    ps, conts = prompts([5, 9], seed=5), prompts([4, 2], seed=6)
+    got = ll.score(model, ps, conts)
+    for prompt, cont, r in zip(ps, conts, got, strict=True):
+        seq = np.asarray(prompt + cont, np.int32)[None]
+        logits, _ = apply_fn(model.params, seq, np.arange(seq.shape[1], dtype=np.int32)[None], None)
+        z = np.asarray(logits[0], np.float64)
+        m = z.max(-1, keepdims=True)
+        logp = z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))  # float64 log-softmax
+        want = [logp[len(prompt) - 1 + j, t] for j, t in enumerate(cont)]
+        np.testing.assert_allclose(r.raw_logprobs, want, atol=2e-5)
+
+
+class NNXDecoder(nnx.Module):
+    """The same model as an NNX module (weights as nnx.Param state) for `ll.from_nnx`."""
+
+    def __init__(self, params):
+        self.params = nnx.data(jax.tree.map(nnx.Param, params))
+
+    def __call__(self, tokens, positions, kv):
+        return apply_fn(jax.tree.map(lambda p: p[...], self.params), tokens, positions, kv)
+
+
+def test_nnx_module_weights_update_without_compiling(model, compile_counter):
+    """from_nnx reads the module's state at each call: `nnx.update` with new weights gives
+    the new model's tokens and compiles nothing."""
+    module = NNXDecoder(init_params(0))
+    wrapped = ll.from_nnx(module, SPEC, vocab_size=V, max_length=128)
+    ps = prompts([5, 8])
+    first = ll.generate(wrapped, ps, temperature=0.0, max_tokens=6)
+    assert first.token_ids == ll.generate(model, ps, temperature=0.0, max_tokens=6).token_ids
+    other = NNXDecoder(init_params(1))
+    nnx.update(module, nnx.state(other))
+    with compile_counter as c:
+        second = ll.generate(wrapped, ps, temperature=0.0, max_tokens=6)
+    assert c.count == 0
+    ref = ll.FunctionModel(apply_fn, init_params(1), kv_spec=SPEC, vocab_size=V, max_length=128)
+    assert second.token_ids == ll.generate(ref, ps, temperature=0.0, max_tokens=6).token_ids
+    assert second.token_ids != first.token_ids
+
+
+def test_linen_module_is_the_function_model(model):
+    linen = pytest.importorskip("flax.linen")
+
+    class LinenDecoder(linen.Module):
+        @linen.compact
+        def __call__(self, tokens, positions, kv):
+            params = self.param("w", lambda _: init_params(0))
+            return apply_fn(params, tokens, positions, kv)
+
+    module = LinenDecoder()
+    variables = {"params": {"w": init_params(0)}}
+    wrapped = ll.from_linen(module, variables, SPEC, vocab_size=V, max_length=128)
+    ps = prompts([5, 8])
+    got = ll.generate(wrapped, ps, temperature=0.0, max_tokens=6, n=2)
+    want = ll.generate(model, ps, temperature=0.0, max_tokens=6, n=2)
+    assert got.token_ids == want.token_ids
+
+
+def test_a_family_through_the_public_contract_is_itself_bit_for_bit():
+    """The shipped model's module called as a user's FunctionModel (its blocks call
+    ll.attention, as any model's) gives the family's own tokens and logprob bits."""
+    shipped = ll.load_pretrained()
+    graphdef, state = nnx.split(shipped)
+
+    def family(weights, tokens, positions, kv):  # the last column's logits, [B, V]
+        return nnx.merge(graphdef, weights)(tokens, positions, kv)
+
+    c = shipped.config
+    wrapped = ll.FunctionModel(
+        family, state, kv_spec=shipped.kv_spec, vocab_size=c.vocab_size, max_length=512
+    )
+    knobs = dict(temperature=0.8, max_tokens=6, seed=[1, 2], logprobs=1, ignore_eos=True)
+    ps = prompts([6, 9], seed=7)
+    want = ll.generate(shipped, ps, **knobs)
+    got = ll.generate(wrapped, ps, **knobs)
+    assert got.token_ids == want.token_ids
+    assert got.raw_logprobs == want.raw_logprobs
