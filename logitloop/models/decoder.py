@@ -94,7 +94,7 @@ class DecoderModel(nnx.Module):
         positions: jax.Array,  # [B, T] int32, -1 for (left) padding
         cache: KV | KVCache | None,
         *,
-        all_columns: bool = False,
+        all_columns: bool | None = None,
         numerics: Numerics | None = None,
         routing: jax.Array | None = None,
     ) -> tuple[jax.Array, ...]:
@@ -109,7 +109,8 @@ class DecoderModel(nnx.Module):
         Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
         Only the last column goes through the final norm and LM head: prompts are
         left-padded, so that column is every row's last real token. `all_columns=True`
-        returns every column's logits, `[B, T, V]` (speculative verification). Padding columns
+        returns every column's logits, `[B, T, V]` (speculative verification); default:
+        what the `KV` asks for (`kv.all_columns`), else False. Padding columns
         (-1) compute finite values that are never used. `numerics`: how the layers reduce
         (`fixed_order.Numerics`, given by `decoding.loop.runner.ModelRunner.forward` for
         the pass; default plain XLA ops).
@@ -131,6 +132,8 @@ class DecoderModel(nnx.Module):
         """
         kv = self.pass_kv(cache, positions, numerics)
         numerics = PLAIN if kv is None else kv.numerics
+        if all_columns is None:
+            all_columns = isinstance(cache, KV) and cache.all_columns
         if routing is None:
             x, kv = self.hidden_states(tokens, positions, kv)  # [B, T, E]
         else:

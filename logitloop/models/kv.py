@@ -136,8 +136,13 @@ class KV:
     Hands-off for a model: it passes `kv` to `attention` and returns what that gave back.
     The library builds one per pass (`KV(layers, positions, spec, numerics)`) and reads the
     layers back (`finish`). Children: the layers' caches (`layers.KVCache`, contiguous, ring
-    or paged) and the positions `[B, T]`; static: the spec, the pass's numerics policy and
-    the layers written so far.
+    or paged) and the positions `[B, T]`; static: the spec, the pass's numerics policy,
+    whether the caller reads every column's logits, and the layers written so far.
+
+    `kv.all_columns` (static): False in a prompt pass or a decode step, where only the last
+    column's logits are read: a model may then return `[B, V]` and run its LM head on one
+    position per row (as logitloop's families do); True in scoring and speculative
+    verification, which need `[B, T, V]`.
     """
 
     def __init__(
@@ -146,16 +151,19 @@ class KV:
         positions: jax.Array,
         spec: KVSpec,
         numerics: Numerics = PLAIN,
+        all_columns: bool = True,
         written: tuple[int, ...] = (),
     ):
         self.caches = list(caches)
         self.positions = positions
         self.spec = spec
         self.numerics = numerics
+        self.all_columns = all_columns
         self.written = written
 
     def tree_flatten(self):
-        return (self.caches, self.positions), (self.spec, self.numerics, self.written)
+        aux = (self.spec, self.numerics, self.all_columns, self.written)
+        return (self.caches, self.positions), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -240,7 +248,7 @@ def attention(
     )
     caches = list(kv.caches)
     caches[layer] = cache
-    return out, KV(caches, kv.positions, kv.spec, kv.numerics, (*kv.written, layer))
+    return out, KV(caches, kv.positions, kv.spec, kv.numerics, kv.all_columns, (*kv.written, layer))
 
 
 def _check_qkv(q, k, v, kv: KV | None, layer: Any) -> None:

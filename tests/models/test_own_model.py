@@ -237,3 +237,29 @@ def test_a_family_through_the_public_contract_is_itself_bit_for_bit():
     got = ll.generate(wrapped, ps, **knobs)
     assert got.token_ids == want.token_ids
     assert got.raw_logprobs == want.raw_logprobs
+
+
+def test_stream_beam_search_token_logprobs_and_precompile_take_it(model, compile_counter):
+    """The other entry points: `stream` gives `generate`'s tokens; beam search with one
+    beam is greedy; `token_logprobs` gives `score`'s; after `precompile` at the call's
+    buckets `generate` compiles nothing."""
+    ps = prompts([6, 10], seed=8)
+    greedy = ll.generate(model, ps, temperature=0.0, max_tokens=5, ignore_eos=True)
+    streamed = [[], []]
+    for event in ll.stream(model, ps, temperature=0.0, max_tokens=5, ignore_eos=True):
+        streamed[event.row] += event.token_ids
+    assert streamed == greedy.token_ids
+    beams = ll.beam_search(model, ps, num_beams=1, max_tokens=5, ignore_eos=True)
+    assert [b[0].token_ids for b in beams] == greedy.token_ids
+    rows = [p + g for p, g in zip(ps, greedy.token_ids, strict=True)]
+    width = max(map(len, rows))
+    ids = np.asarray([r + [0] * (width - len(r)) for r in rows], np.int32)
+    lengths = [len(r) for r in rows]
+    got = ll.token_logprobs(model, ids, [6, 10], lengths=lengths, deterministic=False)
+    scored = ll.score(model, ps, greedy.token_ids)
+    for row, p, s in zip(np.asarray(got.raw_logprobs), ps, scored, strict=True):
+        np.testing.assert_allclose(row[len(p) : len(p) + 5], s.raw_logprobs, atol=2e-5)
+    ll.precompile(model, rows=2, prompt_len=12, max_tokens=7, temperature=0.5)
+    with compile_counter as c:
+        ll.generate(model, prompts([3, 12], seed=9), temperature=0.5, max_tokens=7, seed=1)
+    assert c.count == 0

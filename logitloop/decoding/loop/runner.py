@@ -248,11 +248,11 @@ class ModelRunner:
         `KV` over `cache` (a layer list) and the layers read back from what it returns."""
         if self.kv_spec is None:  # a FunctionModel with a cache of its own
             return self.apply_fn(weights, tokens, positions, cache)
-        kv = KV(cache, positions, self.kv_spec, numerics)
+        kv = KV(cache, positions, self.kv_spec, numerics, all_columns)
         if self.family:
             routed = {} if routing is None else {"routing": routing}
             model = nnx.merge(self.graphdef, weights)
-            logits, kv_out, *used = model(tokens, positions, kv, all_columns=all_columns, **routed)
+            logits, kv_out, *used = model(tokens, positions, kv, **routed)
             return (logits, kv_out.finish("the model"), *used)
         if self.graphdef is not None:
             where = "the NNX module"
