@@ -196,3 +196,20 @@ def test_a_model_with_a_cache_of_its_own_is_refused():
         ll.check_model(_model(), steps=0)
     with pytest.raises(ValueError, match="prompt_len \\+ steps = 17 exceeds"):
         ll.check_model(_model(), prompt_len=14)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama", "llama-bf16", "gemma-ring"])
+def test_logitloop_families_pass(case):
+    """The families through the same check (the full forward is theirs with
+    `all_columns=True`): a bfloat16 model within its default tolerances, and a window
+    layer the contiguous cache keeps as a ring (window 2 + `RING_SLACK` < 12 slots)."""
+    from tests.decoding.random_llama import small_gemma, small_llama
+
+    if case == "gemma-ring":
+        model, steps = small_gemma(64, 32, 0, sliding_windows=(2, None)), 6
+    else:
+        dtype = jnp.bfloat16 if case == "llama-bf16" else None
+        model, steps = small_llama(64, 32, 0, dtype=dtype), 3
+    report = ll.check_model(model, steps=steps)
+    assert report.ok, str(report)

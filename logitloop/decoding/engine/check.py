@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import textwrap
 from typing import Any
 
 import jax
@@ -70,9 +71,10 @@ def tolerances(dtype: Any) -> tuple[float, float]:
     when `|got - want| <= atol + rtol * max|want|`, the max over its row's vocabulary (a
     logit's rounding error scales with the row's largest logits, not with its own).
     float32 and wider: 1e-4 and 1e-3 (the cached passes sum in another order than the full
-    forward: a 2-layer Llama differs by 1e-6 of its largest logit); 16-bit floats: 1e-2 and
-    5e-2 (bfloat16 keeps 8 bits of mantissa and each layer rounds: the same Llama's decode
-    steps differ by 2e-2). A model that ignores positions is off by tenths or more."""
+    forward: the shipped model differs by under 1e-5 of its largest logit); 16-bit floats:
+    1e-2 and 5e-2 (bfloat16 keeps 8 bits of mantissa and each layer rounds: the shipped
+    model's decode steps differ by under 1e-2, a 2-layer random Llama with 25x weights by
+    2e-2). A model that ignores positions is off by tenths of its largest logit or more."""
     if jnp.dtype(dtype).itemsize >= 4:
         return 1e-4, 1e-3
     return 1e-2, 5e-2
@@ -93,7 +95,9 @@ class Finding:
     def __str__(self) -> str:
         diff = "" if self.max_abs_diff is None else f" (max |diff| {self.max_abs_diff:.3g})"
         label = "the error" if self.kind == REFUSED else "likely cause"
-        return f"[{self.kind}] {self.what}{diff}\n    {label}: {self.cause}"
+        cause = textwrap.fill(f"{label}: {self.cause}", 96, initial_indent="    ",
+                              subsequent_indent="      ", break_long_words=False)  # fmt: skip
+        return f"[{self.kind}] {self.what}{diff}\n{cause}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +144,7 @@ class CheckReport:
                 f"  {mark} {c.name:<44} max |diff| {c.max_abs_diff:.3g}"
                 + ("" if c.ok else f" (row {c.row}, position {c.position})")
             )
-        lines += [f"  {f}" for f in self.findings]
+        lines += [f"  {f}".replace("\n", "\n  ") for f in self.findings]
         return "\n".join(lines)
 
 
