@@ -195,7 +195,9 @@ def check_model(
     tokens. Every real column's logits must agree: `|got - want| <= atol + rtol *
     max|want|` (the max over the row's vocabulary), by default from the cache's dtype
     (`tolerances`: atol 1e-4 and rtol 1e-3 for float32, 1e-2 and 5e-2 for bfloat16 and
-    float16).
+    float16). A sliding window (`KVSpec.window`) is exercised only where `prompt_len +
+    steps` exceeds it: pass a longer `prompt_len` to check a window (the model must give
+    `ll.attention` the same `window=` with `kv=None`, where no `KVSpec` says it).
 
     Cheap: each pass is jitted once per shape (five programs; a model that returns only
     the last column's logits, `[B, V]`, needs one full forward per prefix length). A pass
