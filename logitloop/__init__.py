@@ -9,6 +9,7 @@ from logitloop.compile_cache import CompileCache, enable_compile_cache
 from logitloop.conversation import chat, stream_chat
 from logitloop.decoding.engine.batching import Request, generate_many, iter_generate_many
 from logitloop.decoding.engine.beam import Beam, beam_search
+from logitloop.decoding.engine.check import CheckReport, check_model
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
 from logitloop.decoding.engine.precompile import PrecompileReport, precompile
 from logitloop.decoding.engine.score import ScoreResult, score
@@ -40,6 +41,7 @@ from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
 __all__ = [
     "Beam",
+    "CheckReport",
     "STATUS_ALL_MASKED",
     "STATUS_BAD_LOGITS",
     "STATUS_OK",
@@ -72,6 +74,7 @@ __all__ = [
     "attention",
     "beam_search",
     "chat",
+    "check_model",
     "compile_stats",
     "enable_compile_cache",
     "dense",

@@ -199,6 +199,12 @@ def finish(kv: Any, given: KV, where: str) -> layers.KVCache:
         )
     if kv.spec != given.spec:
         raise ValueError(f"{where} returned a kv of another KVSpec ({kv.spec}, not {given.spec})")
+    if not kv.written:
+        raise ValueError(
+            f"{where} returned a kv in which no layer was written: the kv it was handed, not "
+            "the one ll.attention gave back (or it never called ll.attention); return the kv "
+            "of the last ll.attention call, (logits, kv)"
+        )
     return kv.finish(where)
 
 

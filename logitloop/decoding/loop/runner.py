@@ -254,6 +254,13 @@ class ModelRunner:
             model = nnx.merge(self.graphdef, weights)
             logits, kv_out, *used = model(tokens, positions, kv, **routed)
             return (logits, kv_out.finish("the model"), *used)
+        logits, kv_out, where = self._call_user_model(weights, tokens, positions, kv)
+        return logits, kv_contract.finish(kv_out, kv, where)
+
+    def _call_user_model(self, weights, tokens, positions, kv: KV | None) -> tuple:
+        """A user's model (`from_nnx`, a `FunctionModel` with a `KVSpec`) called on one
+        pass's `kv`: `(logits, kv returned, where)`, its output's form and logits' shape
+        checked (`where` names the model in errors)."""
         if self.graphdef is not None:
             where = "the NNX module"
             out = self.call(nnx.merge(self.graphdef, weights), tokens, positions, kv)
@@ -262,9 +269,25 @@ class ModelRunner:
             out = self.apply_fn(weights, tokens, positions, kv)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(f"{where} must return (logits, kv), got {type(out).__name__}")
-        logits, kv_out = out
-        _check_logits(logits, tokens.shape, self.vocab_size, where)
-        return logits, kv_contract.finish(kv_out, kv, where)
+        _check_logits(out[0], tokens.shape, self.vocab_size, where)
+        return (*out, where)
+
+    def full_forward(self, weights, tokens, positions) -> jax.Array:
+        """The model's own forward pass with `kv=None`: plain causal attention over the
+        call's columns (what it trains with; `ll.check_model` compares the cached passes
+        with it). Logits `[B, T, V]` (a family: every column), or `[B, V]` for a user's
+        model that returns the last column only."""
+        if self.kv_spec is None:
+            raise ValueError(OWN_CACHE_REFUSAL.format(what="a forward pass with kv=None"))
+        if self.family:
+            return nnx.merge(self.graphdef, weights)(tokens, positions, None, all_columns=True)[0]
+        logits, kv_out, where = self._call_user_model(weights, tokens, positions, None)
+        if kv_out is not None:
+            raise TypeError(
+                f"{where} returned {type(kv_out).__name__} as its kv when called with kv=None: "
+                "return the kv that ll.attention gave back (None for kv=None)"
+            )
+        return logits
 
     def routing_shape(self, weights) -> tuple[int, int] | None:
         """(L, k) of a routing record `[B, T, L, k]`: the model's routed layers and experts
