@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from logitloop.decoding.runtime import compiles
@@ -123,7 +124,7 @@ class NNXModel:
 def _check_model_fields(model: Any, where: str) -> None:
     for name in ("vocab_size", "max_length"):
         value = getattr(model, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
     spec = getattr(model, "kv_spec", None)
     if spec is not None and not isinstance(spec, KVSpec):
