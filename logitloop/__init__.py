@@ -34,7 +34,7 @@ from logitloop.decoding.sampling.sampler import (
     sample,
     sampling_distribution,
 )
-from logitloop.models.kv import CONTRACT_VERSION, KV, KVSpec, attention, dense
+from logitloop.models.kv import CONTRACT_VERSION, KV, KVSpec, attention, dense, mean
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
@@ -81,6 +81,7 @@ __all__ = [
     "generate_many",
     "iter_generate_many",
     "load_pretrained",
+    "mean",
     "precompile",
     "stream",
     "stream_chat",

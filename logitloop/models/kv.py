@@ -48,7 +48,7 @@ from logitloop.models import fixed_order, layers
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.ops import attention as ops_attention
 
-__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "attention", "dense"]
+__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "attention", "dense", "mean"]
 
 # The version of the contract above; docs/own_model.md says what changed between versions.
 CONTRACT_VERSION = 1
