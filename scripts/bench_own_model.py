@@ -13,10 +13,7 @@ two models alternate, repeat by repeat, after a warm-up call each; the table giv
 median tokens per second of a whole call (the prompt's prefill included: keep `--prompt`
 short next to `--new-tokens`), the ratio (own / family; the goal is within 5%), the
 control (the family against itself, a third turn in the same run: the noise the ratio
-has to be read against) and whether the two decoded the same tokens. `--slope` adds a
-"decode step" row: the time of `--new-tokens` more steps (a call of twice as many new
-tokens less one of `--new-tokens`, contiguous), which leaves out the prefill and each
-call's host work.
+has to be read against) and whether the two decoded the same tokens.
 
 It also counts the lines the docs' attention-block diff changes (the ```diff blocks of
 docs/own_model.md: lines added and removed).
@@ -71,7 +68,6 @@ def bench(args, dtype: str) -> list[dict]:
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, args.vocab, (args.batch, args.prompt)).tolist()
     knobs = dict(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    more = dict(knobs, max_tokens=2 * args.new_tokens)
     rows = []
     for cache, n in (("contiguous", 1), ("paged, n = 2", 2)):
         batch = prompts[: args.batch // n]
@@ -85,17 +81,6 @@ def bench(args, dtype: str) -> list[dict]:
                          own_tok_s=tok_s["own"], ratio=tok_s["own"] / tok_s["family"],
                          control=tok_s["family again"] / tok_s["family"], same_tokens=same,
                          compiles_timed=sum(g[2] for g in got.values())))  # fmt: skip
-    if args.slope:  # one decode step: the difference of two lengths, prefill and host cancel
-        n1, n2 = args.new_tokens, 2 * args.new_tokens
-        fns = {f"{name} {n}": (lambda m=m, k=k: ll.generate(m, prompts, **k))
-               for name, m in (("own", own), ("family", llama))
-               for n, k in ((n1, knobs), (n2, more))}  # fmt: skip
-        t = {name: got[0] for name, got in timed_turns(fns, args.repeats).items()}
-        step = {name: (t[f"{name} {n2}"] - t[f"{name} {n1}"]) / (n2 - n1)
-                for name in ("own", "family")}  # fmt: skip
-        rows.append(dict(dtype=dtype, cache="decode step", family_tok_s=args.batch / step["family"],
-                         own_tok_s=args.batch / step["own"], ratio=step["family"] / step["own"],
-                         control=None, same_tokens=None, compiles_timed=0))  # fmt: skip
     return rows
 
 
@@ -113,8 +98,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--slope", action="store_true",
-                        help="also one decode step: --new-tokens and twice as many, contiguous")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -125,8 +108,7 @@ def main(argv=None) -> dict:
     print(f"{'dtype':<9} {'cache':<13} {'family tok/s':>12} {'own tok/s':>10} {'ratio':>6} "
           f"{'control':>7} {'same tokens':>11}")  # fmt: skip
     for r in rows:
-        same, control = str(r["same_tokens"]), r["control"]
-        control = "-" if control is None else f"{control:.3f}"
+        same, control = str(r["same_tokens"]), f"{r['control']:.3f}"
         print(f"{r['dtype']:<9} {r['cache']:<13} {r['family_tok_s']:>12.0f} "
               f"{r['own_tok_s']:>10.0f} {r['ratio']:>6.3f} {control:>7} "
               f"{same:>11}")  # fmt: skip

@@ -85,3 +85,16 @@ def test_from_llama_decodes_the_family_tokens():
     want = ll.generate(llama, prompts, **knobs).token_ids
     assert ll.generate(model, prompts, **knobs).token_ids == want
     assert len(set(map(tuple, want))) == 2 and len(set(want[0])) > 1  # not a constant row
+
+
+def test_deterministic_rows_keep_their_bits_in_a_batch(run):
+    """`deterministic=True`: the example's products (`ll.dense`), norms (`ll.mean`) and
+    head in a fixed order, so a row's tokens and raw logprobs in a batch of three are bit
+    for bit those of the row alone."""
+    out, _ = run
+    prompts = [p for p, _ in out["requests"][:3]]
+    knobs = dict(temperature=0.9, seed=3, max_tokens=6, deterministic=True, ignore_eos=True)
+    alone = ll.generate(out["model"], [prompts[1]], **knobs)
+    batch = ll.generate(out["model"], prompts, **knobs)
+    assert batch.token_ids[1] == alone.token_ids[0]
+    assert batch.raw_logprobs[1] == alone.raw_logprobs[0]
