@@ -2,7 +2,10 @@
 Flax NNX, whose attention is `ll.attention`. Its main runs (`n = 4` on shared pages, a
 paged `generate_many`), and its rows are those of plain separate rows; its full forward
 (`kv=None`) is its cached decoding; with a logitloop `LlamaModel`'s weights it decodes the
-family's tokens. Tiny sizes, greedy, a few tokens: the default suite."""
+family's tokens. Tiny sizes, greedy, a few tokens: the default suite (10 programs of over
+half a second, 19 s of compiling: main's 4, the reference rows' 2, the family's and the
+example's `generate` 2 each; the rest are small eager ones); the deterministic check,
+`-m slow`."""
 
 from __future__ import annotations
 
@@ -87,6 +90,7 @@ def test_from_llama_decodes_the_family_tokens():
     assert len(set(map(tuple, want))) == 2 and len(set(want[0])) > 1  # not a constant row
 
 
+@pytest.mark.slow  # its programs; tests/models/test_own_model.py pins the mode by default
 def test_deterministic_rows_keep_their_bits_in_a_batch(run):
     """`deterministic=True`: the example's products (`ll.dense`), norms (`ll.mean`) and
     head in a fixed order, so a row's tokens and raw logprobs in a batch of three are bit
