@@ -2,10 +2,10 @@
 Flax NNX, whose attention is `ll.attention`. Its main runs (`n = 4` on shared pages, a
 paged `generate_many`), and its rows are those of plain separate rows; its full forward
 (`kv=None`) is its cached decoding; with a logitloop `LlamaModel`'s weights it decodes the
-family's tokens. Tiny sizes, greedy, a few tokens: the default suite (10 programs of over
-half a second, 19 s of compiling: main's 4, the reference rows' 2, the family's and the
-example's `generate` 2 each; the rest are small eager ones); the deterministic check,
-`-m slow`."""
+family's tokens. Tiny sizes, greedy, a few tokens: the default suite (11 programs of over
+half a second, 20 s of compiling: main's 4, the reference rows' 2, the family's and the
+example's `generate` 2 each, one random init; the rest are small eager ones). The
+deterministic check is `-m slow`."""
 
 from __future__ import annotations
 
