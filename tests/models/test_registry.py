@@ -79,8 +79,12 @@ class ToyBlock(nnx.Module):
     def __init__(self, config: ToyConfig, *, dtype, rngs: nnx.Rngs):
         self.shift = model_layers.param(rngs, (config.hidden_size,), dtype, ("embed",))
 
-    def __call__(self, x, positions, cache, mask):
-        return x + self.shift[...], cache
+    def __call__(self, x, positions, kv):
+        # It reads nothing back, but writes its layer's keys and values, as every layer of
+        # a model's KVSpec does once a pass (`ll.attention`, logitloop.models.kv).
+        h = x[:, :, None, :2]  # [B, T, 1 head, head_dim 2]
+        _, kv = ll.attention(h, h, h, kv, layer=0)
+        return x + self.shift[...], kv
 
 
 class ToyModel(DecoderModel):
