@@ -8,9 +8,10 @@ Everything but attention is the model's own: the embedding, RMSNorm (as Hugging 
 computes it), RoPE at each token's `positions`, the SwiGLU MLP, the final norm and the LM
 head. Its attention is one call, `ll.attention(q, k, v, kv, layer=i)`: the library writes
 the keys and values into its cache (contiguous rows, or a paged pool whose pages rows
-share) and attends over them. Its products go through `ll.dense(x, w, kv)` and its norms'
-means through `ll.mean(x, kv)`, so that `deterministic=True` keeps a row's bits whatever
-its batch. With `kv=None` the same module is a plain causal forward, for training.
+share) and attends over them. Its products go through `ll.dense(x, w, kv)`, its LM head
+through `ll.lm_head(x, table, kv)` and its norms' means through `ll.mean(x, kv)`, so that
+`deterministic=True` keeps a row's bits whatever its batch. With `kv=None` the same
+module is a plain causal forward, for training.
 
 The script builds the model with random weights, wraps it with `ll.from_nnx`, samples
 `n = 4` completions of one prompt (prefilled once; the four rows share its pages), and
@@ -100,7 +101,8 @@ class Block(nnx.Module):
 
 
 class TinyDecoder(nnx.Module):
-    """`model(tokens [B, T], positions [B, T], kv) -> (logits [B, T, V] float32, kv)`."""
+    """`model(tokens [B, T], positions [B, T], kv) -> (logits [B, T, V] float32, kv)`
+    (`[B, V]`, the last column's, when the pass reads no other: `kv.all_columns`)."""
 
     def __init__(self, config: Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         c = config
@@ -121,16 +123,10 @@ class TinyDecoder(nnx.Module):
         x = self.embedding[...][tokens]  # padding columns (positions -1) are never read
         for block in self.blocks:
             x, kv = block(x, positions, kv)
-        return self.head(self.norm(x, kv), kv), kv
-
-    def head(self, x: jax.Array, kv: ll.KV | None) -> jax.Array:
-        """The float32 logits `[B, T, V]` of the vocabulary table `[V, E]`."""
+        if kv is not None and not kv.all_columns:  # a prompt pass or a decode step:
+            x = x[:, -1]  # only the last column's logits are read, [B, V]
         table = self.embedding[...] if self.config.tied else self.lm_head[...]
-        if kv is not None and kv.deterministic:  # a fixed order, so batch-invariant
-            return ll.dense(x, table.T, kv).astype(jnp.float32)
-        # float32 out of bfloat16 operands: XLA:CPU's `ll.dense` (bfloat16 out) converted the
-        # whole table to float32 at every step, 0.72x the family's tokens/s in bfloat16.
-        return jnp.einsum("bte,ve->btv", x, table, preferred_element_type=jnp.float32)
+        return ll.lm_head(self.norm(x, kv), table, kv), kv  # float32 logits
 
 
 def from_llama(llama) -> TinyDecoder:
@@ -171,7 +167,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     module = TinyDecoder(Config(), rngs=nnx.Rngs(args.seed))
-    model = ll.from_nnx(module, module.kv_spec, vocab_size=Config.vocab_size, max_length=64)
+    model = ll.from_nnx(module, vocab_size=Config.vocab_size, max_length=64)  # its kv_spec
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, Config.vocab_size, 9).tolist()

@@ -35,7 +35,15 @@ from logitloop.decoding.sampling.sampler import (
     sample,
     sampling_distribution,
 )
-from logitloop.models.kv import CONTRACT_VERSION, KV, KVSpec, attention, dense, mean
+from logitloop.models.kv import (
+    CONTRACT_VERSION,
+    KV,
+    KVSpec,
+    attention,
+    dense,
+    lm_head,
+    mean,
+)
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
@@ -83,6 +91,7 @@ __all__ = [
     "generate",
     "generate_many",
     "iter_generate_many",
+    "lm_head",
     "load_pretrained",
     "mean",
     "precompile",

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logitloop.models import fixed_order
+from logitloop.models import kv as kv_contract
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.models.kv import KV, KVSpec
 from logitloop.models.layers import KVCache
@@ -140,16 +140,7 @@ class DecoderModel(nnx.Module):
             x, kv, used = self.hidden_states(tokens, positions, kv, routing=routing)
         new_cache = kv.finish("the model") if kv is not None and not isinstance(cache, KV) else kv
         last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
-        rows = last.reshape(-1, last.shape[-1])  # [B*T or B, E]
-        head = self.head_weight()
-        logits = fixed_order.rowwise(
-            lambda r: fixed_order.head_product(r, head, numerics=numerics),
-            rows,
-            numerics=numerics,
-            head=True,
-            shape=(rows.shape[-1], head.shape[0]),
-        )
-        logits = self.output_logits(logits.reshape(*last.shape[:-1], -1))
+        logits = self.output_logits(kv_contract.lm_head(last, self.head_weight(), kv))
         return (logits, new_cache) if routing is None else (logits, new_cache, used)
 
     def routed_layers(self) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ from logitloop.models import fixed_order, layers
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.ops import attention as ops_attention
 
-__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "attention", "dense", "mean"]
+__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "attention", "dense", "lm_head", "mean"]
 
 # The version of the contract above; docs/own_model.md says what changed between versions.
 CONTRACT_VERSION = 1
@@ -320,6 +320,23 @@ def dense(x: jax.Array, w: jax.Array, kv: KV | None = None) -> jax.Array:
     that should keep a row's bits whatever the batch call this with the pass's `kv`."""
     numerics = PLAIN if kv is None else kv.numerics
     return layers.dense(x, w, numerics=numerics)
+
+
+def lm_head(x: jax.Array, table: jax.Array, kv: KV | None = None) -> jax.Array:
+    """The float32 logits `[..., V]` of activations `[..., E]` against a vocabulary table
+    `[V, E]` (an LM head, or a tied embedding as it is): float32 out of 16-bit operands
+    without a float32 copy of the table, and in a fixed order under a deterministic `kv`
+    (`fixed_order.head_product`, the LM head of logitloop's families)."""
+    numerics = PLAIN if kv is None else kv.numerics
+    rows = x.reshape(-1, x.shape[-1])
+    logits = fixed_order.rowwise(
+        lambda r: fixed_order.head_product(r, table, numerics=numerics),
+        rows,
+        numerics=numerics,
+        head=True,
+        shape=(rows.shape[-1], table.shape[0]),
+    )
+    return logits.reshape(*x.shape[:-1], table.shape[0])
 
 
 def mean(x: jax.Array, kv: KV | None = None) -> jax.Array:

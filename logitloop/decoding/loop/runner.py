@@ -137,7 +137,7 @@ def _call_module(module, tokens, positions, kv):
 
 def from_nnx(
     module: nnx.Module,
-    kv_spec: KVSpec,
+    kv_spec: KVSpec | None = None,
     *,
     vocab_size: int,
     max_length: int,
@@ -148,8 +148,13 @@ def from_nnx(
     """The model every entry point takes, from an NNX module whose attention calls
     `ll.attention(q, k, v, kv, layer=i)`: `module(tokens, positions, kv) -> (logits, kv)`,
     or `call(module, tokens, positions, kv)` for another signature (keep one `call`
-    function: it is part of the programs' key). The weights are the module's state, read
-    at each call; `nnx.update(module, new_state)` compiles nothing."""
+    function: it is part of the programs' key). `kv_spec`: default the module's own
+    `kv_spec` attribute. The weights are the module's state, read at each call;
+    `nnx.update(module, new_state)` compiles nothing."""
+    if kv_spec is None:
+        kv_spec = getattr(module, "kv_spec", None)
+        if kv_spec is None:
+            raise ValueError("from_nnx needs kv_spec= (the module has no kv_spec attribute)")
     return NNXModel(
         module, kv_spec, vocab_size, max_length, _eos_tuple(eos_token_ids), tokenizer,
         _call_module if call is None else call,
