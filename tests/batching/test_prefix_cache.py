@@ -55,6 +55,7 @@ def _same(got, want, bits: bool):
 # ----------------------------------------------------------------------------- generate
 
 
+@pytest.mark.slow  # its default twin: tests/models/test_own_model.py (n = 4, 37 tokens)
 def test_n_rows_equal_single_row_runs(shipped, monkeypatch):
     """`n = 16` rows of a 37-token prompt (two full pages and a partial one, shared and
     copied) against the prompt given 16 times, each row with its own seed and its own

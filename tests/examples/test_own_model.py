@@ -68,6 +68,7 @@ def test_full_forward_equals_cached_decoding(run):
     np.testing.assert_allclose(chosen, plain.raw_logprobs[row], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # the family through the contract: tests/models/test_own_model.py
 def test_from_llama_decodes_the_family_tokens():
     """A logitloop `LlamaModel` (random float32 weights, grouped-query heads, a separate
     head) and the example's module with its weights (`from_llama`): the same full-forward

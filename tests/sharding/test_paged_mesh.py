@@ -58,3 +58,10 @@ def test_deterministic_paged_job_on_mesh_is_one_devices_bit_for_bit(paged):
     for key in ("token_ids", "finish_reason", "raw_logprobs", "logprobs"):
         assert got[key] == want[key], key
     assert paged["det_paged_stats"]["preemptions"] > 0
+
+
+def test_a_users_model_on_the_mesh_and_pool_matches(paged):
+    """A user's model through `ll.attention` (the worker's model as a FunctionModel) runs
+    the same paged job on the (2, 4) mesh with the same tokens."""
+    assert paged["user_paged_2x4"]["token_ids"] == paged["paged_2x4"]["token_ids"]
+    assert paged["user_paged_2x4"]["finish_reason"] == paged["paged_2x4"]["finish_reason"]

@@ -86,13 +86,6 @@ def test_paged_generate_many_on_mesh_matches(meshes):
     assert meshes["paged_stats"]["preemptions"] > 0
 
 
-def test_a_users_model_on_the_mesh_and_pool_matches(meshes):
-    """A user's model through `ll.attention` (the worker's model as a FunctionModel) runs
-    the same paged job on the (2, 4) mesh with the same tokens."""
-    assert meshes["user_paged_2x4"]["token_ids"] == meshes["paged_2x4"]["token_ids"]
-    assert meshes["user_paged_2x4"]["finish_reason"] == meshes["paged_2x4"]["finish_reason"]
-
-
 def test_the_pool_divides_over_the_data_axis(meshes):
     """Each device holds N / d tokens of keys: 6 of the 12 pages of 4, for its one KV head
     (`tests/sharding/test_paged_mesh.py`: no decode step gathers them)."""

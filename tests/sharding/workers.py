@@ -201,15 +201,6 @@ def worker_meshes(shapes: list[str]) -> None:
         out["paged_2x4"] = _paged_job(model, requests, mesh, stats)
     out["paged_stats"] = stats
     out["paged_pool"] = first
-    # A user's model (the same module as an `ll.FunctionModel` through `ll.attention`,
-    # docs/own_model.md) on the same mesh and pool: its weights replicated, its rows and
-    # pages over the data axis.
-    graphdef, state = nnx.split(model)
-    user = ll.FunctionModel(
-        lambda w, t, p, kv: nnx.merge(graphdef, w)(t, p, kv), state,
-        kv_spec=model.kv_spec, vocab_size=model.config.vocab_size, max_length=256,
-    )  # fmt: skip
-    out["user_paged_2x4"] = _paged_job(user, requests, mesh, {})
     # Orbax: restore a converted checkpoint straight onto the (2, 4) mesh's shardings.
     with tempfile.TemporaryDirectory() as tmp:
         save_converted(model, os.path.join(tmp, "conv"))
@@ -277,8 +268,17 @@ def worker_paged_mesh() -> None:
     requests = [(p, params.take([r])) for r, p in enumerate(PROMPTS)]
     out: dict = {}
     with _first_decode(compile=True) as first:
-        _paged_job(model, requests, mesh, {})
+        out["paged_2x4"] = _paged_job(model, requests, mesh, {})
     out["paged_pool"] = first
+    # A user's model (the same module as an `ll.FunctionModel` through `ll.attention`,
+    # docs/own_model.md) on the same mesh and pool as the family: its weights replicated,
+    # its rows and pages over the data axis.
+    graphdef, state = nnx.split(model)
+    user = ll.FunctionModel(
+        lambda w, t, p, kv: nnx.merge(graphdef, w)(t, p, kv), state,
+        kv_spec=model.kv_spec, vocab_size=model.config.vocab_size, max_length=256,
+    )  # fmt: skip
+    out["user_paged_2x4"] = _paged_job(user, requests, mesh, {})
     shared = [[30 + i for i in range(8)] + p for p in PROMPTS]
     for cache in (True, False):
         stats: dict = {}
