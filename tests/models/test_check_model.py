@@ -1,109 +1,27 @@
-"""`ll.check_model` on a tiny model of the test's own (a plain-function `FunctionModel`:
-embedding, RoPE at `positions`, two layers of grouped-query attention through
-`ll.attention`, an MLP, a head): the model passes; each broken variant is reported with
-its cause, and the variants the contract refuses also make `ll.generate` raise at its
-first call, naming the layer and the mismatch.
+"""`ll.check_model` on the tests' own user model (`tests/models/user_model.py`, a plain-
+function `FunctionModel` through `ll.attention`): the model passes; each broken variant is
+reported with its cause, and the variants the contract refuses also make `ll.generate`
+raise at its first call, naming the layer and the mismatch.
 
-Cheap: the correct model's check compiles five programs (module fixture); the variants
-that compute wrongly are the same `apply_fn` with a switch in their params (no compile),
-and those the contract refuses are refused while traced (no compile either).
-"""
+Cheap: the correct model's check compiles five programs (module fixture); the variants that
+compute wrongly are the same `apply_fn` with a switch in their params (no compile), and
+those the contract refuses are refused while traced (no compile either)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import logitloop as ll
 from logitloop.decoding.engine import check
+from tests.models import user_model
 
-VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, LAYERS, MAX_LENGTH = 32, 16, 4, 2, 8, 2, 16
-SPEC = ll.KVSpec(LAYERS, KV_HEADS, HEAD_DIM, jnp.float32)
-
-# The switches of the wrong-computing variants, off: rotate by the column index instead of
-# `positions`; scale the queries by this with kv=None only (another training path); add
-# this to the logits when the cache is a paged pool (a model that reads the kv's layout).
-CORRECT = {"column_positions": False, "train_q_scale": 1.0, "paged_offset": 0.0}
-
-
-def _params(seed: int = 0, **switches) -> dict:
-    rng = np.random.default_rng(seed)
-
-    def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32)
-
-    layer = lambda: {  # noqa: E731
-        "q": w(EMBED, HEADS * HEAD_DIM), "k": w(EMBED, KV_HEADS * HEAD_DIM),
-        "v": w(EMBED, KV_HEADS * HEAD_DIM), "o": w(HEADS * HEAD_DIM, EMBED),
-        "up": w(EMBED, 2 * EMBED), "down": w(2 * EMBED, EMBED),
-    }  # fmt: skip
-    switches = {k: jnp.asarray(v) for k, v in (CORRECT | switches).items()}
-    return {"embed": w(VOCAB, EMBED) * 4, "layers": [layer() for _ in range(LAYERS)],
-            "head": w(EMBED, VOCAB), "switches": switches}  # fmt: skip
-
-
-def _norm(x):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-
-
-def _rope(x, positions):  # x [B, T, heads, D], rotated by each column's position
-    half = HEAD_DIM // 2
-    inv = 1.0 / 10000.0 ** (np.arange(half) / half)
-    angle = positions[..., None, None].astype(jnp.float32) * inv  # [B, T, 1, D/2]
-    a, b = x[..., :half], x[..., half:]
-    return jnp.concatenate(
-        [a * jnp.cos(angle) - b * jnp.sin(angle), a * jnp.sin(angle) + b * jnp.cos(angle)], -1
-    )
-
-
-def _apply(bug: str | None):
-    """The model's `apply_fn`, following the contract (`bug=None`; its params' switches
-    may still break it) or with one of the bugs the contract refuses."""
-
-    def apply_fn(params, tokens, positions, kv):
-        given, switches = kv, params["switches"]
-        b, t = tokens.shape
-        columns = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        positions = jnp.where(switches["column_positions"], columns, positions)
-        x = params["embed"][tokens]
-        for i, p in enumerate(params["layers"]):
-            h = _norm(x)
-            q = (h @ p["q"]).reshape(b, t, HEADS, HEAD_DIM)
-            k = (h @ p["k"]).reshape(b, t, KV_HEADS, HEAD_DIM)
-            v = (h @ p["v"]).reshape(b, t, KV_HEADS, HEAD_DIM)
-            if kv is None:
-                q = q * switches["train_q_scale"]
-            if bug == "heads":  # one key/value head where the KVSpec says two
-                k, v = k[:, :, :1], v[:, :, :1]
-            q, k = _rope(q, positions), _rope(k, positions)
-            if bug == "dtype":
-                k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-            if bug == "never" and i == LAYERS - 1:  # the last layer skips ll.attention
-                out = jnp.repeat(v, HEADS // KV_HEADS, axis=2)
-            else:
-                out, kv = ll.attention(q, k, v, kv, layer=0 if bug == "twice" else i)
-            x = x + out.reshape(b, t, -1).astype(x.dtype) @ p["o"]
-            x = x + jax.nn.gelu(_norm(x) @ p["up"]) @ p["down"]
-        logits = _norm(x) @ params["head"]
-        if kv is not None and "k_pages" in kv.caches[0]:
-            logits = logits + switches["paged_offset"]
-        if bug == "shape":
-            logits = logits[..., :-1]
-        return logits, (given if bug == "input kv" else kv)
-
-    return apply_fn
-
-
-APPLY = _apply(None)
+MAX_LENGTH = 16
 
 
 def _model(bug: str | None = None, **switches) -> ll.FunctionModel:
-    apply_fn = APPLY if bug is None else _apply(bug)
-    return ll.FunctionModel(
-        apply_fn, _params(**switches), kv_spec=SPEC, vocab_size=VOCAB, max_length=MAX_LENGTH
-    )
+    params = user_model.init_params(**switches)
+    return user_model.model(params, max_length=MAX_LENGTH, bug=bug)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +79,7 @@ def test_paged_differing_from_contiguous_is_reported(correct_report):
 
 # The contract's own errors: (bug, words the message holds).
 REFUSALS = [
-    ("shape", ["apply_fn returned logits of shape", "(2, 9, 31)", "vocab_size"]),
+    ("shape", ["apply_fn returned logits of shape", "(2, 9, 95)", "vocab_size"]),
     ("input kv", ["apply_fn returned a kv in which no layer was written", "ll.attention gave"]),
     ("twice", ["ll.attention(layer=0)", "already written"]),
     ("never", ["layer(s) [1]", "never written"]),
@@ -182,14 +100,15 @@ def test_contract_errors_are_reported_and_generate_raises(bug, words):
     with pytest.raises((ValueError, TypeError)) as e:
         ll.generate(model, [[1, 2, 3]], max_new_tokens=2, temperature=0.0)
     for word in words:
-        if word != "(2, 9, 31)":  # generate's call has its own shape
+        if word != "(2, 9, 95)":  # generate's call has its own shape
             assert word in str(e.value), (word, str(e.value))
 
 
 def test_a_model_with_a_cache_of_its_own_is_refused():
     model = ll.FunctionModel(
-        APPLY, _params(), init_cache=lambda b, s: None, vocab_size=VOCAB, max_length=MAX_LENGTH
-    )
+        user_model.apply_fn, user_model.init_params(), init_cache=lambda b, s: None,
+        vocab_size=user_model.V, max_length=MAX_LENGTH,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="ll.check_model needs a model whose attention"):
         ll.check_model(model)
     with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):

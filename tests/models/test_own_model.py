@@ -1,18 +1,17 @@
-"""A user's own model through the attention contract (issue 65, `logitloop.models.kv`):
-a decoder written here as plain JAX functions (not `logitloop.models`), random weights,
-run through every entry point. Its attention goes through `ll.attention`, so the library's
-cache serves it: contiguous and paged decoding give the same tokens, `n = 4` rows on
-shared prefix pages are four separate rows, `generate_many` (prefix cache on and off) is
-`generate`, speculation is plain decoding, `deterministic=True` keeps a row's bits
-whatever its batch, and its scores are its own full forward's (`kv=None`). A family goes
-through the same contract: the shipped model as a `FunctionModel` is the shipped model,
-bit for bit. The tiny sizes keep each program's compile short: this file runs in the
-default suite."""
+"""A user's own model through the attention contract (issue 65, `logitloop.models.kv`): the
+tests' decoder written as plain JAX functions (`tests/models/user_model.py`, not
+`logitloop.models`), random weights, run through every entry point. Its attention goes
+through `ll.attention`, so the library's cache serves it: contiguous and paged decoding
+give the same tokens, `n = 4` rows on shared prefix pages are four separate rows,
+`generate_many` (prefix cache on and off) is `generate`, speculation is plain decoding,
+`deterministic=True` keeps a row's bits whatever its batch, and its scores are its own full
+forward's (`kv=None`). A family goes through the same contract: a Llama as a
+`FunctionModel` is the family itself, bit for bit. The tiny sizes keep each program's
+compile short: this file runs in the default suite."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,57 +19,13 @@ from flax import nnx
 import logitloop as ll
 from logitloop.decoding.loop.runner import model_info
 from tests.decoding.random_llama import small_llama
-
-V, E, H, HKV, D, F, L = 96, 32, 4, 2, 8, 64, 2
-SPEC = ll.KVSpec(num_layers=L, num_kv_heads=HKV, head_dim=D, dtype=jnp.float32)
-
-
-def init_params(seed: int = 0) -> dict:
-    """Random weights, scaled so that greedy decoding does not just repeat a token."""
-    keys = iter(jax.random.split(jax.random.key(seed), 4 + 8 * L))
-
-    def w(*shape, scale=1.0):
-        return scale * jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
-
-    blocks = [
-        dict(norm1=1 + 0.1 * w(E), wq=w(E, H * D), wk=w(E, HKV * D), wv=w(E, HKV * D),
-             wo=w(H * D, E), norm2=1 + 0.1 * w(E), w_up=w(E, F), w_down=w(F, E))
-        for _ in range(L)
-    ]  # fmt: skip
-    return dict(embed=w(V, E, scale=4.0), blocks=blocks, norm=1 + 0.1 * w(E), head=w(E, V, scale=3))
-
-
-def rms_norm(x, scale, kv):
-    return x * jax.lax.rsqrt(ll.mean(x * x, kv) + 1e-6) * scale
-
-
-def rope(x, positions):  # x [B, T, heads, D], rotate-half at each token's own position
-    freq = 1.0 / (10000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D))
-    angles = positions.astype(jnp.float32)[..., None] * freq  # [B, T, D/2]
-    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
-    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def apply_fn(params, tokens, positions, kv):
-    """`(logits [B, T, V], kv)`: the model's own code, its attention `ll.attention`."""
-    b, t = tokens.shape
-    x = params["embed"][tokens]
-    for i, p in enumerate(params["blocks"]):
-        h = rms_norm(x, p["norm1"], kv)
-        q = rope(ll.dense(h, p["wq"], kv).reshape(b, t, H, D), positions)
-        k = rope(ll.dense(h, p["wk"], kv).reshape(b, t, HKV, D), positions)
-        v = ll.dense(h, p["wv"], kv).reshape(b, t, HKV, D)
-        out, kv = ll.attention(q, k, v, kv, layer=i)
-        x = x + ll.dense(out.reshape(b, t, H * D), p["wo"], kv)
-        h = rms_norm(x, p["norm2"], kv)
-        x = x + ll.dense(jax.nn.silu(ll.dense(h, p["w_up"], kv)), p["w_down"], kv)
-    return ll.dense(rms_norm(x, params["norm"], kv), params["head"], kv), kv
+from tests.models import user_model
+from tests.models.user_model import SPEC, V, apply_fn, init_params
 
 
 @pytest.fixture(scope="module")
 def model():
-    return ll.FunctionModel(apply_fn, init_params(), kv_spec=SPEC, vocab_size=V, max_length=128)
+    return user_model.model()
 
 
 def prompts(lengths, seed=0):
@@ -200,7 +155,7 @@ def test_nnx_module_weights_update_without_compiling(model, compile_counter):
     with compile_counter as c:
         second = ll.generate(wrapped, ps, temperature=0.0, max_tokens=6)
     assert c.count == 0
-    ref = ll.FunctionModel(apply_fn, init_params(1), kv_spec=SPEC, vocab_size=V, max_length=128)
+    ref = user_model.model(init_params(1))
     assert second.token_ids == ll.generate(ref, ps, temperature=0.0, max_tokens=6).token_ids
     assert second.token_ids != first.token_ids
 
