@@ -1,11 +1,12 @@
 """A user's own model through the attention contract (issue 65, `logitloop.models.kv`): the
 tests' decoder written as plain JAX functions (`tests/models/user_model.py`, not
 `logitloop.models`), random weights, run through every entry point. Its attention goes
-through `ll.attention`, so the library's cache serves it: contiguous and paged decoding
-give the same tokens, `n = 4` rows on shared prefix pages are four separate rows,
-`generate_many` (prefix cache on and off) is `generate`, speculation is plain decoding,
-`deterministic=True` keeps a row's bits whatever its batch, and its scores are its own full
-forward's (`kv=None`). A family goes through the same contract: a Llama as a
+through `ll.attention`, so the library's cache serves it: a paged pool with the prefix
+cache gives contiguous decoding's tokens, `n = 4` rows on shared prefix pages are four
+separate rows bit for bit under `deterministic=True`, speculation is plain decoding (`-m
+slow`), and its scores are its own full forward's (`kv=None`; `ll.check_model` compares
+that forward with the contiguous and paged caches logit by logit,
+`tests/models/test_check_model.py`). A family goes through the same contract: a Llama as a
 `FunctionModel` is the family itself, bit for bit. The tiny sizes keep each program's
 compile short: this file runs in the default suite."""
 
@@ -17,7 +18,6 @@ import pytest
 from flax import nnx
 
 import logitloop as ll
-from logitloop.decoding.loop.runner import model_info
 from tests.decoding.random_llama import small_llama
 from tests.models import user_model
 from tests.models.user_model import SPEC, V, apply_fn, init_params
@@ -33,33 +33,13 @@ def prompts(lengths, seed=0):
     return [rng.integers(1, V, n).tolist() for n in lengths]
 
 
-def test_full_forward_equals_cached_decoding(model):
-    """kv=None (plain causal attention over the columns) against a left-padded prefill and
-    decode steps through the library's cache: the same logits at every real column."""
-    tokens = np.asarray(prompts([12], seed=1)[0], np.int32)[None]
-    positions = np.arange(12, dtype=np.int32)[None]
-    full, none = jax.jit(apply_fn)(model.params, tokens, positions, None)
-    assert none is None and full.shape == (1, 12, V)
-    runner = model_info(model).runner
-    pad = 3  # left padding: positions -1, then the first 8 tokens, then 4 decode steps
-    cache = runner.init_cache(model.params, 1, 16)
-    toks = np.concatenate([np.zeros((1, pad), np.int32), tokens[:, :8]], axis=1)
-    pos = np.concatenate([np.full((1, pad), -1, np.int32), positions[:, :8]], axis=1)
-    logits, cache = runner.forward_columns(model.params, toks, pos, cache)
-    got = [logits[:, pad:]]
-    for t in range(8, 12):
-        logits, cache = runner.forward_columns(
-            model.params, tokens[:, t : t + 1], positions[:, t : t + 1], cache
-        )
-        got.append(logits)
-    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=2e-5, rtol=1e-5)
-
-
-def test_paged_and_contiguous_decoding_agree(model):
-    """generate (contiguous) = generate_many on contiguous slots = generate_many on a paged
-    pool with the prefix cache on and off, greedy and sampled."""
-    ps = prompts([5, 11, 3, 11])
-    ps[3][:8] = ps[1][:8]  # a common prefix: the prefix cache shares its page
+def test_paged_pool_with_prefix_cache_equals_contiguous_generate(model):
+    """generate_many on a paged pool of pages of 8, the prefix cache sharing a common
+    16-token prefix between requests, against generate on the contiguous cache: the same
+    tokens, greedy and sampled. (The full forward against the contiguous and the paged
+    cache, logit by logit: `ll.check_model` of this model, tests/models/test_check_model.py.)"""
+    ps = prompts([5, 19, 3, 21])
+    ps[3][:16] = ps[1][:16]  # two full pages in common: the prefix cache shares them
     for knobs in (
         dict(temperature=0.0, max_tokens=8),
         dict(temperature=0.9, top_p=0.95, max_tokens=8, seed=[3, 4, 5, 6]),
@@ -69,15 +49,13 @@ def test_paged_and_contiguous_decoding_agree(model):
             ll.Request(p, {k: (v[i] if isinstance(v, list) else v) for k, v in knobs.items()})
             for i, p in enumerate(ps)
         ]
-        bounds = dict(slots=2, chunk_steps=4, max_prompt_len=16, max_tokens_bound=8)
-        jobs = {
-            "contiguous": dict(prefix_cache=False),
-            "paged": dict(kv_cache_tokens=96, page_size=8, prefix_cache=False),
-            "paged, prefix cache": dict(kv_cache_tokens=96, page_size=8),
-        }
-        for name, job in jobs.items():
-            got = ll.generate_many(model, requests, **bounds, **job)
-            assert [r.token_ids[0] for r in got] == want.token_ids, name
+        stats = {}
+        got = ll.generate_many(
+            model, requests, slots=2, chunk_steps=4, max_prompt_len=32, max_tokens_bound=8,
+            kv_cache_tokens=128, page_size=8, stats=stats,
+        )  # fmt: skip
+        assert [r.token_ids[0] for r in got] == want.token_ids
+        assert stats["cached_tokens"] >= 16
 
 
 def test_n_rows_share_pages_and_equal_separate_rows(model):
