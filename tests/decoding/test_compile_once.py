@@ -122,18 +122,27 @@ def test_a_padded_batch_gives_each_row_its_own_tokens():
         assert alone.top_logprobs[0] == batch.top_logprobs[r]
 
 
-def test_compile_stats_name_what_was_new():
+def test_compile_stats_name_what_was_new_and_a_prepared_model_warns():
+    """`ll.compile_stats` names each program's new dimension against the closest earlier
+    one; after `ll.precompile`, a call outside its buckets warns with that dimension (one
+    model for both: each new program is a few seconds of the default suite)."""
     model = _model(3)
     ll.compile_stats(reset=True)
-    ll.generate(model, [[5, 6]], max_tokens=4)
-    ll.generate(model, [[5, 6]] * 5, max_tokens=4)
-    ll.generate(model, [[5, 6]] * 5, max_tokens=100)
+    ll.precompile(model, rows=1, prompt_len=8, max_tokens=4)
+    ll.generate(model, [[5, 6]], max_tokens=4)  # inside the buckets: nothing new
+    with pytest.warns(UserWarning, match=r"rows 1 -> 8.*outside the buckets ll.precompile"):
+        ll.generate(model, [[5, 6]] * 5, max_tokens=4)
+    with pytest.warns(UserWarning, match=r"64\] -> .*outside the buckets ll.precompile"):
+        ll.generate(model, [[5, 6]] * 5, max_tokens=100)
     stats = ll.compile_stats()
     reasons = [(e.program, e.reason) for e in stats.events]
     assert stats.programs == len(reasons) == 6, reasons
     assert ("prefill", "rows 1 -> 8") in reasons and ("decode", "rows 1 -> 8") in reasons
     assert any(p == "prefill" and "buffer_len 64 -> 128" in r for p, r in reasons), reasons
     assert "6 programs compiled" in stats.summary()
+    with warnings.catch_warnings():  # another model's programs are its own business
+        warnings.simplefilter("error")
+        ll.generate(_model(7), [[4], [5], [6]], max_tokens=4)
 
 
 @pytest.mark.parametrize("bad", [dict(rows=0), dict(prompt_len=[]), dict(max_tokens=-1)])
@@ -162,16 +171,6 @@ def test_a_precompiled_generate_many_job_compiles_nothing(compile_counter):
         )
     assert c.count == 0, ll.compile_stats().summary()
     assert [len(r.token_ids[0]) <= 12 for r in results] == [True] * 7
-
-
-def test_a_call_past_the_prepared_buckets_warns_naming_the_dimension():
-    model = _model(6)
-    ll.precompile(model, rows=2, prompt_len=8, max_tokens=8)
-    with pytest.warns(UserWarning, match=r"rows 2 -> 4.*outside the buckets ll.precompile"):
-        ll.generate(model, [[4], [5], [6]], max_tokens=4)
-    with warnings.catch_warnings():  # another model's programs are its own business
-        warnings.simplefilter("error")
-        ll.generate(_model(7), [[4], [5], [6]], max_tokens=4)
 
 
 def test_importing_logitloop_sets_no_jax_option():
