@@ -132,7 +132,7 @@ def test_compile_stats_name_what_was_new_and_a_prepared_model_warns():
     ll.generate(model, [[5, 6]], max_tokens=4)  # inside the buckets: nothing new
     with pytest.warns(UserWarning, match=r"rows 1 -> 8.*outside the buckets ll.precompile"):
         ll.generate(model, [[5, 6]] * 5, max_tokens=4)
-    with pytest.warns(UserWarning, match=r"64\] -> .*outside the buckets ll.precompile"):
+    with pytest.warns(UserWarning, match=r"outside the buckets ll.precompile"):  # 2 programs
         ll.generate(model, [[5, 6]] * 5, max_tokens=100)
     stats = ll.compile_stats()
     reasons = [(e.program, e.reason) for e in stats.events]
