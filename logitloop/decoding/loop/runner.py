@@ -161,16 +161,6 @@ def from_nnx(
     )  # fmt: skip
 
 
-class _LinenApply:
-    """`module.apply(variables, tokens, positions, kv)`, hashed by the module's identity."""
-
-    def __init__(self, module: Any, method: Any):
-        self.module, self.method = module, method
-
-    def __call__(self, variables, tokens, positions, kv):
-        return self.module.apply(variables, tokens, positions, kv, method=self.method)
-
-
 def from_linen(
     module: Any,
     variables: Any,
@@ -186,8 +176,9 @@ def from_linen(
     `module.apply(variables, tokens, positions, kv)` (or `method=`), whose attention calls
     `ll.attention`. Keep the returned model: it is the programs' key."""
     return FunctionModel(
-        _LinenApply(module, method), variables, vocab_size=vocab_size, max_length=max_length,
-        eos_token_ids=_eos_tuple(eos_token_ids), tokenizer=tokenizer, kv_spec=kv_spec,
+        functools.partial(module.apply, method=method), variables, vocab_size=vocab_size,
+        max_length=max_length, eos_token_ids=_eos_tuple(eos_token_ids), tokenizer=tokenizer,
+        kv_spec=kv_spec,
     )  # fmt: skip
 
 
