@@ -196,7 +196,9 @@ def test_stream_beam_search_token_logprobs_and_precompile_take_it(model, compile
     scored = ll.score(model, ps, greedy.token_ids)
     for row, p, s in zip(np.asarray(got.raw_logprobs), ps, scored, strict=True):
         np.testing.assert_allclose(row[len(p) : len(p) + 5], s.raw_logprobs, atol=2e-5)
-    ll.precompile(model, rows=2, prompt_len=12, max_tokens=7, temperature=0.5)
+    # Rows 3 (bucket 4): programs no earlier call of the module compiled.
+    report = ll.precompile(model, rows=3, prompt_len=12, max_tokens=7, temperature=0.5)
+    assert report.programs > 0
     with compile_counter as c:
-        ll.generate(model, prompts([3, 12], seed=9), temperature=0.5, max_tokens=7, seed=1)
+        ll.generate(model, prompts([3, 12, 7], seed=9), temperature=0.5, max_tokens=7, seed=1)
     assert c.count == 0
