@@ -118,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
             sink.close()
 
 
+# The fewest continuous-batching slots a generate job runs (unless --batch-size is lower).
+MIN_CLI_SLOTS = 8
+
+
 def _run_job(
     args, items, todo, skipped, base_params, defaults, sink, note, started, seed=None
 ) -> int:
@@ -156,9 +160,11 @@ def _run_job(
                 speculative=speculative,
             )  # fmt: skip
         else:
-            # Slots at the row bucket of the prompts (1, 2, 4, 8, ...: `row_bucket`), so a
-            # run with 3 prompts and one with 4 share their programs (and the disk cache).
-            slots = min(args.batch_size, row_bucket(len(items)))
+            # Slots at the row bucket of the prompts (`row_bucket`), at least
+            # `MIN_CLI_SLOTS`: a run of 1 to 8 prompts runs the programs (and disk-cache
+            # entries) of any other such run; a decode step of 8 rows costs about one
+            # of 1 where the weights' bytes bound it (docs/performance.md).
+            slots = min(args.batch_size, row_bucket(max(len(items), MIN_CLI_SLOTS)))
             shapes = dict(job_bounds(items, info, defaults), slots=slots)
             shapes["speculative"] = speculative
             kv_cache_tokens = _kv_cache_tokens(args, info, shapes)
