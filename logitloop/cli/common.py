@@ -25,6 +25,23 @@ def resolve_models(args) -> None:
     reads them: a Hugging Face Hub repo id is found in the Hugging Face cache or downloaded
     into it (`logitloop.models.hub`), once. A Hub model is also kept as `args.hub_model`,
     (repo id, commit), for the Ray actors, which find it in their own caches."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    quiet = getattr(args, "quiet", False) and not are_progress_bars_disabled()
+    if quiet:  # the hub's download bars, as quiet as the CLI's own
+        disable_progress_bars()
+    try:
+        _resolve_models(args)
+    finally:
+        if quiet:
+            enable_progress_bars()
+
+
+def _resolve_models(args) -> None:
     from logitloop.models.hub import model_folder
 
     args.hub_model = None

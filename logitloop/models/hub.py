@@ -162,15 +162,15 @@ class _Snapshot:
             return call()
         except GatedRepoError:
             raise PermissionError(
-                f"{self.where}: the repo is gated and {self._token_text()} gives no access: "
-                f"accept its terms on its Hub page, then log in (`hf auth login`), set "
+                f"{self.where}: the repo is gated, and {self._access()} it cannot be read: "
+                "accept its terms on its Hub page, then log in (`hf auth login`), set "
                 "HF_TOKEN or pass token="
             ) from None
         except RepositoryNotFoundError:
             raise FileNotFoundError(
                 f"{self.where} is not a local folder, and the Hugging Face Hub has no such "
-                f"repo, or it is private and {self._token_text()} gives no access (log in "
-                "with `hf auth login`, set HF_TOKEN or pass token=)"
+                f"repo (or it is private, and {self._access()} it cannot be read: log in with "
+                "`hf auth login`, set HF_TOKEN or pass token=)"
             ) from None
         except RevisionNotFoundError:
             raise FileNotFoundError(
@@ -178,12 +178,14 @@ class _Snapshot:
                 "commit hash)"
             ) from None
 
-    def _token_text(self) -> str:
+    def _access(self) -> str:
         if isinstance(self.token, str):
-            return "the token given"
+            return "with the token given"
         from huggingface_hub import get_token
 
-        return "no token" if self.token is False or get_token() is None else "the saved token"
+        if self.token is False or get_token() is None:
+            return "without a token"
+        return "with the saved token"
 
     # ------------------------------------------------------------------ offline
 

@@ -21,7 +21,8 @@ def hub(monkeypatch, tmp_path):
 
 
 def _job_args(monkeypatch, *argv: str):
-    """`generate`'s arguments as its job gets them, with the model the job loads."""
+    """`generate`'s arguments as its job gets them, with the model the job loads (the
+    generation itself is the folder's: tests/models/test_hub.py)."""
     got = {}
 
     def load_and_stop(args, *rest):
@@ -30,14 +31,17 @@ def _job_args(monkeypatch, *argv: str):
         return 0
 
     monkeypatch.setattr(run_generate, "_run_job", load_and_stop)
-    assert main(["generate", "a prompt", "-q", *argv]) == 0
+    assert main(["generate", "a prompt", *argv]) == 0
     return got["args"], got["model"]
 
 
-def test_model_and_draft_by_name(hub, monkeypatch):
+@pytest.mark.parametrize("quiet", [False, True])
+def test_model_and_draft_by_name(hub, monkeypatch, capsys, quiet):
+    """Downloaded with the hub's progress bar on stderr, but for -q."""
     snapshot = hub.cache / "models--org--tiny" / "snapshots" / hub.tiny
     flags = ["--model", TINY, "--revision", hub.tiny, "--draft-model", TINY]
-    args, model = _job_args(monkeypatch, *flags)
+    args, model = _job_args(monkeypatch, *flags, *(["-q"] if quiet else []))
+    assert ("Fetching 4 files" in capsys.readouterr().err) is not quiet
     assert args.model == args.draft_model == str(snapshot)
     assert model.checkpoint_dir == snapshot
     assert (snapshot / "model.safetensors").read_bytes() == (

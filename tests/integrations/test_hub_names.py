@@ -33,7 +33,10 @@ def test_lm_eval_pretrained_by_name_and_revision(hub):
 
 
 def test_a_ray_actor_loads_a_name(hub):
-    actor = Generator(TINY, revision="main", compile_cache=False)
+    from logitloop.models.loading import SHIPPED_MODEL_DIR
+
+    hub.add_folder(TINY, SHIPPED_MODEL_DIR, skip=("generation_config.json",))  # main moves
+    actor = Generator(TINY, revision=hub.tiny, compile_cache=False)  # the first commit
     assert actor.model.checkpoint_dir == hub.cache / "models--org--tiny" / "snapshots" / hub.tiny
     with pytest.raises(ValueError, match="cannot load the model: model 'org/missing'"):
         Generator("org/missing", compile_cache=False)
