@@ -121,7 +121,7 @@ class _Snapshot:
             info = self._api_call(self._model_info)
         except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as e:
             return self._cached(f"the Hub could not be reached ({type(e).__name__}: {e})")
-        self._check_files({s.rfilename for s in info.siblings or ()}, "the repo")
+        self._check_files({s.rfilename for s in info.siblings or ()})
         folder = self._download(METADATA_FILES, self.revision)
         self._check_config(folder)
         # The weights at the commit the metadata came from, so that both are of one commit.
@@ -192,7 +192,7 @@ class _Snapshot:
     def _cached(self, why: str) -> Path:
         """The snapshot already in the cache, checked as a download is; no request."""
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
         try:
             folder = Path(
@@ -204,10 +204,13 @@ class _Snapshot:
                     local_files_only=True,
                 )
             )
-        except LocalEntryNotFoundError:  # IncompleteSnapshotError included
+        except IncompleteSnapshotError:  # some of the files the loader reads are missing
+            raise FileNotFoundError(self._not_cached(why, "some of its files")) from None
+        except LocalEntryNotFoundError:
             raise FileNotFoundError(self._not_cached(why)) from None
         present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-        self._check_files(present, f"the cached snapshot {folder}")
+        if "config.json" not in present:
+            raise FileNotFoundError(self._not_cached(why, "its config.json"))
         self._check_config(folder)
         missing = [f for f in self._weight_files(folder) if f not in present]
         if missing:
@@ -217,22 +220,23 @@ class _Snapshot:
     def _not_cached(self, why: str, what: str = "it") -> str:
         at = "" if self.revision == "main" else f" --revision {self.revision}"
         return (
-            f"{self.where} is not a local folder, and {what} is not in the Hugging Face cache "
-            f"{self.cache_dir}; {why}. Download it once with the network (without "
+            f"{self.where} is not a local folder, and the Hugging Face cache {self.cache_dir} "
+            f"lacks {what}; {why}. Download it once with the network (without "
             f"HF_HUB_OFFLINE), e.g. `hf download {self.repo}{at}`"
         )
 
     # ------------------------------------------------------------------ checks
 
-    def _check_files(self, names: set[str], where: str) -> None:
+    def _check_files(self, names: set[str]) -> None:
+        """The repo's files hold a config and safetensors weights."""
         if "config.json" not in names:
-            raise ValueError(f"{self.where}: {where} has no config.json")
+            raise ValueError(f"{self.where}: the repo has no config.json")
         if SINGLE_WEIGHTS in names or WEIGHTS_INDEX in names:
             return
         others = sorted(n for n in names if n.endswith(_OTHER_WEIGHTS))
         found = f"only {', '.join(others)}" if others else "no weights"
         raise ValueError(
-            f"{self.where}: {where} has no safetensors weights ({SINGLE_WEIGHTS} or "
+            f"{self.where}: the repo has no safetensors weights ({SINGLE_WEIGHTS} or "
             f"{WEIGHTS_INDEX}), {found}; logitloop reads safetensors only (pickled weights "
             "can run code)"
         )

@@ -2,7 +2,8 @@
 
 A folder holds `config.json`, the weights (`model.safetensors`, or
 `model.safetensors.index.json` and the shards it names), and optionally
-`generation_config.json` and `tokenizer.json`.
+`generation_config.json` and `tokenizer.json`. A model named by its Hugging Face Hub repo id
+is that repo's snapshot folder in the Hugging Face cache (`hub.py` finds or downloads it).
 
 The model is first built abstractly (`nnx.eval_shape`: shapes only, no memory); each
 checkpoint tensor is then read on its own, checked, converted and placed, so the weights

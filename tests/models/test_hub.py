@@ -132,7 +132,7 @@ def test_network_down_loads_from_the_cache(hub, monkeypatch):
     message = str(e.value)
     assert "model 'org/other' (revision 'main')" in message
     assert "the Hub could not be reached" in message
-    assert f"not in the Hugging Face cache {hub.cache}" in message
+    assert f"the Hugging Face cache {hub.cache} lacks it" in message
 
 
 def test_offline_and_not_cached_says_how_to_download(hub, monkeypatch):
@@ -142,11 +142,23 @@ def test_offline_and_not_cached_says_how_to_download(hub, monkeypatch):
     with pytest.raises(FileNotFoundError) as e:
         ll.load_pretrained(TINY, revision="v2")
     assert str(e.value) == (
-        f"model 'org/tiny' (revision 'v2') is not a local folder, and it is not in the "
-        f"Hugging Face cache {hub.cache}; HF_HUB_OFFLINE is set. Download it once with the "
+        f"model 'org/tiny' (revision 'v2') is not a local folder, and the Hugging Face "
+        f"cache {hub.cache} lacks it; HF_HUB_OFFLINE is set. Download it once with the "
         "network (without HF_HUB_OFFLINE), e.g. `hf download org/tiny --revision v2`"
     )
     assert hub.requests[before:] == []
+
+
+@pytest.mark.parametrize(
+    "removed, lacks",
+    [("model.safetensors", "its weights (model.safetensors)"), ("tokenizer.json", "some of")],
+)
+def test_offline_with_files_missing_from_the_cache(hub, monkeypatch, removed, lacks):
+    (model_folder(TINY) / removed).unlink()
+    offline(monkeypatch)
+    with pytest.raises(FileNotFoundError) as e:
+        model_folder(TINY)
+    assert f"the Hugging Face cache {hub.cache} lacks {lacks}" in str(e.value)
 
 
 def test_gated_repo_needs_a_token(hub, tmp_path, monkeypatch):
