@@ -367,13 +367,35 @@ def test_the_first_deterministic_generate_compiles_a_handful_of_programs(
 def test_probe_results_are_kept_on_disk_per_machine(
     no_probes_yet, monkeypatch, tmp_path, compile_counter
 ):
-    """`fixed_order.measure` records what it measured in the compile-cache folder, and a
-    process that finds a shape there compiles nothing for it; an entry recorded under
-    another machine key (another CPU, jax release, flag set) is not used; a corrupt file is
-    ignored with a warning and replaced; a folder other users can write to is not used."""
+    """`fixed_order.measure` records what it measured in the folder of the compile cache
+    in use, and a process that finds a shape there compiles nothing for it;
+    an entry recorded under another machine key (another CPU, jax release, flag set) is not
+    used; a corrupt file is ignored with a warning and replaced; a folder other users can
+    write to is not used. (Damaged files in fresh processes: tests/decoding/
+    test_compile_cache.py.)"""
     from logitloop.models import probe_record
 
     monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(tmp_path))
+    cache = ll.enable_compile_cache()
+    try:
+        _probe_record_in(tmp_path, monkeypatch, compile_counter)
+    finally:
+        cache.disable()
+    shared = tmp_path / "shared"  # a folder other users can write to: neither read nor written
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(shared))  # JAX's own, set so
+    try:
+        with pytest.warns(UserWarning, match="other users can write"):
+            assert probe_record.folder() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def _probe_record_in(tmp_path, monkeypatch, compile_counter):
+    from logitloop.models import probe_record
+
     entry = ("float32", False, 32, 48)
     with compile_counter as c, warnings.catch_warnings():
         warnings.simplefilter("error")  # the probe's program holds the dots it asks for
@@ -404,12 +426,28 @@ def test_probe_results_are_kept_on_disk_per_machine(
     assert c.count == 1
     assert json.loads(path.read_text())["format"] == probe_record.FORMAT
 
-    shared = tmp_path / "shared"  # a folder other users can write to: neither read nor written
-    shared.mkdir(mode=0o777)
-    shared.chmod(0o777)
-    monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(shared))
-    with pytest.warns(UserWarning, match="other users can write"):
-        assert probe_record.folder() is None
+
+def test_no_probe_record_is_read_or_kept_without_a_compile_cache(
+    no_probes_yet, monkeypatch, tmp_path
+):
+    """The record follows the compile cache: with none on, a probes.json in the default
+    folder is not read (a file that is not UTF-8 once crashed every deterministic run, the
+    cache on or off) and none is written."""
+    from logitloop.models import probe_record
+
+    monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(tmp_path))  # the default folder
+    path = tmp_path / probe_record.FILE_NAME
+    path.write_bytes(b'{"format": "\xff"}')
+    before = jax.config.jax_compilation_cache_dir  # the tests' own cache (conftest.py)
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fixed_order.measure([("float32", False, 16, 24)])
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert path.read_bytes() == b'{"format": "\xff"}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == [probe_record.FILE_NAME]
 
 
 def test_contraction_chunks_fit_every_model_axis():
