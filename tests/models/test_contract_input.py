@@ -64,3 +64,27 @@ def test_an_lm_head_table_is_vocabulary_by_embedding():
     with pytest.raises(ValueError, match=r"table must be \[V, E\] .* E = 4\), got shape \(4, 10\)"):
         ll.lm_head(x, jnp.ones((4, 10), jnp.float32))
     assert ll.lm_head(x, jnp.ones((10, 4), jnp.float32)).shape == (2, 10)
+
+
+def test_from_linen_errors_name_the_module_not_an_apply_fn():
+    """The user wrote a Linen module, not an `apply_fn` nor a `FunctionModel`: errors name
+    what they wrote (traced only: nothing compiles)."""
+    linen = pytest.importorskip("flax.linen")
+    from tests.models import user_model
+
+    class Decoder(linen.Module):
+        @linen.compact
+        def __call__(self, tokens, positions, kv):
+            params = self.param("w", lambda _: user_model.init_params(0))
+            return user_model.apply("shape")(params, tokens, positions, kv)  # a logit short
+
+    variables = {"params": {"w": user_model.init_params(0)}}
+    model = ll.from_linen(Decoder(), variables, user_model.SPEC, vocab_size=96, max_length=16)
+    (finding,) = ll.check_model(model).findings
+    assert finding.cause.startswith("the Linen module Decoder.__call__ returned logits of shape")
+    with pytest.raises(ValueError, match=r"^from_linen: vocab_size must be a positive int"):
+        ll.from_linen(Decoder(), variables, user_model.SPEC, vocab_size=0, max_length=16)
+    with pytest.raises(TypeError, match=r"^from_linen: kv_spec must be an ll.KVSpec, got NoneType"):
+        ll.from_linen(Decoder(), variables, None, vocab_size=96, max_length=16)
+    with pytest.raises(TypeError, match=r"^from_linen takes a flax.linen Module, got dict"):
+        ll.from_linen({}, variables, user_model.SPEC, vocab_size=96, max_length=16)
