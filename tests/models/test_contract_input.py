@@ -88,3 +88,20 @@ def test_from_linen_errors_name_the_module_not_an_apply_fn():
         ll.from_linen(Decoder(), variables, None, vocab_size=96, max_length=16)
     with pytest.raises(TypeError, match=r"^from_linen takes a flax.linen Module, got dict"):
         ll.from_linen({}, variables, user_model.SPEC, vocab_size=96, max_length=16)
+
+
+def test_eos_token_ids_take_numpy_ints_and_refuse_other_things():
+    from tests.models import user_model
+
+    def model(eos):
+        return ll.FunctionModel(
+            user_model.apply_fn, user_model.init_params(), kv_spec=user_model.SPEC,
+            vocab_size=user_model.V, max_length=16, eos_token_ids=eos,
+        )  # fmt: skip
+
+    from logitloop.decoding.loop.runner import model_info
+
+    assert model_info(model(np.int64(2))).eos_token_ids == (2,)  # was "not iterable"
+    assert model_info(model([np.int32(1), 3])).eos_token_ids == (1, 3)
+    with pytest.raises(ValueError, match=r"eos_token_ids must be a token id or a list"):
+        model_info(model("2"))

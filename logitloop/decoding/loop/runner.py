@@ -446,11 +446,17 @@ class ModelInfo:
 
 
 def _eos_tuple(eos: Any) -> tuple[int, ...]:
+    """`eos_token_ids` (None, an id or ids; NumPy's too) as a tuple of ints."""
     if eos is None:
         return ()
-    if isinstance(eos, int):
-        return (eos,)
-    return tuple(int(e) for e in eos)
+    ids = (eos,) if isinstance(eos, (int, np.integer)) else eos
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        ids = None
+    if ids is None or any(isinstance(e, bool) or not isinstance(e, (int, np.integer)) for e in ids):
+        raise ValueError(f"eos_token_ids must be a token id or a list of them, got {eos!r}")
+    return tuple(int(e) for e in ids)
 
 
 def check_weight_dtypes(weights: Any, dtype: Any) -> None:
