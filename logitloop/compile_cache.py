@@ -209,6 +209,9 @@ class _WholeEntries:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(value)
+            if entry.is_dir() and not entry.is_symlink():  # an empty folder in its place
+                with contextlib.suppress(OSError):
+                    entry.rmdir()
             os.replace(partial, entry)
         except BaseException:
             with contextlib.suppress(OSError):
