@@ -6,6 +6,7 @@ tests/decoding/test_compile_cache.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 
@@ -16,6 +17,21 @@ import logitloop as ll
 from logitloop.models import fixed_order
 
 from .random_llama import small_llama
+
+
+@contextlib.contextmanager
+def _jax_cache(folder: str | None):
+    """JAX's persistent cache in `folder` (None: none) while active, whatever an earlier
+    test left (an in-process `cli.main` turns it off), restored afterwards."""
+    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
+    before = [getattr(jax.config, name) for name in names]
+    jax.config.update(names[0], folder)
+    jax.config.update(names[1], True)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, before, strict=True):
+            jax.config.update(name, value)
 
 
 @pytest.fixture
@@ -68,13 +84,9 @@ def test_probe_results_are_kept_on_disk_per_machine(
     shared = tmp_path / "shared"  # a folder other users can write to: neither read nor written
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
-    before = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(shared))  # JAX's own, set so
-    try:
+    with _jax_cache(str(shared)):  # JAX's own cache, set there
         with pytest.warns(UserWarning, match="other users can write"):
             assert probe_record.folder() is None
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before)
 
 
 def _probe_record_in(tmp_path, monkeypatch, compile_counter):
@@ -122,13 +134,8 @@ def test_no_probe_record_is_read_or_kept_without_a_compile_cache(
     monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(tmp_path))  # the default folder
     path = tmp_path / probe_record.FILE_NAME
     path.write_bytes(b'{"format": "\xff"}')
-    before = jax.config.jax_compilation_cache_dir  # the tests' own cache (conftest.py)
-    jax.config.update("jax_compilation_cache_dir", None)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            fixed_order.measure([("float32", False, 16, 24)])
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+    with _jax_cache(None), warnings.catch_warnings():  # not the tests' own (conftest.py)
+        warnings.simplefilter("error")
+        fixed_order.measure([("float32", False, 16, 24)])
     assert path.read_bytes() == b'{"format": "\xff"}'
     assert sorted(p.name for p in tmp_path.iterdir()) == [probe_record.FILE_NAME]
