@@ -10,20 +10,23 @@ so that a second process neither compiles the decode loop nor its prefill again.
 It is JAX's own persistent compilation cache (`jax_compilation_cache_dir`), with every
 program kept however quick it was to compile, the mechanism the `logitloop` command line
 uses (`LOGITLOOP_COMPILE_CACHE`). No program is written anywhere until it is enabled. (The
-same folder holds, whether or not the cache is enabled, the deterministic mode's probe
-results, a small JSON file that is only data: `logitloop.models.probe_record`; "off" keeps
-none.)
+folder also holds the deterministic mode's probe results, a small JSON file that is only
+data: `logitloop.models.probe_record`; without a cache on none is read or kept.)
 
 Entries are keyed by JAX on the lowered program, the compile options, the backend and the
 jax/jaxlib versions, so an entry written by another version is never read; an entry that
 cannot be read back (truncated, corrupt) is compiled again and replaced, with a warning
-from JAX. Nothing read from the folder is unpickled.
+from JAX, so the process after reads it. Entries are written whole (`_WholeEntries`: a
+temporary file renamed over the entry), so a process killed while writing one leaves no
+half-written entry for the next to read. Nothing read from the folder is unpickled.
 
 A compiled program is machine code, and JAX's documentation says so: "the compilation cache
 is considered trusted". So a folder that other users can write to (the folder itself
 group- or world-writable or owned by someone else, or inside a group- or world-writable
-folder without the sticky bit) is refused with one warning, and no cache is used. A new
-folder is created readable and writable by its owner only.
+folder without the sticky bit) is refused with one warning, and no cache is used; so is a
+folder this process cannot write to (read-only). A new folder is created readable and
+writable by its owner only. A relative folder (or `LOGITLOOP_COMPILE_CACHE`) is taken
+relative to the working directory when first used.
 
 (Until 2026-12 the CLI also kept its own store of serialized executables beside JAX's
 cache. It unpickled what it read, and a program written back from an executable JAX had
@@ -33,9 +36,12 @@ loaded from its cache could not run; its gain over JAX's cache alone was measure
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import stat
+import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -53,6 +59,7 @@ _SETTINGS = (
     "jax_persistent_cache_min_entry_size_bytes",
 )
 _warned: set[str] = set()  # folders refused already in this process: one warning each
+_absolute: dict[str, Path] = {}  # LOGITLOOP_COMPILE_CACHE's value -> its folder, made absolute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +84,8 @@ def default_folder() -> Path | None:
     value = os.environ.get(COMPILE_CACHE_ENV, "").strip()
     if value.lower() in _OFF:
         return None
-    if value:
-        return Path(value).expanduser()
+    if value:  # a relative folder is the working directory's when first asked
+        return _absolute.setdefault(value, Path(value).expanduser().absolute())
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "logitloop" / "jax"
 
@@ -91,7 +98,7 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     `LOGITLOOP_COMPILE_CACHE` is off (and no folder was given), or the folder is refused
     because other users can write to it or it cannot be created (one warning per folder).
     """
-    chosen = default_folder() if folder is None else Path(folder).expanduser()
+    chosen = default_folder() if folder is None else Path(folder).expanduser().absolute()
     if chosen is None:
         return None
     refused = unsafe_folder(chosen)
@@ -110,7 +117,20 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     # JAX reads its settings when it first compiles; a process that compiled before this
     # call would otherwise keep running without the cache.
     compilation_cache.reset_cache()
+    _write_entries_whole(chosen)
     return CompileCache(chosen, previous)
+
+
+def programs_folder() -> Path | None:
+    """The local folder this process keeps its compiled programs in: JAX's persistent
+    cache folder while that cache is on (`enable_compile_cache`'s, or one the process
+    configured for JAX itself), else None."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder or not jax.config.jax_enable_compilation_cache:
+        return None
+    if "://" in folder:  # a remote store (gs://...): JAX's business only
+        return Path(folder.removeprefix("file://")) if folder.startswith("file://") else None
+    return Path(folder)
 
 
 def enable_default_compile_cache() -> CompileCache | None:
@@ -132,6 +152,9 @@ def unsafe_folder(folder: Path) -> str | None:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not folder.is_dir():
             return "it is not a folder"
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check-")  # read-only: OSError
+        os.close(fd)
+        os.unlink(probe)
         if not hasattr(os, "getuid"):  # no POSIX owners (Windows): the folder's ACLs rule
             return None
         me = os.getuid()
@@ -149,5 +172,70 @@ def unsafe_folder(folder: Path) -> str | None:
                     f"a compiled program is code this process runs (chmod go-w {place})"
                 )
     except OSError as e:
-        return f"it cannot be created or read ({e.strerror or e})"
+        return f"it cannot be created, read or written ({e.strerror or e})"
     return None
+
+
+# ------------------------------------------------------------------- entries written whole
+
+_PARTIAL = ".partial"  # a temporary entry's suffix (JAX's own files end in -cache, -atime)
+
+
+class _WholeEntries:
+    """JAX's file cache (`jax._src.lru_cache.LRUCache`) with each entry written whole: into
+    a temporary file in the folder, renamed over the entry, replacing what was there. JAX
+    writes an entry after compiling the program, so after finding none or failing to read
+    the one there (truncated by a process killed while writing it, corrupt): JAX's own
+    `put` keeps an existing entry and writes in place, so such an entry was read, warned
+    about and compiled again by every later process. A size-bounded cache
+    (`jax_compilation_cache_max_size`) keeps JAX's writes and bookkeeping; its unreadable
+    entry is removed first, so it is replaced all the same."""
+
+    def __init__(self, files: Any):
+        self._files = files
+        self._path = files._path  # what JAX's messages name
+        self._folder = Path(str(files._path))
+
+    def get(self, key: str) -> bytes | None:
+        return self._files.get(key)
+
+    def put(self, key: str, value: bytes) -> None:
+        entry = self._folder / f"{key}-cache"
+        if self._files.eviction_enabled:
+            entry.unlink(missing_ok=True)
+            self._files.put(key, value)
+            return
+        fd, partial = tempfile.mkstemp(dir=self._folder, prefix=f".{key[:48]}-", suffix=_PARTIAL)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+            if entry.is_dir() and not entry.is_symlink():  # an empty folder in its place
+                with contextlib.suppress(OSError):
+                    entry.rmdir()
+            os.replace(partial, entry)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+
+
+def _write_entries_whole(folder: Path) -> None:
+    """JAX's cache in `folder`, made now (as JAX would at its first compile) and wrapped in
+    `_WholeEntries`; and the temporary entries of processes killed over an hour ago
+    removed. This reaches into JAX's private `jax._src.compilation_cache` (jax 0.10): where
+    that changed, JAX's own cache is left as it is (tests/decoding/test_compile_cache.py
+    notices)."""
+    for partial in folder.glob(f".*{_PARTIAL}"):
+        with contextlib.suppress(OSError):
+            if time.time() - partial.stat().st_mtime > 3600:
+                partial.unlink()
+    if jax.config.jax_compilation_cache_check_contents:
+        return  # JAX's verifying cache: left as it is
+    try:
+        from jax._src import compilation_cache as jax_cache
+
+        files, _ = jax_cache.get_file_cache(str(folder))
+        if hasattr(files, "eviction_enabled") and jax_cache._cache is None:
+            jax_cache._cache = _WholeEntries(files)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _TEMPLATE_FILE = "<template>"  # the file name jinja gives the code of `from_string`
@@ -50,7 +51,7 @@ class RenderLimits:
         if not self.time_s > 0:
             raise ValueError(f"RenderLimits.time_s = {self.time_s!r} must be > 0")
         if isinstance(self.max_chars, bool) or not (
-            isinstance(self.max_chars, int) and self.max_chars > 0
+            isinstance(self.max_chars, (int, np.integer)) and self.max_chars > 0
         ):
             raise ValueError(f"RenderLimits.max_chars = {self.max_chars!r} must be an int > 0")
 

@@ -52,6 +52,7 @@ def decode_step_cost(model, batch: int, context: int) -> dict:
 
 
 def load(name: str, fmt: str | None, dtype, group: int):
+    group = group if fmt == "int4" else None  # int8 and fp8 scale per output channel
     if name == "shipped":
         return ll.load_pretrained(dtype=dtype, quantize=fmt, group_size=group)
     import bench_quant  # noqa: PLC0415 - a sibling script

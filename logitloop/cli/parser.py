@@ -44,6 +44,8 @@ def _read_schema(path: str) -> str:
             return f.read()
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot read JSON schema file {path!r}: {e}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"JSON schema file {path!r} is not UTF-8 text") from None
 
 
 def _parse_stop(text: str) -> str:

@@ -8,8 +8,9 @@ output line, in input order:
 
     {"id", "token_ids", "raw_logprobs", "sum", "is_greedy", "is_argmax"}
 
-plus `"text"` (the continuation's tokens decoded, with a tokenizer) and `"top_logprobs"`
-(per token, `[token_id, logprob]` pairs) with `--top-logprobs N`. The pairs run in chunks
+plus `"text"` (the continuation's tokens decoded, with a tokenizer), `"top_logprobs"`
+(per token, `[token_id, logprob]` pairs) with `--top-logprobs N`, and `"error"` where the
+model's logits went NaN or inf (`ScoreResult.error`). The pairs run in chunks
 of a few batches; each chunk's lines are written (and fsync'ed) as it ends, so a killed
 job resumes where it stopped.
 """
@@ -84,6 +85,8 @@ def score_record(pair: dict[str, Any], result) -> dict[str, Any]:
     }
     if result.text is not None:
         rec["text"] = result.text
+    if result.error is not None:  # logits gone NaN or inf (`ScoreResult.error`)
+        rec["error"] = result.error
     if result.top_logprobs is not None:
         rec["top_logprobs"] = [
             [[int(t), _finite(v)] for t, v in sorted(d.items(), key=lambda kv: -kv[1])]

@@ -312,6 +312,14 @@ class LogitloopLM(TemplateLM):
             progress=update, share_prompts=self.prefix_cache,
         )  # fmt: skip
         bar.close()
+        errors = sum(s.error is not None for s in scored)
+        if errors:
+            warnings.warn(
+                f"logitloop lm-eval backend: {errors} of {len(scored)} requests were scored "
+                "from logits holding NaN or inf (ll.score's error): their log-likelihood is "
+                "-inf",
+                stacklevel=3,
+            )
         return [(s.raw_logprob_sum, s.is_greedy) for s in scored]
 
     def _fit(self, ctx: list[int], cont: list[int], name: str) -> tuple[list[int], list[int]]:

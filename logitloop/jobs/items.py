@@ -240,6 +240,8 @@ def json_line(line: str, where: str, default_id: int) -> tuple[dict[str, Any], A
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise JobError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise JobError(f"{where}: JSON nested too deep to read") from None
     if not isinstance(obj, dict):
         raise JobError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     item_id = obj.get("id", default_id)

@@ -214,7 +214,7 @@ class JsonlOutput:
                 item_id = obj["id"]
                 key = id_key(item_id)
                 hash(key)
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise OutputError(
                     f"{self.name} line {lineno}: not a result line with an 'id'; refusing to "
                     "resume into it (use --overwrite to start it afresh)"

@@ -394,9 +394,17 @@ def _layer_type_windows(hf: HFConfig, num_layers: int, pattern: int) -> tuple[in
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
-def _optional_float(hf: HFConfig, key: str) -> float | None:
+def _optional_cap(hf: HFConfig, key: str) -> float | None:
+    """A soft cap (`cap * tanh(x / cap)`): None (no cap) or a positive finite number, else a
+    ValueError naming the file and the field (0 divided the scores by zero: NaN)."""
     value = hf.get(key)
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(
+            f"{hf.source}: {key} = {value!r} must be null (no cap) or a positive number"
+        )
+    return float(value)
 
 
 def gemma_config_from_hf(hf: HFConfig) -> GemmaConfig:
@@ -440,8 +448,8 @@ def gemma_config_from_hf(hf: HFConfig) -> GemmaConfig:
         },
         local_rope=local_rope,
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-        attn_logit_softcapping=_optional_float(hf, "attn_logit_softcapping"),
-        final_logit_softcapping=_optional_float(hf, "final_logit_softcapping"),
+        attn_logit_softcapping=_optional_cap(hf, "attn_logit_softcapping"),
+        final_logit_softcapping=_optional_cap(hf, "final_logit_softcapping"),
     )
 
 

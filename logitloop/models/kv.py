@@ -85,20 +85,17 @@ class KVSpec:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"KVSpec.dtype must be a floating dtype, got {dtype}")
         object.__setattr__(self, "dtype", dtype)
-        window = self.window
-        if window is None or isinstance(window, (int, np.integer)):
-            window = (window,) * self.num_layers
-        window = tuple(None if w is None else w for w in window)
-        if len(window) != self.num_layers:
-            raise ValueError(
-                f"KVSpec.window has {len(window)} entries for {self.num_layers} layers: give "
-                "one window (or None) per layer, or one for all"
+        if isinstance(self.window, (list, tuple)) or np.ndim(self.window) == 1:
+            if len(self.window) != self.num_layers:
+                raise ValueError(
+                    f"KVSpec.window has {len(self.window)} entries for {self.num_layers} "
+                    "layers: give one window (or None) per layer, or one for all"
+                )
+            window = tuple(
+                checked_window(w, f"KVSpec.window[{i}]") for i, w in enumerate(self.window)
             )
-        for i, w in enumerate(window):
-            if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
-                                  or w < 1):  # fmt: skip
-                raise ValueError(f"KVSpec.window[{i}] must be None or a positive int, got {w!r}")
-        window = tuple(None if w is None else int(w) for w in window)
+        else:  # one for every layer
+            window = (checked_window(self.window, "KVSpec.window"),) * self.num_layers
         object.__setattr__(self, "window", window[0] if len(set(window)) == 1 else window)
         object.__setattr__(self, "_windows", window)
 
@@ -225,7 +222,8 @@ def attention(
     into layer `layer`, then returns `(out [B, T, H, D], kv)`: each query attends the keys
     of its own row at positions up to its own (those of earlier calls and of this one),
     within the layer's window. `scale` multiplies the scores (default `D ** -0.5`);
-    `softcap` caps them as `softcap * tanh(s / softcap)` before the mask (Gemma 2).
+    `softcap` (None or > 0) caps them as `softcap * tanh(s / softcap)` before the mask
+    (Gemma 2). `window`: None or a positive int, as in `KVSpec` (others are refused).
 
     `kv=None`: plain causal attention over this call's columns (column t sees t' <= t,
     within `window`), `(out, None)`: the model's full forward, for training and checks.
@@ -233,8 +231,11 @@ def attention(
     Scores and softmax run in float32; out has q's dtype.
     """
     _check_qkv(q, k, v, kv, layer)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    softcap = None if softcap is None else float(softcap)
+    where = f"ll.attention(layer={layer})"
+    window = checked_window(window, f"{where}: window")
+    scale = q.shape[-1] ** -0.5 if scale is None else _checked_float(scale, f"{where}: scale")
+    if softcap is not None:
+        softcap = _checked_float(softcap, f"{where}: softcap", positive=True)
     if kv is None:
         b, t = q.shape[:2]
         columns = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -244,8 +245,7 @@ def attention(
     spec_window = kv.spec.windows[layer]
     if window is not None and window != spec_window:
         raise ValueError(
-            f"ll.attention(layer={layer}): window={window} but the KVSpec gives layer {layer} "
-            f"window {spec_window}"
+            f"{where}: window={window} but the KVSpec gives layer {layer} window {spec_window}"
         )
     cache = kv.caches[layer]
     mask = layers.layer_mask(kv.positions, cache, spec_window)
@@ -264,12 +264,14 @@ def _check_qkv(q, k, v, kv: KV | None, layer: Any) -> None:
         raise TypeError(
             f"{where}: kv must be the KV the model was handed (or None), got {type(kv).__name__}"
         )
-    if isinstance(layer, jax.core.Tracer) or not isinstance(layer, (int, np.integer)):
+    if isinstance(layer, (bool, jax.core.Tracer)) or not isinstance(layer, (int, np.integer)):
         raise TypeError(
             f"{where}: layer must be a Python int (the layer's index in the KVSpec), got "
             f"{type(layer).__name__}; a model that scans over its layers is not supported by "
             "contract version 1 (loop over them in Python; remat works)"
         )
+    if layer < 0:
+        raise ValueError(f"{where}: layer must be >= 0 (the layer's index in the KVSpec)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(
@@ -313,6 +315,32 @@ def _check_qkv(q, k, v, kv: KV | None, layer: Any) -> None:
         )
 
 
+def checked_window(value: Any, name: str) -> int | None:
+    """A sliding window as `KVSpec` and `attention` take it: None (global attention) or a
+    positive int (a Python or NumPy int), else a ValueError naming `name`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"{name} must be None (global attention) or a positive int (tokens), got {value!r}"
+        )
+    return int(value)
+
+
+def _checked_float(value: Any, name: str, positive: bool = False) -> float:
+    """`scale` or `softcap` as a finite float (`positive`: > 0), else a ValueError naming
+    `name`: a zero or negative softcap divides the scores by it (NaN), a NaN scale makes
+    every output NaN."""
+    try:
+        number = None if isinstance(value, (bool, str, bytes)) else float(value)
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        number = None
+    if number is None or not np.isfinite(number) or (positive and number <= 0):
+        kind = "a positive finite float" if positive else "a finite float"
+        raise ValueError(f"{name} must be None or {kind}, got {value!r}")
+    return number
+
+
 def dense(x: jax.Array, w: jax.Array, kv: KV | None = None) -> jax.Array:
     """`x @ w`, `[..., K] x [K, N] -> [..., N]`: under `deterministic=True` (a `kv` of a
     deterministic pass) in a fixed order, so a row's result does not depend on how many
@@ -328,6 +356,13 @@ def lm_head(x: jax.Array, table: jax.Array, kv: KV | None = None) -> jax.Array:
     without a float32 copy of the table, and in a fixed order under a deterministic `kv`
     (`fixed_order.head_product`, the LM head of logitloop's families)."""
     numerics = PLAIN if kv is None else kv.numerics
+    shape = tuple(getattr(table, "shape", ()))
+    if len(shape) != 2 or shape[1] != x.shape[-1]:
+        hint = " (an [E, V] table: pass its transpose)" if shape[:1] == x.shape[-1:] else ""
+        raise ValueError(
+            f"ll.lm_head: table must be [V, E] (vocabulary, then x's last axis E = "
+            f"{x.shape[-1]}), got shape {shape}{hint}"
+        )
     rows = x.reshape(-1, x.shape[-1])
     logits = fixed_order.rowwise(
         lambda r: fixed_order.head_product(r, table, numerics=numerics),

@@ -342,8 +342,8 @@ def init_paged_caches(
     """Zeros: per layer a pool `dict(k_pages=[Hkv, N, page_size, D], v_pages=..., tables)`
     of N = `num_pages` pages (or `num_pages[i]` for layer i), every layer with the same page
     tables (the caller replaces `tables` when rows gain or lose pages)."""
-    if isinstance(num_pages, int):
-        num_pages = (num_pages,) * num_layers
+    if isinstance(num_pages, (int, np.integer)):
+        num_pages = (int(num_pages),) * num_layers
     shapes = [(num_kv_heads, n, page_size, head_dim) for n in num_pages]
     return [
         {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype), "tables": tables}

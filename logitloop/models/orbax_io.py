@@ -85,7 +85,7 @@ def read_metadata(directory: str | os.PathLike) -> tuple[dict, ModelConfig, jnp.
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         return meta, config_from_dict(meta["config"]), jnp.dtype(meta["dtype"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise ValueError(f"{meta_path}: unreadable converted-model metadata: {e}") from e
 
 

@@ -3,9 +3,11 @@
 `fixed_order.shape_keeps_row_bits` measures, per product shape, whether this CPU's dot gives
 a row the same bits for every row count of a decode tile (one small program per new shape).
 What it measures is a fact about the machine and the compiler, not about the process, so
-its answers are kept in one small JSON file, `probes.json` in the compile-cache folder
-(`compile_cache.default_folder()`: `LOGITLOOP_COMPILE_CACHE`, or the per-user cache folder;
-"off" keeps nothing and reads nothing):
+its answers are kept in one small JSON file, `probes.json` beside the compiled programs,
+in the folder of the process's persistent compilation cache (`compile_cache.
+programs_folder()`: `ll.enable_compile_cache`'s, which the command line, the lm-eval
+backend and Ray actors turn on, or JAX's own). With no such cache on, or with
+`LOGITLOOP_COMPILE_CACHE=off`, nothing is read or kept and the probes run in each process:
 
     {"format": "logitloop-fixed-order-probes", "version": 1,
      "machines": {"<machine key>": {"float32/dot/256x704": true, "bfloat16/head/64x512": false}}}
@@ -15,11 +17,13 @@ jaxlib versions, backend, platform, CPU model and a digest of its flags, the thr
 process may use, `XLA_FLAGS`, the deterministic programs' compiler options and the probe's
 own version), so another CPU, release or flag set sharing the folder probes again and adds
 its own. The file is data only: read with `json.loads` and checked field by field; one
-that does not parse or has another format is ignored with a warning (and replaced at the
-next write), entries of another form are ignored. A folder other users can write to is
-refused (`compile_cache`'s check: a forged `true` would let rows run unpadded where they
-change bits). Writes replace the file atomically, merged with what another process wrote
-since (a lost race only costs a probe again).
+that cannot be read (a folder in its place, no permission), is not UTF-8 JSON, nests too
+deep, is over `MAX_BYTES` or has another format is ignored with one warning per process
+(and replaced at the next write where it can be), entries of another form are ignored: a
+deterministic run never fails on it. A folder other users can write to is refused
+(`compile_cache`'s check: a forged `true` would let rows run unpadded where they change
+bits). Writes replace the file atomically, merged with what another process wrote since (a
+lost race only costs a probe again).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import warnings
 from pathlib import Path
 
 FILE_NAME = "probes.json"
+MAX_BYTES = 1 << 22  # a record is a few kilobytes; a bigger file is not one
 FORMAT = "logitloop-fixed-order-probes"
 VERSION = 1
 # Bump when the probe itself changes (its inputs, row counts or comparison): results of an
@@ -103,12 +108,13 @@ def _cpu() -> tuple[str, str]:
 
 
 def folder() -> Path | None:
-    """Where the record lives: the compile-cache folder, or None ("off", or a folder that
-    other users can write to, warned about once)."""
+    """Where the record lives: the folder of the compile cache in use, or None (no cache
+    on, `LOGITLOOP_COMPILE_CACHE=off`, or a folder that other users can write to or this
+    process cannot, warned about once)."""
     from logitloop import compile_cache
 
-    chosen = compile_cache.default_folder()
-    if chosen is None:
+    chosen = compile_cache.programs_folder()
+    if chosen is None or compile_cache.default_folder() is None:
         return None
     refused = compile_cache.unsafe_folder(chosen)
     if refused is not None:
@@ -143,27 +149,31 @@ def save(key: str, results: dict[Entry, bool], where: Path | None = None) -> Non
         mine.update({entry_name(e): bool(v) for e, v in results.items()})
         machines[key] = mine
         data = {"format": FORMAT, "version": VERSION, "machines": machines}
+        tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=where, prefix=".probes-", suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, path)
         except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             _warn_once(str(path), f"fixed-order probe results not written to {path}: {e}")
 
 
 def _read(path: Path) -> dict[str, dict]:
     """The file's machines, checked; {} (with one warning) for a file that is not one."""
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
     except FileNotFoundError:
         return {}
     except OSError as e:
         _warn_once(str(path), f"fixed-order probe record {path} not read: {e}")
         return {}
-    try:
-        data = json.loads(text)
-    except ValueError:
+    try:  # not UTF-8 (UnicodeDecodeError) or not JSON: ValueError; nested too deep: Recursion
+        data = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_BYTES else None
+    except (ValueError, RecursionError):
         data = None
     ok = (
         isinstance(data, dict)

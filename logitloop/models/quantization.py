@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 FORMATS = ("int8", "int4", "fp8")
@@ -102,18 +103,29 @@ def check_quantize(
             raise ValueError(
                 "quantize_embedding=True needs a format: quantize='int8', 'int4' or 'fp8'"
             )
-        return None
-    if not isinstance(quantize, str) or quantize not in FORMATS:
+    elif not isinstance(quantize, str) or quantize not in FORMATS:
         raise ValueError(f"quantize must be None, 'int8', 'int4' or 'fp8', got {quantize!r}")
     if group_size is not None and (
-        isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+        isinstance(group_size, bool)
+        or not isinstance(group_size, (int, np.integer))
+        or group_size < 1
     ):
         raise ValueError(
             "group_size must be None (int4: the largest of "
             f"{', '.join(map(str, GROUP_SIZES))} that divides every contraction) or a "
             f"positive int, got {group_size!r}"
         )
-    return QuantizeSpec(quantize, group_size, quantize_embedding)
+    if group_size is not None and quantize != "int4":
+        raise ValueError(
+            f"group_size={group_size} is int4's group along each contraction, but quantize is "
+            f"{quantize!r}: pass quantize='int4' (int8 and fp8 keep one scale per output "
+            "channel), or leave group_size out"
+        )
+    if quantize is None:
+        return None
+    return QuantizeSpec(
+        quantize, None if group_size is None else int(group_size), quantize_embedding
+    )
 
 
 def is_quantized(w: Any) -> bool:
@@ -441,7 +453,10 @@ def spec_from_record(record_: dict, source: str) -> QuantizeSpec:
             "float checkpoint: load_pretrained(path, quantize=...))"
         )
     embedding = record_.get("embedding", False)  # version 2: float vocabulary tables
-    return check_quantize(record_.get("format"), record_.get("group_size"), embedding)
+    fmt = record_.get("format")
+    # Checkpoints saved before 2026-12 record the group size int8 and fp8 never used.
+    group_size = record_.get("group_size") if fmt == "int4" else None
+    return check_quantize(fmt, group_size, embedding)
 
 
 def to_storable(tree: Any) -> Any:

@@ -193,10 +193,12 @@ def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
     """`bos_token` / `eos_token` strings from a tokenizer_config.json, if it exists."""
     if not path.is_file():
         return {}
-    try:
+    try:  # not UTF-8 or not JSON: ValueError
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: cannot read tokenizer config: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     out: dict[str, str | None] = {}
     for key in ("bos_token", "eos_token"):
         value = data.get(key)

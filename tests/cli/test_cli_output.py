@@ -79,6 +79,26 @@ def test_resume_reports_duplicate_ids(tmp_path):
     assert "id 1 on lines 2 and 3" in warnings[0], warnings
 
 
+def test_files_nested_too_deep_are_named_errors_not_crashes(tmp_path):
+    """JSON nested past the parser's depth raised RecursionError (a traceback) from a
+    resumed output, an input line and a tokenizer config, where bad JSON is a named error."""
+    from logitloop.jobs.items import JobError, json_line
+    from logitloop.models.tokenizer import _special_tokens_from_config
+
+    deep = b"[" * 100_000
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(OLD + deep + b"\n")
+    with pytest.raises(OutputError, match="out.jsonl line 3: not a result line"):
+        JsonlOutput.open(str(path), overwrite=False, warn=print)
+    with pytest.raises(JobError, match="p.jsonl line 1: JSON nested too deep"):
+        json_line(deep.decode(), "p.jsonl line 1", 0)
+    config = tmp_path / "tokenizer_config.json"
+    for body in (deep, b'{"eos_token": "\xff"}', b"[1]"):
+        config.write_bytes(body)
+        with pytest.raises(ValueError, match="tokenizer_config.json: "):
+            _special_tokens_from_config(config)
+
+
 def test_full_disk_is_one_error_and_earlier_lines_survive(tmp_path, monkeypatch):
     path = tmp_path / "out.jsonl"
     out = JsonlOutput.open(str(path), overwrite=False, warn=print)

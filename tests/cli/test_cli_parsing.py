@@ -124,6 +124,11 @@ MESSAGES = [
         "{tmp}/b.jsonl line 2: logit_bias token 7: bias = 500 is outside the allowed range "
         "[-100, 100]",
     ),
+    (  # nested past the parser's depth: a RecursionError traceback before
+        ["--input", "{tmp}/deep.jsonl"],
+        {"deep.jsonl": '{"prompt": "a"}\n' + "[" * 100_000 + "\n"},
+        "{tmp}/deep.jsonl line 2: JSON nested too deep to read",
+    ),
     # Prompts: the library's own check (logitloop.decoding.engine.host), named by the line.
     (
         ["--input", "{tmp}/p.jsonl"],

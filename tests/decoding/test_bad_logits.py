@@ -160,3 +160,24 @@ def test_sample_gives_token_zero_and_minus_inf(value):
             np.asarray(getattr(out, name))[[0, 2]], np.asarray(getattr(clean, name))[[0, 2]]
         )
     assert np.all(np.isfinite(np.asarray(clean.logprobs)))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_score_flags_the_pair_whose_logits_went_bad(value):
+    """`ll.score` gives such a position -inf, no alternatives, and says so in the pair's
+    `error` (a one-token continuation: the scripted model returns the last column only);
+    the other pair is untouched."""
+    bad, good = ll.score(bad_model(value, 0), [[MARKER, 7], [1, 2, 3]], [[4], [6]], top_logprobs=2)
+    assert bad.raw_logprobs == [-np.inf] and bad.raw_logprob_sum == -np.inf
+    assert "NaN or +inf" in bad.error and "position(s) [0]" in bad.error
+    assert all(v == -np.inf for v in bad.top_logprobs[0].values())
+    assert good.error is None and np.isfinite(good.raw_logprobs[0])
+
+
+def test_score_of_logits_minus_inf_everywhere_is_minus_inf_not_nan():
+    from logitloop.decoding.engine.score import raw_logprobs
+
+    logits = jnp.full((1, 2, 4), -jnp.inf).at[0, 1].set(0.0)  # position 0: every token -inf
+    raw, (_, _, bad) = raw_logprobs(logits, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool))
+    assert raw[0, 0] == -np.inf and np.isclose(raw[0, 1], -np.log(4.0))
+    assert bad.tolist() == [[True, False]]

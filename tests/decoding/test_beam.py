@@ -166,6 +166,10 @@ def small():
         (dict(num_beams=[0]), r"num_beams\[0\] = 0 is outside the allowed range \[1, 160\]"),
         (dict(num_beams=2, length_penalty=float("nan")), r"length_penalty = nan is not finite"),
         (dict(num_beams=2, early_stopping="sometimes"), r"early_stopping must be True, False"),
+        (  # a NumPy float is a length penalty (it was refused): the next check speaks
+            dict(num_beams=2, length_penalty=np.float32(0.5), early_stopping="sometimes"),
+            r"early_stopping must be True, False",
+        ),
         (dict(num_beams=2, max_tokens=0), r"max_tokens = 0 is outside the allowed range"),
         (dict(num_beams=2, max_tokens=200), r"prompts\[0\] has 3 tokens and max_tokens = 200"),
         (

@@ -145,10 +145,22 @@ def test_compile_stats_name_what_was_new_and_a_prepared_model_warns():
         ll.generate(_model(7), [[4], [5], [6]], max_tokens=4)
 
 
-@pytest.mark.parametrize("bad", [dict(rows=0), dict(prompt_len=[]), dict(max_tokens=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(rows=0),
+        dict(prompt_len=[]),
+        dict(max_tokens=-1),
+        dict(rows=2.0, match=r"rows must be an int in \[1, inf\), got float 2.0"),
+        dict(slots=2, rows=[1, 8], match=r"rows=\[1, 8\] with slots=2: .* not both"),
+        dict(slots=0, match=r"slots = 0 is outside the allowed range"),
+    ],
+)
 def test_precompile_names_a_bad_size(bad):
     model = _model(4)
-    with pytest.raises(ValueError, match=next(iter(bad))):
+    bad = dict(bad)
+    match = bad.pop("match", next(iter(bad)))
+    with pytest.raises(ValueError, match=match):
         ll.precompile(model, **bad)
 
 
@@ -158,8 +170,13 @@ def test_a_precompiled_generate_many_job_compiles_nothing(compile_counter):
     compiles nothing."""
     model = _model(5)
     rng = np.random.default_rng(2)
+    before = ll.compile_stats().programs
     report = ll.precompile(model, slots=4, prompt_len=16, max_tokens=12, prefill_batch=2)
-    assert report.programs > 0
+    # Programs as compile_stats counts them (it counted XLA's compiles, 9 for 2 programs).
+    assert report.programs == ll.compile_stats().programs - before > 0
+    assert report.cached == 0
+    again = ll.precompile(model, slots=4, prompt_len=16, max_tokens=12, prefill_batch=2)
+    assert (again.programs, again.cached) == (0, report.programs)  # it said 0 already compiled
     requests = [
         ll.Request(p, {"max_tokens": int(rng.integers(1, 13)), "temperature": 0.7, "seed": i,
                        "stop": ["e"] if i % 2 else []})
@@ -183,3 +200,30 @@ def test_importing_logitloop_sets_no_jax_option():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["None", "1.0"]
+
+
+def test_what_was_new_is_said_in_the_fields_that_changed():
+    """The reason a program compiled names the fields of a static argument that changed,
+    down to plain values (it said `program.pool PoolShape -> PoolShape`), a pool that came
+    or went, and the rows once, by the change most arrays' first axis made (n = 2: the
+    prompts go 1 -> 4 while the samples' rows go 2 -> 8)."""
+    import dataclasses
+
+    from logitloop.decoding.loop.pool import PoolShape
+
+    @dataclasses.dataclass(frozen=True)
+    class Program:
+        pool: PoolShape | None
+
+    def sig(pool, prompts, rows):
+        arrays = {f"knob{i}": np.zeros((rows,), np.float32) for i in range(3)}
+        program = Program(None if pool is None else PoolShape(pool, 16, 2))
+        prompt = np.zeros((prompts, 8), np.int32)
+        return compiles.signature({"program": program, "prompt": prompt, **arrays})
+
+    assert compiles._differences(sig(10, 1, 2), sig(40, 4, 8)) == [
+        "rows 2 -> 8",
+        "program.pool.num_pages 10 -> 40",
+        "prompt int32[1, 8] -> int32[4, 8]",
+    ]
+    assert compiles._differences(sig(None, 1, 2), sig(10, 1, 2)) == ["program.pool added"]

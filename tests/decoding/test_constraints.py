@@ -180,6 +180,7 @@ def test_one_table_holds_several_constraints_at_bucketed_shapes():
         ({"regex": [None, "^a"]}, r"regex\[1\]"),
         ({"json_schema": [None, {"not": {"type": "string"}}]}, r"json_schema\[1\] uses 'not'"),
         ({"json_schema": [None, '{"type": "integer"']}, r"json_schema\[1\] is not valid JSON"),
+        ({"json_schema": [None, "[" * 100_000]}, r"json_schema\[1\] is JSON nested too deep"),
         ({"json_schema": [None, {"type": "number", "minimum": 0}]}, r"json_schema\[1\].*'minimum'"),
         (
             {"json_schema": [None, {"type": "integer", "minimum": 0}]},

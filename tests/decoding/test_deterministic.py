@@ -11,9 +11,6 @@ that the exact comparisons are known to be able to fail.
 
 from __future__ import annotations
 
-import json
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,84 +329,6 @@ def test_a_decode_product_ignores_the_row_count_at_any_width(n):
         x[at] = row
         got = np.asarray(f(jnp.asarray(x, jnp.float32)))[at]
         np.testing.assert_array_equal(got, alone, f"m={m}")
-
-
-@pytest.fixture
-def no_probes_yet(monkeypatch):
-    """This process as if it had measured no product shape and calibrated no policy (the
-    probes' memo emptied, their record on disk off), restored afterwards."""
-    monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", "off")
-    monkeypatch.setattr(fixed_order, "_measured", {})
-    fixed_order._calibrated.cache_clear()
-    yield
-    fixed_order._calibrated.cache_clear()
-
-
-def test_the_first_deterministic_generate_compiles_a_handful_of_programs(
-    no_probes_yet, compile_counter
-):
-    """A process's first deterministic `generate` (a model of new shapes, no probe known,
-    none on disk) compiles its prefill, its decode loop and two probe programs: the
-    policy's probes of both kinds of product in one, then the model's own decode products
-    (`fixed_order.product_shapes`) in one more, so that tracing the decode pass finds every
-    shape measured. (The probes compiled a program per shape and row count, plus eager
-    helpers: 234 programs for this model.)"""
-    model = small_llama(333, 96, 3)
-    with compile_counter as c:
-        ll.generate(model, [[5, 6, 7], [9]], max_tokens=4, ignore_eos=True, deterministic=True)
-    assert c.count <= 4, f"{c.count} programs (prefill, decode and two probes expected)"
-    # ... and the model's products were measured, and may run their decode rows unpadded.
-    assert (("float32", False, 32, 64) in fixed_order._measured) and (
-        ("float32", True, 32, 333) in fixed_order._measured
-    )
-
-
-def test_probe_results_are_kept_on_disk_per_machine(
-    no_probes_yet, monkeypatch, tmp_path, compile_counter
-):
-    """`fixed_order.measure` records what it measured in the compile-cache folder, and a
-    process that finds a shape there compiles nothing for it; an entry recorded under
-    another machine key (another CPU, jax release, flag set) is not used; a corrupt file is
-    ignored with a warning and replaced; a folder other users can write to is not used."""
-    from logitloop.models import probe_record
-
-    monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(tmp_path))
-    entry = ("float32", False, 32, 48)
-    with compile_counter as c, warnings.catch_warnings():
-        warnings.simplefilter("error")  # the probe's program holds the dots it asks for
-        first = fixed_order.measure([entry])
-    assert c.count == 1
-    path = tmp_path / probe_record.FILE_NAME
-    data = json.loads(path.read_text())
-    assert list(data["machines"].values()) == [{"float32/dot/32x48": first[entry]}]
-
-    monkeypatch.setattr(fixed_order, "_measured", {})
-    with compile_counter as c:
-        assert fixed_order.measure([entry]) == first
-    assert c.count == 0
-
-    (key,) = data["machines"]
-    data["machines"] = {key.replace('"jaxlib"', '"jaxlib-other"'): {"float32/dot/32x48": True}}
-    path.write_text(json.dumps(data))
-    monkeypatch.setattr(fixed_order, "_measured", {})
-    with compile_counter as c:
-        fixed_order.measure([entry])
-    assert c.count == 1
-
-    path.write_text("{not json")
-    probe_record._warned.clear()
-    monkeypatch.setattr(fixed_order, "_measured", {})
-    with compile_counter as c, pytest.warns(UserWarning, match="probe record .* ignored"):
-        assert fixed_order.measure([entry]) == first
-    assert c.count == 1
-    assert json.loads(path.read_text())["format"] == probe_record.FORMAT
-
-    shared = tmp_path / "shared"  # a folder other users can write to: neither read nor written
-    shared.mkdir(mode=0o777)
-    shared.chmod(0o777)
-    monkeypatch.setenv("LOGITLOOP_COMPILE_CACHE", str(shared))
-    with pytest.warns(UserWarning, match="other users can write"):
-        assert probe_record.folder() is None
 
 
 def test_contraction_chunks_fit_every_model_axis():

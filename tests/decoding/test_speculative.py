@@ -204,6 +204,16 @@ def test_bad_settings_raise(make, match):
         make()
 
 
+def test_numpy_numbers_are_settings_as_everywhere_else():
+    spec = ll.PromptLookup(
+        num_draft=np.int64(3), min_acceptance=np.float32(0.5), max_ngram=np.int32(2)
+    )
+    assert (spec.num_draft, spec.min_acceptance, spec.max_ngram) == (3, 0.5, 2)
+    assert type(spec.num_draft) is int and type(spec.min_acceptance) is float
+    with pytest.raises(ValueError, match=r"PromptLookup.num_draft must be an int, got True"):
+        ll.PromptLookup(num_draft=True)
+
+
 def test_bad_speculative_argument_raises():
     target = _bigram(0)
     params = ll.SamplingParams.create(batch_size=1, max_tokens=2)

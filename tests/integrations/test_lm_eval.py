@@ -179,6 +179,24 @@ def test_a_continuation_over_the_model_maximum_is_named():
         lm.loglikelihood([request], disable_tqdm=True)
 
 
+def test_requests_scored_from_bad_logits_are_counted_in_a_warning(monkeypatch):
+    """`ll.score`'s `error` (logits gone NaN or inf) reaches the user: lm-eval would
+    otherwise average a -inf log-likelihood in silence."""
+    from logitloop.decoding.engine.score import ScoreResult
+    from logitloop.integrations.lm_eval import LogitloopLM
+
+    def score(model, prompts, continuations, **kwargs):
+        return [
+            ScoreResult(c, p, [-np.inf] * len(c), [False] * len(c), error="NaN" if i else None)
+            for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))
+        ]
+
+    lm = LogitloopLM(compile_cache="false")
+    monkeypatch.setattr(ll, "score", score)
+    with pytest.warns(UserWarning, match=r"1 of 2 requests were scored from logits holding NaN"):
+        lm._score_tokens([([1, 2], [3]), ([4], [5])], ["r0", "r1"], True)
+
+
 # Questions longer than the random Llama's 48-token window (choices of 1 to 6 tokens, so each
 # row keeps another part of its context), and one that fits.
 LONG_MC_DOCS = [

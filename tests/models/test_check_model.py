@@ -10,6 +10,7 @@ those the contract refuses are refused while traced (no compile either)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import logitloop as ll
@@ -43,7 +44,7 @@ def test_a_correct_model_passes(correct_report, compile_counter):
 def _only(report: ll.CheckReport, kind: str, comparisons: set[str]) -> list[check.Finding]:
     assert not report.ok
     assert {f.kind for f in report.findings} == {kind}, str(report)
-    failed = {c.name for c in report.comparisons if not c.ok}
+    failed = {c.name for c in report.comparisons if not c.passed}
     assert failed == comparisons, str(report)
     return list(report.findings)
 
@@ -75,6 +76,36 @@ def test_paged_differing_from_contiguous_is_reported(correct_report):
     report = ll.check_model(_model(paged_offset=0.5))
     (finding,) = _only(report, check.PAGED, {"paged pool vs contiguous cache"})
     assert abs(finding.max_abs_diff - 0.5) < 1e-3
+
+
+def test_a_masked_vocabulary_entry_hides_no_difference(correct_report):
+    """A -inf logit (a masked entry, -inf in every pass) agrees with itself and does not
+    widen the tolerance of the others: the correct model still passes, and one that
+    rotates by the column index is still reported (the tolerance once scaled with the
+    row's largest |logit|, inf, and passed everything)."""
+    masked = np.zeros(user_model.V, np.float32)
+    masked[0] = -np.inf
+    assert ll.check_model(_model(vocab_offset=masked)).ok
+    report = ll.check_model(_model(column_positions=True, vocab_offset=masked))
+    (finding,) = _only(report, check.POSITIONS, {"decode steps vs kv=None"})
+    assert np.isfinite(finding.max_abs_diff) and finding.max_abs_diff > 0.1
+
+
+def test_logits_gone_nan_or_infinite_on_one_side_are_reported(correct_report):
+    nan = ll.check_model(_model(vocab_offset=np.full(user_model.V, np.nan, np.float32)))
+    assert not nan.ok and {f.kind for f in nan.findings} == {check.NON_FINITE}, str(nan)
+    assert len(nan.findings) == 4 and all(not c.passed for c in nan.comparisons)
+    assert "[non-finite] unpadded prompt in one call vs kv=None: row 0" in str(nan)
+    assert "NaN" in nan.findings[0].cause
+    paged = ll.check_model(_model(paged_offset=-np.inf))  # -inf over the paged pool only
+    (finding,) = _only(paged, check.NON_FINITE, {"paged pool vs contiguous cache"})
+    assert finding.what.startswith("paged pool vs contiguous cache: row 0, position 0")
+
+
+def test_tolerances_that_pass_everything_are_refused():
+    for name, value in (("atol", float("nan")), ("rtol", float("inf")), ("atol", -1e-3)):
+        with pytest.raises(ValueError, match=f"{name} must be None or a finite float >= 0"):
+            ll.check_model(_model(), **{name: value})
 
 
 # The contract's own errors: (bug, words the message holds).

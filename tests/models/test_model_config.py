@@ -79,6 +79,16 @@ def test_unsupported_configs_name_the_file(change, message):
         config_from_hf(dict(LLAMA, **change), source="ckpt/config.json")
 
 
+@pytest.mark.parametrize("cap", [0, -30.0, "30", float("inf"), True])
+def test_a_soft_cap_is_null_or_positive(cap):
+    """A cap of 0 divided every logit by zero (NaN, without a word); "30" crashed float()."""
+    gemma = dict(LLAMA, num_hidden_layers=2, model_type="gemma2")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        with pytest.raises(ValueError, match=rf"ckpt/config.json: {key} = .* must be null"):
+            config_from_hf(dict(gemma, **{key: cap}), source="ckpt/config.json")
+    assert config_from_hf(dict(gemma, final_logit_softcapping=30)).final_logit_softcapping == 30.0
+
+
 # Model folders with bad fields: (config.json changes, generation_config.json or None, the
 # file the message must name, the text it must hold). Loaded with load_pretrained from a
 # folder that holds only the two files: the check comes before any weight is read.

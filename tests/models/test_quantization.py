@@ -24,13 +24,13 @@ def float_model():
     return ll.load_pretrained()
 
 
-@pytest.fixture(scope="module", params=[("int8", 128), ("int4", 32)], ids=["int8", "int4"])
+@pytest.fixture(scope="module", params=[("int8", None), ("int4", 32)], ids=["int8", "int4"])
 def quantized(request):
     fmt, group = request.param
     return fmt, ll.load_pretrained(quantize=fmt, group_size=group)
 
 
-@pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 32), ("fp8", 128)])
+@pytest.mark.parametrize("fmt,group", [("int8", None), ("int4", 32), ("fp8", None)])
 def test_product_matches_float64_dequantized_reference(fmt, group):
     w = jax.random.normal(jax.random.key(0), (128, 48), jnp.float32)
     x = jax.random.normal(jax.random.key(1), (5, 128), jnp.float32)
@@ -87,6 +87,12 @@ def test_bad_input_is_named():
         ValueError, match=r"layers\.0\.\w+ has shape \(\d+, \d+.*not divisible by group_size=96"
     ):
         ll.load_pretrained(quantize="int4", group_size=96)
+    for fmt in (None, "int8", "fp8"):  # a group size without int4 was once ignored
+        with pytest.raises(ValueError, match=rf"group_size=32 is int4's group .* {fmt!r}"):
+            ll.load_pretrained(quantize=fmt, group_size=32)
+    # A NumPy int is a group size, as everywhere else (it was once refused).
+    spec = quantization.check_quantize("int4", np.int64(64))
+    assert spec.group_size == 64 and type(spec.group_size) is int
 
 
 def _leaves(model):
@@ -275,7 +281,7 @@ def _moe_reference(block, h: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "fmt,group", [pytest.param("int8", 128, marks=pytest.mark.slow), ("int4", 16)]
+    "fmt,group", [pytest.param("int8", None, marks=pytest.mark.slow), ("int4", 16)]
 )
 def test_moe_experts_quantized_against_float64_reference(fmt, group):
     import sys
@@ -330,7 +336,7 @@ def test_moe_quantized_while_loading_and_orbax_round_trip(tmp_path):
 
 @pytest.mark.parametrize(
     "fmt,group,min_agreement,max_kl",
-    [("int8", 128, 0.98, 1e-3), pytest.param("int4", 32, 0.9, 0.1, marks=pytest.mark.slow)],
+    [("int8", None, 0.98, 1e-3), pytest.param("int4", 32, 0.9, 0.1, marks=pytest.mark.slow)],
 )
 def test_shipped_model_accuracy_on_held_out_text(fmt, group, min_agreement, max_kl):
     """Teacher-forced on 8 windows of the held-out text (scripts/bench_quant_accuracy.py

@@ -31,7 +31,7 @@ def small_llama(tied: bool = True):
     return ll.models.LlamaModel(config, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 16), ("fp8", 128)])
+@pytest.mark.parametrize("fmt,group", [("int8", None), ("int4", 16), ("fp8", None)])
 def test_lookup_and_head_match_float64_reference(fmt, group):
     table = jax.random.normal(jax.random.key(0), (40, 64), jnp.float32)
     spec = quantization.check_quantize(fmt, group, quantize_embedding=True)
@@ -138,7 +138,7 @@ def test_untied_checkpoint_quantized_while_loading_and_orbax_round_trip(tmp_path
     directory = save_hf_model(build_hf_model("llama"), tmp_path / "llama")
     loaded = ll.load_pretrained(directory, quantize="int8", quantize_embedding=True)
     after = ll.load_pretrained(directory)
-    quantization.quantize_model(after, quantization.check_quantize("int8", 128, True))
+    quantization.quantize_model(after, quantization.check_quantize("int8", None, True))
     assert loaded.quantization == after.quantization
     assert loaded.quantization.vocab_tables == 2
     for a, b in zip(_leaves(loaded), _leaves(after), strict=True):
@@ -154,7 +154,7 @@ def test_untied_checkpoint_quantized_while_loading_and_orbax_round_trip(tmp_path
 def test_version_2_record_reads_as_float_tables():
     record = {"storage_version": 2, "format": "int8", "group_size": 128}
     spec = quantization.spec_from_record(record, "meta.json")
-    assert spec == quantization.QuantizeSpec("int8", 128, embedding=False)
+    assert spec == quantization.QuantizeSpec("int8", None, embedding=False)  # 128: unused
     with pytest.raises(
         ValueError, match=r"storage version 1; this logitloop reads versions 2 and 3"
     ):

@@ -32,7 +32,9 @@ def _model(fmt):
     )  # fmt: skip
     model = ll.models.LlamaModel(config, rngs=nnx.Rngs(0))
     if fmt is not None:
-        quantization.quantize_model(model, quantization.check_quantize(fmt, 64))
+        quantization.quantize_model(
+            model, quantization.check_quantize(fmt, 64 if fmt == "int4" else None)
+        )
     return model
 
 

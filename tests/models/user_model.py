@@ -23,8 +23,14 @@ SPEC = ll.KVSpec(num_layers=L, num_kv_heads=HKV, head_dim=D, dtype=jnp.float32)
 
 # The switches, off: rotate by the column index instead of `positions`; scale the queries
 # by this with kv=None only (another training path); add this to the logits when the cache
-# is a paged pool (a model that reads the kv's layout).
-CORRECT = {"column_positions": False, "train_q_scale": 1.0, "paged_offset": 0.0}
+# is a paged pool (a model that reads the kv's layout); add this [V] to every pass's logits
+# (-inf: a masked vocabulary entry; NaN: logits gone NaN).
+CORRECT = {
+    "column_positions": False,
+    "train_q_scale": 1.0,
+    "paged_offset": 0.0,
+    "vocab_offset": np.zeros(V, np.float32),
+}
 
 
 def init_params(seed: int = 0, **switches) -> dict:
@@ -91,6 +97,7 @@ def apply(bug: str | None = None):
             h = rms_norm(x, p["norm2"], kv)
             x = x + ll.dense(jax.nn.silu(ll.dense(h, p["w_up"], kv)), p["w_down"], kv)
         logits = ll.dense(rms_norm(x, params["norm"], kv), params["head"], kv)
+        logits = logits + switches["vocab_offset"]
         if kv is not None and "k_pages" in kv.caches[0]:
             logits = logits + switches["paged_offset"]
         if bug == "shape":

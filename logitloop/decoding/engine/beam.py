@@ -447,7 +447,8 @@ def beam_search(
     check_count("num_return_sequences", num_return_sequences, 1, min(beams))
     check_count("max_tokens", max_tokens, 1)
     check_count("min_tokens", min_tokens, 0, max_tokens)
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+    number = (int, float, np.integer, np.floating)
+    if isinstance(length_penalty, (bool, np.bool_)) or not isinstance(length_penalty, number):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty = {length_penalty} is not finite")

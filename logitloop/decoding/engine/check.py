@@ -14,10 +14,13 @@ three ways and compares the logits of every real column:
 Each comparison names its likely cause (`Finding`): the unpadded row already differs
 from (a) (the model treats a kv and kv=None differently, or masks itself); a left-padded
 row or a decode step differs while the unpadded prompt matches (positions ignored); (c)
-differs from (b) (paged differs from contiguous). Errors the contract raises when a pass
-is traced (logits of the wrong shape, a kv not from `ll.attention`, a layer written twice
-or never, heads or dtype not those of the `KVSpec`) come back as findings with their
-message, which names the layer and the mismatch.
+differs from (b) (paged differs from contiguous). A logit that is NaN, or infinite on one
+side only, is a finding of its own (`NON_FINITE`): the tolerance scales with the largest
+finite logit, so a masked entry (-inf on both sides) neither fails nor hides the others'
+differences. Errors the contract raises when a pass is traced (logits of the wrong shape,
+a kv not from `ll.attention`, a layer written twice or never, heads or dtype not those of
+the `KVSpec`) come back as findings with their message, which names the layer and the
+mismatch.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ __all__ = ["CheckReport", "Finding", "check_model", "tolerances"]
 # the unpadded prompt in one call differs from kv=None; a left-padded row or a decode step
 # differs while that prompt matches; the paged pool differs from the contiguous cache.
 REFUSED, KV_NONE, POSITIONS, PAGED = "refused", "kv=None", "positions", "paged"
+# A logit that is NaN on either side, or infinite on one side only (or +inf on one and -inf
+# on the other): no tolerance covers it, whatever the finite logits do.
+NON_FINITE = "non-finite"
 
 _CAUSES = {
     KV_NONE: (
@@ -63,13 +69,19 @@ _CAUSES = {
         "cache: the model reads or writes the cache other than through ll.attention, or "
         "depends on its layout (if it only calls ll.attention, a logitloop bug: report it)"
     ),
+    NON_FINITE: (
+        "the logits hold NaN (an overflow, a division by zero, a softmax over no columns, "
+        "NaN weights), or one side gives an infinite logit where the other gives another "
+        "value; a masked vocabulary entry must be -inf in every pass"
+    ),
 }
 
 
 def tolerances(dtype: Any) -> tuple[float, float]:
     """The default `(atol, rtol)` for a model whose cache has this dtype: a logit agrees
-    when `|got - want| <= atol + rtol * max|want|`, the max over its row's vocabulary (a
-    logit's rounding error scales with the row's largest logits, not with its own).
+    when `|got - want| <= atol + rtol * max|want|`, the max over its row's finite logits (a
+    logit's rounding error scales with the row's largest logits, not with its own); an
+    infinite logit agrees only with the same infinity, and NaN with nothing.
     float32 and wider: 1e-4 and 1e-3 (the cached passes sum in another order than the full
     forward: the shipped model differs by under 1e-5 of its largest logit); 16-bit floats:
     1e-2 and 5e-2 (bfloat16 keeps 8 bits of mantissa and each layer rounds: the shipped
@@ -82,10 +94,11 @@ def tolerances(dtype: Any) -> tuple[float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One thing wrong: `kind` (`REFUSED`, `KV_NONE`, `POSITIONS`, `PAGED`), `what` (the
-    comparison, with the largest difference's row and position, or the pass that raised),
-    `max_abs_diff` (None for an error) and the likely `cause` (for an error, its message,
-    which names the layer and the mismatch)."""
+    """One thing wrong: `kind` (`REFUSED`, `KV_NONE`, `POSITIONS`, `PAGED`, `NON_FINITE`),
+    `what` (the comparison, with the largest difference's row and position, or the pass
+    that raised), `max_abs_diff` (None for an error; over the logits finite on both sides)
+    and the likely `cause` (for an error, its message, which names the layer and the
+    mismatch)."""
 
     kind: str
     what: str
@@ -102,14 +115,23 @@ class Finding:
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """One comparison that ran: its `name`, the largest difference `max_abs_diff`, where
-    (`row`, `position`) and whether every logit was within tolerance (`ok`)."""
+    """One comparison that ran: its `name`, the largest difference `max_abs_diff` between
+    logits finite on both sides, where (`row`, `position`), whether every finite logit was
+    within tolerance (`ok`), and `non_finite`: how many logits were NaN on either side or
+    infinite on one side only (or of opposite signs), and where the first one is
+    (`non_finite_at`, `(row, position)`; None when none)."""
 
     name: str
     max_abs_diff: float
     row: int
     position: int
     ok: bool
+    non_finite: int = 0
+    non_finite_at: tuple[int, int] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.ok and not self.non_finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +161,11 @@ class CheckReport:
             f"pages of {self.page_size})"
         ]
         for c in self.comparisons:
-            mark = "ok  " if c.ok else "FAIL"
+            mark = "ok  " if c.passed else "FAIL"
             lines.append(
                 f"  {mark} {c.name:<44} max |diff| {c.max_abs_diff:.3g}"
                 + ("" if c.ok else f" (row {c.row}, position {c.position})")
+                + (f"; {c.non_finite} logit(s) NaN or inf on one side" if c.non_finite else "")
             )
         lines += [f"  {f}".replace("\n", "\n  ") for f in self.findings]
         return "\n".join(lines)
@@ -193,11 +216,13 @@ def check_model(
     has `prompt_len - b * prompt_len // batch` real tokens, left-padded to `prompt_len`
     (row 0 unpadded), then `steps` decode steps; the paged pool has pages of `page_size`
     tokens. Every real column's logits must agree: `|got - want| <= atol + rtol *
-    max|want|` (the max over the row's vocabulary), by default from the cache's dtype
-    (`tolerances`: atol 1e-4 and rtol 1e-3 for float32, 1e-2 and 5e-2 for bfloat16 and
-    float16). A sliding window (`KVSpec.window`) is exercised only where `prompt_len +
-    steps` exceeds it: pass a longer `prompt_len` to check a window (the model must give
-    `ll.attention` the same `window=` with `kv=None`, where no `KVSpec` says it).
+    max|want|` (the max over the row's finite logits; an infinite logit must be the same
+    infinity on both sides, NaN never agrees: kind "non-finite"), by default from the
+    cache's dtype (`tolerances`: atol 1e-4 and rtol 1e-3 for float32, 1e-2 and 5e-2 for
+    bfloat16 and float16; given, each a finite float >= 0). A sliding window
+    (`KVSpec.window`) is exercised only where `prompt_len + steps` exceeds it: pass a
+    longer `prompt_len` to check a window (the model must give `ll.attention` the same
+    `window=` with `kv=None`, where no `KVSpec` says it).
 
     Cheap: each pass is jitted once per shape (five programs; a model that returns only
     the last column's logits, `[B, V]`, needs one full forward per prefix length). A pass
@@ -222,8 +247,8 @@ def check_model(
         )
     dtype = runner.kv_spec.dtype
     default_atol, default_rtol = tolerances(dtype)
-    atol = default_atol if atol is None else float(atol)
-    rtol = default_rtol if rtol is None else float(rtol)
+    atol = default_atol if atol is None else _tolerance("atol", atol)
+    rtol = default_rtol if rtol is None else _tolerance("rtol", rtol)
     settings = dict(
         dtype=str(dtype), atol=atol, rtol=rtol, batch=int(batch), prompt_len=int(prompt_len),
         steps=int(steps), page_size=int(page_size),
@@ -235,6 +260,17 @@ def check_model(
     except _Refused as e:
         findings.append(e.finding)
     return CheckReport(tuple(findings), tuple(comparisons), **settings)
+
+
+def _tolerance(name: str, value: Any) -> float:
+    """`atol` or `rtol` as a finite float >= 0 (a NaN or infinite one passes everything)."""
+    try:
+        number = None if isinstance(value, (bool, str)) else float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not np.isfinite(number) or number < 0:
+        raise ValueError(f"check_model: {name} must be None or a finite float >= 0, got {value!r}")
+    return number
 
 
 def _check(runner, weights, vocab, settings, seed, findings, comparisons) -> None:
@@ -303,19 +339,17 @@ def _check(runner, weights, vocab, settings, seed, findings, comparisons) -> Non
     def compare(name, got, want, where) -> Comparison | None:
         if not where.any():
             return None
-        diff = np.abs(got - want)
-        diff = np.where(np.isnan(diff), np.inf, diff)
-        scale = np.max(np.abs(want), axis=-1, keepdims=True)  # the row's largest logit
-        bad = (diff > settings["atol"] + settings["rtol"] * scale) & where[..., None]
-        masked = np.where(where[..., None], diff, -np.inf)
-        row, position, _ = np.unravel_index(np.argmax(masked), masked.shape)
-        c = Comparison(name, float(masked.max()), int(row), int(position), not bad.any())
+        c = compare_logits(name, got, want, where, settings["atol"], settings["rtol"])
         comparisons.append(c)
+        if c.non_finite:
+            row, position = c.non_finite_at
+            what = f"{c.name}: row {row}, position {position}: {c.non_finite} logit(s) NaN or inf"
+            findings.append(Finding(NON_FINITE, what, None, _CAUSES[NON_FINITE]))
         return c
 
     unpadded = prefilled & (pads == 0)[:, None]
     first = compare("unpadded prompt in one call vs kv=None", contiguous, full, unpadded)
-    kv_none_ok = first is None or first.ok
+    kv_none_ok = first is None or first.passed
     checks = (
         (first, KV_NONE),
         (compare("left-padded prompt vs kv=None", contiguous, full, prefilled & ~unpadded),
@@ -341,3 +375,34 @@ def _check(runner, weights, vocab, settings, seed, findings, comparisons) -> Non
     if not c.ok:
         what = f"{c.name}: row {c.row}, position {c.position} differs"
         findings.append(Finding(PAGED, what, c.max_abs_diff, _CAUSES[PAGED]))
+
+
+def compare_logits(
+    name: str,
+    got: np.ndarray,  # [B, L, V]
+    want: np.ndarray,  # [B, L, V]
+    where: np.ndarray,  # [B, L] bool: the positions compared
+    atol: float,
+    rtol: float,
+) -> Comparison:
+    """`got` against `want` at `where`: the finite logits within `atol + rtol * max|want|`
+    (the max over the position's finite `want`: an infinite or NaN logit must not widen
+    the tolerance of the others), and the logits that are NaN on either side or infinite
+    on one side only counted apart (`Comparison.non_finite`): a masked entry, -inf on both
+    sides, agrees."""
+    where = where[..., None]
+    finite = np.isfinite(got) & np.isfinite(want)
+    same_inf = np.isinf(want) & (got == want)
+    odd = where & ~finite & ~same_inf  # NaN anywhere, or inf facing another value
+    diff = np.abs(np.where(finite, got, 0.0) - np.where(finite, want, 0.0))
+    scale = np.max(np.where(np.isfinite(want), np.abs(want), 0.0), axis=-1, keepdims=True)
+    bad = (diff > atol + rtol * scale) & where
+    masked = np.where(where, diff, -np.inf)
+    row, position, _ = np.unravel_index(np.argmax(masked), masked.shape)
+    at = None
+    if odd.any():
+        r, p, _ = np.argwhere(odd)[0]
+        at = (int(r), int(p))
+    return Comparison(
+        name, float(masked.max()), int(row), int(position), not bad.any(), int(odd.sum()), at
+    )

@@ -215,8 +215,12 @@ def tokenize_prompts(prompts: Sequence[Any], info: ModelInfo) -> list[list[int]]
 
 def check_count(name: str, value: Any, lo: int, hi: float = float("inf")) -> int:
     """An int argument (`n`, `slots`, `chunk_steps`, ...) in [lo, hi], or a ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-        top = "inf)" if hi == float("inf") else f"{int(hi)}]"
+    top = "inf)" if hi == float("inf") else f"{int(hi)}]"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"{name} must be an int in [{lo}, {top}, got {type(value).__name__} {value!r}"
+        )
+    if not lo <= value <= hi:
         raise ValueError(f"{name} = {value!r} is outside the allowed range [{lo}, {top}")
     return int(value)
 

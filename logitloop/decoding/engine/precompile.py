@@ -33,7 +33,7 @@ from logitloop.decoding.engine.generate import forked_call, on_pool
 from logitloop.decoding.engine.host import check_count, prefill_call
 from logitloop.decoding.engine.plan import Options, plan, sampling_params
 from logitloop.decoding.loop.decode_loop import decode
-from logitloop.decoding.runtime.compiles import CompileWatch, preparing
+from logitloop.decoding.runtime.compiles import ProgramLog, preparing
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ def _precompile_job(
     options, settings = Options.split("precompile", keywords)
     shared = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     started, buckets = time.perf_counter(), []
-    with CompileWatch() as watch:
+    with ProgramLog() as log:
         for i, (p, m) in enumerate(itertools.product(prompt_sizes, token_sizes)):
             total = len(prompt_sizes) * len(token_sizes)
             _progress(progress, f"job {i + 1}/{total} (slots {slots}, prompt_len {p}", m)
@@ -85,7 +85,8 @@ def _precompile_job(
             buckets.append((slots, p, bound))
     if progress:
         print(file=sys.stderr)
-    return PrecompileReport(watch.count, 0, time.perf_counter() - started, buckets)
+    cached = len(log.runs) - log.compiled
+    return PrecompileReport(log.compiled, cached, time.perf_counter() - started, buckets)
 
 
 def _progress(show: bool, what: str, max_tokens: int | None) -> None:
@@ -106,7 +107,7 @@ def _sizes(name: str, value: int | Sequence[int], lo: int) -> list[int]:
 def precompile(
     model: Any,
     *,
-    rows: int | Sequence[int] = 1,
+    rows: int | Sequence[int] | None = None,
     prompt_len: int | Sequence[int] = 16,
     max_tokens: int | Sequence[int] | None = None,
     slots: int | None = None,
@@ -120,7 +121,8 @@ def precompile(
     `json_schema=...`, `speculative=...`; values do not matter, only which features they
     turn on and their table sizes). `max_tokens` defaults to the checkpoint's (or 16).
 
-    A size picks its bucket: rows=5 compiles the 8-row programs, which serve 5 to 8 prompts.
+    A size picks its bucket: rows=5 compiles the 8-row programs, which serve 5 to 8 prompts
+    (`rows` defaults to 1).
     Returns a `PrecompileReport`; `progress=True` prints a progress line to stderr. From
     then on, a call that needs a program none of the process's precompiled buckets holds
     still runs (it compiles its own) and warns once per program, naming the new dimension
@@ -132,6 +134,9 @@ def precompile(
     that job's own arguments (`prefill_batch`, `chunk_steps`, `kv_cache_tokens`,
     `page_size`, `prefix_cache`). Its admission programs are compiled by admitting one
     one-token request of each size (a prefill of one group and an empty decode chunk run).
+    The job's rows are its slots: `rows` is refused with `slots`. The report counts
+    programs as `ll.compile_stats` does: those compiled now, and those the job ran that
+    this process had compiled already (`cached`).
     """
     with preparing():
         return _precompile(model, rows, prompt_len, max_tokens, slots, progress, keywords)
@@ -141,10 +146,17 @@ def _precompile(model, rows, prompt_len, max_tokens, slots, progress, keywords):
     prompt_sizes = _sizes("prompt_len", prompt_len, 1)
     token_sizes = [None] if max_tokens is None else _sizes("max_tokens", max_tokens, 1)
     if slots is not None:
+        if rows is not None:
+            raise ValueError(
+                f"precompile: rows={rows!r} with slots={slots!r}: a generate_many job runs "
+                "its slots as its rows; give slots (the job's programs) or rows (generate's "
+                "buckets), not both"
+            )
+        slots = check_count("slots", slots, 1)
         return _precompile_job(model, slots, prompt_sizes, token_sizes, progress, keywords)
     options, settings = Options.split("precompile", keywords)
     job = plan(model, options)
-    row_sizes = _sizes("rows", rows, 1)
+    row_sizes = _sizes("rows", 1 if rows is None else rows, 1)
     combos = list(itertools.product(row_sizes, prompt_sizes, token_sizes))
     started, compiled, cached, buckets = time.perf_counter(), 0, 0, []
     for i, (r, p, m) in enumerate(combos):

@@ -84,6 +84,10 @@ class ScoreResult:
     logprobs: list[float] | None = None  # under the row's processed distribution (`params`)
     top_logprobs: list[dict[int, float]] | None = None  # top-n raw alternatives per position
     text: str | None = None  # the continuation's text (with a tokenizer)
+    # None, or what went wrong: the model's logits held NaN or +inf, or were -inf for every
+    # token, at some position (its raw_logprobs there are -inf, as generate's finish
+    # reason is "error" for such a row)
+    error: str | None = None
 
     @property
     def raw_logprob_sum(self) -> float:
@@ -212,7 +216,10 @@ def score(
     model's EOS ids join every row's stop ids, as in `generate`. For the token the row's
     own draw picks at that position (what `generate` drew) the value is the sampler's bit
     for bit; for others it may differ from it in the last bit.
-    `top_logprobs` (0..MAX_TOP_LOGPROBS): that many raw alternatives per position.
+    `top_logprobs` (0..MAX_TOP_LOGPROBS): that many raw alternatives per position. A
+    position whose logits hold NaN or +inf, or are -inf for every token, scores -inf and
+    sets the result's `error` (naming the positions), where `generate` would end the row
+    with finish reason "error".
 
     The pairs run in batches of `batch_size` rows, longest first; the rows, the prompt and
     continuation widths and a batch's distinct prompts are bucketed (`score_rows`,
@@ -411,6 +418,13 @@ def _result(
     info: ModelInfo,
 ) -> ScoreResult:
     n = len(cont)
+    bad = np.flatnonzero(out["bad"][i, :n]).tolist()
+    error = None
+    if bad:
+        error = (
+            f"the model's logits held NaN or +inf, or -inf for every token, at continuation "
+            f"position(s) {bad}: their log-probabilities are -inf"
+        )
     top = None
     if num_top:
         top = [
@@ -428,6 +442,7 @@ def _result(
         logprobs=out["processed"][i, :n].tolist() if with_params else None,
         top_logprobs=top,
         text=None if info.tokenizer is None else info.tokenizer.decode(cont),
+        error=error,
     )
 
 
@@ -478,10 +493,12 @@ def raw_logprobs(
     valid: jax.Array,  # [B, C] bool
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """[B, C] f32: each token's float32 log-softmax under the model, -inf where not `valid`
-    or the position's logits are bad, with the sampler's own normalizer (`raw_normalizer`,
-    the one `generate` reports `raw_logprobs` with; `jax.nn.logsumexp` differs in the last
-    bits); and that normalizer's (row max, log-sum, bad) [B, C] each."""
+    or the position's logits are bad (NaN or +inf, or -inf for every token), with the
+    sampler's own normalizer (`raw_normalizer`, the one `generate` reports `raw_logprobs`
+    with; `jax.nn.logsumexp` differs in the last bits); and that normalizer's (row max,
+    log-sum, bad) [B, C] each."""
     raw_max, raw_norm, bad = raw_normalizer(logits)  # [B, C] each
+    bad = bad | (raw_norm == -jnp.inf)  # every token -inf: (-inf) - (-inf) would be NaN
     norm = jnp.where(bad, 0.0, raw_norm)
     raw_tok = jnp.take_along_axis(logits, tokens[..., None], axis=2)[..., 0]
     raw = jnp.where(valid & ~bad, (raw_tok - raw_max) - norm, NEG_INF)
@@ -591,12 +608,13 @@ def score_batch(
     valid = jnp.arange(width)[None, :] < cont_len[:, None]  # [B, C]
     raw, (raw_max, norm, bad) = raw_logprobs(logits, cont, valid)
     best = first_argmax(logits.reshape(batch * width, -1)).reshape(batch, width)
-    out = dict(raw=raw, is_argmax=valid & ~bad & (best == cont))
+    out = dict(raw=raw, is_argmax=valid & ~bad & (best == cont), bad=valid & bad)
     if params is not None:
         lp, _ = processed_logprobs(logits, cont, valid, params, history, automata, fsm)
         out["processed"] = jnp.where(valid, lp, NEG_INF)
     if num_top:
         log_sm = (logits - raw_max[..., None]) - norm[..., None]
+        log_sm = jnp.where(bad[..., None], NEG_INF, log_sm)  # no alternatives from bad logits
         vals, ids = jax.lax.top_k(log_sm, min(num_top, logits.shape[2]))
         out["top_ids"], out["top_values"] = ids.astype(jnp.int32), vals
     return out

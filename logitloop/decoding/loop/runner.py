@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -174,7 +175,16 @@ def from_linen(
 ) -> FunctionModel:
     """The model every entry point takes, from a Linen module and its variables:
     `module.apply(variables, tokens, positions, kv)` (or `method=`), whose attention calls
-    `ll.attention`. Keep the returned model: it is the programs' key."""
+    `ll.attention`. Keep the returned model: it is the programs' key. Errors name the
+    module (and method), not the `FunctionModel` it becomes."""
+    from flax import linen
+
+    if not isinstance(module, linen.Module):
+        raise TypeError(f"from_linen takes a flax.linen Module, got {type(module).__name__}")
+    if not isinstance(kv_spec, KVSpec):
+        raise TypeError(f"from_linen: kv_spec must be an ll.KVSpec, got {type(kv_spec).__name__}")
+    fields = types.SimpleNamespace(vocab_size=vocab_size, max_length=max_length)
+    _check_model_fields(fields, "from_linen")
     return FunctionModel(
         functools.partial(module.apply, method=method), variables, vocab_size=vocab_size,
         max_length=max_length, eos_token_ids=_eos_tuple(eos_token_ids), tokenizer=tokenizer,
@@ -262,7 +272,7 @@ class ModelRunner:
             where = "the NNX module"
             out = self.call(nnx.merge(self.graphdef, weights), tokens, positions, kv)
         else:
-            where = "apply_fn"
+            where = _function_name(self.apply_fn)
             out = self.apply_fn(weights, tokens, positions, kv)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(f"{where} must return (logits, kv), got {type(out).__name__}")
@@ -325,6 +335,16 @@ class ModelRunner:
         return self.kv_spec.init_pool(num_pages, page_size)
 
 
+def _function_name(apply_fn: Callable) -> str:
+    """How errors name a FunctionModel's forward: "apply_fn", or for `from_linen`'s
+    `functools.partial(module.apply, method=...)` the Linen module and method."""
+    module = getattr(getattr(apply_fn, "func", None), "__self__", None)
+    if not isinstance(apply_fn, functools.partial) or module is None:
+        return "apply_fn"
+    method = apply_fn.keywords.get("method") or "__call__"
+    return f"the Linen module {type(module).__name__}.{getattr(method, '__name__', method)}"
+
+
 # Why a FunctionModel with a cache of its own cannot have something (`.format(what=...)`).
 OWN_CACHE_REFUSAL = (
     "{what} needs a model whose attention goes through ll.attention: this FunctionModel "
@@ -376,6 +396,9 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
             out = fn(runner, *args, **kwargs)
         if watch.count:  # a new program: counted, with what was new (`ll.compile_stats`)
             self._record(watch.seconds, runner, args, kwargs)
+        if compiles.logging_programs():  # `ll.precompile(slots=...)`: which programs ran
+            if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+                compiles.ran(self._fn.__name__, self._signature(runner, args, kwargs))
         return out
 
     def trace(self, runner: Any, *args, **kwargs):
@@ -395,10 +418,14 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
             self._record(watch.seconds, runner, args, kwargs)
         return traced.out_info, bool(watch.count)
 
-    def _record(self, seconds: float, runner: Any, args: tuple, kwargs: dict) -> None:
+    def _signature(self, runner: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         bound = inspect.signature(self._fn).bind(runner, *args, **kwargs).arguments
+        return compiles.signature(bound)
+
+    def _record(self, seconds: float, runner: Any, args: tuple, kwargs: dict) -> None:
         model = getattr(runner, "runner", runner)  # a Program holds its model's runner
-        compiles.record(self._fn.__name__, seconds, compiles.signature(bound), model)
+        sig = self._signature(runner, args, kwargs)
+        compiles.record(self._fn.__name__, seconds, sig, model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,11 +446,17 @@ class ModelInfo:
 
 
 def _eos_tuple(eos: Any) -> tuple[int, ...]:
+    """`eos_token_ids` (None, an id or ids; NumPy's too) as a tuple of ints."""
     if eos is None:
         return ()
-    if isinstance(eos, int):
-        return (eos,)
-    return tuple(int(e) for e in eos)
+    ids = (eos,) if isinstance(eos, (int, np.integer)) else eos
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        ids = None
+    if ids is None or any(isinstance(e, bool) or not isinstance(e, (int, np.integer)) for e in ids):
+        raise ValueError(f"eos_token_ids must be a token id or a list of them, got {eos!r}")
+    return tuple(int(e) for e in ids)
 
 
 def check_weight_dtypes(weights: Any, dtype: Any) -> None:

@@ -78,6 +78,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from logitloop.decoding.loop import decode_loop as loop
@@ -124,13 +125,18 @@ class SpecState:
     draft_cache: Any = None  # a DraftModel's KV cache
 
 
-def _check(name: str, value: Any, lo: float, hi: float, kind=int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+def _check(obj: Any, field: str, lo: float, hi: float, kind=int) -> None:
+    """`obj.field` checked, an int (or with `kind=float` a number; NumPy's too, as every
+    other argument takes them) in [lo, hi], and stored as a Python `kind`."""
+    name, value = f"{type(obj).__name__}.{field}", getattr(obj, field)
+    allowed = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, allowed):
         raise ValueError(
             f"{name} must be {'a number' if kind is float else 'an int'}, got {value!r}"
         )
     if not lo <= value <= hi:
         raise ValueError(f"{name} = {value!r} is outside the allowed range [{lo}, {hi}]")
+    object.__setattr__(obj, field, kind(value))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,16 +151,16 @@ class _Speculation:
 
     def __post_init__(self):
         name = type(self).__name__
-        _check(f"{name}.num_draft", self.num_draft, 1, RING_SLACK)
+        _check(self, "num_draft", 1, RING_SLACK)
         if self.acceptance not in ACCEPTANCE:
             raise ValueError(
                 f"{name}.acceptance = {self.acceptance!r} is not one of {', '.join(ACCEPTANCE)}"
             )
-        _check(f"{name}.min_acceptance", self.min_acceptance, 0.0, 1.0, float)
+        _check(self, "min_acceptance", 0.0, 1.0, float)
         if self.probe_every is not None:
-            _check(f"{name}.probe_every", self.probe_every, 1, 2**20)
+            _check(self, "probe_every", 1, 2**20)
         if self.cycle_cost is not None:
-            _check(f"{name}.cycle_cost", self.cycle_cost, 1.0, self.num_draft + 1.0, float)
+            _check(self, "cycle_cost", 1.0, self.num_draft + 1.0, float)
 
     def probe(self, s: loop.DecodeState) -> jax.Array:
         """Whether this cycle is a probe (every `probe_every`-th step but the first): all
@@ -345,8 +351,8 @@ class PromptLookup(_Speculation):
 
     def __post_init__(self):
         super().__post_init__()
-        _check("PromptLookup.max_ngram", self.max_ngram, 1, 64)
-        _check("PromptLookup.min_ngram", self.min_ngram, 1, self.max_ngram)
+        _check(self, "max_ngram", 1, 64)
+        _check(self, "min_ngram", 1, self.max_ngram)
 
     def ready(self, s):
         """The rows whose lookup finds an earlier occurrence (cheap: no model runs)."""

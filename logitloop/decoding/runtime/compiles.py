@@ -16,6 +16,7 @@ the reason: the dimension of its call that no earlier program of that function h
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -179,11 +180,17 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                 shapes.append((key, a, b))
         elif not _same(a, b):
             others.append(_static_difference(key, a, b))
-    rows = {(a[0][0], b[0][0]) for _, a, b in shapes if a[0][:1] != b[0][:1] and a[0] and b[0]}
-    if len(rows) == 1:  # the rows changed: name that once, then what else did
-        ((r0, r1),) = rows
+    rows = collections.Counter(
+        (a[0][0], b[0][0]) for _, a, b in shapes if a[0][:1] != b[0][:1] and a[0] and b[0]
+    )
+    if rows:  # the rows changed (most arrays' first axis): name that once, then what else did
+        ((r0, r1), _), *_ = rows.most_common(1)
         others.insert(0, f"rows {r0} -> {r1}")
-        shapes = [(k, a, b) for k, a, b in shapes if a[0][1:] != b[0][1:] or a[1] != b[1]]
+        shapes = [
+            (k, a, b)
+            for k, a, b in shapes
+            if a[0][:1] != (r0,) or b[0][:1] != (r1,) or a[0][1:] != b[0][1:] or a[1] != b[1]
+        ]
     for key, a, b in shapes[:2]:
         others.append(f"{key} {_brief(a)} -> {_brief(b)}")
     if len(shapes) > 2:
@@ -196,22 +203,36 @@ def _is_shape(x: Any) -> bool:
 
 
 def _static_difference(key: str, a: Any, b: Any) -> str:
-    """A static argument's change: for dataclasses (the loop's `Program`), the fields that
-    differ."""
-    name = key.split("[")[0]
-    if dataclasses.is_dataclass(a) and type(a) is type(b):
+    """A static argument's change: for dataclasses (the loop's `Program`, its pool's
+    `PoolShape`), the fields that differ, down to plain values."""
+    return ", ".join(_field_differences(key.split("[")[0], a, b))
+
+
+def _field_differences(name: str, a: Any, b: Any) -> list[str]:
+    if _is_record(a) and type(a) is type(b):
         fields = [
             f.name
             for f in dataclasses.fields(a)
             if not _same(getattr(a, f.name), getattr(b, f.name))
         ]
         if "runner" in fields:
-            return f"a new model or numerics ({name}.runner)"
-        if fields:
-            return ", ".join(
-                f"{name}.{f} {_brief(getattr(a, f))} -> {_brief(getattr(b, f))}" for f in fields
-            )
-    return f"{name} {_brief(a)} -> {_brief(b)}"
+            return [f"a new model or numerics ({name}.runner)"]
+        out = [d for f in fields for d in _field_differences(f"{name}.{f}", *_pair(a, b, f))]
+        if out:
+            return out
+    if _is_record(b) and a is None:
+        return [f"{name} added"]
+    if _is_record(a) and b is None:
+        return [f"{name} removed"]
+    return [f"{name} {_brief(a)} -> {_brief(b)}"]
+
+
+def _is_record(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _pair(a: Any, b: Any, field: str) -> tuple[Any, Any]:
+    return getattr(a, field), getattr(b, field)
 
 
 def _head(key: str) -> str:
@@ -233,6 +254,39 @@ def _brief(x: Any) -> str:
         return f"{x[1]}{list(x[0])}"
     text = repr(x)
     return text if len(text) <= 60 else type(x).__name__
+
+
+class ProgramLog:
+    """The programs logitloop's jitted functions ran while active, as `compile_stats`
+    counts them: `runs`, the distinct programs run (a function and its call's
+    `signature`), and `compiled`, how many of them compiled (the others this process had
+    already). `ll.precompile(slots=...)` reports these for the job it runs."""
+
+    def __init__(self):
+        self.runs: set = set()
+        self.compiled = 0
+
+    def __enter__(self) -> ProgramLog:
+        _logs.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _logs.remove(self)
+
+
+_logs: list[ProgramLog] = []
+
+
+def logging_programs() -> bool:
+    """Whether a `ProgramLog` is active (`ran` is then worth calling)."""
+    return bool(_logs)
+
+
+def ran(program: str, sig: dict[str, Any]) -> None:
+    """Note that `program` ran for a call of this `signature` (for the active logs)."""
+    key = (program, tuple(sorted((k, v if _is_shape(v) else repr(v)) for k, v in sig.items())))
+    for log in _logs:
+        log.runs.add(key)
 
 
 class preparing:  # noqa: N801 - a context manager, used like a function
@@ -273,6 +327,8 @@ def record(program: str, seconds: float, sig: dict[str, Any], model: Any = None)
         )
     _stats.programs += 1
     _stats.seconds += seconds
+    for log in _logs:
+        log.compiled += 1
     _stats.events.append(event)
     del _stats.events[:-1000]
     return event

@@ -87,6 +87,8 @@ def _schema_constraint(value: Any, where: str) -> Constraint:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{where} is JSON nested too deep to read") from None
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"{where} must be a JSON schema (a dict or JSON text), got {value!r}")
     schema = checked_schema(value, where)
