@@ -177,6 +177,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from e
+    except RecursionError as e:  # nested past the parser's depth
+        raise ValueError(f"{path}: not valid JSON: nested too deeply") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -193,6 +193,13 @@ def test_unknown_model_type(bad_dir):
         load_pretrained(bad_dir)
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_json_nested_past_the_parser_is_named(bad_dir, name):
+    (bad_dir / name).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=rf"{name}: not valid JSON: nested too deeply"):
+        load_pretrained(bad_dir)
+
+
 def test_unsupported_rope_type(bad_dir):
     config = json.loads((bad_dir / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
