@@ -53,6 +53,7 @@ _SETTINGS = (
     "jax_persistent_cache_min_entry_size_bytes",
 )
 _warned: set[str] = set()  # folders refused already in this process: one warning each
+_active: CompileCache | None = None  # the cache enabled last (`active`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,9 @@ class CompileCache:
 
     def disable(self) -> None:
         """Stop keeping programs on disk: JAX's settings as they were before."""
+        global _active
+        if _active is self:
+            _active = None
         for name, value in self.previous:
             jax.config.update(name, value)
         compilation_cache.reset_cache()
@@ -110,7 +114,15 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     # JAX reads its settings when it first compiles; a process that compiled before this
     # call would otherwise keep running without the cache.
     compilation_cache.reset_cache()
-    return CompileCache(chosen, previous)
+    global _active
+    _active = CompileCache(chosen, previous)
+    return _active
+
+
+def active() -> CompileCache | None:
+    """The cache `enable_compile_cache` enabled and nothing disabled since (its folder
+    also holds logitloop's executables, `decoding.runtime.executables`), or None."""
+    return _active
 
 
 def enable_default_compile_cache() -> CompileCache | None:

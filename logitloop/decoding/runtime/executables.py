@@ -1,0 +1,662 @@
+"""A store of compiled executables, so that a warm process loads its programs without tracing
+or lowering them again.
+
+JAX's persistent compilation cache (`logitloop.compile_cache`) saves the XLA compile only:
+its key is the lowered program, so a process still traces and lowers every program before
+the cache can answer (about 0.8 s a program for the shipped model's `generate`). This store
+keys a program by what logitloop knows before tracing, and keeps the executable XLA
+compiled with what JAX needs to call it:
+
+- the key (`Call.description`): logitloop's version and a hash of its source files, the
+  jax, jaxlib and flax versions, the backend, its version and device kind, `XLA_FLAGS`
+  and JAX's trace-time settings; the jitted function's qualified name, its jit options and
+  compiler options; each static argument described as data (the model's graph, config,
+  dtype and numerics, the loop's `Program`: types by qualified name, values by value); the
+  call's tree and each array's shape, dtype, weak type and device. A static argument that
+  cannot be described so (a user's function or module class, a mesh: anything whose
+  meaning is not fixed by logitloop's and its libraries' versions) keeps the program out
+  of the store: it is traced as before.
+- an entry (`<sha256 of the key>.xla` in `<compile cache folder>/executables`): a JSON
+  header (the key itself, the avals, shardings, layouts and kept inputs of the executable,
+  its output tree, the executable's size and sha256) and the bytes of
+  `client.serialize_executable`. Loading reads the JSON, checks that the key is this
+  call's and the hash the bytes', and hands the bytes to XLA
+  (`client.deserialize_executable`); nothing is unpickled or run as Python. The output tree
+  is rebuilt from already imported pytree classes named in the header (logitloop's, flax's
+  and jax's only).
+
+An entry that cannot be used (truncated, corrupt, another key's: another jax version or
+another model) is refused with a warning, the program compiled again and the entry
+replaced. A write goes to a temporary file in the same folder, then `os.replace`, so a
+process killed while writing leaves no entry half written. A folder that cannot be written
+(read-only, full) warns once and keeps nothing more in this process; a run never fails
+because of the store. Only single-device programs are kept (every input and output on one
+device, no host callbacks nor effects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+FORMAT = 1
+MAGIC = b"logitloop-executable 1\n"
+FOLDER = "executables"
+_TRUSTED = ("logitloop", "flax", "jax", "jaxlib", "numpy", "ml_dtypes", "builtins", "pathlib")
+# Described by their class alone: a family model keeps its tokenizer as a static attribute
+# of its graph, which its forward pass never reads.
+_BY_TYPE = ("logitloop.models.tokenizer:Tokenizer",)
+
+
+class Unstable(Exception):
+    """A value that has no description stable across processes."""
+
+
+# ------------------------------------------------------------------------ describing values
+
+
+def _trusted(module: str | None) -> bool:
+    return module is not None and module.split(".")[0] in _TRUSTED
+
+
+def _name(obj: Any) -> str:
+    """`module:qualname` of a class or function of a trusted module (logitloop's code is
+    hashed into the key, the libraries' by their versions), else Unstable."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not _trusted(module) or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+        raise Unstable(f"{obj!r} is not a module-level name of logitloop or its libraries")
+    return f"{module}:{qualname}"
+
+
+def describe(x: Any, depth: int = 0) -> Any:
+    """A JSON-able description of a static argument that is the same in every process
+    (same versions) for equal values, or Unstable."""
+    if depth > 60:
+        raise Unstable("too deeply nested")
+    d = depth + 1
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, (int, float)) and type(x) in (int, float):
+        return [type(x).__name__, repr(x)]
+    if isinstance(x, enum.Enum):
+        return ["enum", _name(type(x)), x.name]
+    if isinstance(x, (np.dtype, np.generic)):
+        return ["np", type(x).__name__, str(x)]
+    if isinstance(x, pathlib.PurePath):
+        return ["path", str(x)]
+    if isinstance(x, type) or inspect.isfunction(x) or inspect.isbuiltin(x):
+        return ["name", _name(x)]
+    if isinstance(x, functools.partial):
+        return ["partial", describe(x.func, d), describe(x.args, d), describe(x.keywords, d)]
+    if isinstance(x, jax.tree_util.PyTreeDef):
+        return ["tree", describe_tree(x)]
+    if isinstance(x, (tuple, list)) and type(x) in (tuple, list):
+        return [type(x).__name__, [describe(v, d) for v in x]]
+    if isinstance(x, (set, frozenset)):
+        return ["set", sorted(json.dumps(describe(v, d), sort_keys=True) for v in x)]
+    kind = _name(type(x))
+    if kind in _BY_TYPE:
+        return ["instance", kind]
+    if isinstance(x, Mapping):
+        items = sorted((json.dumps(describe(k, d)), describe(v, d)) for k, v in x.items())
+        return ["map", kind, items]
+    if dataclasses.is_dataclass(x):
+        fields = [(f.name, describe(getattr(x, f.name), d)) for f in dataclasses.fields(x)]
+        return ["dataclass", kind, fields]
+    if isinstance(x, tuple):  # a NamedTuple
+        return ["tuple", kind, [describe(v, d) for v in x]]
+    raise Unstable(f"no stable description of {type(x).__name__}")
+
+
+def describe_tree(tree: jax.tree_util.PyTreeDef) -> Any:
+    """A JSON description of a pytree's structure (`rebuild_tree` reads it back): leaves as
+    null, nodes as [class, aux data, children]."""
+    data = tree.node_data()
+    if data is None:
+        return None
+    kind, aux = data
+    return [_name(kind), describe(aux), [describe_tree(c) for c in tree.children()]]
+
+
+def rebuild_tree(desc: Any) -> jax.tree_util.PyTreeDef:
+    """The pytree structure `describe_tree` described, from classes already imported (no
+    module is imported, no code from the entry runs); ValueError where it cannot be."""
+    if desc is None:
+        return jax.tree.structure(0)
+    name, aux, children = desc
+    kind = _lookup(name)
+    node = (kind, _undescribe(aux))
+    kids = [rebuild_tree(c) for c in children]
+    return jax.tree_util.PyTreeDef.from_node_data_and_children(
+        jax.tree_util.default_registry, node, kids
+    )
+
+
+def _lookup(name: str) -> Any:
+    if name == "builtins:NoneType":
+        return type(None)
+    module, _, qualname = name.partition(":")
+    if not _trusted(module) or module not in sys.modules:
+        raise ValueError(f"the entry names {name}, not a loaded class of logitloop or a library")
+    obj = sys.modules[module]
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _undescribe(desc: Any) -> Any:
+    """The value of a pytree node's aux data from `describe` (the kinds a node's aux data
+    takes: constants, tuples, lists, names)."""
+    if desc is None or isinstance(desc, (bool, str)):
+        return desc
+    tag, *rest = desc
+    if tag in ("int", "float"):
+        return {"int": int, "float": float}[tag](rest[0])
+    if tag in ("tuple", "list") and len(rest) == 1:
+        values = [_undescribe(v) for v in rest[0]]
+        return tuple(values) if tag == "tuple" else values
+    if tag == "name":
+        return _lookup(rest[0])
+    if tag == "enum":
+        return getattr(_lookup(rest[0]), rest[1])
+    raise ValueError(f"the entry holds aux data of kind {tag!r}, which it cannot read back")
+
+
+# ------------------------------------------------------------------------------ the process
+
+
+@functools.cache
+def environment() -> dict[str, Any]:
+    """What every key shares in this process: versions, source hash, backend, settings."""
+    import flax
+    import jaxlib
+
+    import logitloop
+
+    device = jax.devices()[0]
+    return {
+        "format": FORMAT,
+        "logitloop": logitloop.__version__,
+        "source": source_hash(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "platform": device.platform,
+        "platform_version": device.client.platform_version,
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 over logitloop's Python files (their paths and bytes): a change to the code
+    never loads a program traced from the old code."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _trace_settings() -> Any:
+    """JAX's settings that change a trace (`jax._src.config.trace_context`, which jit keys
+    its own cache on), the constant ones by value."""
+    from jax._src import config
+
+    out = []
+    for value in config.trace_context():
+        try:
+            out.append(describe(value))
+        except Unstable:
+            out.append(["type", type(value).__qualname__])
+    return out
+
+
+# ------------------------------------------------------------------------------- the store
+
+
+class _Memory:
+    """The executables this process loaded or compiled through the store, by call key;
+    cleared by `jax.clear_caches()` like JAX's own (hashed by identity, as JAX's registry
+    of caches needs)."""
+
+    def __init__(self):
+        self.entries: dict[tuple, Any] = {}
+
+    def cache_clear(self):
+        self.entries.clear()
+
+    def cache_info(self):
+        return len(self.entries)
+
+    def cache_keys(self):
+        return list(self.entries)
+
+
+_memory = _Memory()
+try:
+    from jax._src import util as _jax_util
+
+    _jax_util.register_cache(_memory, "logitloop executables")
+except (ImportError, AttributeError):  # pragma: no cover - another jax: not cleared then
+    pass
+
+_unwritable: set[str] = set()  # folders that failed a write: warned once, no more writes
+
+
+def folder() -> Path | None:
+    """The store's folder: `executables` in the compile cache folder logitloop enabled
+    (`ll.enable_compile_cache`, the CLI's default), None while none is."""
+    from logitloop import compile_cache
+
+    cache = compile_cache.active()
+    return None if cache is None else cache.folder / FOLDER
+
+
+@dataclasses.dataclass
+class Call:
+    """One call of a `runner_jit` function as the store sees it: the arguments split into
+    static and dynamic ones (in the form the program is traced and called with), the
+    in-process key and, built on demand, the key written to disk."""
+
+    jitted: Any  # the jax.jit function picked for the call
+    fn: Any  # the Python function
+    static: dict[str, Any]
+    args: tuple  # dynamic positional arguments
+    kwargs: dict[str, Any]  # dynamic keyword arguments
+    traced_args: tuple  # the call as traced: statics included
+    traced_kwargs: dict[str, Any]
+    names: tuple  # the dynamic positional arguments' names
+    donated: frozenset
+    options: tuple
+    jit_kwargs: dict[str, Any]
+    tree: Any
+    leaves: tuple
+    memory_key: tuple
+
+    @functools.cached_property
+    def description(self) -> dict[str, Any]:
+        """The key on disk (raises Unstable where a static argument has no description)."""
+        static = {name: describe(v) for name, v in sorted(self.static.items())}
+        return json.loads(
+            json.dumps(
+                {
+                    "environment": environment(),
+                    "trace_settings": _trace_settings(),
+                    "function": _name(self.fn),
+                    "jit": describe(self.jit_kwargs),
+                    "compiler_options": describe(self.options),
+                    "static": static,
+                    "tree": describe_tree(self.tree),
+                    "leaves": [list(leaf) for leaf in self.leaves],
+                },
+                sort_keys=True,
+            )
+        )
+
+    @functools.cached_property
+    def digest(self) -> str:
+        text = json.dumps(self.description, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def run(self, compiled: Any) -> Any:
+        return compiled(*self.args, **self.kwargs)
+
+    def compile(self) -> Any:
+        """Trace, lower and compile the program (a `jax.stages.Compiled`), by XLA itself:
+        JAX's persistent cache is not read, because an executable JAX loaded from it
+        cannot be serialized again (on XLA:CPU the copy lacks its kernels: "Function ...
+        not found" when it runs), and not written either, the store holding the program."""
+        lowered = self.jitted.trace(*self.traced_args, **self.traced_kwargs).lower()
+        with _without_persistent_cache():
+            return lowered.compile()
+
+
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """JAX's persistent compilation cache off while active (its switch latched for the
+    process, `compilation_cache.is_cache_used`, set to off and back)."""
+    from jax._src import compilation_cache
+
+    lock = compilation_cache._cache_initialized_mutex
+    with lock:
+        saved = compilation_cache._cache_checked, compilation_cache._cache_used
+        compilation_cache._cache_checked, compilation_cache._cache_used = True, False
+    try:
+        yield
+    finally:
+        with lock:
+            compilation_cache._cache_checked, compilation_cache._cache_used = saved
+
+
+def _leaf(x: Any) -> tuple:
+    """(shape, dtype, weak type, where) of one dynamic leaf; Unstable off one device."""
+    from jax._src import core
+
+    aval = core.shaped_abstractify(x)
+    where: Any = "host"
+    if isinstance(x, jax.Array):
+        sharding = x.sharding
+        if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            raise Unstable("an argument lies over several devices")
+        (device,) = sharding.device_set
+        where = (device.id, sharding.memory_kind, bool(getattr(x, "_committed", True)))
+    return (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), where)
+
+
+def prepare(
+    jitted: Any, fn: Any, jit_kwargs: dict[str, Any], options: tuple, args: tuple, kwargs: dict
+) -> Call | None:
+    """The store's view of a call (`args` with the runner first), or None where the store
+    does not take part: none is enabled, or the call's arguments lie over several devices
+    or cannot be keyed (a value jit would refuse too: jit reports it)."""
+    if folder() is None:
+        return None
+    try:
+        bound = _signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    statics = set(jit_kwargs.get("static_argnames", ()))
+    donated = set(jit_kwargs.get("donate_argnames", ()))
+    names = list(bound.arguments)
+    positional = [(n, a) for n, a in zip(names, bound.args, strict=False) if n not in statics]
+    dyn_args = tuple(a for _, a in positional)
+    dyn_kwargs = {n: a for n, a in bound.kwargs.items() if n not in statics}
+    static = {n: bound.arguments[n] for n in names if n in statics}
+    flat, tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+    if any(isinstance(x, jax.core.Tracer) for x in flat):
+        return None  # inside another program: part of its trace
+    try:
+        leaves = tuple(_leaf(x) for x in flat)
+        memory_key = (jitted, tuple(sorted(static.items())), tree, leaves)
+        hash(memory_key)
+    except (Unstable, TypeError):
+        return None
+    return Call(
+        jitted, fn, static, dyn_args, dyn_kwargs, bound.args, bound.kwargs,
+        tuple(n for n, _ in positional), frozenset(n for n in names if n in donated), options,
+        jit_kwargs, tree, leaves, memory_key,
+    )  # fmt: skip
+
+
+@functools.cache
+def _signature(fn: Any) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def remembered(call: Call) -> Any | None:
+    """The executable this process has for the call already (None: none)."""
+    return _memory.entries.get(call.memory_key)
+
+
+def load(call: Call) -> Any | None:
+    """The call's executable from disk (a `jax.stages.Compiled`), or None: no entry, the
+    call has no stable key, or the entry was refused (with a warning)."""
+    place = folder()
+    try:
+        path = place / f"{call.digest}.xla"
+    except Unstable:
+        return None
+    try:
+        body = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _warn(f"executable {path} not read ({e.strerror or e}); compiling it again")
+        return None
+    try:
+        compiled = _decode(call, body)
+    except Exception as e:  # anything wrong with the entry: compile again, replace it
+        _warn(f"executable {path} not used ({e}); compiling it again")
+        return None
+    _memory.entries[call.memory_key] = compiled
+    return compiled
+
+
+def save(call: Call, compiled: Any, fresh: bool) -> None:
+    """Keep `compiled` (this call's executable) in memory and, when XLA compiled it just
+    now (`fresh`: not an executable this process had or loaded), it can be described
+    and the folder written, on disk."""
+    _memory.entries[call.memory_key] = compiled
+    place = folder()
+    if not fresh or place is None or str(place) in _unwritable:
+        return
+    try:
+        body = _encode(call, compiled)
+    except (Unstable, NotSupported, jax.errors.JaxRuntimeError):
+        return  # a program the store does not keep: traced in every process
+    from logitloop import compile_cache
+
+    refused = compile_cache.unsafe_folder(place)
+    tmp = place / f".{call.digest}.{os.getpid()}.tmp"
+    try:
+        if refused is not None:
+            raise OSError(refused)
+        with open(tmp, "wb") as f:
+            f.write(body)
+        os.replace(tmp, place / f"{call.digest}.xla")
+    except OSError as e:
+        _unwritable.add(str(place))
+        _warn(
+            f"executables are not kept in {place} in this process "
+            f"({e.strerror or e}); programs compile as usual"
+        )
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"logitloop: {message}", stacklevel=4)
+
+
+# ------------------------------------------------------------------------ entries, in bytes
+
+
+class NotSupported(Exception):
+    """A compiled program the store cannot write faithfully."""
+
+
+def _encode(call: Call, compiled: Any) -> bytes:
+    """An entry: MAGIC, the header's length (8 bytes), the JSON header, the executable."""
+    from jax._src.interpreters import pxla
+
+    description = call.description
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    if not isinstance(unloaded, pxla.UnloadedMeshExecutable) or compiled._params.const_args:
+        raise NotSupported("not a plain mesh executable")
+    if unloaded.ordered_effects or unloaded.unordered_effects or unloaded.host_callbacks:
+        raise NotSupported("effects or host callbacks")
+    if unloaded.keepalive or unloaded.mut is not None or unloaded.pgle_profiler is not None:
+        raise NotSupported("state kept alive beside the executable")
+    devices = [d.id for d in unloaded.device_list]
+    if len(devices) != 1:
+        raise NotSupported("several devices")
+    meta = {
+        "name": unloaded.name,
+        "devices": devices,
+        "committed": bool(unloaded.committed),
+        "kept": sorted(unloaded.kept_var_idx),
+        "in_avals": [_aval(a) for a in unloaded.input_avals],
+        "out_avals": [_aval(a) for a in unloaded.output_avals],
+        "all_in_avals": [_aval(a) for a in unloaded.all_args_info.in_avals],
+        "in_shardings": [_sharding(s) for s in unloaded.input_shardings],
+        "out_shardings": [_sharding(s) for s in unloaded.output_shardings],
+        "xla_in_layouts": [_layout(v) for v in unloaded.xla_in_layouts],
+        "dispatch_in_layouts": [_layout(v) for v in unloaded.dispatch_in_layouts],
+        "xla_out_layouts": [_layout(v) for v in unloaded.xla_out_layouts],
+        "out_tree": describe_tree(compiled.out_tree),
+    }
+    # Read back what was written, as a load would: a field this format does not hold
+    # faithfully keeps the program out of the store rather than writing a wrong entry.
+    again = _fields(json.loads(json.dumps(meta)), unloaded.backend)
+    for name, value in again.items():
+        if name in ("device_list", "all_args_info"):
+            value, want = getattr(value, "in_avals", value), unloaded.all_args_info.in_avals
+            if name == "device_list":
+                value, want = list(value), list(unloaded.device_list)
+        else:
+            want = getattr(unloaded, name)
+        if value != want:
+            raise NotSupported(f"{name} does not read back")
+    if rebuild_tree(meta["out_tree"]) != compiled.out_tree:
+        raise NotSupported("the output tree does not read back")
+    blob = unloaded.backend.serialize_executable(unloaded.xla_executable)
+    header = {
+        "key": description,
+        "meta": meta,
+        "size": len(blob),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+    }
+    text = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + len(text).to_bytes(8, "little") + text + blob
+
+
+def _decode(call: Call, body: bytes) -> Any:
+    """The `jax.stages.Compiled` of an entry, checked against the call; ValueError (or
+    another error from a malformed header) where it is not this call's."""
+    from jax._src import core, stages
+    from jax._src.interpreters import pxla
+
+    if not body.startswith(MAGIC):
+        raise ValueError("not an executable entry of this format")
+    start = len(MAGIC) + 8
+    length = int.from_bytes(body[len(MAGIC) : start], "little")
+    if len(body) < start + length:
+        raise ValueError("truncated")
+    header = json.loads(body[start : start + length])
+    blob = body[start + length :]
+    if header["key"] != call.description:
+        raise ValueError(f"written for another program: {_difference(header['key'], call)}")
+    if len(blob) != header["size"] or hashlib.sha256(blob).hexdigest() != header["sha256"]:
+        raise ValueError("truncated or corrupt (its executable does not match its hash)")
+    meta = header["meta"]
+    backend = jax.devices()[0].client
+    fields = _fields(meta, backend)
+    executable = backend.deserialize_executable(blob, executable_devices=fields["device_list"])
+    unloaded = pxla.UnloadedMeshExecutable(
+        xla_executable=executable, backend=backend, unordered_effects=[], ordered_effects=[],
+        keepalive=[], host_callbacks=[], mut=None, pgle_profiler=None, **fields,
+    )  # fmt: skip
+    flat = jax.tree.leaves((call.args, call.kwargs))
+    names = jax.tree.leaves(_argument_names(call))
+    info = [
+        stages.ArgInfo(core.shaped_abstractify(x), name in call.donated)
+        for x, name in zip(flat, names, strict=True)
+    ]
+    out_tree = rebuild_tree(meta["out_tree"])
+    return stages.Compiled(unloaded.load(), [], call.tree.unflatten(info), out_tree)
+
+
+def _argument_names(call: Call) -> Any:
+    """The dynamic arguments' tree with each leaf replaced by its argument's name."""
+    named = zip(call.names, call.args, strict=True)
+    args = tuple(jax.tree.map(lambda _, n=n: n, a) for n, a in named)
+    kwargs = {n: jax.tree.map(lambda _, n=n: n, a) for n, a in call.kwargs.items()}
+    return args, kwargs
+
+
+def _difference(theirs: dict, call: Call) -> str:
+    """The first fields in which an entry's key differs from the call's, in words."""
+    ours = call.description
+    out = []
+    for part in ("environment", "function", "static", "leaves", "jit", "tree"):
+        a, b = theirs.get(part), ours.get(part)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            out += [f"{part}.{k} {_short(a.get(k))} (here {_short(b.get(k))})" for k in keys]
+        else:
+            out.append(f"{part} differs")
+    return "; ".join(out[:3]) or "its key differs"
+
+
+def _short(x: Any) -> str:
+    text = json.dumps(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _aval(a: Any) -> list:
+    return [list(a.shape), str(a.dtype), bool(a.weak_type)]
+
+
+def _sharding(s: Any) -> list:
+    if type(s) is not jax.sharding.SingleDeviceSharding:
+        raise NotSupported(f"a {type(s).__name__}")
+    (device,) = s.device_set
+    return [device.id, s.memory_kind]
+
+
+def _layout(layout: Any) -> Any:
+    if layout is None:
+        return None
+    return [
+        list(layout.major_to_minor),
+        [list(t) for t in layout.tiling],
+        layout.sub_byte_element_size_in_bits,
+    ]
+
+
+def _fields(meta: dict, backend: Any) -> dict[str, Any]:
+    """`pxla.UnloadedMeshExecutable`'s fields held in a header's `meta`."""
+    from jax._src import core
+    from jax._src.interpreters import pxla
+    from jax._src.layout import Layout
+    from jax._src.lib import xla_client
+
+    devices = {d.id: d for d in backend.devices()}
+
+    def aval(x):
+        return core.ShapedArray(tuple(x[0]), np.dtype(x[1]), weak_type=bool(x[2]))
+
+    def sharding(x):
+        return jax.sharding.SingleDeviceSharding(devices[x[0]], memory_kind=x[1])
+
+    def layout(x):
+        if x is None:
+            return None
+        return Layout(tuple(x[0]), tuple(tuple(t) for t in x[1]), x[2])
+
+    all_in = [aval(a) for a in meta["all_in_avals"]]
+    return {
+        "name": str(meta["name"]),
+        "device_list": xla_client.DeviceList(tuple(devices[i] for i in meta["devices"])),
+        "committed": bool(meta["committed"]),
+        "kept_var_idx": {int(i) for i in meta["kept"]},
+        "input_avals": [aval(a) for a in meta["in_avals"]],
+        "output_avals": [aval(a) for a in meta["out_avals"]],
+        "input_shardings": [sharding(s) for s in meta["in_shardings"]],
+        "output_shardings": [sharding(s) for s in meta["out_shardings"]],
+        "xla_in_layouts": [layout(v) for v in meta["xla_in_layouts"]],
+        "dispatch_in_layouts": [layout(v) for v in meta["dispatch_in_layouts"]],
+        "xla_out_layouts": [layout(v) for v in meta["xla_out_layouts"]],
+        "all_args_info": pxla.AllArgsInfo(all_in, core.DebugInfo("jit", meta["name"], None, None)),
+    }
+
+
+def timed(fn, *args) -> tuple[Any, float]:
+    """`fn(*args)` and the seconds it took."""
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
