@@ -25,10 +25,18 @@ group- or world-writable or owned by someone else, or inside a group- or world-w
 folder without the sticky bit) is refused with one warning, and no cache is used. A new
 folder is created readable and writable by its owner only.
 
-(Until 2026-12 the CLI also kept its own store of serialized executables beside JAX's
-cache. It unpickled what it read, and a program written back from an executable JAX had
-loaded from its cache could not run; its gain over JAX's cache alone was measured at about
-0.3 s of a first `generate` call on the CPU, see BENCHMARKS.md, and it is gone.)
+JAX's cache is keyed by the lowered program, so a warm process still traces and lowers
+each program before the cache answers. The enabled folder therefore also holds logitloop's
+store of executables (`executables/`, `logitloop.decoding.runtime.executables`), keyed by
+what logitloop knows before tracing (its source, the versions, the backend, the model
+described as data, the arguments' shapes): a warm process loads those programs without
+tracing or lowering them. Its entries are a JSON header and XLA's bytes, nothing
+unpickled; a bad or foreign entry is compiled again and replaced, with a warning.
+
+(An earlier store, removed in 2026-12, unpickled what it read and wrote back executables
+JAX had loaded from its cache, which could not run: XLA:CPU's copy of such an executable
+lacks its kernels. The store compiles what it keeps with JAX's cache bypassed, and
+serializes it before it first runs.)
 """
 
 from __future__ import annotations
