@@ -261,6 +261,7 @@ except (ImportError, AttributeError):  # pragma: no cover - another jax: not cle
     pass
 
 _unwritable: set[str] = set()  # folders that failed a write: warned once, no more writes
+_unserializable: set[str] = set()  # kinds of error met serializing: warned once each
 
 
 def folder() -> Path | None:
@@ -327,25 +328,30 @@ class Call:
         cannot be serialized again (on XLA:CPU the copy lacks its kernels: "Function ...
         not found" when it runs), and not written either, the store holding the program."""
         lowered = self.jitted.trace(*self.traced_args, **self.traced_kwargs).lower()
-        with _without_persistent_cache():
+        with _without_persistent_cache() as self.bypassed:
             return lowered.compile()
+
+    bypassed = False  # whether `compile` kept JAX's persistent cache out (False: `save` skips)
 
 
 @contextlib.contextmanager
 def _without_persistent_cache():
     """JAX's persistent compilation cache off while active (its switch latched for the
-    process, `compilation_cache.is_cache_used`, set to off and back)."""
-    from jax._src import compilation_cache
+    process, `compilation_cache.is_cache_used`, set to off and back); yields whether it
+    could be (False where this jax keeps the switch elsewhere)."""
+    from jax._src import compilation_cache as cc
 
-    lock = compilation_cache._cache_initialized_mutex
-    with lock:
-        saved = compilation_cache._cache_checked, compilation_cache._cache_used
-        compilation_cache._cache_checked, compilation_cache._cache_used = True, False
+    if not all(hasattr(cc, n) for n in ("_cache_initialized_mutex", "_cache_checked")):
+        yield False
+        return
+    with cc._cache_initialized_mutex:
+        saved = cc._cache_checked, cc._cache_used
+        cc._cache_checked, cc._cache_used = True, False
     try:
-        yield
+        yield True
     finally:
-        with lock:
-            compilation_cache._cache_checked, compilation_cache._cache_used = saved
+        with cc._cache_initialized_mutex:
+            cc._cache_checked, cc._cache_used = saved
 
 
 def _leaf(x: Any) -> tuple:
@@ -438,12 +444,17 @@ def save(call: Call, compiled: Any, fresh: bool) -> None:
     and the folder written, on disk."""
     _memory.entries[call.memory_key] = compiled
     place = folder()
-    if not fresh or place is None or str(place) in _unwritable:
+    if not (fresh and call.bypassed) or place is None or str(place) in _unwritable:
         return
     try:
         body = _encode(call, compiled)
-    except (Unstable, NotSupported, jax.errors.JaxRuntimeError):
+    except (Unstable, NotSupported):
         return  # a program the store does not keep: traced in every process
+    except Exception as e:  # XLA cannot serialize it, or this jax's internals differ
+        if type(e).__name__ not in _unserializable:
+            _unserializable.add(type(e).__name__)
+            _warn(f"a program is not kept in the executable store ({e}); it compiles as usual")
+        return
     from logitloop import compile_cache
 
     refused = compile_cache.unsafe_folder(place)
