@@ -52,6 +52,20 @@ def _remember_calls(load):
 
 
 executables.load = _remember_calls(executables.load)
+prefetched: list[str] = []  # programs whose executable a read ahead had ready
+
+
+def _count_prefetched(take):
+    def wrapper(call):
+        out = take(call)
+        if out is not None:
+            prefetched.append(call.fn.__name__)
+        return out
+
+    return wrapper
+
+
+executables._prefetched_for = _count_prefetched(executables._prefetched_for)
 
 
 def _key_text(path: Path) -> str:
@@ -73,8 +87,10 @@ def entry(folder: Path, program: str, model: str = SHIPPED) -> Path:
 def run(model, prompt=PROMPT) -> dict:
     """A fresh process's `generate` (in-memory programs dropped): tokens, counts, warnings."""
     jax.clear_caches()
+    executables._prefetched.clear()  # as in a new process
     ll.compile_stats(reset=True)
     traces.clear()
+    prefetched.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = ll.generate(model, [prompt], max_tokens=3, temperature=0.0)
@@ -84,6 +100,7 @@ def run(model, prompt=PROMPT) -> dict:
         "compiled": stats.programs,
         "loaded": stats.loaded,
         "traces": sum(traces.values()),
+        "prefetched": list(prefetched),
         "warnings": _ours(caught),
         "summary": stats.summary(),
     }
@@ -109,6 +126,7 @@ def _load_damaged(path: Path, damage) -> dict:
     """`executables.load` of prefill's call with its entry damaged (then restored)."""
     body = path.read_bytes()
     damage(path, body)
+    executables._prefetched.clear()  # read from the file as it is now
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = executables.load(calls["prefill"])

@@ -51,6 +51,8 @@ def test_a_second_process_loads_its_programs_without_tracing(runs):
     assert first["tiny_compiled"] == 2 and len(entries) == 4
     assert (clean["compiled"], clean["loaded"], clean["traces"]) == (0, 2, 0), clean
     assert clean["tokens"] == shipped["tokens"]
+    # decode was read ahead while prefill loaded (`prefill.next`, written by the first)
+    assert clean["prefetched"] == ["decode"]
     assert clean["summary"].startswith("0 programs compiled, 2 loaded in ")
     assert not clean["warnings"]
 

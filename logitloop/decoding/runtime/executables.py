@@ -32,205 +32,45 @@ process killed while writing leaves no entry half written. A folder that cannot 
 (read-only, full) warns once and keeps nothing more in this process; a run never fails
 because of the store. Only single-device programs are kept (every input and output on one
 device, no host callbacks nor effects).
+
+A program for the store is compiled by XLA in this process, JAX's persistent cache bypassed,
+and serialized before it first runs: XLA:CPU cannot serialize an executable that ran ("`...`
+is not serializable"), and the copy of one JAX loaded from its cache lacks its kernels
+("Function ... not found" when it runs; the earlier store, removed in 2026-12, wrote such
+entries). A process that loaded program A then B leaves `A.next` (B's digest): the next
+process that loads A reads and deserializes B on a thread meanwhile (XLA releases the GIL).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import hashlib
 import inspect
 import json
 import os
-import pathlib
-import sys
+import threading
 import time
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-FORMAT = 1
+from logitloop.decoding.runtime.stable_key import (
+    Unstable,
+    describe,
+    describe_tree,
+    environment,
+    name_of,
+    rebuild_tree,
+    trace_settings,
+)
+
 MAGIC = b"logitloop-executable 1\n"
 FOLDER = "executables"
-_TRUSTED = ("logitloop", "flax", "jax", "jaxlib", "numpy", "ml_dtypes", "builtins", "pathlib")
-# Described by their class alone: a family model keeps its tokenizer as a static attribute
-# of its graph, which its forward pass never reads.
-_BY_TYPE = ("logitloop.models.tokenizer:Tokenizer",)
-
-
-class Unstable(Exception):
-    """A value that has no description stable across processes."""
-
-
-# ------------------------------------------------------------------------ describing values
-
-
-def _trusted(module: str | None) -> bool:
-    return module is not None and module.split(".")[0] in _TRUSTED
-
-
-def _name(obj: Any) -> str:
-    """`module:qualname` of a class or function of a trusted module (logitloop's code is
-    hashed into the key, the libraries' by their versions), else Unstable."""
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not _trusted(module) or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
-        raise Unstable(f"{obj!r} is not a module-level name of logitloop or its libraries")
-    return f"{module}:{qualname}"
-
-
-def describe(x: Any, depth: int = 0) -> Any:
-    """A JSON-able description of a static argument that is the same in every process
-    (same versions) for equal values, or Unstable."""
-    if depth > 60:
-        raise Unstable("too deeply nested")
-    d = depth + 1
-    if x is None or isinstance(x, (bool, str)):
-        return x
-    if isinstance(x, (int, float)) and type(x) in (int, float):
-        return [type(x).__name__, repr(x)]
-    if isinstance(x, enum.Enum):
-        return ["enum", _name(type(x)), x.name]
-    if isinstance(x, (np.dtype, np.generic)):
-        return ["np", type(x).__name__, str(x)]
-    if isinstance(x, pathlib.PurePath):
-        return ["path", str(x)]
-    if isinstance(x, type) or inspect.isfunction(x) or inspect.isbuiltin(x):
-        return ["name", _name(x)]
-    if isinstance(x, functools.partial):
-        return ["partial", describe(x.func, d), describe(x.args, d), describe(x.keywords, d)]
-    if isinstance(x, jax.tree_util.PyTreeDef):
-        return ["tree", describe_tree(x)]
-    if isinstance(x, (tuple, list)) and type(x) in (tuple, list):
-        return [type(x).__name__, [describe(v, d) for v in x]]
-    if isinstance(x, (set, frozenset)):
-        return ["set", sorted(json.dumps(describe(v, d), sort_keys=True) for v in x)]
-    kind = _name(type(x))
-    if kind in _BY_TYPE:
-        return ["instance", kind]
-    if isinstance(x, Mapping):
-        items = sorted((json.dumps(describe(k, d)), describe(v, d)) for k, v in x.items())
-        return ["map", kind, items]
-    if dataclasses.is_dataclass(x):
-        fields = [(f.name, describe(getattr(x, f.name), d)) for f in dataclasses.fields(x)]
-        return ["dataclass", kind, fields]
-    if isinstance(x, tuple):  # a NamedTuple
-        return ["tuple", kind, [describe(v, d) for v in x]]
-    raise Unstable(f"no stable description of {type(x).__name__}")
-
-
-def describe_tree(tree: jax.tree_util.PyTreeDef) -> Any:
-    """A JSON description of a pytree's structure (`rebuild_tree` reads it back): leaves as
-    null, nodes as [class, aux data, children]."""
-    data = tree.node_data()
-    if data is None:
-        return None
-    kind, aux = data
-    return [_name(kind), describe(aux), [describe_tree(c) for c in tree.children()]]
-
-
-def rebuild_tree(desc: Any) -> jax.tree_util.PyTreeDef:
-    """The pytree structure `describe_tree` described, from classes already imported (no
-    module is imported, no code from the entry runs); ValueError where it cannot be."""
-    if desc is None:
-        return jax.tree.structure(0)
-    name, aux, children = desc
-    kind = _lookup(name)
-    node = (kind, _undescribe(aux))
-    kids = [rebuild_tree(c) for c in children]
-    return jax.tree_util.PyTreeDef.from_node_data_and_children(
-        jax.tree_util.default_registry, node, kids
-    )
-
-
-def _lookup(name: str) -> Any:
-    if name == "builtins:NoneType":
-        return type(None)
-    module, _, qualname = name.partition(":")
-    if not _trusted(module) or module not in sys.modules:
-        raise ValueError(f"the entry names {name}, not a loaded class of logitloop or a library")
-    obj = sys.modules[module]
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _undescribe(desc: Any) -> Any:
-    """The value of a pytree node's aux data from `describe` (the kinds a node's aux data
-    takes: constants, tuples, lists, names)."""
-    if desc is None or isinstance(desc, (bool, str)):
-        return desc
-    tag, *rest = desc
-    if tag in ("int", "float"):
-        return {"int": int, "float": float}[tag](rest[0])
-    if tag in ("tuple", "list") and len(rest) == 1:
-        values = [_undescribe(v) for v in rest[0]]
-        return tuple(values) if tag == "tuple" else values
-    if tag == "name":
-        return _lookup(rest[0])
-    if tag == "enum":
-        return getattr(_lookup(rest[0]), rest[1])
-    raise ValueError(f"the entry holds aux data of kind {tag!r}, which it cannot read back")
-
-
-# ------------------------------------------------------------------------------ the process
-
-
-@functools.cache
-def environment() -> dict[str, Any]:
-    """What every key shares in this process: versions, source hash, backend, settings."""
-    import flax
-    import jaxlib
-
-    import logitloop
-
-    device = jax.devices()[0]
-    return {
-        "format": FORMAT,
-        "logitloop": logitloop.__version__,
-        "source": source_hash(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "platform": device.platform,
-        "platform_version": device.client.platform_version,
-        "device_kind": device.device_kind,
-        "devices": jax.device_count(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
-
-
-@functools.cache
-def source_hash() -> str:
-    """sha256 over logitloop's Python files (their paths and bytes): a change to the code
-    never loads a program traced from the old code."""
-    root = Path(__file__).resolve().parents[2]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _trace_settings() -> Any:
-    """JAX's settings that change a trace (`jax._src.config.trace_context`, which jit keys
-    its own cache on), the constant ones by value."""
-    from jax._src import config
-
-    out = []
-    for value in config.trace_context():
-        try:
-            out.append(describe(value))
-        except Unstable:
-            out.append(["type", type(value).__qualname__])
-    return out
-
-
 # ------------------------------------------------------------------------------- the store
 
 
@@ -302,8 +142,8 @@ class Call:
             json.dumps(
                 {
                     "environment": environment(),
-                    "trace_settings": _trace_settings(),
-                    "function": _name(self.fn),
+                    "trace_settings": trace_settings(),
+                    "function": name_of(self.fn),
                     "jit": describe(self.jit_kwargs),
                     "compiler_options": describe(self.options),
                     "static": static,
@@ -422,19 +262,22 @@ def load(call: Call) -> Any | None:
         path = place / f"{call.digest}.xla"
     except Unstable:
         return None
-    try:
-        body = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        _warn(f"executable {path} not read ({e.strerror or e}); compiling it again")
-        return None
-    try:
-        compiled = _decode(call, body)
-    except Exception as e:  # anything wrong with the entry: compile again, replace it
-        _warn(f"executable {path} not used ({e}); compiling it again")
-        return None
+    compiled = _prefetched_for(call)
+    if compiled is None:
+        try:
+            body = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            _warn(f"executable {path} not read ({e.strerror or e}); compiling it again")
+            return None
+        try:
+            compiled = _decode(call, body)
+        except Exception as e:  # anything wrong with the entry: compile again, replace it
+            _warn(f"executable {path} not used ({e}); compiling it again")
+            return None
     _memory.entries[call.memory_key] = compiled
+    _follow(call.digest, place)
     return compiled
 
 
@@ -455,16 +298,26 @@ def save(call: Call, compiled: Any, fresh: bool) -> None:
             _unserializable.add(type(e).__name__)
             _warn(f"a program is not kept in the executable store ({e}); it compiles as usual")
         return
+    if _write(place, f"{call.digest}.xla", body):
+        _follow(call.digest, place)
+
+
+def _write(place: Path, name: str, body: bytes) -> bool:
+    """Write `place / name` whole or not at all (a temporary file in the same folder, then
+    `os.replace`); a folder that cannot be written warns once and takes no more."""
+    if str(place) in _unwritable:
+        return False
     from logitloop import compile_cache
 
-    refused = compile_cache.unsafe_folder(place)
-    tmp = place / f".{call.digest}.{os.getpid()}.tmp"
+    tmp = place / f".{name}.{os.getpid()}.tmp"
     try:
+        refused = compile_cache.unsafe_folder(place)
         if refused is not None:
             raise OSError(refused)
         with open(tmp, "wb") as f:
             f.write(body)
-        os.replace(tmp, place / f"{call.digest}.xla")
+        os.replace(tmp, place / name)
+        return True
     except OSError as e:
         _unwritable.add(str(place))
         _warn(
@@ -475,6 +328,71 @@ def save(call: Call, compiled: Any, fresh: bool) -> None:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+        return False
+
+
+# ---------------------------------------------------------------- loading the next program
+# A process that loads program A and then B wrote `A.next` (B's digest); the next process
+# that loads A starts reading and deserializing B on a thread (XLA releases the GIL), so
+# that B is ready or nearly when its call comes. Only B's call, its key checked as always,
+# ever uses what was read.
+
+_last: list[str] = []  # the digest of the program this process got last
+_prefetched: dict[str, dict] = {}  # digest -> {"thread", "result"} of a read under way
+
+
+def _follow(digest: str, place: Path) -> None:
+    """Note that `digest` came after the previous program, and start reading the one that
+    came after it last time."""
+    previous = _last[0] if _last else None
+    _last[:] = [digest]
+    if previous is not None and previous != digest:
+        link = place / f"{previous}.next"
+        try:
+            known = link.read_text() if link.exists() else None
+        except OSError:
+            known = None
+        if known != digest:
+            _write(place, link.name, digest.encode())
+    try:
+        following = (place / f"{digest}.next").read_text().strip()
+    except OSError:
+        return
+    hexadecimal = all(c in "0123456789abcdef" for c in following)
+    if len(following) == 64 and hexadecimal and following not in _prefetched:
+        _start_reading(place / f"{following}.xla", following)
+
+
+def _start_reading(path: Path, digest: str) -> None:
+    environment()  # computed here, not on the thread
+    job: dict[str, Any] = {}
+
+    def read():
+        try:
+            header, blob = _parse(path.read_bytes())
+            if header["key"]["environment"] == environment():
+                _check_hash(header, blob)
+                job["result"] = (header, *_deserialize(header, blob))
+        except Exception:  # the call's own load reads it again and says what is wrong
+            pass
+
+    job["thread"] = threading.Thread(target=read, daemon=True, name="logitloop-prefetch")
+    _prefetched[digest] = job
+    job["thread"].start()
+
+
+def _prefetched_for(call: Call) -> Any | None:
+    """The call's executable from a read started ahead (None: none, or not this call's)."""
+    job = _prefetched.pop(call.digest, None)
+    if job is None:
+        return None
+    job["thread"].join()
+    if "result" not in job:
+        return None
+    header, fields, executable = job["result"]
+    if header["key"] != call.description:
+        return None
+    return _assemble(call, header, fields, executable)
 
 
 def _warn(message: str) -> None:
@@ -546,28 +464,46 @@ def _encode(call: Call, compiled: Any) -> bytes:
 def _decode(call: Call, body: bytes) -> Any:
     """The `jax.stages.Compiled` of an entry, checked against the call; ValueError (or
     another error from a malformed header) where it is not this call's."""
-    from jax._src import core, stages
-    from jax._src.interpreters import pxla
+    header, blob = _parse(body)
+    if header["key"] != call.description:
+        raise ValueError(f"written for another program: {_difference(header['key'], call)}")
+    _check_hash(header, blob)
+    return _assemble(call, header, *_deserialize(header, blob))
 
+
+def _parse(body: bytes) -> tuple[dict, bytes]:
+    """An entry's header (JSON) and executable bytes."""
     if not body.startswith(MAGIC):
         raise ValueError("not an executable entry of this format")
     start = len(MAGIC) + 8
     length = int.from_bytes(body[len(MAGIC) : start], "little")
     if len(body) < start + length:
         raise ValueError("truncated")
-    header = json.loads(body[start : start + length])
-    blob = body[start + length :]
-    if header["key"] != call.description:
-        raise ValueError(f"written for another program: {_difference(header['key'], call)}")
+    return json.loads(body[start : start + length]), body[start + length :]
+
+
+def _check_hash(header: dict, blob: bytes) -> None:
     if len(blob) != header["size"] or hashlib.sha256(blob).hexdigest() != header["sha256"]:
         raise ValueError("truncated or corrupt (its executable does not match its hash)")
-    meta = header["meta"]
+
+
+def _deserialize(header: dict, blob: bytes) -> tuple[dict, Any]:
+    """The executable's fields and XLA's executable, from an entry checked already."""
     backend = jax.devices()[0].client
-    fields = _fields(meta, backend)
+    fields = _fields(header["meta"], backend)
     executable = backend.deserialize_executable(blob, executable_devices=fields["device_list"])
+    return fields, executable
+
+
+def _assemble(call: Call, header: dict, fields: dict, executable: Any) -> Any:
+    """The `jax.stages.Compiled` that runs `executable` for `call`'s arguments."""
+    from jax._src import core, stages
+    from jax._src.interpreters import pxla
+
     unloaded = pxla.UnloadedMeshExecutable(
-        xla_executable=executable, backend=backend, unordered_effects=[], ordered_effects=[],
-        keepalive=[], host_callbacks=[], mut=None, pgle_profiler=None, **fields,
+        xla_executable=executable, backend=jax.devices()[0].client, unordered_effects=[],
+        ordered_effects=[], keepalive=[], host_callbacks=[], mut=None, pgle_profiler=None,
+        **fields,
     )  # fmt: skip
     flat = jax.tree.leaves((call.args, call.kwargs))
     names = jax.tree.leaves(_argument_names(call))
@@ -575,7 +511,7 @@ def _decode(call: Call, body: bytes) -> Any:
         stages.ArgInfo(core.shaped_abstractify(x), name in call.donated)
         for x, name in zip(flat, names, strict=True)
     ]
-    out_tree = rebuild_tree(meta["out_tree"])
+    out_tree = rebuild_tree(header["meta"]["out_tree"])
     return stages.Compiled(unloaded.load(), [], call.tree.unflatten(info), out_tree)
 
 
