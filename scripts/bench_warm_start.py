@@ -44,7 +44,7 @@ def cli(code: Path, folder: Path, prompts: list[str]) -> dict:
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "logitloop", "generate", *prompts, "--seed", "1"],
-        env=env, capture_output=True, text=True, check=True,
+        env=env, cwd=code, capture_output=True, text=True, check=True,
     )  # fmt: skip
     wall = time.perf_counter() - start
     found = SUMMARY.search(done.stderr)

@@ -339,28 +339,57 @@ def _write(place: Path, name: str, body: bytes) -> bool:
 
 _last: list[str] = []  # the digest of the program this process got last
 _prefetched: dict[str, dict] = {}  # digest -> {"thread", "result"} of a read under way
+_session: list[str] = []  # `read_ahead`'s name: the first program is noted under it
+
+
+def read_ahead(name: str) -> None:
+    """Start reading, on threads, the program the last process that called `read_ahead`
+    with this `name` got first, and the one that followed it (the CLI: "cli-generate", as
+    it enables its cache, so the programs deserialize while the model loads)."""
+    place = folder()
+    if place is None or not name.replace("-", "").isalnum():
+        return
+    _session[:] = [name]
+    first = _link(place / f"{name}.first")
+    if first is not None:
+        _read_following(place, first)
+
+
+def _link(path: Path) -> str | None:
+    """The digest a link file names (None: no such file, or not a digest)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        return None
+    return text
+
+
+def _note(path: Path, digest: str) -> None:
+    if _link(path) != digest:
+        _write(path.parent, path.name, digest.encode())
 
 
 def _follow(digest: str, place: Path) -> None:
-    """Note that `digest` came after the previous program, and start reading the one that
-    came after it last time."""
+    """Note that `digest` came after the previous program (or first, in a `read_ahead`
+    session), and start reading the one that came after it last time."""
     previous = _last[0] if _last else None
     _last[:] = [digest]
-    if previous is not None and previous != digest:
-        link = place / f"{previous}.next"
-        try:
-            known = link.read_text() if link.exists() else None
-        except OSError:
-            known = None
-        if known != digest:
-            _write(place, link.name, digest.encode())
-    try:
-        following = (place / f"{digest}.next").read_text().strip()
-    except OSError:
-        return
-    hexadecimal = all(c in "0123456789abcdef" for c in following)
-    if len(following) == 64 and hexadecimal and following not in _prefetched:
+    if previous is None and _session:
+        _note(place / f"{_session[0]}.first", digest)
+    elif previous is not None and previous != digest:
+        _note(place / f"{previous}.next", digest)
+    following = _link(place / f"{digest}.next")
+    if following is not None and following not in _prefetched:
         _start_reading(place / f"{following}.xla", following)
+
+
+def _read_following(place: Path, digest: str) -> None:
+    """Start reading `digest` and the program that followed it."""
+    for one in (digest, _link(place / f"{digest}.next")):
+        if one is not None and one not in _prefetched:
+            _start_reading(place / f"{one}.xla", one)
 
 
 def _start_reading(path: Path, digest: str) -> None:
