@@ -1,6 +1,6 @@
-"""What every part of the command line shares: its name, the bad-input error, the model
-folder's check (loading it: `logitloop.jobs.load_model`), the checkpoint's sampling
-defaults."""
+"""What every part of the command line shares: its name, the bad-input error, the model's
+folder (a folder or a Hub name; loading it: `logitloop.jobs.load_model`), the checkpoint's
+sampling defaults."""
 
 from __future__ import annotations
 
@@ -20,9 +20,48 @@ EXIT_BAD_INPUT = 2
 CLIError = JobError
 
 
-def check_model_folder(path: str | None) -> None:
-    if path is not None and not Path(path).expanduser().is_dir():
-        raise CLIError(f"model folder not found: {path}")
+def resolve_models(args) -> None:
+    """`--model` (at `--revision`) and `--draft-model` as local folders, before anything
+    reads them: a Hugging Face Hub repo id is found in the Hugging Face cache or downloaded
+    into it (`logitloop.models.hub`), once. A Hub model is also kept as `args.hub_model`,
+    (repo id, commit), for the Ray actors, which find it in their own caches."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    quiet = getattr(args, "quiet", False) and not are_progress_bars_disabled()
+    if quiet:  # the hub's download bars, as quiet as the CLI's own
+        disable_progress_bars()
+    try:
+        _resolve_models(args)
+    finally:
+        if quiet:
+            enable_progress_bars()
+
+
+def _resolve_models(args) -> None:
+    from logitloop.models.hub import model_folder
+
+    args.hub_model = None
+    named = {"--model": args.model, "--draft-model": getattr(args, "draft_model", None)}
+    for flag, name in named.items():
+        revision = args.revision if flag == "--model" else None
+        if name is None:
+            if revision is not None:
+                raise CLIError("--revision needs --model naming a Hugging Face Hub repo")
+            continue
+        try:
+            folder = model_folder(name, revision=revision)
+        except (OSError, ValueError) as e:
+            raise CLIError(f"{flag} {name}: {e}") from None
+        if flag == "--model":
+            args.model = str(folder)
+            if not Path(name).expanduser().is_dir():
+                args.hub_model = (name, folder.name)
+        else:
+            args.draft_model = str(folder)
 
 
 def checkpoint_defaults(args, *, show: bool = True) -> dict[str, Any]:

@@ -380,7 +380,9 @@ def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         "draft:K: K drafts from --draft-model",
     )
     spec.add_argument(
-        "--draft-model", metavar="PATH", help="a draft model folder (same tokenizer; K = 4)"
+        "--draft-model",
+        metavar="NAME",
+        help="a draft model: Hub repo id or folder (same tokenizer; K = 4)",
     )
     spec.add_argument(
         "--acceptance",
@@ -402,8 +404,15 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
-        metavar="PATH",
-        help="Hugging Face checkpoint folder (default: the model shipped with logitloop)",
+        metavar="NAME",
+        help="a Hugging Face Hub repo id (org/name: from the Hugging Face cache, else "
+        "downloaded into it) or a checkpoint folder (default: the model shipped with "
+        "logitloop)",
+    )
+    model.add_argument(
+        "--revision",
+        metavar="REV",
+        help="--model's branch, tag or commit hash on the Hub (default: main)",
     )
     model.add_argument(
         "--dtype",

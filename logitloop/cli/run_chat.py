@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from logitloop.cli.common import CLIError, check_model_folder, checkpoint_defaults
+from logitloop.cli.common import CLIError, checkpoint_defaults, resolve_models
 from logitloop.cli.parser import base_knobs
 from logitloop.jobs import load_model
 from logitloop.jobs.items import row_params
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     """The `chat` subcommand; returns the exit status."""
     from logitloop.conversation import CHAT_MAX_TOKENS, model_template, repl
 
-    check_model_folder(args.model)
+    resolve_models(args)
     if args.system is not None and not args.system.strip():
         raise CLIError("--system is empty")
     knobs = {"max_tokens": CHAT_MAX_TOKENS, **checkpoint_defaults(args), **base_knobs(args)}

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from logitloop.cli.common import PROG, CLIError, check_model_folder
+from logitloop.cli.common import PROG, CLIError, resolve_models
 from logitloop.cli.parser import base_knobs
 from logitloop.jobs import load_model
 from logitloop.jobs.items import check_prompt, check_vocab, prompt_ids, row_params
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             )
         if not plot.parent.is_dir():
             raise CLIError(f"--plot {args.plot}: folder not found: {plot.parent}")
-    check_model_folder(args.model)
+    resolve_models(args)
     params = row_params(dict(base_knobs(args), max_tokens=_EXPLAIN_MAX_TOKENS))
 
     from logitloop.cli.explain_view import explanation_figure, format_table

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from logitloop.cli.common import PROG, CLIError, check_model_folder, checkpoint_defaults
+from logitloop.cli.common import PROG, CLIError, checkpoint_defaults, resolve_models
 from logitloop.cli.parser import base_knobs
 from logitloop.cli.run_stream import stream_items
 from logitloop.jobs import load_model
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.overwrite and not args.output:
         raise CLIError("--overwrite needs --output FILE")
     if args.speculative and args.speculative[0] == "draft" and not args.draft_model:
-        raise CLIError("--speculative draft:K needs --draft-model PATH")
+        raise CLIError("--speculative draft:K needs --draft-model NAME")
     if args.speculative and args.speculative[0] == "ngram" and args.draft_model:
         raise CLIError("--speculative ngram:N:K and --draft-model exclude each other")
     if args.deterministic is None:
@@ -69,9 +69,7 @@ def run(args: argparse.Namespace) -> int:
         args.deterministic = bool(args.output)
     if args.num_beams is not None:
         _check_beam_flags(args)
-    check_model_folder(args.model)
-    if args.draft_model:
-        check_model_folder(args.draft_model)
+    resolve_models(args)
 
     defaults = param_defaults()
     # generation_config.json's settings are sampling settings, which beam search has none of.
@@ -118,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
             sink.close()
 
 
+# The fewest continuous-batching slots a generate job runs (unless --batch-size is lower).
+MIN_CLI_SLOTS = 8
+
+
 def _run_job(
     args, items, todo, skipped, base_params, defaults, sink, note, started, seed=None
 ) -> int:
@@ -156,9 +158,11 @@ def _run_job(
                 speculative=speculative,
             )  # fmt: skip
         else:
-            # Slots at the row bucket of the prompts (1, 2, 4, 8, ...: `row_bucket`), so a
-            # run with 3 prompts and one with 4 share their programs (and the disk cache).
-            slots = min(args.batch_size, row_bucket(len(items)))
+            # Slots at the row bucket of the prompts (`row_bucket`), at least
+            # `MIN_CLI_SLOTS`: a run of 1 to 8 prompts runs the programs (and disk-cache
+            # entries) of any other such run; a decode step of 8 rows costs about one
+            # of 1 where the weights' bytes bound it (docs/performance.md).
+            slots = min(args.batch_size, row_bucket(max(len(items), MIN_CLI_SLOTS)))
             shapes = dict(job_bounds(items, info, defaults), slots=slots)
             shapes["speculative"] = speculative
             kv_cache_tokens = _kv_cache_tokens(args, info, shapes)
@@ -223,9 +227,11 @@ def _run_ray(args, items, todo, skipped, base, sink, note, started, seed) -> int
     model; records are written as batches finish (resume matches ids, not order)."""
     from logitloop.integrations.ray import run_items
 
+    # A Hub model by its name and commit: each actor finds it in its own node's cache.
+    model, revision = args.hub_model or (args.model, None)
     tokens = run_items(
         todo, base, sink.write, workers=args.workers, batch_size=args.batch_size,
-        progress=not args.quiet, model=args.model, dtype=args.dtype, n=args.n,
+        progress=not args.quiet, model=model, revision=revision, dtype=args.dtype, n=args.n,
         quantize=args.quantize, group_size=args.group_size,
         quantize_embedding=args.quantize_embedding,
         ignore_eos=args.ignore_eos, deterministic=args.deterministic, slots=args.batch_size,

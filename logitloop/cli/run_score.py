@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from logitloop.cli.common import PROG, CLIError, check_model_folder
+from logitloop.cli.common import PROG, CLIError, resolve_models
 from logitloop.jobs import load_model
 from logitloop.jobs.items import _read_text, json_line
 from logitloop.jobs.sinks import JsonlOutput, check_not_input, describe_id, id_key
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         # batches, and only the deterministic mode makes a pair's scores independent of
         # its batch (docs/cli.md).
         args.deterministic = bool(args.output)
-    check_model_folder(args.model)
+    resolve_models(args)
     pairs = read_pairs(args.input)
     output = args.output or "-"
     check_not_input(output, args.input)

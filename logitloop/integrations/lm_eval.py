@@ -129,10 +129,12 @@ def _parse_mesh(value: Any):
 class LogitloopLM(TemplateLM):
     """lm-eval's `LM` over a logitloop model (module docstring).
 
-    model_args: `pretrained` (a checkpoint folder; none: the shipped model; or a loaded
-    logitloop model through `simple_evaluate(model=LogitloopLM(pretrained=model))`),
-    `dtype` (float32, bfloat16, float16; default the checkpoint's), `max_length` (tokens;
-    default the model's context), `batch_size` (rows per call, or `auto`),
+    model_args: `pretrained` (a Hugging Face Hub repo id, "org/name", found in the Hugging
+    Face cache or downloaded into it, or a checkpoint folder; none: the shipped model; or a
+    loaded logitloop model through `simple_evaluate(model=LogitloopLM(pretrained=model))`),
+    `revision` (the repo's branch, tag or commit hash; default main), `dtype` (float32,
+    bfloat16, float16; default the checkpoint's), `max_length` (tokens; default the
+    model's context), `batch_size` (rows per call, or `auto`),
     `deterministic` (true, false or model-parallel; default true), `mesh` (DATAxMODEL),
     `prefix_cache` (default true: the choices of one context share its prompt pass, and
     generated rows the pages of a common prompt prefix), `add_bos_token`, `max_gen_toks` (as
@@ -143,6 +145,7 @@ class LogitloopLM(TemplateLM):
     def __init__(
         self,
         pretrained: Any = None,
+        revision: str | None = None,
         dtype: str | None = None,
         max_length: int | str | None = None,
         batch_size: int | str = 1,
@@ -160,20 +163,23 @@ class LogitloopLM(TemplateLM):
         if unknown:
             raise ValueError(
                 f"model_args: unknown key(s) {', '.join(sorted(unknown))} for --model "
-                "logitloop; known: pretrained, dtype, max_length, batch_size, deterministic, "
-                "mesh, prefix_cache, add_bos_token, max_gen_toks, compile_cache"
+                "logitloop; known: pretrained, revision, dtype, max_length, batch_size, "
+                "deterministic, mesh, prefix_cache, add_bos_token, max_gen_toks, compile_cache"
             )
         # Before the model loads, so that loading's programs are kept too.
         self.compile_cache = _compile_cache(compile_cache)
         if isinstance(pretrained, (str, type(None))) or hasattr(pretrained, "__fspath__"):
             try:
-                self.model = ll.load_pretrained(pretrained or None, dtype=dtype)
+                self.model = ll.load_pretrained(
+                    pretrained or None, revision=revision or None, dtype=dtype
+                )
             except (OSError, ValueError) as e:
                 raise ValueError(f"model_args pretrained={pretrained!r} does not load: {e}") from e
         else:
-            if dtype is not None:
+            if dtype is not None or revision:
                 raise ValueError(
-                    "model_args dtype applies to a checkpoint path, not a loaded model"
+                    "model_args dtype and revision apply to a checkpoint name or path, not a "
+                    "loaded model"
                 )
             self.model = pretrained
         folder = getattr(self.model, "checkpoint_dir", None)

@@ -98,7 +98,10 @@ class Generator:
     """A callable class for `Dataset.map_batches(Generator, fn_constructor_kwargs=...)`.
 
     Args:
-      model: a checkpoint folder (None: the shipped model), loaded once per actor.
+      model: a Hugging Face Hub repo id (found in the actor's Hugging Face cache, else
+        downloaded into it) or a checkpoint folder (None: the shipped model), loaded once
+        per actor.
+      revision: the repo's branch, tag or commit hash (default: main).
       dtype: parameter dtype (`load_pretrained`'s).
       mesh_shape: a mesh of this actor's devices, `{"data": D, "model": M}` (D * M of
         `jax.devices()`), for a model too big for one device or data parallelism inside the
@@ -123,6 +126,7 @@ class Generator:
         self,
         model: str | None = None,
         *,
+        revision: str | None = None,
         dtype: str | None = None,
         mesh_shape: Mapping[str, int] | None = None,
         quantize: Any = None,
@@ -146,7 +150,7 @@ class Generator:
 
             enable_default_compile_cache()
         self.model = _checked(
-            lambda: load_model(model, dtype, quantize, group_size, quantize_embedding)
+            lambda: load_model(model, dtype, quantize, group_size, quantize_embedding, revision)
         )
         self.info = model_info(self.model)
         self.mesh = None if mesh_shape is None else _actor_mesh(mesh_shape)

@@ -30,15 +30,18 @@ def load_model(
     quantize: str | None = None,
     group_size: int | None = None,
     quantize_embedding: bool = False,
+    revision: str | None = None,
 ):
-    """`load_pretrained` of a job's model folder (None: the shipped model), with its
-    quantization settings; a missing or unreadable checkpoint is a JobError."""
+    """`load_pretrained` of a job's model, a folder or a Hub repo id at `revision` (None:
+    the shipped model), with its quantization settings; a missing or unreadable checkpoint
+    is a JobError."""
     from logitloop.models.loading import load_pretrained
 
     path = None if path is None else str(Path(path).expanduser())
     try:
         return load_pretrained(
             path,
+            revision=revision,
             dtype=dtype,
             quantize=quantize,
             group_size=group_size,

@@ -9,7 +9,8 @@ final norm, LM head on the last column, the cache); `gpt2.py` and `llama.py` fil
 (`gemma.py`, `phi3.py` and `moe.py` extend the Llama block) and register their
 `model_type`s in `registry.py`, which `config_from_hf`,
 `load_pretrained` and the Orbax restore consult; `layers.py` holds attention, the KV cache
-and the norms; `config.py` the configs and their `config.json` parsers.
+and the norms; `config.py` the configs and their `config.json` parsers; `hub.py` turns a
+Hugging Face Hub name into its folder in the Hugging Face cache.
 """
 
 from logitloop.models import phi3 as _phi3  # noqa: F401  (registers "phi3")

@@ -2,7 +2,8 @@
 
 A folder holds `config.json`, the weights (`model.safetensors`, or
 `model.safetensors.index.json` and the shards it names), and optionally
-`generation_config.json` and `tokenizer.json`.
+`generation_config.json` and `tokenizer.json`. A model named by its Hugging Face Hub repo id
+is that repo's snapshot folder in the Hugging Face cache (`hub.py` finds or downloads it).
 
 The model is first built abstractly (`nnx.eval_shape`: shapes only, no memory); each
 checkpoint tensor is then read on its own, checked, converted and placed, so the weights
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
-from logitloop.models import quantization, registry
+from logitloop.models import hub, quantization, registry
 from logitloop.models.config import ModelConfig, config_from_hf
 from logitloop.models.decoder import DecoderModel
 from logitloop.models.layers import CheckpointTensor
@@ -56,15 +57,25 @@ def abstract_model(config: ModelConfig, dtype) -> Model:
 def load_pretrained(
     path: str | os.PathLike | None = None,
     *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
     dtype=None,
     quantize: str | None = None,
     group_size: int | None = None,
     quantize_embedding: bool = False,
 ) -> Model:
-    """Load a Hugging Face checkpoint folder.
+    """Load a Hugging Face checkpoint: a folder, or a model on the Hub by its name.
 
     Args:
-      path: the folder; None loads the small model shipped in `logitloop/models/tiny/`.
+      path: the folder, or a Hugging Face Hub repo id ("org/name"), found in the Hugging
+        Face cache or downloaded into it (`logitloop.models.hub`: only the config, tokenizer,
+        chat template and safetensors files; `HF_HUB_OFFLINE=1` reads the cache alone);
+        None loads the small model shipped in `logitloop/models/tiny/`.
+      revision: with a repo id, its branch, tag or commit hash (default "main").
+      token: with a repo id, an access token for a gated or private repo (default: the
+        saved one, `hf auth login`, or `HF_TOKEN`).
+      cache_dir: with a repo id, the Hugging Face cache folder (default: `HF_HUB_CACHE`).
       dtype: parameter (and compute) dtype, one of float32, bfloat16, float16. None keeps
         the checkpoint's own floating dtype (that of its token embedding).
       quantize: None (float weights), "int8" or "fp8" (e4m3; per output channel) or
@@ -85,18 +96,22 @@ def load_pretrained(
     Returns:
       The model its `model_type` is registered with (`logitloop.models.registry`), e.g. a
       `LlamaModel` or `GPT2Model`, with `model.tokenizer` set when the folder has a
-      `tokenizer.json`, and `model.checkpoint_dir` the folder it was read from (where
-      `logitloop.conversation` finds the chat template and the generation defaults).
+      `tokenizer.json`, and `model.checkpoint_dir` the folder it was read from (a repo's
+      snapshot in the cache; where `logitloop.conversation` finds the chat template and
+      the generation defaults).
 
     Raises:
-      FileNotFoundError: the folder, its config.json or its weights are missing.
-      ValueError: naming the file and, where there is one, the tensor: an unsupported
+      FileNotFoundError: the folder, its config.json or its weights are missing; no such
+        repo or revision on the Hub; offline and not in the cache.
+      PermissionError: a gated repo the token gives no access to.
+      ValueError: a repo without safetensors weights or asking for remote code; naming
+        the file and, where there is one, the tensor: an unsupported
         architecture, a missing, unexpected or misshapen tensor, a tensor of non-floating
         dtype, or an unreadable (truncated, corrupt) safetensors file.
     """
     dtype = None if dtype is None else _check_dtype(dtype)
     quantize_spec = quantization.check_quantize(quantize, group_size, quantize_embedding)
-    folder = _resolve_folder(path)
+    folder = _resolve_folder(path, revision=revision, token=token, cache_dir=cache_dir)
     config_path = folder / "config.json"
     hf_config = _read_json(config_path)
     generation_path = folder / "generation_config.json"
@@ -141,7 +156,7 @@ def load_pretrained(
     return model
 
 
-def _resolve_folder(path: str | os.PathLike | None) -> Path:
+def _resolve_folder(path: str | os.PathLike | None, **hub_options) -> Path:
     if path is None:
         if not (SHIPPED_MODEL_DIR / "config.json").is_file():
             raise FileNotFoundError(
@@ -149,11 +164,10 @@ def _resolve_folder(path: str | os.PathLike | None) -> Path:
                 "(it is produced by the training script in scripts/); pass a checkpoint "
                 "folder to load_pretrained(path) instead"
             )
+        if hub_options.get("revision") is not None:
+            raise ValueError("revision= needs a Hugging Face Hub repo id as the path")
         return SHIPPED_MODEL_DIR
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
-    return folder
+    return hub.model_folder(path, **hub_options)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -165,7 +165,7 @@ def test_bad_knob_exits_2_from_the_command_line():
             "folder not found: /no/such/folder",
             marks=pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="needs matplotlib"),
         ),
-        (["--model", "/no/such/model"], "model folder not found: /no/such/model"),
+        (["--model", "/no/such/model"], "checkpoint folder not found: /no/such/model"),
     ],
 )
 def test_bad_explain_flags(flags, expected, capsys):

@@ -36,7 +36,7 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     tokenize_prompts,
 )
 from logitloop.decoding.engine.paged_batching import sharing_refusal
-from logitloop.decoding.engine.plan import Options, Plan, plan, sampling_params
+from logitloop.decoding.engine.plan import BatchShape, Options, Plan, plan, sampling_params
 from logitloop.decoding.engine.score import prompt_scores
 from logitloop.decoding.loop import forked, stop_strings
 from logitloop.decoding.loop import speculative as speculation
@@ -185,12 +185,14 @@ def _start(
 ) -> _Run:
     ids = tokenize_prompts(prompts, plan.info)
     params = sampling_params(model, len(ids), params, settings)
-    ids, params = plan.rows(None, params, ids=ids)
+    ids, params, shape = plan.batch(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params)
     if on_pool(plan, params.batch_size):
-        plan, state = _forked_state(plan, tables, ids, params, fsm)
+        plan, state = _forked_state(plan, tables, ids, params, fsm, shape)
     else:
-        state = initial_state(plan.program, tables, ids, fsm=fsm)
+        state = initial_state(
+            plan.program, tables, ids, fsm=fsm, buffer_len=shape.buffer, prompt_len=shape.width
+        )
     return _Run(plan, ids, params, tables, state)
 
 
@@ -207,24 +209,35 @@ def on_pool(plan: Plan, rows: int) -> bool:
 
 
 def _forked_state(
-    plan: Plan, tables: Tables, ids: list[list[int]], params: SamplingParams, fsm: Any
+    plan: Plan,
+    tables: Tables,
+    ids: list[list[int]],
+    params: SamplingParams,
+    fsm: Any,
+    shape: BatchShape | None = None,
 ) -> tuple[Plan, DecodeState]:
     """`n > 1`: each prompt prefilled once into a paged pool, its `n` rows sharing its
     pages (`logitloop.decoding.loop.forked`, `forked.pool_shape`: each prompt's pages once,
     each row's own); the plan with the pool's shape and the state after prefill."""
-    plan, fn, args, kwargs = forked_call(plan, tables, ids, params, fsm)
+    plan, fn, args, kwargs = forked_call(plan, tables, ids, params, fsm, shape)
     return plan, memory_check.checked_call("prompts", args[2].prompt.size, fn, *args, **kwargs)
 
 
 def forked_call(
-    plan: Plan, tables: Tables, ids: list[list[int]], params: SamplingParams, fsm: Any
+    plan: Plan,
+    tables: Tables,
+    ids: list[list[int]],
+    params: SamplingParams,
+    fsm: Any,
+    shape: BatchShape | None = None,
 ) -> tuple[Plan, Any, tuple, dict[str, Any]]:
     """The prefill `_forked_state` runs: the plan with the pool's shape, and the jitted
-    function with its arguments and keywords (what `precompile` compiles ahead of time)."""
+    function with its arguments and keywords (what `precompile` compiles ahead of time).
+    `shape`: the batch's buffer and prompt width (`Plan.batch`; default the rows' own)."""
     n = plan.options.n
     ids = fill_rows(ids, params.batch_size)  # dummy prompts' rows included
-    buffer_len = buffer_for(params)
-    batch = prompt_batch(ids[::n], buffer_len)
+    buffer_len = buffer_for(params) if shape is None else shape.buffer
+    batch = prompt_batch(ids[::n], buffer_len, None if shape is None else shape.width)
     shards = plan.layout.row_multiple  # one pool per data shard
     shape = forked.pool_shape(len(ids) // n, n, batch.cache_len, PAGE_SIZE, buffer_len, shards)
     plan = dataclasses.replace(plan, program=dataclasses.replace(plan.program, pool=shape))

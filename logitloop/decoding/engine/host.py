@@ -373,7 +373,7 @@ def initial_state(
 ) -> DecodeState:
     """Pad the prompts `ids`, run prefill and return the state before the loop.
 
-    `options`: `prefill_call`'s (`fsm`, `buffer_len`, `prefill_chunk`)."""
+    `options`: `prefill_call`'s (`fsm`, `buffer_len`, `prompt_len`, `prefill_chunk`)."""
     fn, args, kwargs = prefill_call(program, tables, ids, **options)
     return memory_check.checked_call("prompts", args[2].prompt.size, fn, *args, **kwargs)
 
@@ -385,6 +385,7 @@ def prefill_call(
     *,
     fsm: np.ndarray | None = None,
     buffer_len: int | None = None,
+    prompt_len: int | None = None,
     prefill_chunk: int | None = None,
 ) -> tuple[Any, tuple, dict[str, Any]]:
     """The prefill `initial_state` runs, as (jitted function, arguments, keywords): what
@@ -392,16 +393,16 @@ def prefill_call(
 
     `fsm`: the rows' initial automaton states (`constraint_tables`). Rows of the tables past
     `len(ids)` (dummy rows, `Plan.rows`) get row 0's prompt. `buffer_len`: room for generated
-    tokens (default: the rows' largest max_tokens, bucketed). `prefill_chunk`: run the
-    prompt columns through the model that many at a time (`loop.forward_prompt`) instead
-    of in one pass."""
+    tokens (default: the rows' largest max_tokens, bucketed). `prompt_len`: the prompt
+    width (default: the longest prompt's bucket). `prefill_chunk`: run the prompt columns
+    through the model that many at a time (`loop.forward_prompt`) instead of in one pass."""
     if prefill_chunk is not None:
         check_count("prefill_chunk", prefill_chunk, 1)
     params = tables.params
     ids = fill_rows(ids, params.batch_size)
     buffer_len = buffer_for(params) if buffer_len is None else buffer_len
     num_top = params.top_logprobs_width
-    batch = prompt_batch(ids, buffer_len)
+    batch = prompt_batch(ids, buffer_len, prompt_len)
     keywords = dict(buffer_len=buffer_len, num_top=num_top, prefill_chunk=prefill_chunk)
     return prefill, (program, tables, batch, fsm), keywords
 

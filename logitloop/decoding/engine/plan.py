@@ -30,7 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from logitloop.decoding.engine import reuse
 from logitloop.decoding.engine.host import (
+    MIN_PROMPT_BUCKET,
+    bucket,
+    buffer_for,
     check_count,
     constraint_tables,
     request_rows,
@@ -159,6 +163,18 @@ def sampling_params(
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """The buckets a `generate` batch runs at (`Plan.batch`): `rows` prompts (dummy ones
+    included; each has `n` rows), `width` prompt columns, `buffer` slots for generated
+    tokens and `top` top-logprob alternatives per token."""
+
+    rows: int
+    width: int
+    buffer: int
+    top: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What a call starts from: the model resolved once, the static program, the options."""
 
@@ -185,6 +201,24 @@ class Plan:
         data axis; the ids keep the real rows only) and the top logprobs' bucketed width.
         `ids`: prompts already tokenized (then `prompts` is not read); `names`: the
         prompts' names in error messages (default "prompts[i]")."""
+        ids, params, _ = self.batch(prompts, params, ids=ids, names=names, fit=False, record=False)
+        return ids, params
+
+    def batch(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        *,
+        ids: list[list[int]] | None = None,
+        names: Sequence[str] | None = None,
+        fit: bool = True,
+        record: bool = True,
+    ) -> tuple[list[list[int]], SamplingParams, BatchShape]:
+        """`rows`, and the batch's shape (`BatchShape`: rows, prompt width, buffer, top
+        width) chosen once: the buckets the call needs or, with `fit`, the cheapest
+        larger ones a program of this plan already ran at (`reuse.fit`; docs/
+        performance.md, "Reuse before compiling"). With `record` the shape is recorded
+        (`reuse.ran`) for later calls (the call will run it, or `precompile` compiles it)."""
         if ids is None:
             ids = tokenize_prompts(prompts, self.info)
         o = self.options
@@ -195,9 +229,18 @@ class Plan:
         # The batch's shape is a bucket's, not the request's ("What compiles",
         # docs/performance.md): dummy prompts (copies of the first, each generating one
         # token) up to the row bucket, each with its n rows; the top logprobs at one width.
-        prompts_run = row_bucket(len(ids) // o.n, self.layout.row_multiple)
-        params = params.with_dummy_rows(prompts_run * o.n)
-        return ids, params.replace(top_logprobs_width=top_logprobs_bucket(params))
+        need = BatchShape(
+            rows=row_bucket(len(ids) // o.n, self.layout.row_multiple),
+            width=bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET),
+            buffer=buffer_for(params),
+            top=top_logprobs_bucket(params),
+        )
+        key = ("batch", self.program, o.n)
+        shape = reuse.fit(key, need) if fit else need
+        if record:
+            reuse.ran(key, shape)
+        params = params.with_dummy_rows(shape.rows * o.n)
+        return ids, params.replace(top_logprobs_width=shape.top), shape
 
     def tables(
         self,

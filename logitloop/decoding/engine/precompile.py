@@ -153,13 +153,17 @@ def _precompile(model, rows, prompt_len, max_tokens, slots, progress, keywords):
         params = sampling_params(model, r, None, given)
         ids = [[0] * p for _ in range(r)]
         names = [f"precompile(rows={r}, prompt_len={p})"] * r
-        ids, params = job.rows(None, params, ids=ids, names=names)
+        # The bucket itself, recorded so that later calls it covers reuse its programs.
+        ids, params, shape = job.batch(None, params, ids=ids, names=names, fit=False)
         tables, fsm = job.batch_tables(params)
         if on_pool(job, params.batch_size):
-            run, fn, args, kwargs = forked_call(job, tables, ids, params, fsm)
+            run, fn, args, kwargs = forked_call(job, tables, ids, params, fsm, shape)
         else:
             run = job
-            fn, args, kwargs = prefill_call(job.program, tables, ids, fsm=fsm)
+            fn, args, kwargs = prefill_call(
+                job.program, tables, ids, fsm=fsm, buffer_len=shape.buffer,
+                prompt_len=shape.width,
+            )  # fmt: skip
         state, new_prefill = fn.precompile(*args, **kwargs)
         steps = jax.ShapeDtypeStruct((), jnp.int32)
         _, new_decode = decode.precompile(run.program, tables, state, steps)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding.engine import reuse
 from logitloop.decoding.engine.host import (
     MIN_PROMPT_BUCKET,
     bucket,
@@ -244,14 +245,16 @@ def score(
         raise ValueError("processors act on the processed distribution: pass params with them")
     order = pair_order(ids, conts, share_prompts)
     results: list[ScoreResult | None] = [None] * total
+    # The programs' key besides the buckets (`reuse`): a call reuses the buckets of an
+    # earlier one that cover its own.
+    key = ("score", info.runner, layout, top_logprobs, params is not None)
     for start in range(0, total, batch_size):
         rows = order[start : start + batch_size]
         width = batch_size if total > batch_size else score_rows(len(rows), batch_size, layout)
-        padded = rows + [rows[0]] * (width - len(rows))
         out = _score_rows(
-            info, [ids[r] for r in padded], [conts[r] for r in padded],
-            None if params is None else params.take(padded), top_logprobs, layout,
-            share_prompts,
+            info, [ids[r] for r in rows], [conts[r] for r in rows],
+            None if params is None else params.take(rows), top_logprobs, layout,
+            share_prompts, rows=width, key=key,
         )  # fmt: skip
         for i, r in enumerate(rows):
             results[r] = _result(out, i, ids[r], conts[r], top_logprobs, params is not None, info)
@@ -284,17 +287,18 @@ def pair_order(ids: list[list[int]], conts: list[list[int]], share: bool) -> lis
 
 
 def shared_prompts(
-    ids: list[list[int]], row_multiple: int = 1
+    ids: list[list[int]], row_multiple: int = 1, width: int | None = None
 ) -> tuple[list[list[int]], np.ndarray] | None:
     """The distinct prompts of a batch's rows and each row's index among them
     (`row_prompt`, [B] i32), or None where sharing saves no row. The distinct prompts are
     padded (with the first) to a power of two, a multiple of `row_multiple` (a mesh's
-    data shards) and at most the batch's rows, so few programs compile."""
+    data shards) and at most the batch's rows, so few programs compile; or to `width`."""
     index: dict[tuple[int, ...], int] = {}
     row_prompt = np.asarray([index.setdefault(tuple(p), len(index)) for p in ids], np.int32)
     distinct = [list(p) for p in index]
-    width = -(-bucket(len(distinct), 1) // row_multiple) * row_multiple
-    if width >= len(ids):
+    if width is None:
+        width = -(-bucket(len(distinct), 1) // row_multiple) * row_multiple
+    if width >= len(ids) or width < len(distinct):
         return None
     return distinct + [distinct[0]] * (width - len(distinct)), row_prompt
 
@@ -328,21 +332,32 @@ def _score_rows(
     num_top: int,
     layout: Layout,
     share_prompts: bool = False,
+    *,
+    rows: int | None = None,
+    key: Any = None,
 ) -> dict[str, np.ndarray]:
-    """One batch on device; host arrays [B, C] (and [B, C, K] for the alternatives)."""
-    # One-token continuations (the letter of an MMLU answer, a one-token choice) need the
-    # prompt pass alone: no continuation pass then.
-    longest = max(len(c) for c in conts)
-    width = 1 if longest == 1 else bucket(longest, MIN_CONTINUATION_BUCKET, fine=True)
-    plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET, fine=True)
+    """One batch on device; host arrays [B, C] (and [B, C, K] for the alternatives), B the
+    batch's `rows` (default its pairs; padded with its first pair). `key`: the programs'
+    key in `reuse` (None: the buckets the batch needs, no reuse)."""
+    shape = need = _score_shape(ids, conts, rows or len(ids), share_prompts, layout)
+    if key is not None:
+        key = (*key, need.distinct > 0)  # a shared prompt pass is a program of its own
+        shape = reuse.fit(key, need)
+        if shape.distinct >= shape.rows > 1:  # sharing must save rows
+            shape = need
+        reuse.ran(key, shape)
+    pad = shape.rows - len(ids)
+    ids, conts = ids + [ids[0]] * pad, conts + [conts[0]] * pad
+    if params is not None and pad:
+        params = params.take(list(range(len(ids) - pad)) + [0] * pad)
+    width, plen = shape.cont, shape.prompt
     # The cache holds the prompt bucket and at least MIN_PROMPT_BUCKET more slots, as
     # `generate`'s does (a multiple of the deterministic attention's slot chunk).
     buffer = bucket(width, MIN_PROMPT_BUCKET, fine=True)
     batch = prompt_batch(ids, buffer, plen)  # the rows' lengths and histories
     prompt, positions, row_prompt = batch.prompt, batch.positions, None
-    shared = shared_prompts(ids, layout.row_multiple) if share_prompts else None
-    if shared is not None:
-        distinct, row_prompt = shared
+    if shape.distinct:
+        distinct, row_prompt = shared_prompts(ids, layout.row_multiple, shape.distinct)
         pass_batch = prompt_batch(distinct, buffer, plen)
         prompt, positions = pass_batch.prompt, pass_batch.positions
     cont = np.zeros((len(ids), width), np.int32)
@@ -358,6 +373,32 @@ def _score_rows(
         cont, lengths, params, automata, fsm, row_prompt, num_top=num_top, layout=layout,
     )  # fmt: skip
     return jax.device_get(layout.host_view(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreShape:
+    """The buckets a scoring batch runs at: `rows` pairs, `cont` continuation columns (1:
+    the prompt pass alone), `prompt` prompt columns, and `distinct` prompt-pass rows when
+    the batch's pairs share prompts (0: every row its own pass, `shared_prompts`)."""
+
+    rows: int
+    cont: int
+    prompt: int
+    distinct: int
+
+
+def _score_shape(
+    ids: list[list[int]], conts: list[list[int]], rows: int, share: bool, layout: Layout
+) -> ScoreShape:
+    """The buckets a batch of these pairs needs, padded to `rows` rows."""
+    # One-token continuations (the letter of an MMLU answer, a one-token choice) need the
+    # prompt pass alone: no continuation pass then.
+    longest = max(len(c) for c in conts)
+    cont = 1 if longest == 1 else bucket(longest, MIN_CONTINUATION_BUCKET, fine=True)
+    plen = bucket(max(len(p) for p in ids), MIN_PROMPT_BUCKET, fine=True)
+    padded = ids + [ids[0]] * (rows - len(ids))
+    shared = shared_prompts(padded, layout.row_multiple) if share else None
+    return ScoreShape(rows, cont, plen, 0 if shared is None else len(shared[0]))
 
 
 def _result(
