@@ -46,9 +46,11 @@ def runs(tmp_path_factory):
 def test_a_second_process_loads_its_programs_without_tracing(runs):
     _, entries, first, check = runs
     shipped, clean = first["shipped"], check["clean"]
-    assert (shipped["compiled"], shipped["loaded"]) == (2, 0)
-    assert shipped["traces"] == 2  # the listener sees prefill's and decode's traces
-    assert first["tiny_compiled"] == 2 and len(entries) == 4
+    # `precompile` stored the programs `generate` then ran (structs and arrays alike)
+    assert first["precompiled"] == {"programs": 2, "traces": 2}
+    assert (shipped["compiled"], shipped["loaded"], shipped["traces"]) == (0, 0, 0), shipped
+    assert (first["tiny"]["compiled"], first["tiny"]["traces"]) == (2, 2)
+    assert len(entries) == 4
     assert (clean["compiled"], clean["loaded"], clean["traces"]) == (0, 2, 0), clean
     assert clean["tokens"] == shipped["tokens"]
     # decode was read ahead while prefill loaded (`prefill.next`, written by the first)

@@ -390,7 +390,8 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         with compiles.CompileWatch() as watch:
             compiled = call.compile()
         executables.save(call, compiled, fresh=bool(watch.count))
-        self._record(watch.seconds, runner, args, kwargs)
+        if watch.count:  # else this process had compiled it before the store was on
+            self._record(watch.seconds, runner, args, kwargs)
         return compiled
 
     def __call__(self, runner: Any, *args, **kwargs):

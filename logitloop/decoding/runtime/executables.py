@@ -132,6 +132,7 @@ class Call:
     jit_kwargs: dict[str, Any]
     tree: Any
     leaves: tuple
+    committed: bool  # whether the outputs are committed to their device (not in the key)
     memory_key: tuple
 
     @functools.cached_property
@@ -195,18 +196,37 @@ def _without_persistent_cache():
 
 
 def _leaf(x: Any) -> tuple:
-    """(shape, dtype, weak type, where) of one dynamic leaf; Unstable off one device."""
+    """(shape, dtype, weak type, where) of one dynamic leaf, an array or its
+    `jax.ShapeDtypeStruct` alike (`precompile`'s); Unstable off one device."""
     from jax._src import core
 
     aval = core.shaped_abstractify(x)
-    where: Any = "host"
-    if isinstance(x, jax.Array):
-        sharding = x.sharding
-        if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
-            raise Unstable("an argument lies over several devices")
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:  # host values and unplaced structs: jit puts them there
+        where = _default_place()
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
         (device,) = sharding.device_set
-        where = (device.id, sharding.memory_kind, bool(getattr(x, "_committed", True)))
+        where = (device.id, sharding.memory_kind)
+    else:
+        raise Unstable("an argument lies over several devices")
     return (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), where)
+
+
+@functools.cache
+def _default_place() -> tuple:
+    device = jax.devices()[0]
+    return (device.id, jax.sharding.SingleDeviceSharding(device).memory_kind)
+
+
+def _committed(flat: list) -> bool:
+    """Whether jit would make the call's outputs committed to their device: an argument is
+    (a committed array, or a `ShapeDtypeStruct` with a sharding)."""
+    for x in flat:
+        if isinstance(x, jax.Array) and getattr(x, "_committed", True):
+            return True
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+            return True
+    return False
 
 
 def prepare(
@@ -233,6 +253,7 @@ def prepare(
         return None  # inside another program: part of its trace
     try:
         leaves = tuple(_leaf(x) for x in flat)
+        committed = _committed(flat)
         memory_key = (jitted, tuple(sorted(static.items())), tree, leaves)
         hash(memory_key)
     except (Unstable, TypeError):
@@ -240,7 +261,7 @@ def prepare(
     return Call(
         jitted, fn, static, dyn_args, dyn_kwargs, bound.args, bound.kwargs,
         tuple(n for n, _ in positional), frozenset(n for n in names if n in donated), options,
-        jit_kwargs, tree, leaves, memory_key,
+        jit_kwargs, tree, leaves, committed, memory_key,
     )  # fmt: skip
 
 
@@ -250,8 +271,26 @@ def _signature(fn: Any) -> inspect.Signature:
 
 
 def remembered(call: Call) -> Any | None:
-    """The executable this process has for the call already (None: none)."""
-    return _memory.entries.get(call.memory_key)
+    """The executable this process has for the call already (None: none); one it has for
+    arguments committed otherwise (`precompile`'s structs, then arrays) serves too, its
+    outputs committed as this call's are."""
+    exact = _memory.entries.get((call.memory_key, call.committed))
+    if exact is not None:
+        return exact
+    other = _memory.entries.get((call.memory_key, not call.committed))
+    if other is None:
+        return None
+    from jax._src import stages
+
+    unloaded = other._executable._unloaded_executable
+    unloaded = dataclasses.replace(unloaded, committed=call.committed)
+    variant = stages.Compiled(unloaded.load(), [], other.args_info, other.out_tree)
+    _remember(call, variant)
+    return variant
+
+
+def _remember(call: Call, compiled: Any) -> None:
+    _memory.entries[(call.memory_key, call.committed)] = compiled
 
 
 def load(call: Call) -> Any | None:
@@ -276,7 +315,7 @@ def load(call: Call) -> Any | None:
         except Exception as e:  # anything wrong with the entry: compile again, replace it
             _warn(f"executable {path} not used ({e}); compiling it again")
             return None
-    _memory.entries[call.memory_key] = compiled
+    _remember(call, compiled)
     _follow(call.digest, place)
     return compiled
 
@@ -285,7 +324,7 @@ def save(call: Call, compiled: Any, fresh: bool) -> None:
     """Keep `compiled` (this call's executable) in memory and, when XLA compiled it just
     now (`fresh`: not an executable this process had or loaded), it can be described
     and the folder written, on disk."""
-    _memory.entries[call.memory_key] = compiled
+    _remember(call, compiled)
     place = folder()
     if not (fresh and call.bypassed) or place is None or str(place) in _unwritable:
         return
@@ -529,6 +568,7 @@ def _assemble(call: Call, header: dict, fields: dict, executable: Any) -> Any:
     from jax._src import core, stages
     from jax._src.interpreters import pxla
 
+    fields = dict(fields, committed=call.committed)
     unloaded = pxla.UnloadedMeshExecutable(
         xla_executable=executable, backend=jax.devices()[0].client, unordered_effects=[],
         ordered_effects=[], keepalive=[], host_callbacks=[], mut=None, pgle_profiler=None,
