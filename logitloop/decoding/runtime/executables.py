@@ -133,7 +133,7 @@ class Call:
     tree: Any
     leaves: tuple
     committed: bool  # whether the outputs are committed to their device (not in the key)
-    memory_key: tuple
+    memory_key: _Key
 
     @functools.cached_property
     def description(self) -> dict[str, Any]:
@@ -198,10 +198,12 @@ def _without_persistent_cache():
 def _leaf(x: Any) -> tuple:
     """(shape, dtype, weak type, where) of one dynamic leaf, an array or its
     `jax.ShapeDtypeStruct` alike (`precompile`'s); Unstable off one device."""
-    from jax._src import core
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        aval, sharding = x.aval, x.sharding
+    else:
+        from jax._src import core
 
-    aval = core.shaped_abstractify(x)
-    sharding = getattr(x, "sharding", None)
+        aval, sharding = core.shaped_abstractify(x), getattr(x, "sharding", None)
     if sharding is None:  # host values and unplaced structs: jit puts them there
         where = _default_place()
     elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
@@ -209,7 +211,7 @@ def _leaf(x: Any) -> tuple:
         where = (device.id, sharding.memory_kind)
     else:
         raise Unstable("an argument lies over several devices")
-    return (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), where)
+    return (aval.shape, aval.dtype.name, aval.weak_type, where)
 
 
 @functools.cache
@@ -254,8 +256,7 @@ def prepare(
     try:
         leaves = tuple(_leaf(x) for x in flat)
         committed = _committed(flat)
-        memory_key = (jitted, tuple(sorted(static.items())), tree, leaves)
-        hash(memory_key)
+        memory_key = _Key((jitted, tuple(sorted(static.items())), tree, leaves))
     except (Unstable, TypeError):
         return None
     return Call(
@@ -263,6 +264,21 @@ def prepare(
         tuple(n for n, _ in positional), frozenset(n for n in names if n in donated), options,
         jit_kwargs, tree, leaves, committed, memory_key,
     )  # fmt: skip
+
+
+class _Key:
+    """An in-process key hashed once (a model's graph is slow to hash)."""
+
+    __slots__ = ("hash", "value")
+
+    def __init__(self, value: tuple):
+        self.value, self.hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and self.value == other.value
 
 
 @functools.cache
