@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import logitloop as ll
 from logitloop.decoding.runtime import executables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,3 +96,24 @@ def test_a_process_killed_while_writing_leaves_no_entry(runs):
     assert len(after) == len(entries) - 1  # prefill's entry is not there, not even half
     (half,) = store.glob(".*.tmp")  # what it had written lies under another name
     assert half.stat().st_size > 0
+
+
+def test_a_users_model_has_no_stable_key_and_a_family_one_has():
+    """A user's functions and module classes are code logitloop cannot hash: their programs
+    stay out of the store (traced as before); a family model's runner is described."""
+    from logitloop.decoding.loop.runner import model_info
+    from logitloop.decoding.runtime.stable_key import Unstable, describe
+    from tests.decoding.random_llama import small_llama
+    from tests.models import user_model
+    from tests.models.test_own_model import NNXDecoder
+
+    function_model = user_model.model()
+    nnx_model = ll.from_nnx(
+        NNXDecoder(user_model.init_params(0)), user_model.SPEC, vocab_size=user_model.V,
+        max_length=64,
+    )  # fmt: skip
+    for model in (function_model, nnx_model):
+        with pytest.raises(Unstable, match="not a module-level name of logitloop"):
+            describe(model_info(model).runner)
+    family = describe(model_info(small_llama(64, 64, seed=5)).runner)
+    assert json.dumps(family) == json.dumps(describe(model_info(small_llama(64, 64, 5)).runner))
