@@ -28,10 +28,18 @@ folder this process cannot write to (read-only). A new folder is created readabl
 writable by its owner only. A relative folder (or `LOGITLOOP_COMPILE_CACHE`) is taken
 relative to the working directory when first used.
 
-(Until 2026-12 the CLI also kept its own store of serialized executables beside JAX's
-cache. It unpickled what it read, and a program written back from an executable JAX had
-loaded from its cache could not run; its gain over JAX's cache alone was measured at about
-0.3 s of a first `generate` call on the CPU, see BENCHMARKS.md, and it is gone.)
+JAX's cache is keyed by the lowered program, so a warm process still traces and lowers
+each program before the cache answers. The enabled folder therefore also holds logitloop's
+store of executables (`executables/`, `logitloop.decoding.runtime.executables`), keyed by
+what logitloop knows before tracing (its source, the versions, the backend, the model
+described as data, the arguments' shapes): a warm process loads those programs without
+tracing or lowering them. Its entries are a JSON header and XLA's bytes, nothing
+unpickled; a bad or foreign entry is compiled again and replaced, with a warning.
+
+(An earlier store, removed in 2026-12, unpickled what it read and wrote back executables
+JAX had loaded from its cache, which could not run: XLA:CPU's copy of such an executable
+lacks its kernels. The store compiles what it keeps with JAX's cache bypassed, and
+serializes it before it first runs.)
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ _SETTINGS = (
 )
 _warned: set[str] = set()  # folders refused already in this process: one warning each
 _absolute: dict[str, Path] = {}  # LOGITLOOP_COMPILE_CACHE's value -> its folder, made absolute
+_active: CompileCache | None = None  # the cache enabled last (`active`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +81,9 @@ class CompileCache:
 
     def disable(self) -> None:
         """Stop keeping programs on disk: JAX's settings as they were before."""
+        global _active
+        if _active is self:
+            _active = None
         for name, value in self.previous:
             jax.config.update(name, value)
         compilation_cache.reset_cache()
@@ -118,7 +130,15 @@ def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCach
     # call would otherwise keep running without the cache.
     compilation_cache.reset_cache()
     _write_entries_whole(chosen)
-    return CompileCache(chosen, previous)
+    global _active
+    _active = CompileCache(chosen, previous)
+    return _active
+
+
+def active() -> CompileCache | None:
+    """The cache `enable_compile_cache` enabled and nothing disabled since (its folder
+    also holds logitloop's executables, `decoding.runtime.executables`), or None."""
+    return _active
 
 
 def programs_folder() -> Path | None:

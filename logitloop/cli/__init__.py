@@ -161,7 +161,7 @@ def _run(argv: list[str]) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return EXIT_BAD_INPUT
-        use_compile_cache(args.compile_cache)
+        use_compile_cache(args.compile_cache, args.command)
         if args.command == "explain":
             from logitloop.cli import run_explain as command
         elif args.command == "chat":

@@ -1,5 +1,5 @@
 """The CLI keeps compiled programs between runs (JAX's persistent compilation cache,
-`logitloop.compile_cache`)."""
+`logitloop.compile_cache`, and logitloop's store of executables beside it)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,14 @@ def test_a_run_fills_the_cache_and_a_second_reads_it(tmp_path, model_args):
     first = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     assert folder.is_dir() and any(folder.iterdir()), "no compiled program was kept"
     stored = sorted(folder.iterdir())
-    second = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
+    loud = [c for c in cmd if c != "-q"]  # with its summary line
+    second = subprocess.run(loud, env=env, check=True, capture_output=True, text=True, timeout=600)
     assert second.stdout == first.stdout and first.stdout.strip()
     assert sorted(folder.iterdir()) == stored  # nothing compiled again
+    # The programs come whole from logitloop's store (`executables`), read ahead from the
+    # first run's record while the model loads.
+    assert "0 programs compiled, 2 loaded in " in second.stderr, second.stderr[-2000:]
+    assert (folder / "executables" / "cli-generate.first").is_file()
     assert (folder.stat().st_mode & 0o777) == 0o700  # the user's alone
 
 

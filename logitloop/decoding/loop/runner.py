@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from logitloop.decoding.runtime import compiles
+from logitloop.decoding.runtime import compiles, executables
 from logitloop.models import fixed_order, quantization
 from logitloop.models import kv as kv_contract
 from logitloop.models.fixed_order import MODEL_PARALLEL, PLAIN, Numerics
@@ -378,39 +378,75 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         self._fn, self._kwargs = fn, jit_kwargs
         functools.update_wrapper(self, fn)
 
-    def _pick(self, runner: Any, args):
+    def _pick(self, runner: Any, args) -> tuple[Callable, tuple]:
+        """The jitted function for the call and its compiler options (key, value pairs)."""
         runner = getattr(runner, "runner", runner)
         # Inside another program (`generate_many`'s admission) the outer one's options rule.
         nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
         if not runner.numerics.fixed or nested:
-            return self._plain
+            return self._plain, ()
         options = runner.numerics.compiler_options()
         key = tuple(sorted(options.items()))
         if key not in self._fixed:
             self._fixed[key] = jax.jit(self._fn, compiler_options=options, **self._kwargs)
-        return self._fixed[key]
+        return self._fixed[key], key
+
+    def _stored(self, fn: Callable, options: tuple, runner: Any, args, kwargs):
+        """The call as the executable store sees it (`executables.prepare`; None: the store
+        is off or does not take this call), with its executable when this process has it
+        or loads it from disk (None: it must be compiled)."""
+        call = executables.prepare(fn, self._fn, self._kwargs, options, (runner, *args), kwargs)
+        if call is None:
+            return None, None
+        compiled = executables.remembered(call)
+        if compiled is None:
+            compiled, seconds = executables.timed(executables.load, call)
+            if compiled is not None:
+                self._record(seconds, runner, args, kwargs, loaded=True)
+        return call, compiled
+
+    def _compile_stored(self, call, runner: Any, args, kwargs):
+        """Trace, lower and compile the call's program and keep it in the store."""
+        with compiles.CompileWatch() as watch:
+            compiled = call.compile()
+        executables.save(call, compiled, fresh=bool(watch.count))
+        if watch.count:  # else this process had compiled it before the store was on
+            self._record(watch.seconds, runner, args, kwargs)
+        return compiled
 
     def __call__(self, runner: Any, *args, **kwargs):
-        fn = self._pick(runner, (args, kwargs))
-        with compiles.CompileWatch() as watch:
-            out = fn(runner, *args, **kwargs)
-        if watch.count:  # a new program: counted, with what was new (`ll.compile_stats`)
-            self._record(watch.seconds, runner, args, kwargs)
+        fn, options = self._pick(runner, (args, kwargs))
+        call, compiled = self._stored(fn, options, runner, args, kwargs)
+        if call is not None:  # the executable store's
+            if compiled is None:
+                compiled = self._compile_stored(call, runner, args, kwargs)
+            out = call.run(compiled)
+        else:
+            with compiles.CompileWatch() as watch:
+                out = fn(runner, *args, **kwargs)
+            if watch.count:  # a new program: counted, with what was new (`ll.compile_stats`)
+                self._record(watch.seconds, runner, args, kwargs)
         if compiles.logging_programs():  # `ll.precompile(slots=...)`: which programs ran
             if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
                 compiles.ran(self._fn.__name__, self._signature(runner, args, kwargs))
         return out
 
     def trace(self, runner: Any, *args, **kwargs):
-        return self._pick(runner, (args, kwargs)).trace(runner, *args, **kwargs)
+        return self._pick(runner, (args, kwargs))[0].trace(runner, *args, **kwargs)
 
     def precompile(self, runner: Any, *args, **kwargs) -> tuple[Any, bool]:
         """Compile the program a call with these arguments (arrays or
         `jax.ShapeDtypeStruct`s) runs, without running it (`jit(...).trace(...).lower()
         .compile()`; a later call with arguments of the same shapes compiles nothing).
         Returns the call's output shapes (`jax.ShapeDtypeStruct`s) and whether a program was
-        compiled (False: this process had it already)."""
-        fn = self._pick(runner, (args, kwargs))
+        compiled (False: this process had it already, or loaded it from the executable
+        store)."""
+        fn, options = self._pick(runner, (args, kwargs))
+        call, compiled = self._stored(fn, options, runner, args, kwargs)
+        if call is not None:
+            if compiled is not None:
+                return compiled.out_info, False
+            return self._compile_stored(call, runner, args, kwargs).out_info, True
         with compiles.CompileWatch() as watch:
             traced = fn.trace(runner, *args, **kwargs)
             traced.lower().compile()
@@ -422,10 +458,12 @@ class runner_jit:  # noqa: N801 - used like `jax.jit`, as a decorator
         bound = inspect.signature(self._fn).bind(runner, *args, **kwargs).arguments
         return compiles.signature(bound)
 
-    def _record(self, seconds: float, runner: Any, args: tuple, kwargs: dict) -> None:
+    def _record(
+        self, seconds: float, runner: Any, args: tuple, kwargs: dict, loaded: bool = False
+    ) -> None:
         model = getattr(runner, "runner", runner)  # a Program holds its model's runner
         sig = self._signature(runner, args, kwargs)
-        compiles.record(self._fn.__name__, seconds, sig, model)
+        compiles.record(self._fn.__name__, seconds, sig, model, loaded=loaded)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,32 +83,46 @@ class CompileWatch:
 
 @dataclasses.dataclass(frozen=True)
 class CompileEvent:
-    """One program a logitloop entry point compiled: which (`program`: the jitted function,
-    "prefill", "decode", ...), how long (trace + lower + XLA compile) and why (`reason`:
-    the dimension that was new, e.g. "rows 4 -> 8", "buffer_len 64 -> 128", or "the first
-    program of its kind" in this process)."""
+    """One program a logitloop entry point compiled or loaded: which (`program`: the jitted
+    function, "prefill", "decode", ...), how long (trace + lower + XLA compile, or reading
+    it from the executable store) and why (`reason`: the dimension that was new, e.g.
+    "rows 4 -> 8", "buffer_len 64 -> 128", or "the first program of its kind" in this
+    process). `loaded`: read from disk, neither traced nor compiled
+    (`decoding.runtime.executables`)."""
 
     program: str
     seconds: float
     reason: str
+    loaded: bool = False
 
 
 @dataclasses.dataclass
 class CompileStats:
-    """What logitloop's entry points compiled in this process (`compile_stats()`)."""
+    """What logitloop's entry points compiled in this process (`compile_stats()`):
+    `programs` compiled (traced, lowered and compiled, or found in JAX's persistent cache
+    after tracing and lowering) in `seconds`, and `loaded` ones read whole from the
+    executable store in `load_seconds` (`decoding.runtime.executables`)."""
 
     programs: int = 0
     seconds: float = 0.0
     events: list[CompileEvent] = dataclasses.field(default_factory=list)
+    loaded: int = 0
+    load_seconds: float = 0.0
 
     def summary(self) -> str:
-        """One line: "3 programs compiled in 9.1 s: prefill (rows 4 -> 8), ..."."""
-        if not self.programs:
+        """One line: "3 programs compiled in 9.1 s: prefill (rows 4 -> 8), ...", or with
+        programs loaded from disk "1 program compiled, 2 loaded in 1.2 s: ..."."""
+        if not self.programs and not self.loaded:
             return "0 programs compiled"
-        what = ", ".join(f"{e.program} ({e.reason})" for e in self.events[-6:])
+        what = ", ".join(
+            f"{e.program} ({'loaded' if e.loaded else e.reason})" for e in self.events[-6:]
+        )
         more = f"{len(self.events) - 6} more, then " if len(self.events) > 6 else ""
         plural = "" if self.programs == 1 else "s"
-        return f"{self.programs} program{plural} compiled in {self.seconds:.1f} s: {more}{what}"
+        counts = f"{self.programs} program{plural} compiled"
+        if self.loaded:
+            counts += f", {self.loaded} loaded"
+        return f"{counts} in {self.seconds + self.load_seconds:.1f} s: {more}{what}"
 
 
 _stats = CompileStats()
@@ -133,7 +147,7 @@ def compile_stats(reset: bool = False) -> CompileStats:
         print(ll.compile_stats().summary())   # "2 programs compiled in 5.1 s: prefill ..."
     """
     global _stats
-    out = CompileStats(_stats.programs, _stats.seconds, list(_stats.events))
+    out = dataclasses.replace(_stats, events=list(_stats.events))
     if reset:
         _stats = CompileStats()
     return out
@@ -302,11 +316,14 @@ class preparing:  # noqa: N801 - a context manager, used like a function
         _preparing = False
 
 
-def record(program: str, seconds: float, sig: dict[str, Any], model: Any = None) -> CompileEvent:
-    """Count one program `program` compiled for the call whose `signature` is `sig`,
-    naming what was new against the closest signature it compiled for before. `model`
-    (hashable: the call's `ModelRunner`): while `precompile` runs, it is marked prepared;
-    afterwards a new program of a prepared model warns."""
+def record(
+    program: str, seconds: float, sig: dict[str, Any], model: Any = None, loaded: bool = False
+) -> CompileEvent:
+    """Count one program `program` compiled (`loaded`: read from the executable store) for
+    the call whose `signature` is `sig`, naming what was new against the closest signature
+    it compiled for before. `model` (hashable: the call's `ModelRunner`): while
+    `precompile` runs, it is marked prepared; afterwards a new program of a prepared model
+    warns."""
     seen = _seen.setdefault(program, [])
     if not seen:
         reason = "the first program of its kind"
@@ -316,19 +333,24 @@ def record(program: str, seconds: float, sig: dict[str, Any], model: Any = None)
         reason = ", ".join(diffs) if diffs else "the same shapes (the jit cache was cleared)"
     seen.append(sig)
     del seen[:-64]  # the newest 64 are enough to name a difference
-    event = CompileEvent(program, seconds, reason)
+    event = CompileEvent(program, seconds, reason, loaded)
     if _preparing and model is not None:
         _prepared.add(model)
     elif model is not None and model in _prepared:
         warnings.warn(
-            f"logitloop: {program} compiled a new program ({reason}), outside the buckets "
+            f"logitloop: {program} {'loaded' if loaded else 'compiled'} a new program "
+            f"({reason}), outside the buckets "
             "ll.precompile prepared",
             stacklevel=4,
         )
-    _stats.programs += 1
-    _stats.seconds += seconds
-    for log in _logs:
-        log.compiled += 1
+    if loaded:
+        _stats.loaded += 1
+        _stats.load_seconds += seconds
+    else:
+        _stats.programs += 1
+        _stats.seconds += seconds
+        for log in _logs:
+            log.compiled += 1
     _stats.events.append(event)
     del _stats.events[:-1000]
     return event
