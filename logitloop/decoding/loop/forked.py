@@ -96,9 +96,11 @@ def prefill_forked(
     runner = program.runner
     width = prompts.prompt.shape[1]
     routing = runner.no_routing(tables.weights, unique, width) if program.routing else None
+    # A prompt's n rows share its adapter (one per prompt), as they share its pages.
+    rows = None if tables.rows is None else tables.rows.replace(adapter=tables.rows.adapter[::n])
     logits, cache, *used = forward_prompt(
         runner, tables.weights, prompts.prompt, prompts.positions, 0, program.layout,
-        cache=paged.attach(cache, pages.tables[::n]), routing=routing,
+        cache=paged.attach(cache, pages.tables[::n]), routing=routing, rows=rows,
     )  # fmt: skip
     pages = paging.fork(pages, parents, child)
     pages, _ = paging.allocate(pages, lengths)
