@@ -97,10 +97,12 @@ def prefill_forked(
     width = prompts.prompt.shape[1]
     routing = runner.no_routing(tables.weights, unique, width) if program.routing else None
     # A prompt's n rows share its adapter (one per prompt), as they share its pages.
-    rows = None if tables.rows is None else tables.rows.replace(adapter=tables.rows.adapter[::n])
+    state_rows = tables.rows
+    if state_rows is not None:
+        state_rows = state_rows.replace(adapter=state_rows.adapter[::n])
     logits, cache, *used = forward_prompt(
         runner, tables.weights, prompts.prompt, prompts.positions, 0, program.layout,
-        cache=paged.attach(cache, pages.tables[::n]), routing=routing, rows=rows,
+        cache=paged.attach(cache, pages.tables[::n]), routing=routing, rows=state_rows,
     )  # fmt: skip
     pages = paging.fork(pages, parents, child)
     pages, _ = paging.allocate(pages, lengths)
