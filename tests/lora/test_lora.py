@@ -259,3 +259,21 @@ def test_tables_are_values(setup):
     smaller = table.remove("a")
     assert table.loaded == ("a", "b") and smaller.loaded == ("b",)
     assert jax.tree.structure(smaller.table) == jax.tree.structure(table.table)
+
+
+def test_n_rows_and_stream_take_the_prompts_adapter(setup):
+    """`n > 1` (a prompt prefilled once, its rows sharing its pages) and `stream` give a
+    prompt's rows its adapter: greedy rows equal the merged models' tokens."""
+    model, table = setup["model"], setup["table"]
+    prompts = random_prompts(160, [5, 7], 7)
+    keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+    out = ll.generate(model, prompts, adapters=table, adapter=["b", "a"], n=2, **keywords)
+    events = ll.stream(model, prompts, adapters=table, adapter=["b", None], **keywords)
+    streamed = {0: [], 1: []}
+    for e in events:
+        streamed[e.row] += e.token_ids
+    for i, (prompt, name) in enumerate(zip(prompts, ["b", "a"], strict=True)):
+        want = torch_greedy(setup["merged"][name], prompt, TOKENS)[0]
+        assert out.token_ids[2 * i] == out.token_ids[2 * i + 1] == want
+    assert streamed[0] == torch_greedy(setup["merged"]["b"], prompts[0], TOKENS)[0]
+    assert streamed[1] == torch_greedy(setup["merged"][None], prompts[1], TOKENS)[0]
