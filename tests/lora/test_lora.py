@@ -6,6 +6,8 @@ bits beside rows of other adapters; bad input is refused by name."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -277,3 +279,24 @@ def test_n_rows_and_stream_take_the_prompts_adapter(setup):
         assert out.token_ids[2 * i] == out.token_ids[2 * i + 1] == want
     assert streamed[0] == torch_greedy(setup["merged"]["b"], prompts[0], TOKENS)[0]
     assert streamed[1] == torch_greedy(setup["merged"][None], prompts[1], TOKENS)[0]
+
+
+def test_own_model_gets_adapters_through_ll_dense(setup):
+    """examples/own_model.py's decoder (its projections through `ll.dense(..., lora=)`)
+    with the tiny Llama's weights runs the same PEFT adapters: its rows equal the merged
+    models' tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import own_model
+
+    module = own_model.from_llama(setup["model"])
+    c = setup["model"].config
+    model = ll.from_nnx(module, vocab_size=c.vocab_size, max_length=64)
+    table = ll.load_adapter(module, setup["dir"] / "a", name="a")
+    table = ll.load_adapter(module, setup["dir"] / "b", name="b", adapters=table)
+    prompts = random_prompts(160, [5, 7, 4], 8)
+    out = ll.generate(
+        model, prompts, adapters=table, adapter=ROWS, temperature=0, max_new_tokens=TOKENS,
+        ignore_eos=True,
+    )  # fmt: skip
+    for row, (prompt, name) in enumerate(zip(prompts, ROWS, strict=True)):
+        assert out.token_ids[row] == torch_greedy(setup["merged"][name], prompt, TOKENS)[0]
