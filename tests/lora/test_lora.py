@@ -300,3 +300,16 @@ def test_own_model_gets_adapters_through_ll_dense(setup):
     )  # fmt: skip
     for row, (prompt, name) in enumerate(zip(prompts, ROWS, strict=True)):
         assert out.token_ids[row] == torch_greedy(setup["merged"][name], prompt, TOKENS)[0]
+
+
+def test_speculative_rows_verify_under_their_adapters(setup):
+    """A draft model (the base, without adapters) under strict acceptance: the rows'
+    tokens are plain decoding's under their adapters (the target verifies with them)."""
+    model, table = setup["model"], setup["table"]
+    prompts = random_prompts(160, [6, 7], 9)
+    keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True, adapter=["a", "b"])
+    plain = ll.generate(model, prompts, adapters=table, **keywords)
+    draft = ll.DraftModel(model=model, num_draft=2, cycle_cost=1.0, min_acceptance=0.0)
+    fast = ll.generate(model, prompts, adapters=table, speculative=draft, **keywords)
+    assert fast.token_ids == plain.token_ids
+    assert sum(r["drafted"] for r in fast.speculation) > 0  # drafts were verified

@@ -77,7 +77,8 @@ class Options:
       (`logitloop.decoding.loop.speculative`).
     adapters: an `ll.Adapters` table of LoRA adapters (`ll.load_adapter`), and
     adapter: each prompt's adapter by name, one for all or one per prompt (None: the
-      base model); `generate`, `stream` and `chat` so far (docs/lora.md).
+      base model); `generate`, `stream` and `chat` so far, speculative decoding included
+      (docs/lora.md).
     """
 
     n: int = 1
@@ -325,9 +326,8 @@ def check_adapters(model: Any, options: Options, supported: bool) -> None:
             "adapters= runs in generate, stream, chat and score so far, not here yet "
             "(docs/lora.md, 'Not done yet')"
         )
-    for name, value in (("speculative", options.speculative), ("mesh", options.mesh)):
-        if value is not None:
-            raise ValueError(f"adapters= does not run with {name}= yet (docs/lora.md)")
+    if options.mesh is not None:
+        raise ValueError("adapters= does not run with mesh= yet (docs/lora.md)")
     sites = model.lora_sites() if hasattr(model, "lora_sites") else None
     if sites is not None and dict(sites) != dict(table.sites):
         raise ValueError(
