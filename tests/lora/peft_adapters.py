@@ -7,17 +7,20 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TARGETS = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base, directory: Path, *, rank: int, alpha: float, seed: int, **config):
+def make_adapter(
+    base, directory: Path, *, rank: int, alpha: float, seed: int, targets=TARGETS, **config
+):
     """Save a PEFT LoRA adapter of `rank` on `base` (a transformers model, not changed)
-    with random non-zero A and B; returns the merged transformers model."""
+    with random non-zero A and B on `targets`; returns the merged transformers model."""
     import peft
     import torch
 
     torch.manual_seed(seed)
-    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, **config)
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), **config)
     model = peft.get_peft_model(copy.deepcopy(base), lora)
     with torch.no_grad():
         for name, p in model.named_parameters():

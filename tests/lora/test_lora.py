@@ -20,7 +20,7 @@ pytest.importorskip("peft")
 import logitloop as ll  # noqa: E402
 from tests.models.tiny_checkpoints import build_hf_model, random_prompts, save_hf_model  # noqa: E402
 
-from .peft_adapters import make_adapter  # noqa: E402
+from .peft_adapters import ATTENTION, TARGETS, make_adapter  # noqa: E402
 
 TOKENS = 5
 ATOL = 1e-4  # the float32 parity tests' tolerance (tests/models/test_model_parity.py)
@@ -313,3 +313,31 @@ def test_speculative_rows_verify_under_their_adapters(setup):
     fast = ll.generate(model, prompts, adapters=table, speculative=draft, **keywords)
     assert fast.token_ids == plain.token_ids
     assert sum(r["drafted"] for r in fast.speculation) > 0  # drafts were verified
+
+
+@pytest.mark.slow  # the tiny Llama above is the default twin
+@pytest.mark.parametrize("case", ["qwen2", "gemma2", "mixtral"])
+def test_other_families_equal_peft_merged(case, tmp_path):
+    """Qwen2 (q/k/v biases), Gemma 2 (its norms, soft-capping, sliding windows) and
+    Mixtral (attention targets: its experts take no adapters) under two adapters and the
+    base in one batch, against transformers with each adapter merged."""
+    base = build_hf_model(case)
+    save_hf_model(base, tmp_path / "base")
+    targets = ATTENTION if case == "mixtral" else TARGETS
+    merged = {
+        "a": make_adapter(base, tmp_path / "a", rank=8, alpha=16, seed=1, targets=targets),
+        "b": make_adapter(base, tmp_path / "b", rank=16, alpha=8, seed=2, targets=targets),
+        None: base,
+    }
+    model = ll.load_pretrained(str(tmp_path / "base"))
+    table = ll.load_adapter(model, tmp_path / "a", name="a")
+    table = ll.load_adapter(model, tmp_path / "b", name="b", adapters=table)
+    prompts = random_prompts(model.config.vocab_size, [5, 7, 4], 0)
+    out = ll.generate(
+        model, prompts, adapters=table, adapter=ROWS, temperature=0, max_new_tokens=TOKENS,
+        ignore_eos=True,
+    )  # fmt: skip
+    for row, (prompt, name) in enumerate(zip(prompts, ROWS, strict=True)):
+        tokens, logprobs = torch_greedy(merged[name], prompt, TOKENS)
+        assert out.token_ids[row] == tokens, (case, row, name)
+        np.testing.assert_allclose(out.raw_logprobs[row], logprobs, rtol=0, atol=ATOL)
