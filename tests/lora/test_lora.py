@@ -302,6 +302,7 @@ def test_own_model_gets_adapters_through_ll_dense(setup):
         assert out.token_ids[row] == torch_greedy(setup["merged"][name], prompt, TOKENS)[0]
 
 
+@pytest.mark.slow  # one more program set; the verification pass is one call's rows=
 def test_speculative_rows_verify_under_their_adapters(setup):
     """A draft model (the base, without adapters) under strict acceptance: the rows'
     tokens are plain decoding's under their adapters (the target verifies with them)."""
