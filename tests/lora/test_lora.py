@@ -5,6 +5,7 @@ bits beside rows of other adapters; bad input is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -342,3 +343,55 @@ def test_other_families_equal_peft_merged(case, tmp_path):
         tokens, logprobs = torch_greedy(merged[name], prompt, TOKENS)
         assert out.token_ids[row] == tokens, (case, row, name)
         np.testing.assert_allclose(out.raw_logprobs[row], logprobs, rtol=0, atol=ATOL)
+
+
+def _rollout(setup, rows):
+    prompts = random_prompts(160, [5, 6], 10)
+    out = ll.generate(
+        setup["model"], prompts, adapters=setup["table"], adapter=rows, temperature=0,
+        max_new_tokens=TOKENS, ignore_eos=True, deterministic=True,
+    )  # fmt: skip
+    return ll.rollout_batch(out)
+
+
+def _token_logprobs(setup, batch, rows, table=None):
+    adapters = setup["table"] if table is None else table
+    return ll.token_logprobs(
+        setup["model"], batch.token_ids, batch.prompt_lengths, lengths=batch.lengths,
+        adapters=adapters, adapter=rows,
+    )  # fmt: skip
+
+
+def test_token_logprobs_under_adapters_equal_the_rollout(setup):
+    """`token_logprobs` under each row's adapter: the rollout's raw log-probs bit for bit
+    (deterministic=True)."""
+    rows = ["a", None]
+    batch = _rollout(setup, rows)
+    got = _token_logprobs(setup, batch, rows)
+    assert np.array_equal(np.asarray(got.raw_logprobs), batch.raw_logprobs)
+
+
+@pytest.mark.slow  # a backward program; the default twin is the test above
+def test_token_logprobs_differentiate_the_adapter_table(setup):
+    """The gradient with respect to the table reaches the adapters the rows use only and
+    matches a central difference along it."""
+    rows, table = ["a", None], setup["table"]
+    batch = _rollout(setup, rows)
+
+    def loss(t):
+        adapted = dataclasses.replace(table, table=t)
+        return _token_logprobs(setup, batch, rows, adapted).raw_logprobs.sum()
+
+    grad = jax.grad(loss)(table.table)
+    a, b = grad.sites["0.q_proj"]  # [K, slots * rank], [slots * rank, N]
+    rank = table.max_rank
+    assert np.abs(np.asarray(b[:rank])).max() > 0  # slot 0, "a": used by row 0
+    assert np.abs(np.asarray(b[rank:])).max() == 0  # "b" (slot 1) and the empty slots
+    norm = np.sqrt(sum(float(np.vdot(g, g)) for g in jax.tree.leaves(grad)))
+    eps = 1e-4  # a central difference along the gradient: its slope is the gradient's norm
+
+    def step(e):
+        return jax.tree.map(lambda t, g: t + e * g / norm, table.table, grad)
+
+    slope = (loss(step(eps)) - loss(step(-eps))) / (2 * eps)
+    np.testing.assert_allclose(float(slope), norm, rtol=0.02)
