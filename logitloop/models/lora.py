@@ -69,6 +69,8 @@ class Site:
     def delta(self, x: jax.Array, *, groups: int, numerics: Numerics) -> jax.Array:
         """`[..., K] -> [..., N]`: each token's adapter update (zero for slot -1)."""
         lead = x.shape[:-1]
+        if not numerics.fixed and self.index.ndim == 1 and lead and lead[0] == len(self.index):
+            return self.gathered(x)
         index = self.index.reshape(self.index.shape + (1,) * (len(lead) - self.index.ndim))
         index = jnp.broadcast_to(index, lead)  # [..., ] one slot per token
         xa = layers.dense(x, self.a.astype(x.dtype), groups=groups, numerics=numerics)
@@ -76,6 +78,20 @@ class Site:
         mine = index[..., None] == column_slot  # [..., S * R]
         xa = jnp.where(mine, xa, jnp.zeros((), xa.dtype))
         return layers.dense(xa, self.b.astype(x.dtype), numerics=numerics)
+
+    def gathered(self, x: jax.Array) -> jax.Array:
+        """`delta` with one slot per row (`index [B]`, x `[B, ..., K]`): each row's own
+        A and B gathered (`rank` columns, not every slot's), in two batched products.
+        Not under `deterministic=True`, whose fixed-order tiles take 2-D products."""
+        k, n, rank = self.a.shape[0], self.b.shape[1], self.rank
+        slots = self.a.shape[1] // rank
+        slot = jnp.clip(self.index, 0, slots - 1)  # [B]
+        a = self.a.reshape(k, slots, rank)[:, slot].astype(x.dtype)  # [K, B, R]
+        b = self.b.reshape(slots, rank, n)[slot].astype(x.dtype)  # [B, R, N]
+        rows = x.reshape(x.shape[0], -1, k)  # [B, M, K]
+        xa = jnp.einsum("bmk,kbr->bmr", rows, a)
+        xa = jnp.where((self.index >= 0)[:, None, None], xa, jnp.zeros((), xa.dtype))
+        return jnp.einsum("bmr,brn->bmn", xa, b).reshape(*x.shape[:-1], n)
 
 
 def site(rows: Any, layer: int, target: str) -> Site | None:
