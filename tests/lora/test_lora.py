@@ -395,3 +395,24 @@ def test_token_logprobs_differentiate_the_adapter_table(setup):
 
     slope = (loss(step(eps)) - loss(step(-eps))) / (2 * eps)
     np.testing.assert_allclose(float(slope), norm, rtol=0.02)
+
+
+def test_beam_search_under_adapters_equals_transformers_on_the_merged_models(setup):
+    """Each prompt's beams under its adapter: transformers' beam search on the merged
+    model (no stop token: every beam runs `TOKENS` tokens)."""
+    prompts = random_prompts(160, [5, 7, 4], 11)
+    ours = ll.beam_search(
+        setup["model"], prompts, num_beams=3, max_tokens=TOKENS, num_return_sequences=3,
+        ignore_eos=True, adapters=setup["table"], adapter=ROWS,
+    )  # fmt: skip
+    for prompt, name, beams in zip(prompts, ROWS, ours, strict=True):
+        with torch.no_grad():
+            out = setup["merged"][name].generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False, num_beams=3, num_return_sequences=3, max_new_tokens=TOKENS,
+                min_new_tokens=TOKENS, eos_token_id=None, pad_token_id=0,
+                return_dict_in_generate=True, output_scores=True,
+            )  # fmt: skip
+        seqs = out.sequences[:, len(prompt) :].tolist()
+        assert [b.token_ids for b in beams] == seqs, name
+        np.testing.assert_allclose([b.score for b in beams], out.sequences_scores, atol=ATOL)

@@ -78,7 +78,8 @@ class Options:
     adapters: an `ll.Adapters` table of LoRA adapters (`ll.load_adapter`), and
     adapter: each prompt's adapter by name, one for all or one per prompt (None: the
       base model); `generate`, `stream` and `chat` so far, speculative decoding included
-      (docs/lora.md).
+      (and `score`, `beam_search`, `token_logprobs`, which take them as keywords;
+      docs/lora.md).
     """
 
     n: int = 1
@@ -323,7 +324,8 @@ def check_adapters(model: Any, options: Options, supported: bool) -> None:
         return
     if not supported:
         raise ValueError(
-            "adapters= runs in generate, stream, chat and score so far, not here yet "
+            "adapters= runs in generate, stream, chat, score, beam_search and "
+            "token_logprobs so far, not here yet "
             "(docs/lora.md, 'Not done yet')"
         )
     if options.mesh is not None:
