@@ -416,3 +416,24 @@ def test_beam_search_under_adapters_equals_transformers_on_the_merged_models(set
         seqs = out.sequences[:, len(prompt) :].tolist()
         assert [b.token_ids for b in beams] == seqs, name
         np.testing.assert_allclose([b.score for b in beams], out.sequences_scores, atol=ATOL)
+
+
+@pytest.mark.slow  # another model's programs; the products are `layers.dense`'s either way
+def test_an_int8_base_takes_float_adapters(setup):
+    """QLoRA's layout: an int8 base with float adapters. Under adapter "a" its scores are
+    the float model's under "a" within the int8 base's own error, and far from its base's."""
+    quantized = ll.load_pretrained(str(setup["dir"] / "base"), quantize="int8")
+    table = ll.load_adapter(quantized, setup["dir"] / "a", name="a")
+    prompts = random_prompts(160, [5, 7], 12)
+    conts = random_prompts(160, [4, 4], 13)
+
+    def raw(model, adapters, names):
+        got = ll.score(model, prompts, conts, adapters=adapters, adapter=names)
+        return np.asarray([r.raw_logprobs for r in got])
+
+    float_a = raw(setup["model"], setup["table"], ["a", "a"])
+    float_base = raw(setup["model"], setup["table"], [None, None])
+    int8_a, int8_base = raw(quantized, table, ["a", "a"]), raw(quantized, table, [None, None])
+    base_error = np.abs(int8_base - float_base).max()
+    assert np.abs(int8_a - float_a).max() < 3 * base_error + 1e-3
+    assert np.abs(int8_a - int8_base).max() > 10 * base_error
