@@ -7,21 +7,24 @@ every target projection ("site") the table was made for, each site stacked side 
     a: [K, slots * rank]   slot s's A (as `x @ a`) in columns s*rank .. (s+1)*rank
     b: [slots * rank, N]   slot s's B, already times the adapter's scale, in the same rows
 
-zero-padded to `rank` and zero for an empty slot. A row's update to `x @ w` is then
+zero-padded to `rank` and zero for an empty slot. A row's update to `x @ w` is computed
+one of two ways (`Site.delta`):
 
-    delta = select(x @ a, the row's slot's columns) @ b
+- gathered (a slot per row, outside `deterministic=True`): the row's own `rank` columns
+  of `a` and rows of `b`, gathered, in two batched products (Punica's BGMV);
+- stacked (under `deterministic=True`, or a slot per token):
 
-two plain 2-D products of `layers.dense` (so `deterministic=True` keeps a row's bits
-whatever its batch by the same fixed-order tiles) and one select: the other slots'
-columns become exact zeros, which add nothing to the row's sum (a base row, slot -1,
-gets exactly `x @ w`). Loading, replacing or removing an adapter writes the table's
-values; its shapes never change, so nothing compiles again.
+      delta = select(x @ a, the token's slot's columns) @ b
 
-Cost: each target product gains `(K + N) * slots * rank` multiply-adds per token, against
-the base's `K * N`: small while `slots * rank` is small beside the hidden size (4 x 16 =
-64 beside 4096: 3%). A gathered product (each token only its own adapter's `rank`
-columns: Punica's BGMV, a Pallas segmented gather-matmul on an accelerator) would make
-the cost independent of the slots; not written yet.
+  two plain 2-D products of `layers.dense` (so a row's bits do not depend on its batch,
+  by the same fixed-order tiles as the base's) and one select: the other slots' columns
+  become exact zeros, which add nothing to the row's sum. It costs `(K + N) * slots *
+  rank` multiply-adds per token against the base's `K * N`.
+
+A base row (slot -1) adds exact zeros. Loading, replacing or removing an adapter writes
+the table's values; its shapes never change, so nothing compiles again. A Pallas
+segmented gather-matmul (rows sorted by adapter) would serve an accelerator better than
+either; not written yet.
 
 Which slot a token reads comes from the pass (`kv.rows.adapter`, `ll.Rows`): `[B]` (one
 slot per row; each of the row's T tokens reads it) or `[B, T]` (one per token: a packed
