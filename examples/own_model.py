@@ -10,8 +10,10 @@ head. Its attention is one call, `ll.attention(q, k, v, kv, layer=i)`: the libra
 the keys and values into its cache (contiguous rows, or a paged pool whose pages rows
 share) and attends over them. Its products go through `ll.dense(x, w, kv)`, its LM head
 through `ll.lm_head(x, table, kv)` and its norms' means through `ll.mean(x, kv)`, so that
-`deterministic=True` keeps a row's bits whatever its batch. With `kv=None` the same
-module is a plain causal forward, for training.
+`deterministic=True` keeps a row's bits whatever its batch. Its projections name
+themselves (`ll.dense(..., lora=(layer, "q_proj"))`), so rows can run LoRA adapters
+(`ll.load_adapter(module, ...)`, docs/lora.md). With `kv=None` the same module is a plain
+causal forward, for training.
 
 The script builds the model with random weights, wraps it with `ll.from_nnx`, samples
 `n = 4` completions of one prompt (prefilled once; the four rows share its pages), and
@@ -76,6 +78,13 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
+# PEFT's names of a Llama block's projections -> this module's weights.
+PROJECTIONS = dict(
+    q_proj="wq", k_proj="wk", v_proj="wv", o_proj="wo",
+    gate_proj="w_gate", up_proj="w_up", down_proj="w_down",
+)  # fmt: skip
+
+
 class Block(nnx.Module):
     def __init__(self, c: Config, layer: int, dtype, rngs: nnx.Rngs):
         e, q, kv = c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim
@@ -86,18 +95,24 @@ class Block(nnx.Module):
         self.w_down = param(rngs, (c.ffn, e), dtype)
         self.config, self.layer = c, layer
 
+    def dense(self, x, name, kv):
+        """`x @ w` of projection `name` (PEFT's), plus each row's LoRA adapter where the
+        pass carries one (`ll.dense(..., lora=)`, docs/lora.md)."""
+        w = getattr(self, PROJECTIONS[name])[...]
+        return ll.dense(x, w, kv, lora=(self.layer, name))
+
     def __call__(self, x, positions, kv):
         c, (b, t, _) = self.config, x.shape
         h = self.attn_norm(x, kv)
-        q = ll.dense(h, self.wq[...], kv).reshape(b, t, c.heads, c.head_dim)
-        k = ll.dense(h, self.wk[...], kv).reshape(b, t, c.kv_heads, c.head_dim)
-        v = ll.dense(h, self.wv[...], kv).reshape(b, t, c.kv_heads, c.head_dim)
+        q = self.dense(h, "q_proj", kv).reshape(b, t, c.heads, c.head_dim)
+        k = self.dense(h, "k_proj", kv).reshape(b, t, c.kv_heads, c.head_dim)
+        v = self.dense(h, "v_proj", kv).reshape(b, t, c.kv_heads, c.head_dim)
         q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
         out, kv = ll.attention(q, k, v, kv, layer=self.layer)  # the library's cache
-        x = x + ll.dense(out.reshape(b, t, -1), self.wo[...], kv)
+        x = x + self.dense(out.reshape(b, t, -1), "o_proj", kv)
         h = self.mlp_norm(x, kv)
-        gate, up = ll.dense(h, self.w_gate[...], kv), ll.dense(h, self.w_up[...], kv)
-        return x + ll.dense(jax.nn.silu(gate) * up, self.w_down[...], kv), kv
+        gate, up = self.dense(h, "gate_proj", kv), self.dense(h, "up_proj", kv)
+        return x + self.dense(jax.nn.silu(gate) * up, "down_proj", kv), kv
 
 
 class TinyDecoder(nnx.Module):
@@ -118,6 +133,15 @@ class TinyDecoder(nnx.Module):
         """What the library keeps per token and layer: the keys and values of every block."""
         c = self.config
         return ll.KVSpec(c.layers, c.kv_heads, c.head_dim, self.dtype)
+
+    def lora_sites(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """The projections a LoRA adapter may target, `(layer, name) -> (K, N)` of each
+        `ll.dense(..., lora=(layer, name))` (`ll.load_adapter(module, ...)` reads it)."""
+        return {
+            (b.layer, name): tuple(getattr(b, w).shape)
+            for b in self.blocks
+            for name, w in PROJECTIONS.items()
+        }
 
     def __call__(self, tokens, positions, kv):
         x = self.embedding[...][tokens]  # padding columns (positions -1) are never read

@@ -35,10 +35,12 @@ from logitloop.decoding.sampling.sampler import (
     sample,
     sampling_distribution,
 )
+from logitloop.models.adapters import Adapters, load_adapter
 from logitloop.models.kv import (
     CONTRACT_VERSION,
     KV,
     KVSpec,
+    Rows,
     attention,
     dense,
     lm_head,
@@ -48,6 +50,7 @@ from logitloop.models.loading import load_pretrained
 from logitloop.processors import DRY, NoRepeatNGram, TypicalP
 
 __all__ = [
+    "Adapters",
     "Beam",
     "CheckReport",
     "STATUS_ALL_MASKED",
@@ -69,6 +72,7 @@ __all__ = [
     "NoRepeatNGram",
     "Processor",
     "PromptLookup",
+    "Rows",
     "Request",
     "SampleOutput",
     "SamplingParams",
@@ -92,6 +96,7 @@ __all__ = [
     "generate_many",
     "iter_generate_many",
     "lm_head",
+    "load_adapter",
     "load_pretrained",
     "mean",
     "precompile",

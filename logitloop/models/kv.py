@@ -43,12 +43,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from logitloop.models import fixed_order, layers
+from logitloop.models import lora as lora_lib
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.ops import attention as ops_attention
 
-__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "attention", "dense", "lm_head", "mean"]
+__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "Rows", "attention", "dense", "lm_head", "mean"]
 
 # The version of the contract above; docs/own_model.md says what changed between versions.
 CONTRACT_VERSION = 1
@@ -126,6 +128,22 @@ class KVSpec:
         return [{"k_pages": x["k_pages"], "v_pages": x["v_pages"]} for x in caches]
 
 
+@struct.dataclass
+class Rows:
+    """Per-row state that reaches inside the model as data (`kv.rows`; None in a pass
+    that has none, so a model without adapters runs as before): arrays indexed by row
+    inside the compiled step, so a batch mixes them and new values compile nothing.
+
+    adapter: `[B]` int32, each row's slot in `lora` (-1: the base weights), or `[B, T]`,
+      one slot per token (a packed pass whose tokens `[1, N]` come from many rows gives
+      each token its row's slot); read by `dense(..., lora=(layer, target))`.
+    lora: the adapter table (`lora.LoraTable`) shared by the pass's rows, or None.
+    """
+
+    adapter: jax.Array
+    lora: lora_lib.LoraTable | None = None
+
+
 @jax.tree_util.register_pytree_node_class
 class KV:
     """The cache a forward pass threads through its `attention` calls.
@@ -140,6 +158,9 @@ class KV:
     column's logits are read: a model may then return `[B, V]` and run its LM head on one
     position per row (as logitloop's families do); True in scoring and speculative
     verification, which need `[B, T, V]`.
+
+    `kv.rows` (a child): the pass's per-row state (`Rows`: each row's LoRA adapter), or
+    None; a model reads it through `dense(..., lora=...)`, never directly.
     """
 
     def __init__(
@@ -150,8 +171,10 @@ class KV:
         numerics: Numerics = PLAIN,
         all_columns: bool = True,
         written: tuple[int, ...] = (),
+        rows: Rows | None = None,
     ):
         self.caches = list(caches)
+        self.rows = rows
         self.positions = positions
         self.spec = spec
         self.numerics = numerics
@@ -160,11 +183,11 @@ class KV:
 
     def tree_flatten(self):
         aux = (self.spec, self.numerics, self.all_columns, self.written)
-        return (self.caches, self.positions), aux
+        return (self.caches, self.positions, self.rows), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], children[1], *aux)
+        return cls(children[0], children[1], *aux, rows=children[2])
 
     def __repr__(self) -> str:
         shape = getattr(self.positions, "shape", None)
@@ -254,7 +277,8 @@ def attention(
     )
     caches = list(kv.caches)
     caches[layer] = cache
-    return out, KV(caches, kv.positions, kv.spec, kv.numerics, kv.all_columns, (*kv.written, layer))
+    written = (*kv.written, layer)
+    return out, KV(caches, kv.positions, kv.spec, kv.numerics, kv.all_columns, written, kv.rows)
 
 
 def _check_qkv(q, k, v, kv: KV | None, layer: Any) -> None:
@@ -341,13 +365,31 @@ def _checked_float(value: Any, name: str, positive: bool = False) -> float:
     return number
 
 
-def dense(x: jax.Array, w: jax.Array, kv: KV | None = None) -> jax.Array:
+def dense(
+    x: jax.Array,
+    w: jax.Array,
+    kv: KV | None = None,
+    *,
+    lora: tuple[int, str] | None = None,
+) -> jax.Array:
     """`x @ w`, `[..., K] x [K, N] -> [..., N]`: under `deterministic=True` (a `kv` of a
     deterministic pass) in a fixed order, so a row's result does not depend on how many
     rows the batch has (`fixed_order`); a plain product otherwise. A model's products
-    that should keep a row's bits whatever the batch call this with the pass's `kv`."""
+    that should keep a row's bits whatever the batch call this with the pass's `kv`.
+
+    `lora=(layer, target)` (e.g. `(3, "q_proj")`, the projection's name in the PEFT
+    adapters a user loads): where the pass carries an adapter table with that target,
+    each row adds its own adapter's `scale * (x @ A) @ B` (`logitloop.models.lora`; the
+    base weights are never copied); without one (or `kv=None`), plain `x @ w`."""
     numerics = PLAIN if kv is None else kv.numerics
-    return layers.dense(x, w, numerics=numerics)
+    site = None if kv is None or lora is None else adapter_site(kv, *lora)
+    return layers.dense(x, w, numerics=numerics, lora=site)
+
+
+def adapter_site(kv: KV | None, layer: int, target: str) -> lora_lib.Site | None:
+    """The pass's adapters of projection `target` of layer `layer` (`lora.Site`, what
+    `layers.dense` takes as `lora=`), or None (no `kv`, no table, no such target)."""
+    return None if kv is None else lora_lib.site(kv.rows, layer, target)
 
 
 def lm_head(x: jax.Array, table: jax.Array, kv: KV | None = None) -> jax.Array:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -144,8 +145,11 @@ def layer_norm(
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def split_heads(x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN) -> jax.Array:
-    """`x @ w` for a head-split weight: `[B, T, E] x [E, ..., D] -> [B, T, ..., D]`.
+def split_heads(
+    x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN, lora: Any = None
+) -> jax.Array:
+    """`x @ w` for a head-split weight: `[B, T, E] x [E, ..., D] -> [B, T, ..., D]`
+    (`lora`: as in `dense`, over `w` seen as `[E, rest]`).
 
     One 2-D product on `w` seen as `[E, rest]` (a free reshape of its row-major layout).
     Written as an einsum over the head axes, XLA:CPU chose dimension orders that copied
@@ -153,31 +157,43 @@ def split_heads(x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN) -> ja
     """
     # The width spelled out (not -1): a quantized weight (a Qwix QArray) reshapes its
     # scales with it and takes only explicit shapes.
-    out = dense(x, w.reshape(w.shape[0], math.prod(w.shape[1:])), numerics=numerics)
+    out = dense(x, w.reshape(w.shape[0], math.prod(w.shape[1:])), numerics=numerics, lora=lora)
     return out.reshape(*x.shape[:-1], *w.shape[1:])
 
 
-def merge_heads(x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN) -> jax.Array:
+def merge_heads(
+    x: jax.Array, w: jax.Array, *, numerics: Numerics = PLAIN, lora: Any = None
+) -> jax.Array:
     """The output projection `[B, T, H, D] x [H, D, E] -> [B, T, E]`, as one 2-D product
-    (whose contraction a model-parallel mesh splits by heads)."""
+    (whose contraction a model-parallel mesh splits by heads; `lora` as in `dense`)."""
     b, t, h, d = x.shape
-    return dense(x.reshape(b, t, h * d), w.reshape(h * d, w.shape[-1]), groups=h, numerics=numerics)
+    x, w = x.reshape(b, t, h * d), w.reshape(h * d, w.shape[-1])
+    return dense(x, w, groups=h, numerics=numerics, lora=lora)
 
 
-def dense(x: jax.Array, w: jax.Array, *, groups: int = 1, numerics: Numerics = PLAIN) -> jax.Array:
+def dense(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    groups: int = 1,
+    numerics: Numerics = PLAIN,
+    lora: Any = None,
+) -> jax.Array:
     """`x @ w`, `[..., K] x [K, N] -> [..., N]`, as one 2-D product over the rows of `x`
     (over fixed-size row tiles and fixed contraction chunks under a deterministic
     `numerics` policy, `fixed_order.Numerics`, so a
     row's result does not depend on how many rows there are, nor on the mesh). `groups`:
     the equal blocks a model-parallel mesh may split the contraction into (K for a
-    contraction over the MLP axis, 1 over the embedding)."""
+    contraction over the MLP axis, 1 over the embedding). `lora`: the pass's adapters of
+    this projection (`lora.Site`, from `lora.site(kv.rows, layer, target)`) or None: each
+    token's adapter update is added (`logitloop.models.lora`)."""
     out = fixed_order.rowwise(
         lambda rows: fixed_order.product(rows, w, groups=groups, numerics=numerics),
         x.reshape(-1, x.shape[-1]),
         numerics=numerics,
         shape=(x.shape[-1], w.shape[-1]),
-    )
-    return out.reshape(*x.shape[:-1], w.shape[-1])
+    ).reshape(*x.shape[:-1], w.shape[-1])
+    return out if lora is None else out + lora.delta(x, groups=groups, numerics=numerics)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:

@@ -94,9 +94,10 @@ class LlamaBlock(nnx.Module):
         numerics: Numerics = PLAIN,
     ) -> tuple[jax.Array, KV | None]:
         c = self.config
-        q = layers.split_heads(h, self.wq[...], numerics=numerics)  # [B, T, H, D]
-        k = layers.split_heads(h, self.wk[...], numerics=numerics)  # [B, T, Hkv, D]
-        v = layers.split_heads(h, self.wv[...], numerics=numerics)  # [B, T, Hkv, D]
+        # Each projection adds the pass's row adapters (`kv.rows`, `ll.dense(..., lora=)`).
+        q = layers.split_heads(h, self.wq[...], numerics=numerics, lora=self.site(kv, "q_proj"))
+        k = layers.split_heads(h, self.wk[...], numerics=numerics, lora=self.site(kv, "k_proj"))
+        v = layers.split_heads(h, self.wv[...], numerics=numerics, lora=self.site(kv, "v_proj"))
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if c.qk_norm:
@@ -107,21 +108,30 @@ class LlamaBlock(nnx.Module):
         attn, kv = kv_contract.attention(
             q, k, v, kv, layer=self.layer, scale=self.scale, softcap=self.softcap, window=window
         )
-        attn = layers.merge_heads(attn, self.wo[...], numerics=numerics)  # [B, T, E]
+        attn = layers.merge_heads(
+            attn, self.wo[...], numerics=numerics, lora=self.site(kv, "o_proj")
+        )  # [B, T, E]
         if c.o_bias:
             attn = attn + self.bo[...]
         return attn, kv
 
-    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
-        """`[B, T, E] -> [B, T, E]`: down(act(gate(h)) * up(h))."""
+    def site(self, kv: KV | None, target: str):
+        """The pass's adapters of this layer's projection `target` (PEFT's name for it:
+        "q_proj", ..., "down_proj"), or None (`kv_contract.adapter_site`)."""
+        return kv_contract.adapter_site(kv, self.layer, target)
+
+    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN, kv: KV | None = None) -> jax.Array:
+        """`[B, T, E] -> [B, T, E]`: down(act(gate(h)) * up(h)); `kv`: the pass's (its
+        row adapters, `site`)."""
         c = self.config
-        gate = layers.dense(h, self.w_gate[...], numerics=numerics)  # [B, T, F]
-        up = layers.dense(h, self.w_up[...], numerics=numerics)
+        gate = layers.dense(h, self.w_gate[...], numerics=numerics, lora=self.site(kv, "gate_proj"))
+        up = layers.dense(h, self.w_up[...], numerics=numerics, lora=self.site(kv, "up_proj"))
         if c.mlp_bias:
             gate, up = gate + self.b_gate[...], up + self.b_up[...]
         act = layers.activation(c.hidden_act, gate) * up
         f = c.intermediate_size
-        out = layers.dense(act, self.w_down[...], groups=f, numerics=numerics)  # [B, T, E]
+        down = self.site(kv, "down_proj")
+        out = layers.dense(act, self.w_down[...], groups=f, numerics=numerics, lora=down)
         if c.mlp_bias:
             out = out + self.b_down[...]
         return out
@@ -142,8 +152,8 @@ class LlamaBlock(nnx.Module):
         x = x + self.after_attention(attn, numerics)
         h = self.norm(x, self.mlp_norm[...], numerics)
         if routing is None:
-            return x + self.after_mlp(self.mlp(h, numerics), numerics), kv
-        out, used = self.mlp(h, numerics, routing=routing)
+            return x + self.after_mlp(self.mlp(h, numerics, kv), numerics), kv
+        out, used = self.mlp(h, numerics, kv, routing=routing)
         return x + self.after_mlp(out, numerics), kv, used
 
     def after_attention(self, attn: jax.Array, numerics: Numerics = PLAIN) -> jax.Array:
@@ -193,6 +203,21 @@ class LlamaModel(DecoderModel):
 
     def head_weight(self) -> jax.Array:
         return self.embedding[...] if self.config.tie_word_embeddings else self.lm_head[...]
+
+    def lora_sites(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """The projections a LoRA adapter may target, `(layer, PEFT's name) -> (K, N)` of
+        the product `[..., K] x [K, N]` (`ll.load_adapter`): every layer's attention
+        projections, and the MLP's where it is dense (not a mixture of experts' experts)."""
+        c = self.config
+        e, h, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        out = {}
+        for i, block in enumerate(self.layers):
+            out |= {(i, "q_proj"): (e, h * d), (i, "k_proj"): (e, hkv * d)}
+            out |= {(i, "v_proj"): (e, hkv * d), (i, "o_proj"): (h * d, e)}
+            if not getattr(block, "sparse", False):
+                f = c.intermediate_size
+                out |= {(i, "gate_proj"): (e, f), (i, "up_proj"): (e, f), (i, "down_proj"): (f, e)}
+        return out
 
 
 def checkpoint_tensors(config: LlamaConfig) -> dict[str, CheckpointTensor]:

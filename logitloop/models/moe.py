@@ -62,12 +62,13 @@ class MoeBlock(llama.LlamaBlock):
         self.w_up = p((x, e, f), ("experts", "embed", "mlp"))
         self.w_down = p((x, f, e), ("experts", "mlp", "embed"))
 
-    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN, *, routing=None):
+    def mlp(self, h: jax.Array, numerics: Numerics = PLAIN, kv=None, *, routing=None):
         """`[B, T, E] -> [B, T, E]`; with `routing` (`[B, T, k]` i32, expert ids to replay,
         -1: the router's own choice) also the `[B, T, k]` experts each token went to
-        (routing replay, module docstring)."""
+        (routing replay, module docstring). `kv`: the pass's (a dense layer's row
+        adapters; the experts take none)."""
         if not self.sparse:
-            return super().mlp(h, numerics)
+            return super().mlp(h, numerics, kv)
         c = self.config
         b, t, e = h.shape
         k = c.num_experts_per_tok

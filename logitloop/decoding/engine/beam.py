@@ -103,6 +103,7 @@ from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.decoding.sampling.sampler import adjust_logits, raw_normalizer
+from logitloop.models.kv import Rows
 
 # transformers' mask for finished, full or closed candidates: added, not assigned.
 MASK = -1.0e9
@@ -305,6 +306,7 @@ def search(
     positive_penalty: jax.Array,  # [] bool
     beams: jax.Array,  # [n] i32, each prompt's beam count, at most num_beams
     stops: StopStrings | None,  # n * num_candidates rows
+    prompt_rows: Rows | None = None,  # the n prompts' adapters (`ll.Rows`), or None
     *,
     num_beams: int,
     num_candidates: int,
@@ -314,10 +316,15 @@ def search(
     n, plen = prompt.shape
     buf = penalty.shape[0] - 1
     k = num_beams
-    logits, cache = forward_prompt(runner, weights, prompt, positions, plen + buf)
+    logits, cache = forward_prompt(runner, weights, prompt, positions, plen + buf, rows=prompt_rows)
 
     def per_beam(x):  # [n, ...] -> [n * K, ...], each prompt's row K times
         return jnp.repeat(x, k, axis=0)
+
+    # A prompt's beams keep its adapter (a beam's parent is a beam of the same prompt).
+    beam_rows = None
+    if prompt_rows is not None:
+        beam_rows = prompt_rows.replace(adapter=per_beam(prompt_rows.adapter))
 
     rows = n * k
     row_prompt_len = per_beam(prompt_len)
@@ -365,7 +372,7 @@ def search(
 
         def forward(cache):
             pos = (row_prompt_len + s.step)[:, None]  # the new token's position
-            out, cache = runner.forward(weights, tok[:, None], pos, cache)
+            out, cache = runner.forward(weights, tok[:, None], pos, cache, rows=beam_rows)
             return out.astype(jnp.float32), cache
 
         logits, cache = jax.lax.cond(new.going, forward, lambda c: (s.logits, c), cache)
@@ -402,6 +409,8 @@ def beam_search(
     params: SamplingParams | None = None,
     processors: Sequence[Any] | None = None,
     deterministic: bool | str = False,
+    adapters: Any = None,
+    adapter: Any = None,
 ) -> list[list[Beam]]:
     """Beam search with transformers' rules: for each prompt, its `num_return_sequences`
     best hypotheses (`Beam`), best first.
@@ -431,10 +440,17 @@ def beam_search(
 
     `num_beams` may be a list, one count per prompt: each prompt then gets what a search
     with its own count gives (rows past it stay idle in the batch of `max(num_beams)`).
+
+    `adapters`, `adapter`: LoRA adapters and each prompt's (its beams') adapter by name,
+    as in `generate` (docs/lora.md).
     """
-    info = plan(model, Options(deterministic=deterministic)).info
+    options = Options(deterministic=deterministic, adapters=adapters, adapter=adapter)
+    info = plan(model, options, adapters=True).info
     ids = tokenize_prompts(prompts, info)
     n = len(ids)
+    prompt_rows = None
+    if adapters is not None:
+        prompt_rows = Rows(jax.device_put(adapters.slots(adapter, n)), adapters.table)
     if isinstance(num_beams, (list, tuple, np.ndarray)):
         if len(num_beams) != n:
             raise ValueError(f"num_beams has {len(num_beams)} entries but there are {n} prompts")
@@ -475,7 +491,7 @@ def beam_search(
         info.runner, info.weights, batch.prompt, batch.positions, batch.lengths, batch.history,
         params.samples(k).device_only(), _length_penalties(buf, float(length_penalty)),
         np.int32(max_tokens), np.bool_(length_penalty > 0), np.asarray(beams, np.int32), stops,
-        num_beams=k, num_candidates=num_candidates,
+        prompt_rows, num_beams=k, num_candidates=num_candidates,
         early_stopping=early_stopping if isinstance(early_stopping, str) else bool(early_stopping),
     )  # fmt: skip
     tokens, scores, lengths, finish = jax.device_get(

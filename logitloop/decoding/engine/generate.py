@@ -124,7 +124,7 @@ def generate(
     if prompt_logprobs is not None:
         check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     options, settings = Options.split("generate", keywords)
-    job = plan(model, options)
+    job = plan(model, options, adapters=True)
     if return_routing:
         job = _recording(job)
     run = _start(model, job, prompts, params, settings)
@@ -186,7 +186,7 @@ def _start(
     ids = tokenize_prompts(prompts, plan.info)
     params = sampling_params(model, len(ids), params, settings)
     ids, params, shape = plan.batch(None, params, ids=ids)
-    tables, fsm = plan.batch_tables(params)
+    tables, fsm = plan.batch_tables(params, prompts=len(ids) // plan.options.n)
     if on_pool(plan, params.batch_size):
         plan, state = _forked_state(plan, tables, ids, params, fsm, shape)
     else:
@@ -276,7 +276,7 @@ def stream(
     """
     check_count("chunk_steps", chunk_steps, 1)
     options, settings = Options.split("stream", keywords)
-    run = _start(model, plan(model, options), prompts, params, settings)
+    run = _start(model, plan(model, options, adapters=True), prompts, params, settings)
     info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer

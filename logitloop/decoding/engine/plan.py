@@ -28,6 +28,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding.engine import reuse
@@ -53,7 +54,9 @@ from logitloop.decoding.sampling.params import (
     canonical_knobs,
     generation_defaults,
 )
+from logitloop.models.adapters import Adapters
 from logitloop.models.fixed_order import Numerics
+from logitloop.models.kv import Rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,11 @@ class Options:
       `calibrate(True, tile_kernel="interpret")`, the GPU's tile kernel interpreted).
     speculative: `ll.PromptLookup(...)` or `ll.DraftModel(...)`
       (`logitloop.decoding.loop.speculative`).
+    adapters: an `ll.Adapters` table of LoRA adapters (`ll.load_adapter`), and
+    adapter: each prompt's adapter by name, one for all or one per prompt (None: the
+      base model); `generate`, `stream` and `chat` so far, speculative decoding included
+      (and `score`, `beam_search`, `token_logprobs`, which take them as keywords;
+      docs/lora.md).
     """
 
     n: int = 1
@@ -80,9 +88,20 @@ class Options:
     processors: Sequence[Any] | None = None
     deterministic: bool | str | Numerics = False
     speculative: Any = None
+    adapters: Any = None
+    adapter: Any = None
 
     def __post_init__(self):
         check_count("n", self.n, 1)
+        if self.adapters is not None and not isinstance(self.adapters, Adapters):
+            raise ValueError(
+                f"adapters must be an ll.Adapters (ll.load_adapter), got "
+                f"{type(self.adapters).__name__}"
+            )
+        if self.adapter is not None and self.adapters is None:
+            raise ValueError(
+                "adapter= names adapters of a table: pass adapters=ll.load_adapter(...) too"
+            )
 
     @classmethod
     def of(cls, caller: str, options: Mapping[str, Any]) -> Options:
@@ -247,14 +266,32 @@ class Plan:
         params: SamplingParams,
         stops: Any = None,
         automata: Automata | None = None,
+        rows: Rows | None = None,
     ) -> Tables:
         """What the loop reads for rows `params` (`stops`, `automata`: their device
-        tables, `stop_tables` and `constraint_tables`)."""
-        return Tables(self.info.weights, params.device_only(), stops, automata, self.draft_weights)
+        tables, `stop_tables` and `constraint_tables`; `rows`: `adapter_rows`)."""
+        return Tables(
+            self.info.weights, params.device_only(), stops, automata, self.draft_weights, rows
+        )
 
-    def batch_tables(self, params: SamplingParams) -> tuple[Tables, np.ndarray | None]:
-        """`tables` for one batch, with its stop-string tables and automata built here;
-        and the rows' initial automaton states (None without constraints)."""
+    def adapter_rows(self, prompts: int, batch_size: int) -> Rows | None:
+        """The rows' per-row model state (`ll.Rows`) under `options.adapter`: each of the
+        `prompts` prompts' adapter slot for its `n` rows, -1 (the base) for dummy rows up
+        to `batch_size`, with the table; None without adapters. An unknown name is
+        refused naming the prompt's index (`Adapters.slots`)."""
+        o = self.options
+        if o.adapters is None:
+            return None
+        slots = np.repeat(o.adapters.slots(o.adapter, prompts), o.n)
+        slots = np.concatenate([slots, np.full(batch_size - len(slots), -1, np.int32)])
+        return Rows(jnp.asarray(slots), o.adapters.table)
+
+    def batch_tables(
+        self, params: SamplingParams, prompts: int | None = None
+    ) -> tuple[Tables, np.ndarray | None]:
+        """`tables` for one batch, with its stop-string tables and automata built here
+        (and `prompts` prompts' adapters, `adapter_rows`); and the rows' initial
+        automaton states (None without constraints)."""
         automata, fsm = constraint_tables(self.info, params)
         # A model with a tokenizer always carries stop-string tables (empty rows match
         # nothing), so a request's first stop string compiles nothing.
@@ -262,15 +299,40 @@ class Plan:
             self.info, params.stop, always=self.info.tokenizer is not None,
             rows=params.batch_size,
         )  # fmt: skip
-        return self.tables(params, stops, automata), fsm
+        rows = None if prompts is None else self.adapter_rows(prompts, params.batch_size)
+        return self.tables(params, stops, automata, rows), fsm
 
 
-def plan(model: Any, options: Options | None = None) -> Plan:
+def plan(model: Any, options: Options | None = None, *, adapters: bool = False) -> Plan:
     """Resolve `model` under `options` (default `Options()`): its runner and weights, the
-    layout, the speculation strategy and the draft's weights (see the module docstring)."""
+    layout, the speculation strategy and the draft's weights (see the module docstring).
+    `adapters`: whether the caller runs rows under LoRA adapters (else `options.adapters`
+    is refused)."""
     options = Options() if options is None else options
+    check_adapters(model, options, adapters)
     info = model_info(model, deterministic=options.deterministic)  # numerics: calibrated
     layout = sharding.layout_for(options.mesh, whole_vocab=info.runner.numerics.splits)
     info = layout.place(info)
     spec, draft_weights = speculation.resolve(options.speculative, info, options.mesh)
     return Plan(options, info, Program(info.runner, layout, spec), draft_weights)
+
+
+def check_adapters(model: Any, options: Options, supported: bool) -> None:
+    """Refuse adapters where they do not run yet, or made for another model, by name."""
+    table = options.adapters
+    if table is None:
+        return
+    if not supported:
+        raise ValueError(
+            "adapters= runs in generate, stream, chat, score, beam_search and "
+            "token_logprobs so far, not here yet "
+            "(docs/lora.md, 'Not done yet')"
+        )
+    if options.mesh is not None:
+        raise ValueError("adapters= does not run with mesh= yet (docs/lora.md)")
+    sites = model.lora_sites() if hasattr(model, "lora_sites") else None
+    if sites is not None and dict(sites) != dict(table.sites):
+        raise ValueError(
+            "adapters= was made for another model (its target projections or their shapes "
+            "differ from this model's): make it with ll.load_adapter(model, ...)"
+        )

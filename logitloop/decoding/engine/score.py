@@ -65,6 +65,7 @@ from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from logitloop.decoding.sampling.sampler import STATUS_OK, adjust_logits, raw_normalizer
+from logitloop.models.kv import Rows
 from logitloop.ops.sampling.noise import row_keys
 from logitloop.ops.sampling.xla import filter_and_sample as xla_filter_and_sample
 from logitloop.ops.sampling.xla import first_argmax, scale_logits
@@ -198,6 +199,8 @@ def score(
     processors: Sequence[Any] | None = None,
     progress: Callable[[int, int], Any] | None = None,
     share_prompts: bool = True,
+    adapters: Any = None,
+    adapter: Any = None,
 ) -> list[ScoreResult]:
     """Score each continuation given its prompt: one forward pass per batch, no decode loop.
 
@@ -230,15 +233,20 @@ def score(
     `share_prompts=False` every pair runs its own (the values are the same, with
     `deterministic=True` bit for bit). `mesh`, `deterministic`: as in `generate`; with
     `deterministic=True` the values are bit for bit those `generate` reports for the same
-    tokens.
+    tokens. `adapters`, `adapter`: LoRA adapters (`ll.load_adapter`) and each pair's
+    adapter by name, one for all or one per pair (None: the base), as in `generate`;
+    pairs under adapters run their own prompt passes (no sharing yet).
     """
     check_count("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
-    job = plan(model, Options(mesh=mesh, deterministic=deterministic))
+    options = Options(mesh=mesh, deterministic=deterministic, adapters=adapters, adapter=adapter)
+    job = plan(model, options, adapters=True)
     info, layout = job.info, job.layout
     check_count("batch_size", batch_size, 1)
     batch_size = -(-batch_size // layout.row_multiple) * layout.row_multiple
     ids, conts = score_pairs(prompts, continuations, info)
     total = len(ids)
+    slots = None if adapters is None else adapters.slots(adapter, total)
+    share_prompts = share_prompts and slots is None
     if params is not None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
@@ -254,7 +262,7 @@ def score(
     results: list[ScoreResult | None] = [None] * total
     # The programs' key besides the buckets (`reuse`): a call reuses the buckets of an
     # earlier one that cover its own.
-    key = ("score", info.runner, layout, top_logprobs, params is not None)
+    key = ("score", info.runner, layout, top_logprobs, params is not None, slots is not None)
     for start in range(0, total, batch_size):
         rows = order[start : start + batch_size]
         width = batch_size if total > batch_size else score_rows(len(rows), batch_size, layout)
@@ -262,6 +270,7 @@ def score(
             info, [ids[r] for r in rows], [conts[r] for r in rows],
             None if params is None else params.take(rows), top_logprobs, layout,
             share_prompts, rows=width, key=key,
+            adapters=None if slots is None else (adapters, slots[rows]),
         )  # fmt: skip
         for i, r in enumerate(rows):
             results[r] = _result(out, i, ids[r], conts[r], top_logprobs, params is not None, info)
@@ -342,10 +351,12 @@ def _score_rows(
     *,
     rows: int | None = None,
     key: Any = None,
+    adapters: tuple[Any, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """One batch on device; host arrays [B, C] (and [B, C, K] for the alternatives), B the
     batch's `rows` (default its pairs; padded with its first pair). `key`: the programs'
-    key in `reuse` (None: the buckets the batch needs, no reuse)."""
+    key in `reuse` (None: the buckets the batch needs, no reuse). `adapters`: the
+    `ll.Adapters` and each pair's slot."""
     shape = need = _score_shape(ids, conts, rows or len(ids), share_prompts, layout)
     if key is not None:
         key = (*key, need.distinct > 0)  # a shared prompt pass is a program of its own
@@ -375,9 +386,15 @@ def _score_rows(
     if params is not None:
         automata, fsm = constraint_tables(info, params)
         params = params.device_only()
+    row_state = None
+    if adapters is not None:
+        table, slots = adapters
+        slots = np.concatenate([slots, np.full(pad, -1, np.int32)])
+        row_state = Rows(jnp.asarray(slots, jnp.int32), table.table)
     out = score_batch(
         info.runner, info.weights, prompt, positions, batch.lengths, batch.history,
-        cont, lengths, params, automata, fsm, row_prompt, num_top=num_top, layout=layout,
+        cont, lengths, params, automata, fsm, row_prompt, row_state, num_top=num_top,
+        layout=layout,
     )  # fmt: skip
     return jax.device_get(layout.host_view(out))
 
@@ -461,6 +478,7 @@ def continuation_logits(
     layout: Layout = ONE_DEVICE,
     routing: tuple[jax.Array, jax.Array] | None = None,
     row_prompt: jax.Array | None = None,  # [B] i32: row b continues prompt row_prompt[b]
+    rows: Rows | None = None,  # the rows' adapters (not with row_prompt)
 ) -> jax.Array:
     """[B, C, V] f32: the logits each continuation token was predicted from (module
     docstring): the prompt pass's last column, then the continuation's own columns.
@@ -472,7 +490,7 @@ def continuation_logits(
     width = cont.shape[1]
     prompt_routing, cont_routing = (None, None) if routing is None else routing
     first, cache, *_ = forward_prompt(
-        runner, weights, prompt, positions, cache_len, layout, routing=prompt_routing
+        runner, weights, prompt, positions, cache_len, layout, routing=prompt_routing, rows=rows
     )
     if row_prompt is not None:
         first = first[row_prompt]
@@ -483,7 +501,9 @@ def continuation_logits(
     col = jnp.arange(width - 1)[None, :]  # [1, C - 1]
     pos = jnp.where(col < cont_len[:, None] - 1, prompt_len[:, None] + col, -1)
     routed = {} if cont_routing is None else {"routing": cont_routing[:, :-1]}
-    rest, *_ = runner.forward_columns(weights, cont[:, :-1], pos.astype(jnp.int32), cache, **routed)
+    rest, *_ = runner.forward_columns(
+        weights, cont[:, :-1], pos.astype(jnp.int32), cache, rows=rows, **routed
+    )
     return jnp.concatenate([first[:, None], rest], axis=1).astype(jnp.float32)
 
 
@@ -589,6 +609,7 @@ def score_batch(
     automata: constraints.Automata | None,
     fsm: jax.Array | None,  # [B] i32
     row_prompt: jax.Array | None = None,  # [B] i32; then prompt, positions are [K, P]
+    rows: Rows | None = None,  # the rows' adapters (`ll.Rows`), not with row_prompt
     *,
     num_top: int,
     layout: Layout = ONE_DEVICE,
@@ -603,7 +624,7 @@ def score_batch(
     )
     logits = continuation_logits(
         runner, weights, prompt, positions, prompt_len, cont, cont_len,
-        history.tokens.shape[1], layout, row_prompt=row_prompt,
+        history.tokens.shape[1], layout, row_prompt=row_prompt, rows=rows,
     )  # fmt: skip
     valid = jnp.arange(width)[None, :] < cont_len[:, None]  # [B, C]
     raw, (raw_max, norm, bad) = raw_logprobs(logits, cont, valid)

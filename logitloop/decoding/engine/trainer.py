@@ -50,6 +50,7 @@ from logitloop.decoding.loop.layout import Layout
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.models.kv import Rows
 
 __all__ = ["RolloutBatch", "TokenLogprobs", "rollout_batch", "token_logprobs"]
 
@@ -124,6 +125,8 @@ def token_logprobs(
     deterministic: bool | str = True,
     keep_mask: bool = False,
     routing: Any = None,  # [B, T, L, k] int: experts to replay (a mixture of experts)
+    adapters: Any = None,  # an ll.Adapters (LoRA), its table differentiable
+    adapter: Any = None,  # each row's adapter name (or None: the base), or one for all
 ) -> TokenLogprobs:
     """Each completion token's log-probability under `model`, pure and differentiable
     with respect to the model's weights (`nnx.grad`, `jax.grad` of a function of the
@@ -165,8 +168,14 @@ def token_logprobs(
     first id is -1 (padding, the last generated token) is routed by the router. Each
     replayed token's mixture weights are the router's current probabilities of those
     experts, renormalized as the model does, so gradients reach the router.
+
+    `adapters`, `adapter` (LoRA, docs/lora.md): each row under its adapter, as in
+    `generate`. The table is differentiable: `jax.grad(lambda t: loss(token_logprobs(...,
+    adapters=dataclasses.replace(adapters, table=t))))(adapters.table)` gives the
+    gradient with respect to every adapter's A and B (the base weights get none).
     """
-    job = plan(model, Options(deterministic=deterministic))
+    options = Options(deterministic=deterministic, adapters=adapters, adapter=adapter)
+    job = plan(model, options, adapters=True)
     info = job.info
     if keep_mask and params is None:
         raise ValueError("keep_mask is the processed distribution's: pass params with it")
@@ -175,19 +184,25 @@ def token_logprobs(
         params = _checked_params(params, ids.shape[0], info)
     if routing is not None:
         routing = _checked_routing(routing, ids.shape, info)
-    inputs = _Inputs(ids, prompt_len, lengths, params, routing)
+    slots = None if adapters is None else adapters.slots(adapter, ids.shape[0], "adapter")
+    inputs = _Inputs(ids, prompt_len, lengths, params, routing, slots)
     shape = ids.shape
-    concrete = not _is_traced((inputs, info.weights))
+    # The differentiable weights: the model's, or with adapters only the table (the base
+    # then enters as a constant: its gradient is not computed).
+    weights = info.weights if adapters is None else (info.weights, adapters.table)
+    concrete = not _is_traced((inputs, weights))
     if concrete:  # bucketed rows and width: one program per bucket, not per shape
         inputs = _padded(inputs)
-        ids, plen, total, routes = jax.device_put(
-            (inputs.token_ids, inputs.prompt_lengths, inputs.lengths, inputs.routing)
+        ids, plen, total, routes, slots = jax.device_put(
+            (inputs.token_ids, inputs.prompt_lengths, inputs.lengths, inputs.routing, inputs.slots)
         )
-        inputs = inputs.replace(token_ids=ids, prompt_lengths=plen, lengths=total, routing=routes)
-    raw, processed = _exact(info.runner, job.layout, info.weights, inputs)
+        inputs = inputs.replace(
+            token_ids=ids, prompt_lengths=plen, lengths=total, routing=routes, slots=slots
+        )
+    raw, processed = _exact(info.runner, job.layout, weights, inputs)
     keep = None
     if keep_mask:
-        no_grad = jax.lax.stop_gradient(info.weights)
+        no_grad = jax.lax.stop_gradient(weights)
         keep = _program(info.runner, no_grad, inputs, keep_mask=True, layout=job.layout)[2]
     out = TokenLogprobs(raw, None if params is None else processed, keep)
     return _cut(out, shape) if concrete else out
@@ -271,6 +286,7 @@ def _padded(inputs: _Inputs) -> _Inputs:
         lengths=pad(inputs.lengths, 1),
         params=params,
         routing=None if inputs.routing is None else pad(inputs.routing, -1),
+        slots=None if inputs.slots is None else pad(inputs.slots, -1),
     )
 
 
@@ -345,6 +361,7 @@ class _Inputs:
     lengths: jax.Array  # [B] i32
     params: SamplingParams | None
     routing: jax.Array | None = None  # [B, T, L, k] i32, experts to replay
+    slots: jax.Array | None = None  # [B] i32, each row's adapter slot (-1: the base)
 
 
 def _rows_at(x: jax.Array, index: jax.Array, ok: jax.Array, fill) -> jax.Array:
@@ -361,7 +378,12 @@ def _forward(
     layout: Layout,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """raw [B, T], processed [B, T] (zeros without params) and the keep mask [B, T, V]
-    (or None): `score_batch`'s computation, the rows laid out as `score` lays them."""
+    (or None): `score_batch`'s computation, the rows laid out as `score` lays them.
+    `weights`: the model's, or `(the model's, an adapter table)` with `inputs.slots`."""
+    rows = None
+    if inputs.slots is not None:
+        base, table = weights
+        weights, rows = jax.lax.stop_gradient(base), Rows(inputs.slots, table)
     ids, plen, total = inputs.token_ids, inputs.prompt_lengths, inputs.lengths
     batch, width = ids.shape
     # The prompt left-padded to P columns (its last token in the last column), the
@@ -387,7 +409,17 @@ def _forward(
             _rows_at(inputs.routing, at[..., None, None], valid[..., None, None], -1),
         )
     logits = continuation_logits(
-        runner, weights, prompt, positions, plen, cont, cont_len, cache_len, layout, routing
+        runner,
+        weights,
+        prompt,
+        positions,
+        plen,
+        cont,
+        cont_len,
+        cache_len,
+        layout,
+        routing,
+        rows=rows,
     )  # [B, C, V]
     raw, _ = raw_logprobs(logits, cont, valid)
     processed = keep = None

@@ -40,6 +40,7 @@ from logitloop.decoding.sampling.constraints import Automata
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.decoding.sampling.sampler import STATUS_OK, SampleOutput
+from logitloop.models.kv import Rows
 
 # finish codes, per row
 RUNNING = 0
@@ -75,7 +76,9 @@ class Tables:
     """What the loop reads at every step and never writes (device arrays, B rows).
 
     weights: the model's; params: the rows' `SamplingParams` (device part); stops: the rows'
-    stop-string tables; automata: the constraints' tables; draft_weights: a draft model's.
+    stop-string tables; automata: the constraints' tables; draft_weights: a draft model's;
+    rows: the rows' per-row model state (`ll.Rows`: each row's LoRA adapter and the
+    adapter table), which every target pass gets (`ModelRunner.forward`), or None.
     """
 
     weights: Any
@@ -83,6 +86,7 @@ class Tables:
     stops: StopStrings | None = None
     automata: Automata | None = None
     draft_weights: Any = None
+    rows: Rows | None = None
 
 
 @struct.dataclass
@@ -423,6 +427,7 @@ def forward_prompt(
     chunk: int | None = None,
     cache: Any = None,
     routing: jax.Array | None = None,
+    rows: Rows | None = None,
 ) -> tuple[jax.Array, ...]:
     """The model over whole prompts: next-token logits [B, V] and the cache.
 
@@ -430,7 +435,7 @@ def forward_prompt(
     cache the earlier ones wrote (as a decode step does). `cache`: the cache to write
     (a paged pool attached to the rows' tables); default a fresh one. `routing` ([B, P,
     L, k], a mixture of experts): experts to replay (-1: the router's own); the routing
-    used then comes back third.
+    used then comes back third. `rows`: the rows' per-row state (`Tables.rows`).
     """
     batch, width = prompt.shape
     if cache is None:
@@ -442,7 +447,7 @@ def forward_prompt(
         routed = {} if routing is None else {"routing": routing[:, cols]}
         logits, cache, *got = runner.forward(
             weights, prompt[:, cols], positions[:, cols], cache, prompt=True,
-            mesh=layout.row_mesh, **routed,
+            mesh=layout.row_mesh, rows=rows, **routed,
         )  # fmt: skip
         used += got
     if routing is None:
@@ -479,7 +484,7 @@ def prefill(
     routing = runner.no_routing(tables.weights, batch, plen) if program.routing else None
     logits, cache, *used = forward_prompt(
         runner, tables.weights, prompt, positions, plen + buffer_len, layout,
-        prefill_chunk, cache, routing,
+        prefill_chunk, cache, routing, tables.rows,
     )  # fmt: skip
     state = first_state(
         layout, tables, logits, cache, prompts.history, prompts.lengths, buffer_len, num_top, fsm
@@ -531,14 +536,15 @@ def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState
     runner = program.runner
     if s.routing is None:
         logits, cache = runner.forward(
-            tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh
-        )
+            tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh,
+            rows=tables.rows,
+        )  # fmt: skip
     else:
         # The fed token is generated token num_tokens - 1: its experts go to that column.
         batch = pos.shape[0]
         logits, cache, used = runner.forward(
             tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh,
-            routing=runner.no_routing(tables.weights, batch, 1),
+            routing=runner.no_routing(tables.weights, batch, 1), rows=tables.rows,
         )  # fmt: skip
         prompt_routing, generated = s.routing
         col = jnp.where(live, s.num_tokens - 1, generated.shape[1])  # out of range: dropped

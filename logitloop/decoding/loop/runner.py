@@ -222,27 +222,32 @@ class ModelRunner:
 
     def forward(
         self, weights, tokens, positions, cache, *, prompt: bool = False, mesh=None,
-        routing=None,
+        routing=None, rows=None,
     ) -> tuple[jax.Array, ...]:  # fmt: skip
         """Last-column logits `[B, V]` and the cache. `prompt`: the call is (part of) a
         prompt pass, not a decode step: a deterministic runner's products then run over
         prompt-sized row tiles (`fixed_order.PROMPT_TILE`). `mesh`: the rows lie over its
         "data" axis (a deterministic runner tiles each device's rows by themselves).
         `routing` (a mixture of experts: `[B, T, L, k]` experts to replay, -1 for the
-        router's own): the routing used comes back third (`DecoderModel.__call__`)."""
+        router's own): the routing used comes back third (`DecoderModel.__call__`).
+        `rows`: the pass's per-row state (`ll.Rows`, the rows' adapters), or None."""
         numerics = self.numerics.for_pass(prompt=prompt, mesh=mesh)
-        logits, cache, *used = self._pass(weights, tokens, positions, cache, numerics, routing)
+        logits, cache, *used = self._pass(
+            weights, tokens, positions, cache, numerics, routing, rows=rows
+        )
         if logits.ndim == 3:
             logits = logits[:, -1]
         return (logits, cache, *used)
 
     def forward_columns(
-        self, weights, tokens, positions, cache, *, routing=None
+        self, weights, tokens, positions, cache, *, routing=None, rows=None
     ) -> tuple[jax.Array, ...]:
         """Like `forward`, but the logits of every column, `[B, T, V]` (verifying drafts:
         generated tokens, so a deterministic runner treats the call as a decode step)."""
         numerics = self.numerics.for_pass()
-        out = self._pass(weights, tokens, positions, cache, numerics, routing, all_columns=True)
+        out = self._pass(
+            weights, tokens, positions, cache, numerics, routing, all_columns=True, rows=rows
+        )
         if out[0].ndim != 3:
             raise ValueError(
                 "speculative decoding and scoring need a model that returns the logits of "
@@ -250,12 +255,17 @@ class ModelRunner:
             )
         return out
 
-    def _pass(self, weights, tokens, positions, cache, numerics, routing, all_columns=False):
+    def _pass(
+        self, weights, tokens, positions, cache, numerics, routing, all_columns=False, rows=None
+    ):
         """One forward pass: `(logits, cache[, routing used])`, the model handed the pass's
-        `KV` over `cache` (a layer list) and the layers read back from what it returns."""
+        `KV` over `cache` (a layer list, with the pass's per-row state `rows`) and the
+        layers read back from what it returns."""
         if self.kv_spec is None:  # a FunctionModel with a cache of its own
+            if rows is not None:
+                raise ValueError(OWN_CACHE_REFUSAL.format(what="adapter="))
             return self.apply_fn(weights, tokens, positions, cache)
-        kv = KV(cache, positions, self.kv_spec, numerics, all_columns)
+        kv = KV(cache, positions, self.kv_spec, numerics, all_columns, rows=rows)
         if self.family:
             routed = {} if routing is None else {"routing": routing}
             model = nnx.merge(self.graphdef, weights)

@@ -302,7 +302,9 @@ class _Speculation:
             cache = paged.attach(s.cache, paged.layer_tables(s.pages, program.pool))
         num = jnp.where(live, num, 0)
         pos = jnp.where(live[:, None] & (col <= num[:, None]), base + col, -1)  # [B, K+1]
-        logits, cache = program.runner.forward_columns(tables.weights, tokens, pos, cache)
+        logits, cache = program.runner.forward_columns(
+            tables.weights, tokens, pos, cache, rows=tables.rows
+        )  # the rows' adapters verify; a draft model drafts without them
         s = s.replace(cache=cache if s.pages is None else paged.detach(cache))
         # Column K has no draft after it: a -1 that no token equals ends the acceptance.
         drafts = jnp.pad(drafts, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
