@@ -40,7 +40,7 @@ from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, ge
 from logitloop.decoding.engine.plan import sampling_names, sampling_params
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.generation_config import checkpoint_dir
-from logitloop.models.loading import _read_json
+from logitloop.models.json_file import read_json as _read_json
 from logitloop.template_limits import BoundedSandbox, LimitExceeded, RenderLimits
 from logitloop.template_limits import render as render_bounded
 

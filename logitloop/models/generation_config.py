@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from logitloop.models.loading import _read_json
+from logitloop.models.json_file import read_json as _read_json
 
 # generation_config.json key -> SamplingParams.create argument (the keys vLLM reads too).
 GENERATION_DEFAULTS = {

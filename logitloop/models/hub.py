@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from logitloop.models.json_file import read_json
+
 # What the loader reads besides the weights: the config and generation defaults, the
 # tokenizer, the chat template (`logitloop.conversation`) and the weights' index.
 METADATA_FILES = (
@@ -266,6 +268,4 @@ class _Snapshot:
 
 
 def _json_object(path: Path) -> dict[str, Any]:
-    from logitloop.models.loading import _read_json  # loading imports this module
-
-    return _read_json(path)
+    return read_json(path)

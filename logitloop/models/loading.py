@@ -28,6 +28,7 @@ from safetensors import safe_open
 from logitloop.models import hub, quantization, registry
 from logitloop.models.config import ModelConfig, config_from_hf
 from logitloop.models.decoder import DecoderModel
+from logitloop.models.json_file import read_json as _read_json
 from logitloop.models.layers import CheckpointTensor
 from logitloop.models.tokenizer import Tokenizer
 
@@ -168,20 +169,6 @@ def _resolve_folder(path: str | os.PathLike | None, **hub_options) -> Path:
             raise ValueError("revision= needs a Hugging Face Hub repo id as the path")
         return SHIPPED_MODEL_DIR
     return hub.model_folder(path, **hub_options)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from e
-    except RecursionError as e:  # nested past the parser's depth
-        raise ValueError(f"{path}: not valid JSON: nested too deeply") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _tensor_locations(folder: Path) -> dict[str, Path]:

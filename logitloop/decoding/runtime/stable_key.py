@@ -157,15 +157,19 @@ def _undescribe(desc: Any) -> Any:
 @functools.cache
 def environment() -> dict[str, Any]:
     """What every key shares in this process: versions, source hash, backend, settings."""
+    from importlib import metadata
+
     import flax
     import jaxlib
 
-    import logitloop
-
+    try:  # the package's metadata, not the package: logitloop imports this module
+        version = metadata.version("logitloop")
+    except metadata.PackageNotFoundError:  # a source tree on the path (the hash rules)
+        version = "source"
     device = jax.devices()[0]
     return {
         "format": FORMAT,
-        "logitloop": logitloop.__version__,
+        "logitloop": version,
         "source": source_hash(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
