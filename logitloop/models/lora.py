@@ -10,9 +10,11 @@ every target projection ("site") the table was made for, each site stacked side 
 zero-padded to `rank` and zero for an empty slot. A row's update to `x @ w` is computed
 one of two ways (`Site.delta`):
 
-- gathered (a slot per row, outside `deterministic=True`): the row's own `rank` columns
-  of `a` and rows of `b`, gathered, in two batched products (Punica's BGMV);
-- stacked (under `deterministic=True`, or a slot per token):
+- gathered (a slot per row in a prompt pass, or a decode step over more slots than rows,
+  outside `deterministic=True`): the row's own `rank` columns of `a` and rows of `b`,
+  gathered, in two batched products (Punica's BGMV);
+- stacked (under `deterministic=True`, a slot per token, or a decode step over no more
+  slots than rows, where it reads fewer bytes than gathering: `Site.stacked_reads_less`):
 
       delta = select(x @ a, the token's slot's columns) @ b
 
@@ -34,6 +36,7 @@ pass whose tokens `[1, N]` come from many rows gives each token its row's slot).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -72,7 +75,8 @@ class Site:
     def delta(self, x: jax.Array, *, groups: int, numerics: Numerics) -> jax.Array:
         """`[..., K] -> [..., N]`: each token's adapter update (zero for slot -1)."""
         lead = x.shape[:-1]
-        if not numerics.fixed and self.index.ndim == 1 and lead and lead[0] == len(self.index):
+        per_row = self.index.ndim == 1 and lead and lead[0] == len(self.index)
+        if not numerics.fixed and per_row and not self.stacked_reads_less(lead):
             return self.gathered(x)
         index = self.index.reshape(self.index.shape + (1,) * (len(lead) - self.index.ndim))
         index = jnp.broadcast_to(index, lead)  # [..., ] one slot per token
@@ -81,6 +85,15 @@ class Site:
         mine = index[..., None] == column_slot  # [..., S * R]
         xa = jnp.where(mine, xa, jnp.zeros((), xa.dtype))
         return layers.dense(xa, self.b.astype(x.dtype), numerics=numerics)
+
+    def stacked_reads_less(self, lead: tuple[int, ...]) -> bool:
+        """Whether the stacked way moves fewer bytes for rows of `lead` (`[B, ...]`): a
+        decode step (one token a row) over no more slots than rows reads the table once,
+        `S * R * (K + N)`, where gathering copies `B * R * (K + N)`; its extra products are
+        one token's each, so the step stays bound by memory. A longer pass (a prompt) keeps
+        gathering: stacking would multiply its products by `S`."""
+        slots = self.a.shape[1] // self.rank
+        return math.prod(lead[1:]) == 1 and slots <= lead[0]
 
     def gathered(self, x: jax.Array) -> jax.Array:
         """`delta` with one slot per row (`index [B]`, x `[B, ..., K]`): each row's own
