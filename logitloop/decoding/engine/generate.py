@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from logitloop.decoding.engine import guidance as guided
 from logitloop.decoding.engine import memory_check
 from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the public host-side names
     FINISH_REASON,
@@ -124,7 +125,7 @@ def generate(
     if prompt_logprobs is not None:
         check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     options, settings = Options.split("generate", keywords)
-    job = plan(model, options, adapters=True)
+    job = plan(model, options, adapters=True, guidance=True)
     if return_routing:
         job = _recording(job)
     run = _start(model, job, prompts, params, settings)
@@ -185,15 +186,24 @@ def _start(
 ) -> _Run:
     ids = tokenize_prompts(prompts, plan.info)
     params = sampling_params(model, len(ids), params, settings)
+    o, prompt_count = plan.options, len(ids)
+    max_tokens = np.asarray(params.broadcast_to(prompt_count).max_tokens)
+    guide = guided.guided_prompts(plan.info, ids, o.guidance_scale, o.negative_prompt, max_tokens)
+    if guide is not None:  # the negative prompts join the batch after the real ones
+        ids, params = guide.with_negatives(ids, params)
     ids, params, shape = plan.batch(None, params, ids=ids)
-    tables, fsm = plan.batch_tables(params, prompts=len(ids) // plan.options.n)
+    tables, fsm = plan.batch_tables(params, prompts=prompt_count)
+    if guide is not None:
+        guidance = guide.tables(o.n, params.batch_size)
+        rows = guided.negative_rows_adapters(tables.rows, guidance)
+        tables = tables.replace(guidance=guidance, rows=rows)
     if on_pool(plan, params.batch_size):
         plan, state = _forked_state(plan, tables, ids, params, fsm, shape)
     else:
         state = initial_state(
             plan.program, tables, ids, fsm=fsm, buffer_len=shape.buffer, prompt_len=shape.width
         )
-    return _Run(plan, ids, params, tables, state)
+    return _Run(plan, ids[: prompt_count * o.n], params, tables, state)
 
 
 def on_pool(plan: Plan, rows: int) -> bool:
@@ -276,7 +286,8 @@ def stream(
     """
     check_count("chunk_steps", chunk_steps, 1)
     options, settings = Options.split("stream", keywords)
-    run = _start(model, plan(model, options, adapters=True), prompts, params, settings)
+    job = plan(model, options, adapters=True, guidance=True)
+    run = _start(model, job, prompts, params, settings)
     info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer
