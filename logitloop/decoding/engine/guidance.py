@@ -95,9 +95,12 @@ def guided_prompts(
         return None
     scales = _per_prompt("guidance_scale", scale, count, lambda v: not _is_list(v))
     negatives = _per_prompt("negative_prompt", negative, count, _is_one_prompt)
+    # One value given for every prompt is named without an index ("guidance_scale = nan").
+    rows = count if _is_list(scale) else 1
+    neg_rows = 1 if _is_one_prompt(negative) else count
     guided, kept, neg_ids = [], [], []
     for u in range(count):
-        name = row_name("guidance_scale", u, count)
+        name = row_name("guidance_scale", u, rows)
         s, neg = scales[u], negatives[u]
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float, np.number))):
             raise ValueError(f"{name} must be a finite number or None, got {s!r}")
@@ -107,12 +110,12 @@ def guided_prompts(
             )
         if s is None and neg is not None:
             raise ValueError(
-                f"{row_name('negative_prompt', u, count)} is given but {name} is None: the "
+                f"{row_name('negative_prompt', u, neg_rows)} is given but {name} is None: the "
                 "prompt is not guided (give it a guidance_scale, or no negative prompt)"
             )
         if s is None or float(s) == 1.0:
             continue  # unguided: no negative row (transformers adds no guidance at 1)
-        where = row_name("negative_prompt", u, count)
+        where = row_name("negative_prompt", u, neg_rows)
         neg = ids[u][-1:] if neg is None else tokenize_prompt(where, neg, info)
         check_context(where, neg, int(max_tokens[u]), info, row_name("max_tokens", u, count))
         guided.append(u)
