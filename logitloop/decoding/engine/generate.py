@@ -116,6 +116,13 @@ def generate(
     prompt tokens after its first (raw log-probabilities, argmax flags and n raw
     alternatives per position: exactly `ll.score(model, [p[:1]], [p[1:]], top_logprobs=n)`).
 
+    `guidance_scale=`, `negative_prompt=`: classifier-free guidance per prompt, as
+    transformers' `generate(guidance_scale=..., negative_prompt_ids=...)`: each guided row
+    is decoded beside a row of its negative context (default its prompt's last token) in
+    the same loop, and draws from `uncond + scale * (cond - uncond)` on log-softmaxed
+    logits, before every other transform (`logitloop.decoding.engine.guidance`,
+    docs/guidance.md).
+
     `return_routing=True` (a mixture of experts; not with `speculative` or `mesh`):
     `result.routing[i]`, the experts each routed layer sent each of row i's prompt and
     generated tokens to (`GenerationResult.routing`), for `ll.token_logprobs(...,
@@ -281,8 +288,8 @@ def stream(
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
     exactly `generate(...).text` for that row. `params` and `keywords` (sampling settings
-    and options): as in `generate`. With `speculative` a chunk is `chunk_steps`
-    propose-verify cycles.
+    and options, `guidance_scale=` and `negative_prompt=` included): as in `generate`.
+    With `speculative` a chunk is `chunk_steps` propose-verify cycles.
     """
     check_count("chunk_steps", chunk_steps, 1)
     options, settings = Options.split("stream", keywords)
