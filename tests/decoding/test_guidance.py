@@ -150,6 +150,43 @@ def test_new_scales_and_negative_prompts_compile_nothing(setup, compile_counter)
     assert again.token_ids[0] != first.token_ids[0]
 
 
+def test_a_guided_row_and_its_negative_row_stop_together(setup):
+    """A guided row that stops early (its max_tokens, or a stop token) ends its negative
+    row with it; the rows after it run on, equal to transformers."""
+    hf, model = setup
+    prompts = random_prompts(160, [6, 4, 7], 8)
+    want = [hf_generate(hf, p, 2.0, None) for p in prompts]
+    out = ll.generate(
+        model, prompts, guidance_scale=2.0, max_new_tokens=[2, TOKENS, TOKENS],
+        stop_token_ids=[[], [want[1][2]], []], temperature=0, ignore_eos=True,
+    )  # fmt: skip
+    assert out.token_ids[0] == want[0][:2]
+    assert out.finish_reason[0] == "length"
+    stop = want[1].index(want[1][2]) + 1
+    assert out.token_ids[1] == want[1][:stop] and out.finish_reason[1] == "stop"
+    assert out.token_ids[2] == want[2]
+
+
+@pytest.mark.slow  # the adapters' programs (~15 s to compile)
+def test_a_negative_row_runs_under_its_rows_adapter(setup, tmp_path):
+    """A guided row under a LoRA adapter equals transformers' guidance on the merged
+    model: both its scores come from the adapted model."""
+    pytest.importorskip("peft")
+    from tests.lora.peft_adapters import make_adapter
+
+    hf, model = setup
+    merged = make_adapter(hf, tmp_path / "a", rank=8, alpha=16, seed=1)
+    table = ll.load_adapter(model, tmp_path / "a", name="a")
+    prompts = random_prompts(160, [6, 5], 9)
+    negative = random_prompts(160, [4], 10)[0]
+    out = ll.generate(
+        model, prompts, adapters=table, adapter=["a", None], guidance_scale=2.0,
+        negative_prompt=negative, **GREEDY,
+    )  # fmt: skip
+    assert out.token_ids[0] == hf_generate(merged, prompts[0], 2.0, negative)
+    assert out.token_ids[1] == hf_generate(hf, prompts[1], 2.0, negative)
+
+
 def _rows(setup):
     """Two prompts, the first guided by a negative prompt at scale 2, and its tokens from
     transformers."""
@@ -217,5 +254,9 @@ def test_entry_points_without_guidance_refuse_it(setup):
     _, model = setup
     with pytest.raises(NotImplementedError, match="guidance_scale= and negative_prompt= run in"):
         list(ll.generate_many(model, [[3, 4]], guidance_scale=2.0))
+    with pytest.raises(NotImplementedError, match="guidance_scale= and negative_prompt= run in"):
+        ll.precompile(model, rows=1, prompt_len=4, max_tokens=4, guidance_scale=2.0)
+    with pytest.raises(TypeError, match="guidance_scale"):
+        ll.score(model, [[3, 4]], [[5]], guidance_scale=2.0)
     with pytest.raises(NotImplementedError, match="does not run with speculative="):
         ll.generate(model, [[3, 4]], guidance_scale=2.0, speculative=ll.PromptLookup())
