@@ -194,8 +194,7 @@ def _start(
     ids = tokenize_prompts(prompts, plan.info)
     params = sampling_params(model, len(ids), params, settings)
     o, prompt_count = plan.options, len(ids)
-    max_tokens = np.asarray(params.broadcast_to(prompt_count).max_tokens)
-    guide = guided.guided_prompts(plan.info, ids, o.guidance_scale, o.negative_prompt, max_tokens)
+    guide = guided.guided_prompts(plan.info, ids, o.guidance_scale, o.negative_prompt, params)
     if guide is not None:  # the negative prompts join the batch after the real ones
         ids, params = guide.with_negatives(ids, params)
     ids, params, shape = plan.batch(None, params, ids=ids)

@@ -4,7 +4,8 @@ and the batch's negative rows laid out for the loop (`logitloop.decoding.loop.gu
 `generate` and `stream` take, as options (`plan.Options`), each prompt's
 
 - `guidance_scale`: a finite number, or None; None and 1 leave the row unguided (as
-  transformers adds no guidance at 1), any other value guides it;
+  transformers adds no guidance at 1: a negative prompt beside 1 is ignored, beside None
+  refused), any other value guides it;
 - `negative_prompt`: text or token ids, or None: transformers' default, the prompt's last
   token alone (`UnbatchedClassifierFreeGuidanceLogitsProcessor`).
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -77,10 +77,10 @@ def negative_rows_adapters(rows: Rows | None, guidance: Guidance) -> Rows | None
 
 
 def guided_prompts(
-    info: ModelInfo, ids: list[list[int]], scale: Any, negative: Any, max_tokens: np.ndarray
+    info: ModelInfo, ids: list[list[int]], scale: Any, negative: Any, params: SamplingParams
 ) -> GuidedPrompts | None:
     """Check `guidance_scale` (`scale`) and `negative_prompt` (`negative`) for the prompts
-    `ids` (each row's `max_tokens` too, for the negative prompts' context); None when no
+    `ids` (under `params`: their `max_tokens` for the negative prompts' context); None when no
     prompt is guided. Refused by name, before anything runs: a scale that is not a finite
     number, a negative prompt for a prompt whose scale is None, a per-prompt list of the
     wrong length, a negative prompt that is not text or token ids, or that does not fit
@@ -98,6 +98,7 @@ def guided_prompts(
     # One value given for every prompt is named without an index ("guidance_scale = nan").
     rows = count if _is_list(scale) else 1
     neg_rows = 1 if _is_one_prompt(negative) else count
+    max_tokens = np.asarray(params.broadcast_to(count).max_tokens)
     guided, kept, neg_ids = [], [], []
     for u in range(count):
         name = row_name("guidance_scale", u, rows)
@@ -139,8 +140,6 @@ def _per_prompt(name: str, value: Any, count: int, is_one) -> list[Any]:
     """`value` for each of `count` prompts: one value repeated, or a list of one per prompt."""
     if is_one(value):
         return [value] * count
-    if not isinstance(value, Sequence) and not isinstance(value, np.ndarray):
-        raise ValueError(f"{name} must be one value or a list of one per prompt")
     if len(value) != count:
         raise ValueError(
             f"{name} has {len(value)} entries for {count} prompts: give one value for every "
