@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from logitloop.decoding.engine import guidance as guided
 from logitloop.decoding.engine import memory_check
 from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the public host-side names
     FINISH_REASON,
@@ -115,6 +116,13 @@ def generate(
     prompt tokens after its first (raw log-probabilities, argmax flags and n raw
     alternatives per position: exactly `ll.score(model, [p[:1]], [p[1:]], top_logprobs=n)`).
 
+    `guidance_scale=`, `negative_prompt=`: classifier-free guidance per prompt, as
+    transformers' `generate(guidance_scale=..., negative_prompt_ids=...)`: each guided row
+    is decoded beside a row of its negative context (default its prompt's last token) in
+    the same loop, and draws from `uncond + scale * (cond - uncond)` on log-softmaxed
+    logits, before every other transform (`logitloop.decoding.engine.guidance`,
+    docs/guidance.md).
+
     `return_routing=True` (a mixture of experts; not with `speculative` or `mesh`):
     `result.routing[i]`, the experts each routed layer sent each of row i's prompt and
     generated tokens to (`GenerationResult.routing`), for `ll.token_logprobs(...,
@@ -124,7 +132,7 @@ def generate(
     if prompt_logprobs is not None:
         check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     options, settings = Options.split("generate", keywords)
-    job = plan(model, options, adapters=True)
+    job = plan(model, options, adapters=True, guidance=True)
     if return_routing:
         job = _recording(job)
     run = _start(model, job, prompts, params, settings)
@@ -185,15 +193,23 @@ def _start(
 ) -> _Run:
     ids = tokenize_prompts(prompts, plan.info)
     params = sampling_params(model, len(ids), params, settings)
+    o, prompt_count = plan.options, len(ids)
+    guide = guided.guided_prompts(plan.info, ids, o.guidance_scale, o.negative_prompt, params)
+    if guide is not None:  # the negative prompts join the batch after the real ones
+        ids, params = guide.with_negatives(ids, params)
     ids, params, shape = plan.batch(None, params, ids=ids)
-    tables, fsm = plan.batch_tables(params, prompts=len(ids) // plan.options.n)
+    tables, fsm = plan.batch_tables(params, prompts=prompt_count)
+    if guide is not None:
+        guidance = guide.tables(o.n, params.batch_size)
+        rows = guided.negative_rows_adapters(tables.rows, guidance)
+        tables = tables.replace(guidance=guidance, rows=rows)
     if on_pool(plan, params.batch_size):
         plan, state = _forked_state(plan, tables, ids, params, fsm, shape)
     else:
         state = initial_state(
             plan.program, tables, ids, fsm=fsm, buffer_len=shape.buffer, prompt_len=shape.width
         )
-    return _Run(plan, ids, params, tables, state)
+    return _Run(plan, ids[: prompt_count * o.n], params, tables, state)
 
 
 def on_pool(plan: Plan, rows: int) -> bool:
@@ -271,12 +287,13 @@ def stream(
     the tail of the text that could still begin one of the row's stop strings; each row
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
     exactly `generate(...).text` for that row. `params` and `keywords` (sampling settings
-    and options): as in `generate`. With `speculative` a chunk is `chunk_steps`
-    propose-verify cycles.
+    and options, `guidance_scale=` and `negative_prompt=` included): as in `generate`.
+    With `speculative` a chunk is `chunk_steps` propose-verify cycles.
     """
     check_count("chunk_steps", chunk_steps, 1)
     options, settings = Options.split("stream", keywords)
-    run = _start(model, plan(model, options, adapters=True), prompts, params, settings)
+    job = plan(model, options, adapters=True, guidance=True)
+    run = _start(model, job, prompts, params, settings)
     info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer

@@ -31,6 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding.engine import guidance as guided
 from logitloop.decoding.engine import reuse
 from logitloop.decoding.engine.host import (
     MIN_PROMPT_BUCKET,
@@ -80,6 +81,11 @@ class Options:
       base model); `generate`, `stream` and `chat` so far, speculative decoding included
       (and `score`, `beam_search`, `token_logprobs`, which take them as keywords;
       docs/lora.md).
+    guidance_scale: classifier-free guidance, one finite number for every prompt or one
+      per prompt (None or 1: unguided), and
+    negative_prompt: each guided prompt's negative context, text or token ids, one for
+      every prompt or one per prompt (None: the prompt's last token); `generate` and
+      `stream` so far (`logitloop.decoding.engine.guidance`, docs/guidance.md).
     """
 
     n: int = 1
@@ -90,6 +96,8 @@ class Options:
     speculative: Any = None
     adapters: Any = None
     adapter: Any = None
+    guidance_scale: Any = None
+    negative_prompt: Any = None
 
     def __post_init__(self):
         check_count("n", self.n, 1)
@@ -303,13 +311,17 @@ class Plan:
         return self.tables(params, stops, automata, rows), fsm
 
 
-def plan(model: Any, options: Options | None = None, *, adapters: bool = False) -> Plan:
+def plan(
+    model: Any, options: Options | None = None, *, adapters: bool = False, guidance: bool = False
+) -> Plan:
     """Resolve `model` under `options` (default `Options()`): its runner and weights, the
     layout, the speculation strategy and the draft's weights (see the module docstring).
-    `adapters`: whether the caller runs rows under LoRA adapters (else `options.adapters`
-    is refused)."""
+    `adapters`, `guidance`: whether the caller runs rows under LoRA adapters and under
+    classifier-free guidance (else `options.adapters`, `options.guidance_scale` are
+    refused)."""
     options = Options() if options is None else options
     check_adapters(model, options, adapters)
+    guided.check_supported(options, guidance)
     info = model_info(model, deterministic=options.deterministic)  # numerics: calibrated
     layout = sharding.layout_for(options.mesh, whole_vocab=info.runner.numerics.splits)
     info = layout.place(info)

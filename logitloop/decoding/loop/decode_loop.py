@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from logitloop.decoding.loop import guidance, repetition, stop_strings
 from logitloop.decoding.loop import pool as paged
-from logitloop.decoding.loop import repetition, stop_strings
+from logitloop.decoding.loop.guidance import Guidance
 from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.loop.stop_strings import StopStrings
@@ -78,7 +79,8 @@ class Tables:
     weights: the model's; params: the rows' `SamplingParams` (device part); stops: the rows'
     stop-string tables; automata: the constraints' tables; draft_weights: a draft model's;
     rows: the rows' per-row model state (`ll.Rows`: each row's LoRA adapter and the
-    adapter table), which every target pass gets (`ModelRunner.forward`), or None.
+    adapter table), which every target pass gets (`ModelRunner.forward`), or None;
+    guidance: classifier-free guidance's rows (`guidance.Guidance`), or None.
     """
 
     weights: Any
@@ -87,6 +89,7 @@ class Tables:
     automata: Automata | None = None
     draft_weights: Any = None
     rows: Rows | None = None
+    guidance: Guidance | None = None
 
 
 @struct.dataclass
@@ -235,8 +238,12 @@ def sample_state(
 ) -> DecodeState:
     """Draw each row's next token from `logits` [B, V] and `record` it: the one sampling
     step of prefill, decode and speculative verification (the constraints' masks from the
-    rows' automaton states; `where`, `choose`: see `record` and `sampler.sample_step`)."""
-    params, automata = tables.params, tables.automata
+    rows' automaton states; `where`, `choose`: see `record` and `sampler.sample_step`).
+    With `tables.guidance`, guided rows draw from their guided scores and negative rows
+    follow them (`logitloop.decoding.loop.guidance`)."""
+    params, automata, guided = tables.params, tables.automata, tables.guidance
+    if guided is not None:
+        logits = guidance.guide(guided, logits)
     bits = None if automata is None else constraints.row_bits(automata, state.fsm)
     out = layout.sample(
         logits,
@@ -248,7 +255,11 @@ def sample_state(
         allowed_bits=bits,
         choose=choose,
     )
-    return record(state, out, params, tables.stops, automata, bits, where=where)
+    if guided is None:
+        return record(state, out, params, tables.stops, automata, bits, where=where)
+    out = guidance.follow(guided, out)
+    state = record(state, out, params, tables.stops, automata, bits, where=where)
+    return guidance.follow_finish(guided, state)
 
 
 def first_state(
