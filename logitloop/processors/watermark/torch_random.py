@@ -48,7 +48,7 @@ def _seed_state(seed: jax.Array) -> jax.Array:  # [N] u32 -> [N, 624] u32
         return x, x
 
     idx = jnp.arange(1, _N, dtype=jnp.uint32)
-    _, rest = jax.lax.scan(step, seed.astype(jnp.uint32), idx, unroll=16)  # [623, N]
+    _, rest = jax.lax.scan(step, seed.astype(jnp.uint32), idx)  # [623, N]
     return jnp.concatenate([seed.astype(jnp.uint32)[:, None], rest.T], axis=1)
 
 
