@@ -265,7 +265,7 @@ BAD = [
     (lambda: SID(2, keys=[[1, 2, 3], [4, 5]]), r"keys\[1\] has 2 keys but the batch's depth is 3"),
     (lambda: SID(1, keys=[]), r"keys is empty"),
     (lambda: SID(1, keys=[1, 2**63]), r"keys = 9223372036854775808 is outside the allowed range"),
-    (lambda: SID(1, keys=[1, 2], ngram_len=1), r"ngram_len = 1 is outside the allowed range \[2, 3"),
+    (lambda: SID(1, keys=[1, 2], ngram_len=1), r"ngram_len = 1 is outside the allowed range \[2"),
     (lambda: SID(1, keys=[1], sampling_table_size=2**25), r"sampling_table_size = 33554432 is out"),
     (lambda: SID(2, keys=[None, None]), r"every row is None"),
     (lambda: SCORE([[1, 2]], GL(1, V, key=None)), r"token_ids\[0\]: watermark row 0 has no key"),
