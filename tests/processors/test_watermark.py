@@ -173,6 +173,28 @@ def test_synthid_mean_scores_equal_the_reference():
         assert got.num_scored[1] < got.num_scored[0]  # the repeats were left out
 
 
+def test_int64_arithmetic_on_uint32_pairs_wraps_as_numpy():
+    from logitloop.processors.watermark import u64
+
+    rng = np.random.default_rng(6)
+    a, b = (rng.integers(-(2**63), 2**63, size=500, dtype=np.int64) for _ in range(2))
+
+    def pair(v):
+        bits = v.view(np.uint64)
+        return jnp.asarray(bits >> np.uint64(32), jnp.uint32), jnp.asarray(bits, jnp.uint32)
+
+    def back(p):
+        hi, lo = (np.asarray(x).astype(np.uint64) for x in p)
+        return ((hi << np.uint64(32)) | lo).view(np.int64)
+
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(back(u64.mul(pair(a), pair(b))), a * b)
+        np.testing.assert_array_equal(back(u64.add(pair(a), pair(b))), a + b)
+    for m in (1, 3, 1000, 2**16, 99991, 2**24):  # torch's `%`: the sign of the divisor
+        want = np.asarray([int(x) % m for x in a])
+        np.testing.assert_array_equal(np.asarray(u64.floor_mod(pair(a), m)), want)
+
+
 PROMPTS = ["The for statement", "A dictionary", "Once upon a time"]
 
 

@@ -2,7 +2,7 @@
 
 transformers' watermarks hash in torch int64, which wraps on overflow: a value here is the
 pair `(hi, lo)` of its two's complement bits, and every operation wraps modulo 2^64 the
-same way. Signed comparisons and the floor modulo read `hi` as signed, as torch does.
+same way. The sign and the floor modulo read `hi` as signed, as torch does.
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ def add(x: U64, y: U64) -> U64:
 def mul(x: U64, y: U64) -> U64:
     """The low 64 bits of x * y."""
     return mul_hi(x[1], y[1]) + x[0] * y[1] + x[1] * y[0], x[1] * y[1]
-
-
-def less(x: U64, y: U64) -> jax.Array:
-    """x < y as signed int64."""
-    xh, yh = x[0].astype(jnp.int32), y[0].astype(jnp.int32)
-    return (xh < yh) | ((xh == yh) & (x[1] < y[1]))
 
 
 def negative(x: U64) -> jax.Array:
