@@ -47,7 +47,16 @@ from logitloop.models.kv import (
     mean,
 )
 from logitloop.models.loading import load_pretrained
-from logitloop.processors import DRY, NoRepeatNGram, TypicalP
+from logitloop.processors import (
+    DRY,
+    GreenListScore,
+    GreenListWatermark,
+    NoRepeatNGram,
+    SynthIDScore,
+    SynthIDWatermark,
+    TypicalP,
+    watermark_score,
+)
 
 __all__ = [
     "Adapters",
@@ -63,6 +72,8 @@ __all__ = [
     "DraftModel",
     "CONTRACT_VERSION",
     "FunctionModel",
+    "GreenListScore",
+    "GreenListWatermark",
     "KV",
     "KVSpec",
     "NNXModel",
@@ -79,6 +90,8 @@ __all__ = [
     "ScoreResult",
     "Step",
     "StreamEvent",
+    "SynthIDScore",
+    "SynthIDWatermark",
     "TokenLogprobs",
     "RolloutBatch",
     "TopLogprobs",
@@ -106,6 +119,7 @@ __all__ = [
     "sampling_distribution",
     "score",
     "token_logprobs",
+    "watermark_score",
     "rollout_batch",
 ]
 __version__ = "0.1.0"

@@ -8,10 +8,26 @@ when its value says so (the row's logits pass through bit-identical):
 - `DRY(multiplier, base, allowed_length, penalty_range, sequence_breakers)`: the "Don't
   Repeat Yourself" penalty of text-generation-webui and llama.cpp (multiplier 0 = off).
 - `TypicalP(mass)`: locally typical sampling, after temperature (mass 1 = off).
+- `GreenListWatermark(key, gamma, delta, seeding, context_width)`: Kirchenbauer et al.'s
+  watermark, and `SynthIDWatermark(keys, ngram_len, ...)`: SynthID Text, both as
+  transformers computes them, after temperature (key None = off); `watermark_score`
+  detects either (`logitloop.processors.watermark`).
 """
 
 from logitloop.processors.dry import DRY
 from logitloop.processors.no_repeat_ngram import NoRepeatNGram
 from logitloop.processors.typical import TypicalP
+from logitloop.processors.watermark.detect import GreenListScore, SynthIDScore, watermark_score
+from logitloop.processors.watermark.green_list import GreenListWatermark
+from logitloop.processors.watermark.synthid import SynthIDWatermark
 
-__all__ = ["DRY", "NoRepeatNGram", "TypicalP"]
+__all__ = [
+    "DRY",
+    "GreenListScore",
+    "GreenListWatermark",
+    "NoRepeatNGram",
+    "SynthIDScore",
+    "SynthIDWatermark",
+    "TypicalP",
+    "watermark_score",
+]
