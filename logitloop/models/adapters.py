@@ -231,6 +231,24 @@ def load_adapter(
     return adapters.load(source, name=name, config=config)
 
 
+def adapter_rank(source: Any, config: Mapping[str, Any] | None = None) -> int:
+    """The rank `r` of a PEFT adapter (a folder, or tensors with `config`), read from its
+    adapter_config.json without loading its tensors: the `max_rank` a table needs."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.path.join(os.fspath(source), CONFIG_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(f"{os.fspath(source)}: no {CONFIG_FILE} (not a PEFT adapter folder)")
+        with open(path, encoding="utf-8") as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from e
+    r = config.get("r") if isinstance(config, Mapping) else None
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{source}: r must be a positive int, got {r!r}")
+    return r
+
+
 def _read(source: Any, config: Mapping[str, Any] | None) -> tuple[dict, Mapping, str]:
     """The adapter's config, tensors and a name for errors."""
     if isinstance(source, (str, os.PathLike)):
