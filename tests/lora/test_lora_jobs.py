@@ -98,7 +98,7 @@ def test_lm_eval_bad_adapter_is_named():
     pytest.importorskip("lm_eval")
     from logitloop.integrations.lm_eval import LogitloopLM
 
-    with pytest.raises(ValueError, match=r"model_args adapter='/nonexistent': .* no adapter_"):
+    with pytest.raises(ValueError, match=r"adapter='/nonexistent': .*adapter folder not found"):
         LogitloopLM(adapter="/nonexistent", compile_cache="false")  # the shipped model
 
 
@@ -131,3 +131,31 @@ def test_lm_eval_adapter_equals_hf_peft(tmp_path):
     plain = evaluate("hf", args, tasks, ["ll_mc"], batch_size=16, device="cpu")
     assert plain["samples"] != ref["samples"]  # the adapter changes the scores
     assert_same_as_hf(ours, ref)
+
+
+def test_an_adapter_by_its_hub_name_loads_what_its_folder_loads(setup, monkeypatch, tmp_path):
+    """`load_adapter(model, "org/name")` fetches the adapter's two files (not PEFT's
+    README beside them) into the Hugging Face cache, from the fake Hub of tests/models, and
+    offline from the cache; a repo of pickled weights only is refused by name."""
+    import jax
+    import numpy as np
+
+    import logitloop as ll
+    from tests.models.fake_hub import offline, serving
+
+    with serving(monkeypatch, tmp_path) as hub:
+        commit = hub.add_folder("org/lora-a", setup["dir"] / "a")
+        hub.add_commit("org/pickled", {"adapter_config.json": b"{}", "adapter_model.bin": b""})
+        table = ll.load_adapter(setup["model"], "org/lora-a", name="a")
+        snapshot = hub.cache / "models--org--lora-a" / "snapshots" / commit
+        assert sorted(p.name for p in snapshot.iterdir()) == [
+            "adapter_config.json", "adapter_model.safetensors",
+        ]  # fmt: skip
+        with pytest.raises(ValueError, match=r"adapter 'org/pickled' .* only adapter_model.bin"):
+            ll.load_adapter(setup["model"], "org/pickled", name="p")
+        offline(monkeypatch)
+        again = ll.load_adapter(setup["model"], "org/lora-a", name="a")
+    want = ll.load_adapter(setup["model"], setup["dir"] / "a", name="a")
+    for got in (table, again):
+        for x, y in zip(jax.tree.leaves(got.table), jax.tree.leaves(want.table), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
