@@ -84,6 +84,8 @@ def test_bad_adapters_are_refused_with_the_requests_index(setup):
         ll.generate_many(model, [ll.Request(prompt, adapter="a")])
     with pytest.raises(ValueError, match="one adapter's name"):
         ll.generate_many(model, [prompt], adapters=table, adapter=["a"])
+    with pytest.raises(ValueError, match=r"^adapter: unknown adapter 'zz'"):
+        ll.generate_many(model, [prompt], adapters=table, adapter="zz")
     small = ll.load_adapter(model, setup["dir"] / "a", name="a", max_adapters=1)
     bring = ll.Request(prompt, adapter=("c", setup["dir"] / "b"))
     with pytest.raises(ValueError, match=r"requests\[1\]: adapter 'c': the adapter table is full"):

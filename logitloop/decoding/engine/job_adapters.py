@@ -74,6 +74,8 @@ class JobAdapters:
     """The job's table and each batch slot's adapter (host side; module docstring)."""
 
     def __init__(self, table: Adapters, default: str | None, slots: int):
+        if default is not None:
+            table.slot(default, "adapter")  # the job's default is loaded
         self.table = table
         self.default = default
         self.of_slot = np.full((slots,), -1, np.int32)  # each batch slot's table slot
