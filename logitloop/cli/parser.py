@@ -408,7 +408,7 @@ def adapter_spec(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not NAME=PATH (a name for the adapter and its PEFT folder)"
+            f"{text!r} is not NAME=PATH (a name for the adapter, and its PEFT folder or Hub name)"
         )
     return name.strip(), path.strip()
 
@@ -421,7 +421,8 @@ def _add_adapter_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="load the PEFT LoRA adapter folder PATH as NAME (repeatable); a JSONL line's "
+        help="load the PEFT LoRA adapter PATH (a folder or a Hub repo id) as NAME "
+        "(repeatable); a JSONL line's "
         '"adapter": "NAME" runs its prompt under it, null under the base model',
     )
     lora.add_argument(
