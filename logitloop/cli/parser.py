@@ -291,7 +291,7 @@ def _add_score_parser(sub) -> None:
         description="Score continuations given prompts: JSONL in, JSONL out (resumed).",
         epilog=(
             'Input lines: {"id", "prompt" or "prompt_token_ids", "continuation" '
-            'or "continuation_token_ids"}.\nOutput lines: {"id", "token_ids", '
+            'or "continuation_token_ids", "adapter"}.\nOutput lines: {"id", "token_ids", '
             '"raw_logprobs", "sum", "is_greedy", "is_argmax"} (+ "text", '
             '"top_logprobs").\nAn existing output file is resumed: ids already in it are '
             "skipped."
@@ -317,6 +317,7 @@ def _add_score_parser(sub) -> None:
         io, "each pair's score", "differ in the last bits by the batch it runs in"
     )
     _add_model_flags(sc)
+    _add_adapter_flags(sc)
 
 
 def _add_deterministic_flags(group, what: str, otherwise: str) -> None:

@@ -12,7 +12,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from logitloop.cli.common import PROG, CLIError, checkpoint_defaults, resolve_models
+from logitloop.cli.common import (
+    PROG,
+    CLIError,
+    adapter_specs,
+    checkpoint_defaults,
+    resolve_models,
+)
 from logitloop.cli.parser import base_knobs
 from logitloop.cli.run_stream import stream_items
 from logitloop.jobs import load_adapters, load_model
@@ -73,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_beams is not None:
         _check_beam_flags(args)
     resolve_models(args)
-    args.adapters = adapters = _adapter_specs(args)  # {name: path}
+    args.adapters = adapters = adapter_specs(args)  # {name: path}
 
     defaults = param_defaults()
     # generation_config.json's settings are sampling settings, which beam search has none of.
@@ -403,20 +409,6 @@ def _run_beams(args, model, todo: Sequence[Item], write, adapters=None) -> int:
         write(records, args.n)
         start = end
     return tokens
-
-
-def _adapter_specs(args) -> dict[str, str]:
-    """`--adapter NAME=PATH` (repeatable) as {name: path}, and `--use-adapter` one of them."""
-    specs: dict[str, str] = {}
-    for name, path in args.adapter:
-        if name in specs:
-            raise CLIError(f"--adapter {name}=...: the name {name!r} is given twice")
-        specs[name] = path
-    if args.use_adapter is not None and args.use_adapter not in specs:
-        raise CLIError(
-            f"--use-adapter {args.use_adapter}: no --adapter {args.use_adapter}=PATH loads it"
-        )
-    return specs
 
 
 def _speculation(args):

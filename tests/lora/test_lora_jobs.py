@@ -67,6 +67,36 @@ def test_cli_adapter_flags_are_checked_before_the_model_loads(setup, tmp_path, c
     assert "'no-equals-sign' is not NAME=PATH" in capsys.readouterr().err
 
 
+def test_cli_score_lines_run_their_adapters(setup, tmp_path):
+    """`logitloop score --adapter`: each line's continuation scored under its adapter, as
+    the merged model scores it (the float32 parity tolerance)."""
+    import numpy as np
+    import torch
+
+    prompts = random_prompts(160, [5, 7, 4], 24)
+    conts = random_prompts(160, [3, 2, 4], 25)
+    path = tmp_path / "pairs.jsonl"
+    lines = [
+        {"prompt_token_ids": p, "continuation_token_ids": c, "adapter": name}
+        for p, c, name in zip(prompts, conts, NAMES, strict=True)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    out = tmp_path / "scores.jsonl"
+    status = main([
+        "score", "--model", str(setup["dir"] / "base"), "--input", str(path), "--output",
+        str(out), "-q", "--no-deterministic", *_adapter_flags(setup),
+    ])  # fmt: skip
+    assert status == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for record, prompt, cont, name in zip(records, prompts, conts, NAMES, strict=True):
+        with torch.no_grad():
+            logits = setup["merged"][name](torch.tensor([prompt + cont])).logits[0]
+        lp = logits.double().log_softmax(-1)
+        want = [float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(cont)]
+        np.testing.assert_allclose(record["raw_logprobs"], want, rtol=0, atol=1e-4)
+        assert record.get("adapter") == name
+
+
 def test_ray_actor_rows_run_their_adapters(setup, tmp_path):
     """The actor Ray runs (`Generator`, in process: its code is the job's, not Ray's)
     loads the adapters and gives each row its line's; `item_rows` hands a line's adapter
