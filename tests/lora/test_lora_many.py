@@ -89,18 +89,30 @@ def test_bad_adapters_are_refused_with_the_requests_index(setup):
     small = ll.load_adapter(model, setup["dir"] / "a", name="a", max_adapters=1)
     bring = ll.Request(prompt, adapter=("c", setup["dir"] / "b"))
     with pytest.raises(ValueError, match=r"requests\[1\]: adapter 'c': the adapter table is full"):
-        ll.generate_many(model, [prompt, bring], adapters=small)  # before any work
-
-    def stream():  # read as the job runs: refused when read, the table unchanged
-        yield prompt
-        yield bring
-
+        ll.generate_many(model, [prompt, bring], adapters=small)  # "a" is the job's: kept
     batcher = job_adapters.JobAdapters(small, None, 2)
     with pytest.raises(ValueError, match="the adapter table is full"):
         batcher.resolve(bring.adapter)
     assert batcher.table.loaded == ("a",)
-    with pytest.raises(ValueError, match=r"requests\[1\]: the adapter table is full"):
-        list(ll.iter_generate_many(model, stream(), adapters=small, **JOB))
+
+
+def test_brought_adapters_evict_idle_ones_and_their_slots_pages(setup):
+    """Six requests of one prompt bring five adapters into an empty table of 4 slots, two
+    at a time in 2 slots: "e" takes the slot of "a" (idle: least recently used), then "a"
+    comes back (loaded again from its source) into the slot "b" had. Every row equals its
+    merged model: the prefix cache keys pages by the slot and how often the job wrote it,
+    so "e" never reads the pages "a" left in that slot, nor "a" those of "b"."""
+    model, d = setup["model"], setup["dir"]
+    prompt = random_prompts(160, [10], 15)[0]
+    brought = [("a", d / "a"), ("b", d / "b"), ("c", d / "a"), ("d", d / "b"), ("e", d / "b")]
+    merged = [setup["merged"][w] for w in ("a", "b", "a", "b", "b", "a")]
+    empty = ll.Adapters.create(model, max_adapters=4, max_rank=16)  # the setup table's shapes
+    requests = [ll.Request(prompt, adapter=a) for a in [*brought, "a"]]
+    out = ll.generate_many(model, requests, adapters=empty, **JOB)
+    want = {id(m): torch_greedy(m, prompt, TOKENS)[0] for m in merged}
+    assert len(set(map(tuple, want.values()))) == 2  # "a" and "b" differ here
+    for result, m in zip(out, merged, strict=True):
+        assert result.token_ids == [want[id(m)]]
 
 
 @pytest.mark.slow  # a resumption program; the jobs above hold the admission and decode paths

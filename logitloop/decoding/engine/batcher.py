@@ -364,7 +364,7 @@ class _Batcher:
                 compiled = constraints.compile_rows(params.constraints, vocab)
                 stop_ids = np.asarray(params.stop_token_ids)
                 constraints.refuse_stop_ids(params.constraints, stop_ids, vocab)
-            adapter = job_adapters.slot_of(self.adapters, request.adapter)  # last: may load
+            adapter = job_adapters.slot_of(self.adapters, request.adapter, self.n)  # last
         except (ValueError, TypeError) as e:
             raise ValueError(f"{_describe(index, request.id)}: {e}") from None
         widths = params.widths()
@@ -640,6 +640,7 @@ class _Batcher:
                 continue
             for slot, (out, counts) in zip(finished, self.fetch(finished), strict=True):
                 row = occupant.pop(slot)
+                job_adapters.finished(self.adapters, row.adapter)
                 free.append(slot)
                 request = pending[row.request]
                 request.outputs[row.child] = out

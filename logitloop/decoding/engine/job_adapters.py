@@ -7,15 +7,18 @@ A request names its adapter (`Request.adapter`) as
 
 - a name loaded in the table, or None: the job's `adapter=` (None: the base model);
 - a pair `(name, source)`: `source` (a PEFT adapter folder, or its tensors and config as
-  `(tensors, config)`) is loaded as `name` into a free slot of the table when the first
-  request naming it is read; later requests may name it alone.
+  `(tensors, config)`) is loaded as `name` into the table when the first request naming
+  it is read; later requests may name it alone.
 
 Loading writes the table's values only (its shapes are fixed), so nothing compiles, and
 the slots other adapters hold are untouched: a row in flight keeps its adapter. A name
 already loaded is never replaced in a running job (its rows would change weights
-mid-sequence): a pair naming it runs the loaded adapter. A pair for which no slot is free
-is refused with the request's index, like any bad request (docs/lora.md: no adapter is
-evicted yet).
+mid-sequence): a pair naming it runs the loaded adapter. An adapter goes into a free slot,
+else into the slot of the least recently used adapter that a request brought and no row
+of the job holds now (waiting, running or preempted), evicted (a later request naming
+it, alone or in a pair, loads it again from its source); the adapters of the table the
+job was given and its `adapter=` are never evicted. When every slot is held, the request
+is refused with its index, like any bad request.
 
 Pages of the prefix cache are keyed by the adapter's slot and how many times the job
 wrote that slot (`salt`), so a prompt's pages prefilled under one adapter are never read
@@ -80,45 +83,68 @@ class JobAdapters:
         self.default = default
         self.of_slot = np.full((slots,), -1, np.int32)  # each batch slot's table slot
         self.writes = [0] * table.max_adapters  # times the job wrote each table slot
+        self.users = [0] * table.max_adapters  # the job's rows that hold each table slot
+        self.used = [0] * table.max_adapters  # when each table slot was last resolved
+        self.sources: dict[str, Any] = {}  # adapters requests brought: evictable
 
-    def resolve(self, adapter: Any) -> int:
-        """The table slot (-1: the base) of a request's `adapter`, loading a pair's
-        source into a free slot the first time its name is read."""
+    def resolve(self, adapter: Any, rows: int = 1) -> int:
+        """The table slot (-1: the base) of a request's `adapter` for its `rows` rows,
+        which hold it until each is `finished`; a brought adapter not in the table is
+        loaded (module docstring)."""
         check(adapter, True)
         if adapter is None:
             adapter = self.default
         if adapter is None:
             return -1
-        if isinstance(adapter, str):
-            return self.table.slot(adapter, "adapter")
-        name, source = adapter
+        name, source = (adapter, None) if isinstance(adapter, str) else adapter
         if name not in self.table.names:
-            self.table = _load(self.table, name, source)
-            self.writes[self.table.names.index(name)] += 1
-        return self.table.names.index(name)
+            if source is None and name not in self.sources:
+                self.table.slot(name, "adapter")  # raises, naming the loaded ones
+            self._load(name, self.sources.get(name) if source is None else source)
+        slot = self.table.names.index(name)
+        self.users[slot] += rows
+        self.used[slot] = max(self.used) + 1
+        return slot
+
+    def _load(self, name: str, source: Any) -> None:
+        """`source` loaded as `name` into a free slot, or the least recently used idle
+        brought adapter's (evicted)."""
+        if None not in self.table.names:
+            idle = [
+                s for s, held in enumerate(self.users)
+                if held == 0 and self.table.names[s] in self.sources
+            ]  # fmt: skip
+            if not idle:
+                raise ValueError(
+                    f"adapter {name!r}: the adapter table is full (max_adapters="
+                    f"{self.table.max_adapters}: {', '.join(self.table.loaded)}), and every "
+                    "adapter in it is one the job was given or one a waiting or running row "
+                    "holds: make the table with a larger max_adapters (ll.Adapters.create)"
+                )
+            self.table = self.table.remove(self.table.names[min(idle, key=self.used.__getitem__)])
+        self.table = _load(self.table, name, source)
+        self.writes[self.table.names.index(name)] += 1  # the slot's old pages: not its
+        self.sources[name] = source
+
+    def finished(self, slot: int) -> None:
+        """A row under table slot `slot` finished: it no longer holds the slot."""
+        if slot >= 0:
+            self.users[slot] -= 1
 
     def check_requests(self, adapters: Sequence[Any], describe: Any) -> None:
         """Before any work, for a sequence of requests (their `adapter`s, in order):
-        every name known or brought by a pair before it, and a free slot for each new
-        pair. `describe(index)` names a request in the error."""
+        every name loaded or brought by a pair before it. (Whether a slot is free when
+        a request is read depends on the rows then running: checked then.)
+        `describe(index)` names a request in the error."""
         known = set(self.table.loaded)
-        free = sum(name is None for name in self.table.names)
         for index, adapter in enumerate(adapters):
             try:
                 check(adapter, True)
                 adapter = self.default if adapter is None else adapter
                 if isinstance(adapter, str) and adapter not in known:
                     self.table.slot(adapter, "adapter")  # raises, naming the loaded ones
-                if _pair(adapter) and adapter[0] not in known:
-                    if free == 0:
-                        raise ValueError(
-                            f"adapter {adapter[0]!r}: the adapter table is full "
-                            f"(max_adapters={self.table.max_adapters}, loaded and brought "
-                            f"before this request: {sorted(known)}): make the table with a "
-                            "larger max_adapters (ll.Adapters.create)"
-                        )
+                if _pair(adapter):
                     known.add(adapter[0])
-                    free -= 1
             except ValueError as e:
                 raise ValueError(f"{describe(index)}: {e}") from None
 
@@ -145,12 +171,19 @@ def for_job(options: Any, slots: int) -> JobAdapters | None:
     return JobAdapters(options.adapters, options.adapter, slots)
 
 
-def slot_of(job: JobAdapters | None, adapter: Any) -> int:
-    """A request's adapter's table slot (`JobAdapters.resolve`; -1: the base)."""
+def slot_of(job: JobAdapters | None, adapter: Any, rows: int) -> int:
+    """A request's adapter's table slot for its `rows` rows (`JobAdapters.resolve`; -1:
+    the base)."""
     if job is None:
         check(adapter, has_table=False)
         return -1
-    return job.resolve(adapter)
+    return job.resolve(adapter, rows)
+
+
+def finished(job: JobAdapters | None, slot: int) -> None:
+    """A row under table slot `slot` finished (`JobAdapters.finished`)."""
+    if job is not None:
+        job.finished(slot)
 
 
 def group_rows(job: JobAdapters | None, table_slots: Sequence[int]) -> Rows | None:
