@@ -221,7 +221,8 @@ def generate_many(
     adapters, adapter: LoRA adapters (an `ll.Adapters`, `ll.load_adapter`) and the adapter
       (a name, or None: the base) of every request that names none of its own
       (`Request(prompt, adapter=name)`; `Request(prompt, adapter=(name, source))` loads
-      `source` into a free slot of the table while the job runs, compiling nothing). A
+      `source` into the table while the job runs, compiling nothing, into a free slot or
+      an idle brought adapter's, `logitloop.decoding.engine.job_adapters`). A
       request's `n` rows share its adapter; the prefix cache keys pages by adapter
       (`logitloop.decoding.engine.job_adapters`).
 
