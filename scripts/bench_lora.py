@@ -11,6 +11,10 @@ nothing), and the base again (the control: the noise the ratio is read against).
 tokens per second, the ratio adapters / base (the issue's goal: at least 0.8), the
 programs the timed calls compiled, and the bytes: of one adapter (its A and B) and of the
 table (`max_adapters` slots of rank `max_rank`, padded). `--out` writes the JSON.
+
+`--many`: the same turns through `generate_many` (`--rows` slots), each request bringing
+its adapter as `Request(prompt, adapter=(name, tensors))`, loaded into the running job's
+empty table when the request is read (the timed calls must compile nothing).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--many", action="store_true", help="generate_many (docstring)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -74,6 +79,19 @@ def main(argv=None) -> dict:
 
     def base():
         return ll.generate(model, prompts, **keywords)
+
+    if args.many:
+        job = dict(slots=args.rows, max_prompt_len=args.prompt, max_tokens_bound=args.new_tokens)
+        job.update(keywords)
+
+        def adapted():
+            brought = [(n, (adapters[int(n[1:])], config)) for n in names]
+            requests = [ll.Request(p, adapter=a) for p, a in zip(prompts, brought, strict=True)]
+            empty = ll.Adapters.create(model, max_adapters=args.adapters, max_rank=args.rank)
+            return ll.generate_many(model, requests, adapters=empty, **job)
+
+        def base():
+            return ll.generate_many(model, prompts, **job)
 
     results = timed_turns(dict(base=base, adapters=adapted, control=base), args.repeats)
     tokens = args.rows * args.new_tokens

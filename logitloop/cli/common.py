@@ -1,6 +1,6 @@
 """What every part of the command line shares: its name, the bad-input error, the model's
 folder (a folder or a Hub name; loading it: `logitloop.jobs.load_model`), the checkpoint's
-sampling defaults."""
+sampling defaults, the LoRA adapters' flags."""
 
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def _resolve_models(args) -> None:
                 args.hub_model = (name, folder.name)
         else:
             args.draft_model = str(folder)
+
+
+def adapter_specs(args) -> dict[str, str]:
+    """`--adapter NAME=PATH` (repeatable) as {name: path}, and `--use-adapter` one of them."""
+    specs: dict[str, str] = {}
+    for name, path in args.adapter:
+        if name in specs:
+            raise CLIError(f"--adapter {name}=...: the name {name!r} is given twice")
+        specs[name] = path
+    if args.use_adapter is not None and args.use_adapter not in specs:
+        raise CLIError(
+            f"--use-adapter {args.use_adapter}: no --adapter {args.use_adapter}=PATH loads it"
+        )
+    return specs
 
 
 def checkpoint_defaults(args, *, show: bool = True) -> dict[str, Any]:

@@ -153,7 +153,7 @@ JSONL input: one object per line, e.g.
   {"prompt_token_ids": [1, 415, 2936], "stop": ["\\n\\n"], "logprobs": 5}
   {"prompt": "Label:", "choice": ["yes", "no"]}   (also "json_schema": {...}, "regex": "...")
 Per-line keys are SamplingParams.create's arguments (max_new_tokens = max_tokens) and
-replace the flags for that line.
+replace the flags for that line; "adapter": "NAME" picks a LoRA adapter --adapter loaded.
 
 Output (--output FILE.jsonl): one line per prompt, in input order:
   {"id", "prompt", "seed", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}
@@ -250,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_model_flags(gen)
+    _add_adapter_flags(gen)
     _add_generation_config_flag(gen)
     _add_speculative_flags(gen)
 
@@ -290,7 +291,7 @@ def _add_score_parser(sub) -> None:
         description="Score continuations given prompts: JSONL in, JSONL out (resumed).",
         epilog=(
             'Input lines: {"id", "prompt" or "prompt_token_ids", "continuation" '
-            'or "continuation_token_ids"}.\nOutput lines: {"id", "token_ids", '
+            'or "continuation_token_ids", "adapter"}.\nOutput lines: {"id", "token_ids", '
             '"raw_logprobs", "sum", "is_greedy", "is_argmax"} (+ "text", '
             '"top_logprobs").\nAn existing output file is resumed: ids already in it are '
             "skipped."
@@ -316,6 +317,7 @@ def _add_score_parser(sub) -> None:
         io, "each pair's score", "differ in the last bits by the batch it runs in"
     )
     _add_model_flags(sc)
+    _add_adapter_flags(sc)
 
 
 def _add_deterministic_flags(group, what: str, otherwise: str) -> None:
@@ -399,6 +401,35 @@ def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         metavar="C",
         help="what a propose-verify cycle costs in plain steps: a cycle runs only while "
         "every row gains at least C tokens from it (default: measured on CPU, 1 elsewhere)",
+    )
+
+
+def adapter_spec(text: str) -> tuple[str, str]:
+    """`--adapter NAME=PATH` as (name, path)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=PATH (a name for the adapter, and its PEFT folder or Hub name)"
+        )
+    return name.strip(), path.strip()
+
+
+def _add_adapter_flags(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument(
+        "--adapter",
+        type=adapter_spec,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="load the PEFT LoRA adapter PATH (a folder or a Hub repo id) as NAME "
+        "(repeatable); a JSONL line's "
+        '"adapter": "NAME" runs its prompt under it, null under the base model',
+    )
+    lora.add_argument(
+        "--use-adapter",
+        metavar="NAME",
+        help="the adapter of the prompts that name none (default: the base model)",
     )
 
 

@@ -12,12 +12,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from logitloop.cli.common import PROG, CLIError, checkpoint_defaults, resolve_models
+from logitloop.cli.common import (
+    PROG,
+    CLIError,
+    adapter_specs,
+    checkpoint_defaults,
+    resolve_models,
+)
 from logitloop.cli.parser import base_knobs
 from logitloop.cli.run_stream import stream_items
-from logitloop.jobs import load_model
+from logitloop.jobs import load_adapters, load_model
 from logitloop.jobs.items import (
+    ADAPTER_KEY,
     Item,
+    adapter_rows,
+    check_adapters,
     check_vocab,
     job_bounds,
     param_defaults,
@@ -70,11 +79,14 @@ def run(args: argparse.Namespace) -> int:
     if args.num_beams is not None:
         _check_beam_flags(args)
     resolve_models(args)
+    args.adapters = adapters = adapter_specs(args)  # {name: path}
 
     defaults = param_defaults()
     # generation_config.json's settings are sampling settings, which beam search has none of.
     recommended = {} if args.num_beams else checkpoint_defaults(args, show=not args.quiet)
     base = {**recommended, **base_knobs(args)}
+    if args.use_adapter is not None:  # a line's "adapter" replaces it
+        base[ADAPTER_KEY] = args.use_adapter
     drawn = "seed" not in base
     if drawn:  # a fresh draw each run, written into every record
         base["seed"] = secrets.randbelow(2**31)
@@ -101,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             todo = [it for it in items if id_key(it.id) not in sink.done]
             skipped = len(items) - len(todo)
     try:
+        check_adapters(items, list(adapters))
         validate_params(todo, base, base_params)
         if not todo:
             note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
@@ -135,6 +148,7 @@ def _run_job(
         args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
     )
     info = model_info(model)
+    adapters = load_adapters(model, args.adapters)  # None without --adapter
     load_s = time.perf_counter() - t_load
     render_conversations(items, model, args.ignore_eos)
     prepare_tokens(todo, info)
@@ -150,12 +164,12 @@ def _run_job(
     compile_stats(reset=True)  # the summary names this job's programs
     with CompileWatch() as timer:
         if args.num_beams is not None:
-            tokens = _run_beams(args, model, todo, sink.write)
+            tokens = _run_beams(args, model, todo, sink.write, adapters)
         elif args.stream:
             tokens = stream_items(
                 model, todo, sink, n=args.n, batch_size=args.batch_size,
                 ignore_eos=args.ignore_eos, deterministic=args.deterministic,
-                speculative=speculative,
+                speculative=speculative, adapters=adapters,
             )  # fmt: skip
         else:
             # Slots at the row bucket of the prompts (`row_bucket`), at least
@@ -165,6 +179,8 @@ def _run_job(
             slots = min(args.batch_size, row_bucket(max(len(items), MIN_CLI_SLOTS)))
             shapes = dict(job_bounds(items, info, defaults), slots=slots)
             shapes["speculative"] = speculative
+            if adapters is not None:
+                shapes["adapters"] = adapters
             kv_cache_tokens = _kv_cache_tokens(args, info, shapes)
             if kv_cache_tokens is not None:  # one paged pool (`paged_batching`)
                 shapes.update(kv_cache_tokens=kv_cache_tokens, page_size=args.page_size)
@@ -237,6 +253,7 @@ def _run_ray(args, items, todo, skipped, base, sink, note, started, seed) -> int
         ignore_eos=args.ignore_eos, deterministic=args.deterministic, slots=args.batch_size,
         speculative=_speculation(args), compile_cache=args.compile_cache,
         prefix_cache=False if args.no_prefix_cache else None,
+        adapters=args.adapters or None,
     )  # fmt: skip
     skip = f" ({skipped} already in {sink.name}, skipped)" if skipped else ""
     note(
@@ -297,7 +314,7 @@ def _run_requests(
         nonlocal handed
         for index, item in enumerate(todo):
             handed = index
-            yield Request(item.token_ids, item.params)
+            yield Request(item.token_ids, item.params, adapter=item.knobs.get(ADAPTER_KEY))
 
     tokens = 0
     finished: dict[int, dict[str, Any]] = {}
@@ -344,7 +361,7 @@ def _check_beam_flags(args) -> None:
             )
 
 
-def _run_beams(args, model, todo: Sequence[Item], write) -> int:
+def _run_beams(args, model, todo: Sequence[Item], write, adapters=None) -> int:
     """Beam search, `--batch-size` prompts at a time (consecutive prompts with the same
     max_tokens); records in input order with each beam's "score". Returns the tokens."""
     import numpy as np
@@ -371,7 +388,7 @@ def _run_beams(args, model, todo: Sequence[Item], write) -> int:
                 max_tokens=first, length_penalty=args.length_penalty, early_stopping=early,
                 num_return_sequences=args.n, ignore_eos=args.ignore_eos,
                 params=ll.SamplingParams.concat([it.params for it in part]),
-                deterministic=args.deterministic,
+                deterministic=args.deterministic, **adapter_rows(adapters, part),
             )  # fmt: skip
         except ValueError as e:
             raise CLIError(f"{span(part)}: {e}") from None

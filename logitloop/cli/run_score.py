@@ -2,9 +2,10 @@
 JSONL out, resumed like `generate`'s output.
 
 Each input line is an object with an optional `"id"` (default: the 0-based line number),
-`"prompt"` (a string) or `"prompt_token_ids"`, and `"continuation"` (a string, tokenized in
-the prompt's context as lm-evaluation-harness does) or `"continuation_token_ids"`. Each
-output line, in input order:
+`"prompt"` (a string) or `"prompt_token_ids"`, `"continuation"` (a string, tokenized in
+the prompt's context as lm-evaluation-harness does) or `"continuation_token_ids"`, and
+optionally `"adapter"`: a LoRA adapter `--adapter NAME=PATH` loaded (null: the base model;
+absent: `--use-adapter`'s, else the base). Each output line, in input order:
 
     {"id", "token_ids", "raw_logprobs", "sum", "is_greedy", "is_argmax"}
 
@@ -23,8 +24,8 @@ import sys
 import time
 from typing import Any
 
-from logitloop.cli.common import PROG, CLIError, resolve_models
-from logitloop.jobs import load_model
+from logitloop.cli.common import PROG, CLIError, adapter_specs, resolve_models
+from logitloop.jobs import load_adapters, load_model
 from logitloop.jobs.items import _read_text, json_line
 from logitloop.jobs.sinks import JsonlOutput, check_not_input, describe_id, id_key
 
@@ -54,12 +55,16 @@ def read_pairs(path: str) -> list[dict[str, Any]]:
                 kind = "a string" if want is str else "a list of token ids"
                 raise CLIError(f"{where}: {given[0]} must be {kind}")
             pair[role] = value
-        unknown = set(obj) - {"id", *PROMPT_KEYS, *CONTINUATION_KEYS}
+        unknown = set(obj) - {"id", *PROMPT_KEYS, *CONTINUATION_KEYS, "adapter"}
         if unknown:
             raise CLIError(
                 f"{where}: unknown key {sorted(unknown)[0]!r}; a line holds id, prompt or "
-                "prompt_token_ids, and continuation or continuation_token_ids"
+                "prompt_token_ids, continuation or continuation_token_ids, and adapter"
             )
+        if "adapter" in obj:
+            if obj["adapter"] is not None and not isinstance(obj["adapter"], str):
+                raise CLIError(f"{where}: adapter must be an adapter's name or null")
+            pair["adapter"] = obj["adapter"]
         key = id_key(item_id)
         if key in seen:
             raise CLIError(f"duplicate id {describe_id(item_id)} in {name}: {seen[key]}, {where}")
@@ -85,6 +90,8 @@ def score_record(pair: dict[str, Any], result) -> dict[str, Any]:
     }
     if result.text is not None:
         rec["text"] = result.text
+    if pair.get("adapter") is not None:
+        rec["adapter"] = pair["adapter"]
     if result.error is not None:  # logits gone NaN or inf (`ScoreResult.error`)
         rec["error"] = result.error
     if result.top_logprobs is not None:
@@ -112,7 +119,15 @@ def run(args: argparse.Namespace) -> int:
         # its batch (docs/cli.md).
         args.deterministic = bool(args.output)
     resolve_models(args)
+    specs = adapter_specs(args)
     pairs = read_pairs(args.input)
+    for pair in pairs:  # a line's adapter, else --use-adapter's; loaded by --adapter
+        pair.setdefault("adapter", args.use_adapter)
+        if pair["adapter"] is not None and pair["adapter"] not in specs:
+            raise CLIError(
+                f"{pair['where']}: adapter {pair['adapter']!r} is not one of the job's "
+                f"adapters (loaded: {', '.join(specs) or 'none'}; --adapter NAME=PATH loads one)"
+            )
     output = args.output or "-"
     check_not_input(output, args.input)
 
@@ -130,14 +145,16 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(
             args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
         )
+        table = load_adapters(model, specs)  # None without --adapter
         chunk = args.batch_size * BATCHES_PER_WRITE
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
+            rows = {} if table is None else {"adapter": [p["adapter"] for p in part]}
             try:
                 results = ll.score(
                     model, [p["prompt"] for p in part], [p["continuation"] for p in part],
                     deterministic=args.deterministic, top_logprobs=args.top_logprobs,
-                    batch_size=args.batch_size,
+                    batch_size=args.batch_size, adapters=table, **rows,
                 )  # fmt: skip
             except ValueError as e:
                 raise CLIError(_name_row(str(e), part)) from None

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from logitloop.cli.common import CLIError
-from logitloop.jobs.items import Item, span
+from logitloop.jobs.items import Item, adapter_rows, span
 from logitloop.jobs.sinks import TextOutput
 
 
@@ -26,6 +26,7 @@ def stream_items(
     ignore_eos: bool,
     deterministic: bool | str = False,
     speculative=None,
+    adapters=None,
 ) -> int:
     """Stream every item's `n` completions to stdout; returns the tokens generated."""
     tokens = 0
@@ -34,7 +35,7 @@ def stream_items(
         try:
             tokens += _stream_batch(
                 model, batch, sink, n=n, ignore_eos=ignore_eos, deterministic=deterministic,
-                speculative=speculative,
+                speculative=speculative, **adapter_rows(adapters, batch),
             )  # fmt: skip
         except ValueError as e:
             raise CLIError(f"{span(batch)}: {e}") from None

@@ -139,7 +139,9 @@ class LogitloopLM(TemplateLM):
     `prefix_cache` (default true: the choices of one context share its prompt pass, and
     generated rows the pages of a common prompt prefix), `add_bos_token`, `max_gen_toks` (as
     `hf`'s), `compile_cache` (default true: JAX's persistent compilation cache in the
-    default folder, module docstring; false: off; or a folder). Any other key is an error.
+    default folder, module docstring; false: off; or a folder), `adapter` (a PEFT LoRA
+    adapter folder: every request runs under it, as `hf`'s `peft=`; docs/lora.md). Any
+    other key is an error.
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class LogitloopLM(TemplateLM):
         add_bos_token: bool | str | None = None,
         max_gen_toks: int | str = DEFAULT_MAX_GEN_TOKS,
         compile_cache: bool | str = True,
+        adapter: str | None = None,
         device: str | None = None,  # lm-eval passes its --device; JAX places arrays itself
         **unknown: Any,
     ) -> None:
@@ -164,7 +167,8 @@ class LogitloopLM(TemplateLM):
             raise ValueError(
                 f"model_args: unknown key(s) {', '.join(sorted(unknown))} for --model "
                 "logitloop; known: pretrained, revision, dtype, max_length, batch_size, "
-                "deterministic, mesh, prefix_cache, add_bos_token, max_gen_toks, compile_cache"
+                "deterministic, mesh, prefix_cache, add_bos_token, max_gen_toks, "
+                "compile_cache, adapter"
             )
         # Before the model loads, so that loading's programs are kept too.
         self.compile_cache = _compile_cache(compile_cache)
@@ -214,6 +218,16 @@ class LogitloopLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         if self._max_gen_toks < 1:
             raise ValueError(f"model_args max_gen_toks={max_gen_toks!r}: must be >= 1")
+        # Every request's LoRA adapter: `ll.score`'s and `generate_many`'s keywords.
+        self.adapter = {}
+        if adapter not in (None, ""):
+            from logitloop.jobs import JobError, load_adapters
+
+            try:
+                table = load_adapters(self.model, {"adapter": str(adapter)})
+            except JobError as e:
+                raise ValueError(f"model_args adapter={adapter!r}: {e}") from None
+            self.adapter = {"adapters": table, "adapter": "adapter"}
 
     # ------------------------------------------------------------------ what lm-eval reads
 
@@ -309,6 +323,7 @@ class LogitloopLM(TemplateLM):
         scored = ll.score(
             self.model, [p[0] for p in pairs], [p[1] for p in pairs],
             mesh=self.mesh, deterministic=self.deterministic, batch_size=self.batch_size,
+            **self.adapter,
             progress=update, share_prompts=self.prefix_cache,
         )  # fmt: skip
         bar.close()
@@ -429,7 +444,7 @@ class LogitloopLM(TemplateLM):
         )
         shared = dict(
             slots=self.batch_size, mesh=self.mesh, deterministic=self.deterministic,
-            prefix_cache=self.prefix_cache,
+            prefix_cache=self.prefix_cache, **self.adapter,
         )  # fmt: skip
         ll.precompile(
             self.model, prompt_len=bounds["max_prompt_len"],

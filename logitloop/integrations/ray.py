@@ -120,6 +120,9 @@ class Generator:
         "max_tokens_bound": M}`, as `job_bounds` gives them): every batch then runs the
         programs of those bounds, compiled when the actor starts (`ll.precompile(slots=...)`)
         and none later; None: bounds grow with the batches the actor sees.
+      adapters: LoRA adapters, `{name: PEFT adapter folder}`, loaded once per actor into
+        one table (`logitloop.jobs.load_adapters`); a row's `adapter` column names its
+        (null or absent: the base model, or the job's `params["adapter"]`).
     """
 
     def __init__(
@@ -139,10 +142,11 @@ class Generator:
         slots: int = 32,
         compile_cache: bool = True,
         bounds: Mapping[str, int] | None = None,
+        adapters: Mapping[str, str] | None = None,
         **options: Any,
     ):
         from logitloop.decoding.loop.runner import model_info
-        from logitloop.jobs import load_model
+        from logitloop.jobs import load_adapters, load_model
         from logitloop.jobs.items import param_defaults, row_params
 
         if compile_cache:  # the actor owns its process: JAX's settings are its to choose
@@ -153,6 +157,9 @@ class Generator:
             lambda: load_model(model, dtype, quantize, group_size, quantize_embedding, revision)
         )
         self.info = model_info(self.model)
+        table = _checked(lambda: load_adapters(self.model, dict(adapters or {})))
+        if table is not None:  # generate_many's adapters= (and precompile's)
+            options = {**options, "adapters": table}
         self.mesh = None if mesh_shape is None else _actor_mesh(mesh_shape)
         self.base = dict(params or {})
         self.defaults = param_defaults()
@@ -185,6 +192,8 @@ class Generator:
     def _records(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         import logitloop as ll
         from logitloop.jobs.items import (
+            ADAPTER_KEY,
+            check_adapters,
             check_vocab,
             job_bounds,
             object_item,
@@ -201,6 +210,8 @@ class Generator:
             items.append(object_item(obj, item_id, where, self.base, self.defaults, position))
         if not items:
             return []
+        table = self.options.get("adapters")
+        check_adapters(items, [] if table is None else table.loaded)
         validate_params(items, self.base, self.base_params)
         render_conversations(items, self.model, self.ignore_eos)
         prepare_tokens(items, self.info)
@@ -208,7 +219,10 @@ class Generator:
             check_vocab(item.params, self.info.vocab_size, item.where)
         bounds = job_bounds(items, self.info, self.defaults)
         self.bounds = {k: max(v, bounds[k]) for k, v in self.bounds.items()}
-        requests = [ll.Request(item.token_ids, item.params) for item in items]
+        requests = [
+            ll.Request(item.token_ids, item.params, adapter=item.knobs.get(ADAPTER_KEY))
+            for item in items
+        ]
         try:
             results = ll.generate_many(
                 self.model, requests, n=self.n, ignore_eos=self.ignore_eos,

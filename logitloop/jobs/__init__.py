@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["JobError", "load_model"]
+__all__ = ["JobError", "load_adapters", "load_model"]
 
 
 class JobError(Exception):
@@ -51,3 +51,24 @@ def load_model(
         raise JobError(f"cannot load the model: {e}") from None
     except OSError as e:
         raise JobError(f"cannot load the model from {path}: {e.strerror or e}") from None
+
+
+def load_adapters(model, adapters: dict[str, str] | None):
+    """The job's LoRA adapters, `{name: PEFT adapter folder}`, loaded into one table
+    (`ll.load_adapter`) of as many slots as adapters, of their largest rank (at least 1);
+    None without adapters. A folder that does not load is a JobError naming the adapter."""
+    if not adapters:
+        return None
+    from logitloop.models.adapters import Adapters, adapter_rank
+
+    try:
+        rank = max(adapter_rank(path) for path in adapters.values())
+        table = Adapters.create(model, max_adapters=len(adapters), max_rank=rank)
+        for name, path in adapters.items():
+            try:
+                table = table.load(str(Path(path).expanduser()), name=name)
+            except ValueError as e:
+                raise ValueError(f"adapter {name!r} ({path}): {e}") from None
+    except ValueError as e:
+        raise JobError(f"cannot load the adapters: {e}") from None
+    return table

@@ -58,6 +58,10 @@ def param_defaults() -> dict[str, Any]:
 
 
 _ID_LIST_KNOBS = ("banned_token_ids", "allowed_token_ids", "stop_token_ids")
+# A prompt's LoRA adapter by name (None: the base model), a per-prompt setting kept with
+# the sampling settings (a line's replaces the job's) but given to the request, not to
+# `SamplingParams.create`.
+ADAPTER_KEY = "adapter"
 _CONSTRAINT_KNOBS = ("json_schema", "regex", "choice")  # at most one per prompt
 
 
@@ -65,6 +69,10 @@ def _normalise_override(name: str, value: Any, where: str) -> Any:
     """One JSONL line's setting, in the per-row form SamplingParams.create takes."""
     if value is None:
         return None
+    if name == ADAPTER_KEY:
+        if not isinstance(value, str) or not value:
+            raise JobError(f"{where}: adapter must be an adapter's name or null, got {value!r}")
+        return value
     if name == "logit_bias":
         if not isinstance(value, dict):
             raise JobError(f"{where}: logit_bias must be an object of token id -> bias")
@@ -125,7 +133,8 @@ def row_params(knobs: dict[str, Any], where: str | None = None):
     kwargs = {
         name: [_row_value(name, value)]
         for name, value in knobs.items()
-        if not (name == "allowed_token_ids" and value is None)  # None: every token allowed
+        # None: every token allowed; the adapter is the request's, not a sampling setting
+        if not (name == "allowed_token_ids" and value is None) and name != ADAPTER_KEY
     }
     try:
         return SamplingParams.create(1, **kwargs)
@@ -164,6 +173,26 @@ def validate_params(items: Sequence[Item], base: dict[str, Any], base_params) ->
     that overrides nothing."""
     for item in items:
         item.params = base_params if item.knobs == base else row_params(item.knobs, item.where)
+
+
+def check_adapters(items: Sequence[Item], loaded: Sequence[str]) -> None:
+    """Every prompt's adapter (a line's "adapter") is one of the job's `loaded` names."""
+    for item in items:
+        name = item.knobs.get(ADAPTER_KEY)
+        if name is not None and name not in loaded:
+            given = ", ".join(loaded) if loaded else "none"
+            raise JobError(
+                f"{item.where}: adapter {name!r} is not one of the job's adapters (loaded: "
+                f"{given}; --adapter NAME=PATH loads one)"
+            )
+
+
+def adapter_rows(adapters, items: Sequence[Item]) -> dict[str, Any]:
+    """`adapters=` (the job's table, or None) and each item's `adapter=`, as `ll.stream`
+    and `ll.beam_search` take them; nothing without a table."""
+    if adapters is None:
+        return {}
+    return {"adapters": adapters, "adapter": [it.knobs.get(ADAPTER_KEY) for it in items]}
 
 
 def span(items: Sequence[Item]) -> str:
@@ -292,10 +321,10 @@ def object_item(
     for key, value in obj.items():
         if key == "id" or key in PROMPT_KEYS:
             continue
-        if key not in allowed:
+        if key not in allowed and key != ADAPTER_KEY:
             raise JobError(
                 f"{where}: unknown key {key!r}; a line holds id, prompt, "
-                f"prompt_token_ids or messages, and sampling settings "
+                f"prompt_token_ids or messages, its adapter, and sampling settings "
                 f"({', '.join(sorted(allowed))})"
             )
         knobs[key] = _normalise_override(key, value, where)
@@ -496,6 +525,8 @@ def record(item: Item, result, n: int, tokenizer=None) -> dict[str, Any]:
     else:
         rec = {"id": item.id, "prompt": item.prompt}
     rec["seed"] = item.knobs.get("seed", 0)
+    if item.knobs.get(ADAPTER_KEY) is not None:
+        rec[ADAPTER_KEY] = item.knobs[ADAPTER_KEY]
     if n == 1:
         rec.update(outs[0])
     else:

@@ -92,13 +92,21 @@ class Adapters:
         """The names of the adapters in the table, by slot."""
         return tuple(n for n in self.names if n is not None)
 
-    def load(self, source: Any, *, name: str, config: Mapping[str, Any] | None = None):
+    def load(
+        self,
+        source: Any,
+        *,
+        name: str,
+        config: Mapping[str, Any] | None = None,
+        revision: str | None = None,
+    ):
         """This table with adapter `name` loaded (replacing one of that name): `source` a
-        PEFT adapter folder, or its tensors (a mapping of PEFT's names to arrays) with
-        `config` (adapter_config.json's fields)."""
+        PEFT adapter folder or its Hugging Face Hub repo id ("org/name", at `revision`;
+        `logitloop.models.hub.adapter_folder`), or its tensors (a mapping of PEFT's names
+        to arrays) with `config` (adapter_config.json's fields)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
-        config, tensors, where = _read(source, config)
+        config, tensors, where = _read(source, config, revision)
         scale = _check_config(config, self.max_rank, where)
         blocks = self._blocks(tensors, where)
         if name in self.names:
@@ -217,10 +225,13 @@ def load_adapter(
     config: Mapping[str, Any] | None = None,
     max_adapters: int = 4,
     max_rank: int = 16,
+    revision: str | None = None,
 ) -> Adapters:
     """`adapters` (default a new table for `model`, `Adapters.create(model, max_adapters=,
     max_rank=)`) with the LoRA adapter `source` loaded as `name`: a PEFT adapter folder
-    (`adapter_config.json`, `adapter_model.safetensors`), or its tensors with `config`.
+    (`adapter_config.json`, `adapter_model.safetensors`), its Hugging Face Hub repo id
+    ("org/name" at `revision`, fetched into the Hugging Face cache as models are), or its
+    tensors with `config`.
     PEFT's LoRA only (`r`, `lora_alpha`, `use_rslora`, `target_modules`, bias "none");
     DoRA, other PEFT types, bias terms, `rank_pattern` / `alpha_pattern` and
     `modules_to_save` are refused by name. Returns a new `Adapters`; compiles nothing."""
@@ -228,13 +239,44 @@ def load_adapter(
         adapters = Adapters.create(model, max_adapters=max_adapters, max_rank=max_rank)
     elif not isinstance(adapters, Adapters):
         raise ValueError(f"adapters must be an ll.Adapters, got {type(adapters).__name__}")
-    return adapters.load(source, name=name, config=config)
+    return adapters.load(source, name=name, config=config, revision=revision)
 
 
-def _read(source: Any, config: Mapping[str, Any] | None) -> tuple[dict, Mapping, str]:
+def adapter_rank(source: Any, config: Mapping[str, Any] | None = None) -> int:
+    """The rank `r` of a PEFT adapter (a folder or Hub repo id, or tensors with `config`),
+    read from its adapter_config.json without loading its tensors: the `max_rank` a table
+    needs."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.path.join(_folder(source, None), CONFIG_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(f"{os.fspath(source)}: no {CONFIG_FILE} (not a PEFT adapter folder)")
+        with open(path, encoding="utf-8") as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from e
+    r = config.get("r") if isinstance(config, Mapping) else None
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{source}: r must be a positive int, got {r!r}")
+    return r
+
+
+def _folder(source: str | os.PathLike, revision: str | None) -> str:
+    """The local folder of an adapter given as a folder or a Hub repo id."""
+    from logitloop.models.hub import adapter_folder
+
+    try:
+        return os.fspath(adapter_folder(source, revision=revision))
+    except (FileNotFoundError, PermissionError) as e:
+        raise ValueError(str(e)) from None
+
+
+def _read(
+    source: Any, config: Mapping[str, Any] | None, revision: str | None = None
+) -> tuple[dict, Mapping, str]:
     """The adapter's config, tensors and a name for errors."""
     if isinstance(source, (str, os.PathLike)):
-        folder = os.fspath(source)
+        folder = _folder(source, revision)
         config_path = os.path.join(folder, CONFIG_FILE)
         weights_path = os.path.join(folder, WEIGHTS_FILE)
         for path in (config_path, weights_path):

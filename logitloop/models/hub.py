@@ -71,6 +71,25 @@ def model_folder(
       ValueError: the repo has no config.json or no safetensors weights, or its config asks
         for remote code.
     """
+    return _folder(_Snapshot, name, revision, token, cache_dir)
+
+
+def adapter_folder(
+    name: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> Path:
+    """The local folder of the PEFT adapter `name`, as `model_folder` finds a model's: a
+    folder, or a Hub repo id whose `adapter_config.json` and `adapter_model.safetensors`
+    are fetched into the Hugging Face cache (nothing else; `ll.load_adapter` reads them as
+    data). Raises as `model_folder` does."""
+    return _folder(_AdapterSnapshot, name, revision, token, cache_dir)
+
+
+def _folder(snapshot: type, name, revision, token, cache_dir) -> Path:
+    what = snapshot.folder
     folder = Path(name).expanduser()
     if folder.is_dir():
         if revision is not None:
@@ -80,14 +99,14 @@ def model_folder(
             )
         return folder
     if folder.exists():
-        raise FileNotFoundError(f"checkpoint folder not found: {name} is a file, not a folder")
+        raise FileNotFoundError(f"{what} not found: {name} is a file, not a folder")
     repo = str(name)
     if isinstance(name, os.PathLike) or not _is_repo_id(repo):
         raise FileNotFoundError(
-            f"checkpoint folder not found: {name} (nor is it a Hugging Face Hub repo id, "
+            f"{what} not found: {name} (nor is it a Hugging Face Hub repo id, "
             "'org/name': letters, digits, '-', '_' and '.')"
         )
-    return _Snapshot(repo, revision, token, cache_dir).resolve()
+    return snapshot(repo, revision, token, cache_dir).resolve()
 
 
 def _is_repo_id(text: str) -> bool:
@@ -101,7 +120,11 @@ def _is_repo_id(text: str) -> bool:
 
 
 class _Snapshot:
-    """One repo at one revision in the cache: found, checked and completed."""
+    """One repo at one revision in the cache: found, checked and completed. A model's:
+    `metadata` (its config `config` among them), then its weights."""
+
+    kind, folder = "model", "checkpoint folder"
+    metadata, config = METADATA_FILES, "config.json"
 
     def __init__(self, repo: str, revision: str | None, token, cache_dir):
         from huggingface_hub import constants
@@ -109,7 +132,7 @@ class _Snapshot:
         self.repo, self.token = repo, token
         self.revision = revision or constants.DEFAULT_REVISION
         self.cache_dir = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
-        self.where = f"model {repo!r} (revision {self.revision!r})"
+        self.where = f"{self.kind} {repo!r} (revision {self.revision!r})"
 
     def resolve(self) -> Path:
         from huggingface_hub import constants
@@ -124,7 +147,7 @@ class _Snapshot:
         except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as e:
             return self._cached(f"the Hub could not be reached ({type(e).__name__}: {e})")
         self._check_files({s.rfilename for s in info.siblings or ()})
-        folder = self._download(METADATA_FILES, self.revision)
+        folder = self._download(self.metadata, self.revision)
         self._check_config(folder)
         # The weights at the commit the metadata came from, so that both are of one commit.
         self._download(self._weight_files(folder), folder.name)
@@ -202,7 +225,7 @@ class _Snapshot:
                     self.repo,
                     revision=self.revision,
                     cache_dir=self.cache_dir,
-                    allow_patterns=list(METADATA_FILES),
+                    allow_patterns=list(self.metadata),
                     local_files_only=True,
                 )
             )
@@ -211,8 +234,8 @@ class _Snapshot:
         except LocalEntryNotFoundError:
             raise FileNotFoundError(self._not_cached(why)) from None
         present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-        if "config.json" not in present:
-            raise FileNotFoundError(self._not_cached(why, "its config.json"))
+        if self.config not in present:
+            raise FileNotFoundError(self._not_cached(why, f"its {self.config}"))
         self._check_config(folder)
         missing = [f for f in self._weight_files(folder) if f not in present]
         if missing:
@@ -265,6 +288,31 @@ class _Snapshot:
         if bad:
             raise ValueError(f"{index}: names {bad[0]!r}, not a safetensors file of the repo")
         return names
+
+
+class _AdapterSnapshot(_Snapshot):
+    """A PEFT adapter's repo: its `adapter_config.json` and `adapter_model.safetensors`."""
+
+    kind, folder = "adapter", "adapter folder"
+    metadata, config = ("adapter_config.json",), "adapter_config.json"
+    weights = "adapter_model.safetensors"
+
+    def _check_files(self, names: set[str]) -> None:
+        if self.config not in names:
+            raise ValueError(f"{self.where}: the repo has no {self.config} (not a PEFT adapter)")
+        if self.weights not in names:
+            others = sorted(n for n in names if n.endswith(_OTHER_WEIGHTS))
+            found = f"only {', '.join(others)}" if others else "no weights"
+            raise ValueError(
+                f"{self.where}: the repo has no {self.weights}, {found}; logitloop reads "
+                "safetensors only (pickled weights can run code)"
+            )
+
+    def _check_config(self, folder: Path) -> None:
+        """Read as data by `ll.load_adapter`, which checks its fields."""
+
+    def _weight_files(self, folder: Path) -> list[str]:
+        return [self.weights]
 
 
 def _json_object(path: Path) -> dict[str, Any]:

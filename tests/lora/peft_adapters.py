@@ -28,3 +28,17 @@ def make_adapter(
                 p.normal_(0.0, 0.2)
     model.save_pretrained(directory)
     return model.merge_and_unload().eval()
+
+
+def torch_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities from a transformers model (no EOS)."""
+    import torch
+
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            lp = hf(torch.tensor([ids])).logits[0, -1].double().log_softmax(-1)
+            tok = int(lp.argmax())
+            ids.append(tok)
+            lps.append(float(lp[tok]))
+    return ids[len(prompt) :], lps

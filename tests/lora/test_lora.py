@@ -21,40 +21,10 @@ pytest.importorskip("peft")
 import logitloop as ll  # noqa: E402
 from tests.models.tiny_checkpoints import build_hf_model, random_prompts, save_hf_model  # noqa: E402
 
-from .peft_adapters import ATTENTION, TARGETS, make_adapter  # noqa: E402
+from .peft_adapters import ATTENTION, TARGETS, make_adapter, torch_greedy  # noqa: E402
 
 TOKENS = 5
 ATOL = 1e-4  # the float32 parity tests' tolerance (tests/models/test_model_parity.py)
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The tiny Llama (transformers and logitloop), adapters "a" (rank 8) and "b" (rank
-    16, rsLoRA) saved by PEFT, their merged transformers models, and a table of both."""
-    d = tmp_path_factory.mktemp("lora")
-    base = build_hf_model("llama")
-    save_hf_model(base, d / "base")
-    merged = {
-        "a": make_adapter(base, d / "a", rank=8, alpha=16, seed=1),
-        "b": make_adapter(base, d / "b", rank=16, alpha=8, seed=2, use_rslora=True),
-        None: base,
-    }
-    model = ll.load_pretrained(str(d / "base"))
-    table = ll.load_adapter(model, d / "a", name="a")
-    table = ll.load_adapter(model, d / "b", name="b", adapters=table)
-    return dict(dir=d, model=model, table=table, merged=merged)
-
-
-def torch_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their log-probabilities from a transformers model (no EOS)."""
-    ids, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            lp = hf(torch.tensor([ids])).logits[0, -1].double().log_softmax(-1)
-            tok = int(lp.argmax())
-            ids.append(tok)
-            lps.append(float(lp[tok]))
-    return ids[len(prompt) :], lps
 
 
 ROWS = ["a", None, "b"]
@@ -247,7 +217,7 @@ def test_unknown_adapter_names_are_refused_with_the_row(setup):
     with pytest.raises(ValueError, match="pass adapters="):
         ll.generate(model, [[5, 6]], adapter="a")
     with pytest.raises(ValueError, match="not here yet"):
-        ll.generate_many(model, [[5, 6]], adapters=table, adapter="a")
+        ll.precompile(model, rows=[1], prompt_len=[8], max_tokens=2, adapters=table)
 
 
 def test_a_table_of_another_model_is_refused(setup):

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding.engine import job_adapters
 from logitloop.decoding.engine.host import (
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
@@ -101,12 +102,16 @@ class Request:
     id: anything; only used to name the request in error messages.
     processors: this request's processors (leaves with a row axis of 1), instead of the
       job's; every request of a job has processors of the same tree structure.
+    adapter: its LoRA adapter in the job's `adapters=` by name, None for the job's
+      `adapter=` (default the base model), or `(name, source)` to load `source` into the
+      table as the job runs (`logitloop.decoding.engine.job_adapters`).
     """
 
     prompt: Any
     params: Mapping[str, Any] | SamplingParams | None = None
     id: Any = None
     processors: Sequence[Any] | None = None
+    adapter: Any = None
 
 
 # --------------------------------------------------------------------------- device side
@@ -181,6 +186,8 @@ def _admit(
     With `prefix`, `prompts` holds only the columns after each row's shared pages
     (`suffix_batch`): the prefill computes those and attends the rest."""
     rows = tables.replace(params=new.params, stops=new.stops)
+    if new.rows is not None:  # the new rows' adapters, over the job's table
+        rows = rows.replace(rows=tables.rows.replace(adapter=new.rows.adapter))
     cache = None
     if state.pages is not None:  # the new rows' prefill writes into the shared pool
         state, cache = pool.admit(state, slot, prompts.lengths, prefix, shape=program.pool)
@@ -220,6 +227,7 @@ class _Row:
     widths: Widths
     automaton: HostAutomaton | None = None  # its constraint's, compiled
     shard: int = 0  # the block of slots (a mesh's data shard) it is admitted to
+    adapter: int = -1  # its LoRA adapter's slot in the job's table (-1: the base)
 
 
 @dataclasses.dataclass
@@ -296,6 +304,7 @@ class _Batcher:
         # running row's state stays valid when the tables grow).
         self.automata_seen: list[HostAutomaton] = []
         self.initial: dict[int, int] = {}  # id(automaton) -> its initial state in the tables
+        self.adapters = job_adapters.for_job(plan.options, slots)  # LoRA, or None
 
     # ------------------------------------------------------------------ requests
 
@@ -355,11 +364,13 @@ class _Batcher:
                 compiled = constraints.compile_rows(params.constraints, vocab)
                 stop_ids = np.asarray(params.stop_token_ids)
                 constraints.refuse_stop_ids(params.constraints, stop_ids, vocab)
+            adapter = job_adapters.slot_of(self.adapters, request.adapter, self.n)  # last
         except (ValueError, TypeError) as e:
             raise ValueError(f"{_describe(index, request.id)}: {e}") from None
         widths = params.widths()
         rows = [
-            _Row(index, c, ids[c], params.take([c]), widths, compiled[c]) for c in range(self.n)
+            _Row(index, c, ids[c], params.take([c]), widths, compiled[c], adapter=adapter)
+            for c in range(self.n)
         ]
         pending = _Pending(
             index=index,
@@ -388,6 +399,8 @@ class _Batcher:
             empty = template.widen(widths).take([0] * self.slots)
             empty = empty.replace(temperature=jax.device_put(np.zeros(self.slots, np.float32)))
             self.tables = self.plan.tables(empty, stops)
+            if self.adapters is not None:
+                self.tables = self.tables.replace(rows=self.adapters.rows())
             self.state = _empty_state(
                 self.plan.program,
                 self.tables,
@@ -514,7 +527,11 @@ class _Batcher:
             [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
             np.int32,
         )
-        new = Tables(None, new_params.device_only(), new_stops)
+        adapters = job_adapters.group_rows(self.adapters, [r.adapter for r in group])
+        if adapters is not None:  # the table as loaded so far, the slots' new adapters
+            self.adapters.admitted(slot, [r.adapter for r in group])
+            self.tables = self.tables.replace(rows=self.adapters.rows())
+        new = Tables(None, new_params.device_only(), new_stops, rows=adapters)
         self.state, params, stops = _admit(
             self.plan.program,
             self.tables,
@@ -623,6 +640,7 @@ class _Batcher:
                 continue
             for slot, (out, counts) in zip(finished, self.fetch(finished), strict=True):
                 row = occupant.pop(slot)
+                job_adapters.finished(self.adapters, row.adapter)
                 free.append(slot)
                 request = pending[row.request]
                 request.outputs[row.child] = out

@@ -10,12 +10,13 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from logitloop.decoding.engine import paged_batching
+from logitloop.decoding.engine import job_adapters, paged_batching
 from logitloop.decoding.engine.batcher import (
     Request,
     _all_set_max_tokens,
     _Batcher,
     _bounds_from,
+    _describe,
 )
 from logitloop.decoding.engine.host import GenerationResult, check_count
 from logitloop.decoding.engine.plan import Options, plan
@@ -76,7 +77,8 @@ def _job(
     """`iter_generate_many`'s job for the public function `caller` (named in errors): its
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
-    job = plan(model, options)
+    job = plan(model, options, adapters=True)
+    job_adapters.check_job_adapter(options.adapter)
     info, layout = job.info, job.layout
     slots = check_count("slots", slots, 1)
     layout.check_rows("slots", slots)
@@ -104,6 +106,12 @@ def _job(
             "max_tokens_bound=",
             DeprecationWarning,
             stacklevel=3,  # the user's call of generate_many or iter_generate_many
+        )
+    adapters = job_adapters.for_job(options, slots)
+    if adapters is not None and isinstance(requests, Sequence):  # names known, slots free
+        adapters.check_requests(
+            [job_adapters.request_adapter(item) for item in requests],
+            lambda i: _describe(i, getattr(requests[i], "id", None)),
         )
     if isinstance(requests, Sequence) and (max_prompt_len is None or max_tokens_bound is None):
         longest, most = _bounds_from(info, requests, defaults)
@@ -210,6 +218,13 @@ def generate_many(
       prompt prefilled whole (with `kv_cache_tokens`, only a request's own rows share).
     stats: a dict the paged job fills with its counts (preemptions, rows in flight, pages
       held per layer group; prompt, prefilled and cached tokens, evicted pages).
+    adapters, adapter: LoRA adapters (an `ll.Adapters`, `ll.load_adapter`) and the adapter
+      (a name, or None: the base) of every request that names none of its own
+      (`Request(prompt, adapter=name)`; `Request(prompt, adapter=(name, source))` loads
+      `source` into the table while the job runs, compiling nothing, into a free slot or
+      an idle brought adapter's, `logitloop.decoding.engine.job_adapters`). A
+      request's `n` rows share its adapter; the prefix cache keys pages by adapter
+      (`logitloop.decoding.engine.job_adapters`).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:

@@ -262,7 +262,7 @@ class PagedBatcher(_Batcher):
             rest = bucket(max(len(row.ids) - len(shared) * ps, 1), MIN_PROMPT_BUCKET)
             self.state = pool.resume(
                 self.plan.program, self.tables.weights, self.state, np.int32(slot), table,
-                width=min(rest, self.prompt_len),
+                self.tables.rows, width=min(rest, self.prompt_len),
             )  # fmt: skip
             self.resumed(slot, row, shared)
             self._take(need, shard)

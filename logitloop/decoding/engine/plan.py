@@ -78,7 +78,8 @@ class Options:
       (`logitloop.decoding.loop.speculative`).
     adapters: an `ll.Adapters` table of LoRA adapters (`ll.load_adapter`), and
     adapter: each prompt's adapter by name, one for all or one per prompt (None: the
-      base model); `generate`, `stream` and `chat` so far, speculative decoding included
+      base model); `generate`, `stream`, `chat` and `generate_many` (one name for every
+      request that names none, `Request.adapter`) so far, speculative decoding included
       (and `score`, `beam_search`, `token_logprobs`, which take them as keywords;
       docs/lora.md).
     guidance_scale: classifier-free guidance, one finite number for every prompt or one
@@ -336,8 +337,8 @@ def check_adapters(model: Any, options: Options, supported: bool) -> None:
         return
     if not supported:
         raise ValueError(
-            "adapters= runs in generate, stream, chat, score, beam_search and "
-            "token_logprobs so far, not here yet "
+            "adapters= runs in generate, stream, chat, generate_many, score, beam_search "
+            "and token_logprobs so far, not here yet "
             "(docs/lora.md, 'Not done yet')"
         )
     if options.mesh is not None:

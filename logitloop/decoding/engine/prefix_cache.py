@@ -18,6 +18,10 @@ tokens are equal. The host keeps the keys (`PrefixCache`); the pool holds the pa
   them: it needs no prompt logits) and recomputes only the rest of its history
   (`pool.resume`); the prompt pages it recomputes are cached again.
 
+Under LoRA adapters (`adapters=`) the keys are salted with the row's adapter (its slot
+and how often the job wrote it, `job_adapters.JobAdapters.salt`): a page prefilled under
+one adapter is never read by a row under another or the base.
+
 The `n` rows of a request share their prompt's pages the same way: the first is
 prefilled, the others (in a later prefill group) read its pages. With
 `prefix_cache=False` the keys are salted with the request's index, so only a request's own
@@ -148,6 +152,8 @@ class PrefixBatcher(PagedBatcher):
 
     def _keys(self, row: _Row) -> list[bytes]:
         salt = b"" if self.keep else row.request.to_bytes(8, "little")
+        if self.adapters is not None:  # pages are keyed by the adapter they were made under
+            salt += self.adapters.salt(row.adapter)
         return page_keys(row.ids, self.page_size, salt)
 
     def _limit(self, row: _Row) -> int:

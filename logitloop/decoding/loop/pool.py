@@ -291,7 +291,14 @@ def park(state: Any, slot: jax.Array) -> Any:
 
 @functools.partial(runner_jit, static_argnames=("program", "width"), donate_argnames=("state",))
 def resume(
-    program: Any, weights: Any, state: Any, slot: jax.Array, shared: jax.Array, *, width: int
+    program: Any,
+    weights: Any,
+    state: Any,
+    slot: jax.Array,
+    shared: jax.Array,
+    per_row: Any = None,
+    *,
+    width: int,
 ) -> Any:
     """Give the parked row in `slot` ([] i32) pages again and recompute the keys and values
     of its prompt and generated tokens but the last (which the next step feeds): its prompt
@@ -303,7 +310,8 @@ def resume(
     `shared` ([P] i32, -1 past them): full pages of the row's prompt that a prefix cache
     holds; the row reads them (`pages.share`) and its prompt pass computes only the
     `width` (static, at least the rest of the prompt) columns from the first position after
-    them, as an admission's prefill after cached pages does."""
+    them, as an admission's prefill after cached pages does. `per_row`: the slots' per-row
+    state (`ll.Rows` [B]: their LoRA adapters), or None; the row recomputes under its own."""
     pool = state.pages
     batch = pool.arrival.shape[0]
     rows = jnp.arange(batch) == slot
@@ -323,6 +331,8 @@ def resume(
         lambda t: jnp.where(real, t[take], paging.NO_PAGE), layer_tables(pool, program.pool)
     )
     cache = attach(state.cache, tables)
+    if per_row is not None:  # the passes' rows: the slot's adapter, the base for the others
+        per_row = per_row.replace(adapter=jnp.where(take == slot, per_row.adapter[take], -1))
     history = state.history.tokens[take]  # [d, P + N]
     buffer = state.tokens.shape[1]  # N: the generated tokens' buffer
     start = count * program.pool.page_size  # the prompt's first position not in a shared page
@@ -336,6 +346,7 @@ def resume(
         cache,
         prompt=True,
         mesh=mesh,
+        rows=per_row,
     )
     cols = prompt_len + jnp.arange(buffer)[None]
     _, cache = program.runner.forward(
@@ -344,5 +355,6 @@ def resume(
         jnp.where(real & (cols < length), cols, -1),
         cache,
         mesh=mesh,
+        rows=per_row,
     )
     return state.replace(cache=detach(cache), pages=pool.replace(parked=pool.parked & ~rows))
