@@ -93,13 +93,13 @@ def run():
 OPTIONS = r"""
 import sys
 import logitloop as ll
-from logitloop.models import fixed_order
+from logitloop.models import numerics
 variant = sys.argv[1]
 if variant == "deterministic, fusion emitters on":
-    fixed_order.CPU_COMPILER_OPTIONS = {**fixed_order.CPU_COMPILER_OPTIONS,
-                                        "xla_cpu_use_fusion_emitters": True}
+    numerics.CPU_COMPILER_OPTIONS = {**numerics.CPU_COMPILER_OPTIONS,
+                                     "xla_cpu_use_fusion_emitters": True}
 elif variant == "deterministic, no options":
-    fixed_order.compiler_options = lambda model_parallel=False: {}
+    numerics.compiler_options = lambda model_parallel=False: {}
 deterministic = variant != "default"
 model = ll.load_pretrained()
 ll.generate(model, ["x"], max_tokens=2, deterministic=deterministic)
