@@ -35,6 +35,7 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     stop_reason,
     tokenize_prompts,
 )
+from logitloop.decoding.engine.inside import check_capture_size, row_states
 from logitloop.decoding.engine.paged_batching import sharing_refusal
 from logitloop.decoding.engine.plan import BatchShape, Options, Plan, plan, sampling_params
 from logitloop.decoding.engine.score import prompt_scores
@@ -120,11 +121,15 @@ def generate(
     generated tokens to (`GenerationResult.routing`), for `ll.token_logprobs(...,
     routing=)` to replay (docs/rl.md, "Routing replay"). Without it the loop carries
     no routing state.
+
+    `steer=ll.Steer(vector, layer, scale)` (or one entry per prompt): steering vectors
+    added to the residual stream; `capture=ll.Capture(layers=...)`: `result.captured[i]`,
+    row i's residual stream at those layers (docs/inside.md).
     """
     if prompt_logprobs is not None:
         check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     options, settings = Options.split("generate", keywords)
-    job = plan(model, options, adapters=True)
+    job = plan(model, options, adapters=True, inside=True)
     if return_routing:
         job = _recording(job)
     run = _start(model, job, prompts, params, settings)
@@ -132,6 +137,10 @@ def generate(
     result = collect(run.plan.layout.host_view(state).outputs(), run.ids, run.params, run.info)
     if return_routing:
         result.routing = _row_routing(state.routing, run.ids, result.num_tokens)
+    if options.capture is not None:
+        result.captured = row_states(
+            state.capture, run.ids, result.num_tokens, options.capture.prompt
+        )
     if run.plan.program.speculative is not None:
         result.speculation = speculation.stats(state.speculation, len(run.ids))
     if prompt_logprobs is not None:
@@ -150,6 +159,8 @@ def _recording(job: Plan) -> Plan:
         )
     if job.program.speculative is not None or job.options.mesh is not None:
         raise ValueError("return_routing=True does not combine with speculative or mesh")
+    if job.options.capture is not None:
+        raise NotImplementedError("return_routing=True does not combine with capture= yet")
     return dataclasses.replace(job, program=dataclasses.replace(job.program, routing=True))
 
 
@@ -186,7 +197,14 @@ def _start(
     ids = tokenize_prompts(prompts, plan.info)
     params = sampling_params(model, len(ids), params, settings)
     ids, params, shape = plan.batch(None, params, ids=ids)
-    tables, fsm = plan.batch_tables(params, prompts=len(ids) // plan.options.n)
+    tables, fsm = plan.batch_tables(params, prompts=len(ids) // plan.options.n, ids=ids)
+    if plan.options.capture is not None:
+        capture = plan.options.capture
+        layers = len(capture.model_layers(plan.num_layers))
+        check_capture_size(
+            capture, layers, params.batch_size, shape.width, shape.buffer,
+            plan.info.residual_width,
+        )  # fmt: skip
     if on_pool(plan, params.batch_size):
         plan, state = _forked_state(plan, tables, ids, params, fsm, shape)
     else:
@@ -276,7 +294,9 @@ def stream(
     """
     check_count("chunk_steps", chunk_steps, 1)
     options, settings = Options.split("stream", keywords)
-    run = _start(model, plan(model, options, adapters=True), prompts, params, settings)
+    if options.capture is not None:
+        raise NotImplementedError("capture= runs in generate so far, not stream (docs/inside.md)")
+    run = _start(model, plan(model, options, adapters=True, inside=True), prompts, params, settings)
     info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer
