@@ -59,6 +59,25 @@ def test_capture_equals_transformers_hidden_states(setup):
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
 
 
+def test_stream_events_carry_the_states_and_the_steering(setup):
+    """`stream`'s events' states, concatenated per row, are `generate`'s; its steered rows
+    are `generate`'s (the parity tests' batch shapes: nothing new compiles)."""
+    prompts = random_prompts(160, [5, 9, 3], 0)
+    keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+    both = ll.Capture(layers=(0,), prompt=True, final_norm=True)
+    want = ll.generate(setup["model"], prompts, capture=both, **keywords)
+    events = list(ll.stream(setup["model"], prompts, capture=both, chunk_steps=2, **keywords))
+    for row in range(3):
+        got = np.concatenate([e.captured for e in events if e.row == row])
+        np.testing.assert_array_equal(got, want.captured[row])
+    prompts = random_prompts(160, [5, 8, 4, 6], 2)
+    steer = [s or None for s in STEERS]
+    events = list(ll.stream(setup["model"], prompts, steer=steer, chunk_steps=2, **keywords))
+    want = ll.generate(setup["model"], prompts, steer=steer, **keywords)
+    for row in range(4):
+        assert sum((e.token_ids for e in events if e.row == row), []) == want.token_ids[row]
+
+
 @pytest.mark.slow
 def test_logit_lens_of_the_final_norm_is_the_models_logits(setup):
     """Without `prompt=True` one entry per generated token, the states that drew it: the
@@ -135,12 +154,14 @@ def test_steering_equals_a_transformers_forward_hook(setup):
 
 
 def test_new_vectors_scales_and_layers_compile_nothing(setup, compile_counter):
-    """(The batch's shape is the parity test's: run after it, its first call compiles
-    nothing either.)"""
+    """New vectors, scales, layers and token spans, and rows with fewer vectors or none,
+    in a batch of the same shape (its first call is the parity test's shape: run after
+    it, that call compiles nothing either)."""
     model = setup["model"]
     prompts = random_prompts(160, [5, 6, 3, 7], 3)
     keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
-    first = ll.generate(model, prompts, steer=[ll.Steer(vector(5), 0, 4.0)] * 4, **keywords)
+    two = [ll.Steer(vector(5), 0, 4.0), ll.Steer(vector(4), 1, 1.0)]  # K = 2 vectors a row
+    first = ll.generate(model, prompts, steer=[two] * 4, **keywords)
     with compile_counter as c:
         steer = [ll.Steer(vector(6), 1, -7.0, tokens="generated"), ll.Steer(vector(7), 0, 2.0),
                  None, [ll.Steer(vector(8), 0, 1.0), ll.Steer(vector(9), 1, 3.0)]]  # fmt: skip
@@ -190,7 +211,8 @@ def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):
     [
         lambda m: ll.score(m, [[1, 2]], [[3]], steer=ll.Steer(np.zeros(WIDTH), 0)),
         lambda m: ll.generate_many(m, [[1, 2]], capture=ll.Capture(layers=0)),
-        lambda m: list(ll.stream(m, [[1, 2]], capture=ll.Capture(layers=0))),
+        lambda m: ll.generate_many(m, [[1, 2]], steer=ll.Steer(np.zeros(WIDTH), 0)),
+        lambda m: ll.score(m, [[1, 2]], [[3]], capture=ll.Capture(layers=0)),
     ],
 )
 def test_not_yet_is_refused_by_name(setup, call):

@@ -272,6 +272,10 @@ class StreamEvent:
     token_ids: list[int]  # tokens generated since the previous event
     finish_reason: str | None = None  # set on the row's last event
     stop_reason: StopReason = None  # set on the row's last event, as in `GenerationResult`
+    # with `capture=`: the states of `token_ids` ([len(token_ids), C, E] float32; the row's
+    # first event has its prompt's before them with `Capture(prompt=True)`), so a row's
+    # events' arrays, concatenated, are `generate(...).captured` for the row
+    captured: np.ndarray | None = None
 
 
 def stream(
@@ -290,13 +294,13 @@ def stream(
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
     exactly `generate(...).text` for that row. `params` and `keywords` (sampling settings
     and options): as in `generate`. With `speculative` a chunk is `chunk_steps`
-    propose-verify cycles.
+    propose-verify cycles. With `capture=`, each event carries its tokens' states
+    (`StreamEvent.captured`).
     """
     check_count("chunk_steps", chunk_steps, 1)
     options, settings = Options.split("stream", keywords)
-    if options.capture is not None:
-        raise NotImplementedError("capture= runs in generate so far, not stream (docs/inside.md)")
     run = _start(model, plan(model, options, adapters=True, inside=True), prompts, params, settings)
+    states = _StreamStates(options.capture, run)
     info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer
@@ -311,9 +315,11 @@ def stream(
                 (state.tokens, state.num_tokens, state.finish, state.matched, state.step)
             )
         )
+        states.fetch(state)
         for r in sorted(open_rows):
             k, code = int(num[r]), int(finish[r])
             new = tokens[r, seen[r] : k].tolist()
+            captured = states.of(r, seen[r], k)
             seen[r] = k
             stops_r, include, min_r = row_stops(params, r)
             if code != RUNNING:
@@ -328,7 +334,7 @@ def stream(
                         reason, stop = "stop", hit
                     text = final[len(emitted[r]) :]
                 open_rows.discard(r)
-                yield StreamEvent(r, text, new, reason, stop)
+                yield StreamEvent(r, text, new, reason, stop, captured)
                 continue
             delta = ""
             if tok is not None:
@@ -338,7 +344,32 @@ def stream(
                 delta = visible[len(emitted[r]) :]
                 emitted[r] = max(visible, emitted[r], key=len)
             if new or delta:
-                yield StreamEvent(r, delta, new)
+                yield StreamEvent(r, delta, new, captured=captured)
         if not open_rows:
             return
         state = decode(run.plan.program, run.tables, state, np.int32(int(step) + chunk_steps))
+
+
+class _StreamStates:
+    """`stream`'s captured states (`capture=`): the generated ones read back each chunk,
+    and each row's prompt's (with `Capture(prompt=True)`, read before the loop runs: the
+    loop donates its state) given with its first event that has tokens."""
+
+    def __init__(self, capture: Any, run: _Run):
+        self.capture, self.generated, self.prompt = capture, None, {}
+        if capture is not None and capture.prompt:
+            rows = row_states(run.state.capture, run.ids, [0] * len(run.ids), True)
+            self.prompt = dict(enumerate(rows))
+
+    def fetch(self, state: DecodeState) -> None:
+        if self.capture is not None:
+            self.generated = np.asarray(jax.device_get(state.capture[1]))
+
+    def of(self, row: int, start: int, stop: int) -> np.ndarray | None:
+        """Row `row`'s states of its generated tokens `start:stop` (its prompt's first)."""
+        if self.capture is None:
+            return None
+        states = self.generated[row, start:stop]
+        if row in self.prompt and stop > start:
+            states = np.concatenate([self.prompt.pop(row), states])
+        return states

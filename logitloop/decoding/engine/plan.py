@@ -83,8 +83,8 @@ class Options:
       docs/lora.md).
     steer: steering vectors added to the residual stream (`ll.Steer`: one for every
       prompt, or a list with one entry per prompt); capture: the residual stream to
-      record (`ll.Capture`, `result.captured`); `generate` and `stream` so far
-      (docs/inside.md).
+      record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate` and
+      `stream` so far (docs/inside.md).
     """
 
     n: int = 1
