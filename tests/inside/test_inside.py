@@ -45,11 +45,14 @@ def hf_states(hf, sequence: list[int]) -> list[np.ndarray]:
 
 def test_capture_equals_transformers_hidden_states(setup):
     """Layer 0 and the final norm's output at every fed token of prompt + completion,
-    each row of a left-padded batch (prompts 5, 9 and 3 tokens)."""
+    each row of a left-padded batch (prompts 5, 9 and 3 tokens); `score` of the same
+    completions captures the same states at the completion's positions."""
     prompts = random_prompts(160, [5, 9, 3], 0)
     keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
     both = ll.Capture(layers=(0,), prompt=True, final_norm=True)
     out = ll.generate(setup["model"], prompts, capture=both, **keywords)
+    scores = ll.score(setup["model"], prompts, out.token_ids,
+                      capture=ll.Capture(layers=(0,), final_norm=True))  # fmt: skip
     for row, prompt in enumerate(prompts):
         got = out.captured[row]
         sequence = prompt + out.token_ids[row]
@@ -57,6 +60,8 @@ def test_capture_equals_transformers_hidden_states(setup):
         hs = hf_states(setup["hf"], sequence)
         want = np.stack([hs[1], hs[-1]], axis=1)[:-1]  # the last token is never fed
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+        scored = scores[row].captured
+        np.testing.assert_allclose(scored, want[len(prompt) - 1 :], rtol=0, atol=ATOL)
 
 
 def test_stream_events_carry_the_states_and_the_steering(setup):
@@ -212,7 +217,7 @@ def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):
         lambda m: ll.score(m, [[1, 2]], [[3]], steer=ll.Steer(np.zeros(WIDTH), 0)),
         lambda m: ll.generate_many(m, [[1, 2]], capture=ll.Capture(layers=0)),
         lambda m: ll.generate_many(m, [[1, 2]], steer=ll.Steer(np.zeros(WIDTH), 0)),
-        lambda m: ll.score(m, [[1, 2]], [[3]], capture=ll.Capture(layers=0)),
+        lambda m: ll.score(m, [[1, 2]], [[3]], capture=ll.Capture(layers=0, prompt=True)),
     ],
 )
 def test_not_yet_is_refused_by_name(setup, call):
