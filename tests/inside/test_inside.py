@@ -45,10 +45,11 @@ def hf_states(hf, sequence: list[int]) -> list[np.ndarray]:
 
 def test_capture_equals_transformers_hidden_states(setup):
     """Layer 0 and the final norm's output at every fed token of prompt + completion,
-    each row of a left-padded batch (prompts 5, 9 and 3 tokens); `score` of the same
-    completions captures the same states at the completion's positions."""
+    each row of a left-padded batch (prompts 5, 9 and 3 tokens; rows ending after 6, 3
+    and 5 tokens); `score` of the same completions captures the same states at the
+    completion's positions."""
     prompts = random_prompts(160, [5, 9, 3], 0)
-    keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+    keywords = dict(temperature=0, max_new_tokens=[TOKENS, 3, 5], ignore_eos=True)
     both = ll.Capture(layers=(0,), prompt=True, final_norm=True)
     out = ll.generate(setup["model"], prompts, capture=both, **keywords)
     scores = ll.score(setup["model"], prompts, out.token_ids,
@@ -68,7 +69,7 @@ def test_stream_events_carry_the_states_and_the_steering(setup):
     """`stream`'s events' states, concatenated per row, are `generate`'s; its steered rows
     are `generate`'s (the parity tests' batch shapes: nothing new compiles)."""
     prompts = random_prompts(160, [5, 9, 3], 0)
-    keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+    keywords = dict(temperature=0, max_new_tokens=[TOKENS, 3, 5], ignore_eos=True)
     both = ll.Capture(layers=(0,), prompt=True, final_norm=True)
     want = ll.generate(setup["model"], prompts, capture=both, **keywords)
     events = list(ll.stream(setup["model"], prompts, capture=both, chunk_steps=2, **keywords))
@@ -77,6 +78,7 @@ def test_stream_events_carry_the_states_and_the_steering(setup):
         np.testing.assert_array_equal(got, want.captured[row])
     prompts = random_prompts(160, [5, 8, 4, 6], 2)
     steer = [s or None for s in STEERS]
+    keywords["max_new_tokens"] = TOKENS
     events = list(ll.stream(setup["model"], prompts, steer=steer, chunk_steps=2, **keywords))
     want = ll.generate(setup["model"], prompts, steer=steer, **keywords)
     for row in range(4):
