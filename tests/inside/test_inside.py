@@ -274,3 +274,81 @@ def test_own_model_gets_capture_and_steering_through_ll_residual(setup):
     assert got.token_ids == want.token_ids
     for a, b in zip(got.captured, want.captured, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["qwen2", "gemma2", "mixtral", "gpt2"])
+def test_other_families_capture_and_steer_like_transformers(case, tmp_path):
+    """Capture after layer 0 equals transformers' hidden states (prompt + completion, a
+    left-padded batch), and a row steered after layer 0 decodes transformers' tokens with
+    the same forward hook, beside an unsteered row, in Qwen2, Gemma 2, Mixtral and GPT-2."""
+    hf = build_hf_model(case)
+    model = ll.load_pretrained(str(save_hf_model(hf, tmp_path)))
+    layers = hf.model.layers if hasattr(hf, "model") else hf.transformer.h
+    vocab, width = hf.config.vocab_size, model.config.hidden_size
+    prompts = random_prompts(vocab, [5, 8], 6)
+    v = np.random.default_rng(1).normal(0, 4.0, width).astype(np.float32)
+    keywords = dict(temperature=0, max_new_tokens=4, ignore_eos=True)
+    out = ll.generate(model, prompts, capture=ll.Capture(layers=(0,), prompt=True), **keywords)
+    steer = [ll.Steer(v, 0, 1.0), None]
+    steered = ll.generate(model, prompts, steer=steer, **keywords)
+    for row, prompt in enumerate(prompts):
+        sequence = prompt + out.token_ids[row]
+        with torch.no_grad():
+            hs = hf(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        np.testing.assert_allclose(out.captured[row][:, 0], hs[1][0, :-1].numpy(), rtol=0,
+                                   atol=1e-3 * max(1.0, float(hs[1].abs().max())))  # fmt: skip
+        want = _hooked(hf, layers, prompt, steer[row], 4)
+        assert steered.token_ids[row] == want, (case, row)
+    assert steered.token_ids[0] != _hooked(hf, layers, prompts[0], None, 4)  # it steers
+
+
+@pytest.mark.slow
+def test_shipped_model_captures_and_steers_like_transformers():
+    """The shipped model (a Llama checkpoint), both sides in float32: captured layer 1 and
+    the final norm's output equal transformers' hidden states 2 and 4 (3 rows, left-padded;
+    4 layers, so state 4 is after the final norm), and rows
+    steered after layer 2 decode transformers' hooked tokens beside an unsteered row."""
+    import jax.numpy as jnp
+    import transformers
+
+    from logitloop.models.loading import SHIPPED_MODEL_DIR
+
+    model = ll.load_pretrained(dtype=jnp.float32)
+    hf = transformers.LlamaForCausalLM.from_pretrained(SHIPPED_MODEL_DIR, dtype=torch.float32)
+    hf.eval()
+    prompts = [model.tokenizer.encode(t) for t in ("The for statement", "A dict", "x = 1")]
+    keywords = dict(temperature=0, max_new_tokens=6, ignore_eos=True)
+    cap = ll.Capture(layers=(1,), prompt=True, final_norm=True)
+    out = ll.generate(model, prompts, capture=cap, **keywords)
+    v = np.random.default_rng(2).normal(0, 3.0, 256).astype(np.float32)
+    steer = [ll.Steer(v, 2, 1.0), None, ll.Steer(v, 2, -1.0, tokens="prompt")]
+    steered = ll.generate(model, prompts, steer=steer, **keywords)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            hs = hf(torch.tensor([prompt + out.token_ids[row]]), output_hidden_states=True)
+        want = np.stack([hs.hidden_states[2][0], hs.hidden_states[4][0]], axis=1)[:-1]
+        np.testing.assert_allclose(out.captured[row], want, rtol=0, atol=1e-3)
+        steers = [] if steer[row] is None else [steer[row]]
+        assert steered.token_ids[row] == hooked_greedy(hf, prompt, steers, 6), row
+
+
+def _hooked(hf, layers, prompt, steer, n):
+    """transformers' greedy tokens with `steer` (or nothing) added after layer 0."""
+    handle = None
+    if steer is not None:
+
+        def hook(module, args, output):
+            h = output[0] if isinstance(output, tuple) else output
+            h = h + torch.tensor(steer.scale * steer.vector)
+            return (h, *output[1:]) if isinstance(output, tuple) else h
+
+        handle = layers[steer.layer].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False)  # fmt: skip
+    finally:
+        if handle is not None:
+            handle.remove()
+    return ids[0, len(prompt) :].tolist()
