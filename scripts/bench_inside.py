@@ -2,6 +2,7 @@
 
     python scripts/bench_inside.py
     python scripts/bench_inside.py --model path/to/hf --rows 8 --new-tokens 64
+    python scripts/bench_inside.py --layers 16   # the shipped model's shape, 16 random layers
 
 Greedy `generate` of `--rows` rows, `--new-tokens` new tokens each, in turns after a
 warm-up each: plain; capturing the residual stream after 2 layers (`ll.Capture(layers=(1,
@@ -9,19 +10,23 @@ L - 1))`, generated tokens only); steering every row with one vector after layer
 random vector before each timed call, which must compile nothing); and plain again (the
 control: the noise the ratios are read against). Prints decode tokens per second (new
 tokens over the whole call, prefill included), the ratios to plain (the issue's goal: at
-least 0.9) and the programs the timed calls compiled. `--out` writes the JSON.
+least 0.9) and the programs the timed calls compiled. `--layers N`: a Llama of the shipped
+model's shape and dtype with N layers of random weights instead. `--out` writes the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
 import numpy as np
+from flax import nnx
 from timing import timed_turns  # scripts/ is on the path when run as a script
 
 import logitloop as ll
+from logitloop.models import LlamaModel
 
 
 def main(argv=None) -> dict:
@@ -31,10 +36,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=None, help="random layers (see above)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     model = ll.load_pretrained(args.model) if args.model else ll.load_pretrained()
+    if args.layers is not None:
+        windows = (model.config.sliding_windows[0],) * args.layers
+        config = dataclasses.replace(model.config, num_layers=args.layers, sliding_windows=windows)
+        model = LlamaModel(config, dtype=model.dtype, rngs=nnx.Rngs(0))
     layers, width = model.config.num_layers, model.config.hidden_size
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size

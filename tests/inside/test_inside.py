@@ -189,6 +189,21 @@ def test_steering_with_n_samples_shares_the_prompts_vectors(setup):
     assert two.token_ids == [t for t in one.token_ids for _ in range(2)]
 
 
+@pytest.mark.slow
+def test_speculative_rows_verify_under_their_steering(setup):
+    """Prompt lookup (strict acceptance) over steered and unsteered rows: the tokens of
+    the plain steered decode (verification passes steer; proposals need no model)."""
+    model = setup["model"]
+    prompts = [p * 3 for p in random_prompts(160, [3, 4], 7)]  # repeats: lookups find drafts
+    steer = [ll.Steer(vector(10), 0, 6.0), None]
+    keywords = dict(temperature=0, max_new_tokens=8, ignore_eos=True, steer=steer)
+    want = ll.generate(model, prompts, **keywords)
+    spec = ll.PromptLookup(max_ngram=2, num_draft=3, min_acceptance=0.0)
+    got = ll.generate(model, prompts, speculative=spec, **keywords)
+    assert got.token_ids == want.token_ids
+    assert sum(s["proposed"] for s in got.speculation) > 0
+
+
 @pytest.mark.parametrize(
     "keywords, match",
     [
