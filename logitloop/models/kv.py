@@ -161,12 +161,17 @@ class Rows:
     steer: steering_lib.Steering | None = None
     capture: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
+    def take(self, index: Any) -> Rows:
+        """The state of rows `index` (an index array or a slice over the rows): each
+        row's adapter slot and steering vectors; the table and `capture` as they are."""
+        steer = None if self.steer is None else jax.tree.map(lambda x: x[index], self.steer)
+        adapter = None if self.adapter is None else self.adapter[index]
+        return self.replace(adapter=adapter, steer=steer)
+
     def every(self, n: int) -> Rows:
         """Every n-th row's state (the first of each prompt's `n` rows, which share its
         adapter and steering: a prompt prefilled once for its n rows)."""
-        steer = None if self.steer is None else jax.tree.map(lambda x: x[::n], self.steer)
-        adapter = None if self.adapter is None else self.adapter[::n]
-        return self.replace(adapter=adapter, steer=steer)
+        return self.take(slice(None, None, n))
 
 
 @jax.tree_util.register_pytree_node_class
