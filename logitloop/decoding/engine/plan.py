@@ -366,8 +366,8 @@ def check_inside(options: Options, supported: bool) -> None:
         return
     if not supported:
         raise NotImplementedError(
-            f"{' and '.join(given)}= run in generate and stream so far, not here yet "
-            "(docs/inside.md, 'Not done yet')"
+            f"{' and '.join(given)}= not here yet: steer= runs in generate and stream so far, "
+            "capture= in generate, stream and score (docs/inside.md, 'Not done yet')"
         )
     if options.mesh is not None:
         raise NotImplementedError(f"{given[0]}= does not run with mesh= yet (docs/inside.md)")
