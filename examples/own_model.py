@@ -12,7 +12,9 @@ share) and attends over them. Its products go through `ll.dense(x, w, kv)`, its 
 through `ll.lm_head(x, table, kv)` and its norms' means through `ll.mean(x, kv)`, so that
 `deterministic=True` keeps a row's bits whatever its batch. Its projections name
 themselves (`ll.dense(..., lora=(layer, "q_proj"))`), so rows can run LoRA adapters
-(`ll.load_adapter(module, ...)`, docs/lora.md). With `kv=None` the same module is a plain
+(`ll.load_adapter(module, ...)`, docs/lora.md); it marks its residual stream after each
+block with `ll.residual(x, kv, layer=i)`, so rows can be steered and their states
+captured (docs/inside.md). With `kv=None` the same module is a plain
 causal forward, for training.
 
 The script builds the model with random weights, wraps it with `ll.from_nnx`, samples
@@ -147,6 +149,7 @@ class TinyDecoder(nnx.Module):
         x = self.embedding[...][tokens]  # padding columns (positions -1) are never read
         for block in self.blocks:
             x, kv = block(x, positions, kv)
+            x, kv = ll.residual(x, kv, layer=block.layer)  # steering and capture (contract 2)
         if kv is not None and not kv.all_columns:  # a prompt pass or a decode step:
             x = x[:, -1]  # only the last column's logits are read, [B, V]
         table = self.embedding[...] if self.config.tied else self.lm_head[...]

@@ -11,6 +11,7 @@ from logitloop.decoding.engine.batching import Request, generate_many, iter_gene
 from logitloop.decoding.engine.beam import Beam, beam_search
 from logitloop.decoding.engine.check import CheckReport, check_model
 from logitloop.decoding.engine.generate import GenerationResult, StreamEvent, generate, stream
+from logitloop.decoding.engine.inside import Capture, Steer, logit_lens
 from logitloop.decoding.engine.precompile import PrecompileReport, precompile
 from logitloop.decoding.engine.score import ScoreResult, score
 from logitloop.decoding.engine.trainer import (
@@ -45,6 +46,7 @@ from logitloop.models.kv import (
     dense,
     lm_head,
     mean,
+    residual,
 )
 from logitloop.models.loading import load_pretrained
 from logitloop.processors import (
@@ -61,6 +63,7 @@ from logitloop.processors import (
 __all__ = [
     "Adapters",
     "Beam",
+    "Capture",
     "CheckReport",
     "STATUS_ALL_MASKED",
     "STATUS_BAD_LOGITS",
@@ -88,6 +91,7 @@ __all__ = [
     "SampleOutput",
     "SamplingParams",
     "ScoreResult",
+    "Steer",
     "Step",
     "StreamEvent",
     "SynthIDScore",
@@ -111,6 +115,7 @@ __all__ = [
     "lm_head",
     "load_adapter",
     "load_pretrained",
+    "logit_lens",
     "mean",
     "precompile",
     "stream",
@@ -121,6 +126,7 @@ __all__ = [
     "token_logprobs",
     "watermark_score",
     "rollout_batch",
+    "residual",
 ]
 __version__ = "0.1.0"
 

@@ -12,7 +12,9 @@ parameters under the names its checkpoint map targets and puts its blocks in
 
 Each block is called as `block(x, positions, kv) -> (x, kv)` and calls the public
 attention contract, `ll.attention(q, k, v, kv, layer=self.layer, ...)` (`logitloop.models.
-kv`), exactly as a user's model does: the cache, its layout (contiguous, ring or paged) and
+kv`), exactly as a user's model does; after each block the body marks the residual stream,
+`x, kv = ll.residual(x, kv, layer=i)` (steering and capture), and the final norm's output
+where a pass captures it: the cache, its layout (contiguous, ring or paged) and
 the attention implementation are the library's, behind the pass's `kv`. Under a
 deterministic policy, or on a mesh, the block gets `numerics=` too (the pass's
 `fixed_order.Numerics`, `kv.numerics`, which the block hands to every layer function it
@@ -139,7 +141,15 @@ class DecoderModel(nnx.Module):
         else:
             x, kv, used = self.hidden_states(tokens, positions, kv, routing=routing)
         new_cache = kv.finish("the model") if kv is not None and not isinstance(cache, KV) else kv
-        last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
+        if kv is not None and kv.rows is not None and len(self.layers) in kv.rows.capture:
+            # The final norm's output of every column, recorded (`ll.residual`).
+            normed, kv = kv_contract.residual(
+                self.output_norm(x, **policy(numerics)), kv, layer=len(self.layers)
+            )
+            new_cache = kv if isinstance(cache, KV) else new_cache
+            last = normed if all_columns else normed[:, -1]
+        else:
+            last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
         logits = self.output_logits(kv_contract.lm_head(last, self.head_weight(), kv))
         return (logits, new_cache) if routing is None else (logits, new_cache, used)
 
@@ -182,6 +192,7 @@ class DecoderModel(nnx.Module):
                 used.append(experts)
             else:
                 x, kv = block(x, positions, kv, **keywords)
+            x, kv = kv_contract.residual(x, kv, layer=i)  # steering, capture
         if kv is not None and not isinstance(given, KV):
             kv = kv.finish("the model")
         if routing is None:

@@ -47,13 +47,25 @@ from flax import struct
 
 from logitloop.models import fixed_order, layers
 from logitloop.models import lora as lora_lib
+from logitloop.models import steering as steering_lib
 from logitloop.models.fixed_order import PLAIN, Numerics
 from logitloop.ops import attention as ops_attention
 
-__all__ = ["CONTRACT_VERSION", "KV", "KVSpec", "Rows", "attention", "dense", "lm_head", "mean"]
+__all__ = [
+    "CONTRACT_VERSION",
+    "KV",
+    "KVSpec",
+    "Rows",
+    "attention",
+    "dense",
+    "lm_head",
+    "mean",
+    "residual",
+]
 
-# The version of the contract above; docs/own_model.md says what changed between versions.
-CONTRACT_VERSION = 1
+# The version of the contract above; docs/own_model.md says what changed between versions
+# (2: `residual` marks the residual stream, for capture and steering).
+CONTRACT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +148,30 @@ class Rows:
 
     adapter: `[B]` int32, each row's slot in `lora` (-1: the base weights), or `[B, T]`,
       one slot per token (a packed pass whose tokens `[1, N]` come from many rows gives
-      each token its row's slot); read by `dense(..., lora=(layer, target))`.
+      each token its row's slot); read by `dense(..., lora=(layer, target))`; or None.
     lora: the adapter table (`lora.LoraTable`) shared by the pass's rows, or None.
+    steer: the rows' steering vectors (`steering.Steering`, `[B, ...]`), which `residual`
+      adds after their layers, or None.
+    capture: (static) the layers whose residual stream `residual` records in the pass's
+      `kv` (`KV.captured`; `KVSpec.num_layers` is the final norm's output), or ().
     """
 
-    adapter: jax.Array
+    adapter: jax.Array | None = None
     lora: lora_lib.LoraTable | None = None
+    steer: steering_lib.Steering | None = None
+    capture: tuple[int, ...] = struct.field(pytree_node=False, default=())
+
+    def take(self, index: Any) -> Rows:
+        """The state of rows `index` (an index array or a slice over the rows): each
+        row's adapter slot and steering vectors; the table and `capture` as they are."""
+        steer = None if self.steer is None else jax.tree.map(lambda x: x[index], self.steer)
+        adapter = None if self.adapter is None else self.adapter[index]
+        return self.replace(adapter=adapter, steer=steer)
+
+    def every(self, n: int) -> Rows:
+        """Every n-th row's state (the first of each prompt's `n` rows, which share its
+        adapter and steering: a prompt prefilled once for its n rows)."""
+        return self.take(slice(None, None, n))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -159,8 +189,13 @@ class KV:
     position per row (as logitloop's families do); True in scoring and speculative
     verification, which need `[B, T, V]`.
 
-    `kv.rows` (a child): the pass's per-row state (`Rows`: each row's LoRA adapter), or
-    None; a model reads it through `dense(..., lora=...)`, never directly.
+    `kv.rows` (a child): the pass's per-row state (`Rows`: each row's LoRA adapter,
+    steering vectors, the layers to capture), or None; a model reads it through
+    `dense(..., lora=...)` and `residual`, never directly.
+
+    `kv.captured` (a child): `{layer: [B, T, E]}`, the residual stream `residual` recorded
+    at the layers `rows.capture` asks for; `kv.marked` (static): the layers `residual` was
+    called for so far.
     """
 
     def __init__(
@@ -172,6 +207,8 @@ class KV:
         all_columns: bool = True,
         written: tuple[int, ...] = (),
         rows: Rows | None = None,
+        marked: tuple[int, ...] = (),
+        captured: dict[int, jax.Array] | None = None,
     ):
         self.caches = list(caches)
         self.rows = rows
@@ -180,14 +217,27 @@ class KV:
         self.numerics = numerics
         self.all_columns = all_columns
         self.written = written
+        self.marked = marked
+        self.captured = {} if captured is None else dict(captured)
 
     def tree_flatten(self):
-        aux = (self.spec, self.numerics, self.all_columns, self.written)
-        return (self.caches, self.positions, self.rows), aux
+        aux = (self.spec, self.numerics, self.all_columns, self.written, self.marked)
+        return (self.caches, self.positions, self.rows, self.captured), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], children[1], *aux, rows=children[2])
+        caches, positions, rows, captured = children
+        spec, numerics, all_columns, written, marked = aux
+        return cls(caches, positions, spec, numerics, all_columns, written, rows, marked, captured)
+
+    def _replace(self, **changes: Any) -> KV:
+        """This KV with some of its fields changed (the others shared)."""
+        fields = dict(
+            caches=self.caches, positions=self.positions, spec=self.spec,
+            numerics=self.numerics, all_columns=self.all_columns, written=self.written,
+            rows=self.rows, marked=self.marked, captured=self.captured,
+        )  # fmt: skip
+        return KV(**{**fields, **changes})
 
     def __repr__(self) -> str:
         shape = getattr(self.positions, "shape", None)
@@ -277,8 +327,73 @@ def attention(
     )
     caches = list(kv.caches)
     caches[layer] = cache
-    written = (*kv.written, layer)
-    return out, KV(caches, kv.positions, kv.spec, kv.numerics, kv.all_columns, written, kv.rows)
+    return out, kv._replace(caches=caches, written=(*kv.written, layer))
+
+
+def residual(x: jax.Array, kv: KV | None, *, layer: int) -> tuple[jax.Array, KV | None]:
+    """Mark the residual stream after decoder layer `layer`: `x, kv = ll.residual(x, kv,
+    layer=i)`, x `[B, T, E]` (contract version 2).
+
+    A model calls it once per layer, after the layer's residual adds (`layer = i` in
+    0 .. `KVSpec.num_layers - 1`), and optionally on its final norm's output (`layer =
+    KVSpec.num_layers`). It returns x plus the rows' steering vectors for this layer
+    (`Rows.steer`, `logitloop.models.steering`: x itself for a row without any) and the
+    `kv` with x recorded where the pass captures this layer (`Rows.capture`, read back
+    from the kv the model returns). Without steering or capture (or with `kv=None`) it
+    returns `(x, kv)` unchanged but for the mark. A model that never calls it runs as
+    before; capture and steering refuse it by name when its pass is traced.
+    """
+    if kv is None:
+        return x, None
+    where = f"ll.residual(layer={layer!r})"
+    if not isinstance(kv, KV):
+        raise TypeError(
+            f"{where}: kv must be the KV the model was handed (or None), got {type(kv).__name__}"
+        )
+    top = kv.spec.num_layers
+    if isinstance(layer, (bool, jax.core.Tracer)) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"{where}: layer must be a Python int in [0, {top}]")
+    if not 0 <= layer <= top:
+        raise ValueError(
+            f"{where}: layer must be in [0, {top}] (a decoder layer, or {top}: the final "
+            "norm's output)"
+        )
+    if layer in kv.marked:
+        raise ValueError(f"{where}: layer {layer} was already marked in this forward pass")
+    if getattr(x, "ndim", None) != 3 or tuple(x.shape[:2]) != tuple(kv.positions.shape):
+        raise ValueError(
+            f"{where}: x must be [B, T, E] with B, T = {tuple(kv.positions.shape)} (the "
+            f"pass's positions), got shape {tuple(getattr(x, 'shape', ()))}"
+        )
+    rows, captured = kv.rows, kv.captured
+    if rows is not None and rows.steer is not None and layer < top:
+        if rows.steer.width != x.shape[-1] or rows.steer.vectors.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"{where}: the steering vectors are [{rows.steer.vectors.shape[0]}, K, "
+                f"{rows.steer.width}] for a residual stream of shape {tuple(x.shape)}"
+            )
+        x = steering_lib.add(x, rows.steer, kv.positions, layer)
+    if rows is not None and layer in rows.capture:
+        captured = {**captured, layer: x}
+    return x, kv._replace(marked=(*kv.marked, layer), captured=captured)
+
+
+def check_marked(kv: KV, where: str) -> None:
+    """Refuse a pass that steers or captures through a model that did not mark the layers
+    it needs with `residual` (every decoder layer to steer; each layer to capture)."""
+    rows = kv.rows
+    if rows is None or (rows.steer is None and not rows.capture):
+        return
+    need = set(rows.capture)
+    if rows.steer is not None:
+        need |= set(range(kv.spec.num_layers))
+    missing = sorted(need - set(kv.marked))
+    if missing:
+        raise ValueError(
+            f"{where} did not mark its residual stream at layer(s) {missing} with "
+            "ll.residual (contract version 2): steering needs every decoder layer marked, "
+            "capture the layers it records (KVSpec.num_layers: the final norm's output)"
+        )
 
 
 def _check_qkv(q, k, v, kv: KV | None, layer: Any) -> None:

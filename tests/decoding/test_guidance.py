@@ -260,3 +260,5 @@ def test_entry_points_without_guidance_refuse_it(setup):
         ll.score(model, [[3, 4]], [[5]], guidance_scale=2.0)
     with pytest.raises(NotImplementedError, match="does not run with speculative="):
         ll.generate(model, [[3, 4]], guidance_scale=2.0, speculative=ll.PromptLookup())
+    with pytest.raises(NotImplementedError, match="guidance_scale= with steer= or capture="):
+        ll.generate(model, [[3, 4]], guidance_scale=2.0, capture=ll.Capture(layers=(0,)))

@@ -36,6 +36,7 @@ from logitloop.decoding.engine.host import (  # noqa: F401 - re-exported: the pu
     stop_reason,
     tokenize_prompts,
 )
+from logitloop.decoding.engine.inside import check_capture_size, row_states
 from logitloop.decoding.engine.paged_batching import sharing_refusal
 from logitloop.decoding.engine.plan import BatchShape, Options, Plan, plan, sampling_params
 from logitloop.decoding.engine.score import prompt_scores
@@ -128,11 +129,15 @@ def generate(
     generated tokens to (`GenerationResult.routing`), for `ll.token_logprobs(...,
     routing=)` to replay (docs/rl.md, "Routing replay"). Without it the loop carries
     no routing state.
+
+    `steer=ll.Steer(vector, layer, scale)` (or one entry per prompt): steering vectors
+    added to the residual stream; `capture=ll.Capture(layers=...)`: `result.captured[i]`,
+    row i's residual stream at those layers (docs/inside.md).
     """
     if prompt_logprobs is not None:
         check_count("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     options, settings = Options.split("generate", keywords)
-    job = plan(model, options, adapters=True, guidance=True)
+    job = plan(model, options, adapters=True, guidance=True, inside=True)
     if return_routing:
         job = _recording(job)
     run = _start(model, job, prompts, params, settings)
@@ -140,6 +145,10 @@ def generate(
     result = collect(run.plan.layout.host_view(state).outputs(), run.ids, run.params, run.info)
     if return_routing:
         result.routing = _row_routing(state.routing, run.ids, result.num_tokens)
+    if options.capture is not None:
+        result.captured = row_states(
+            state.capture, run.ids, result.num_tokens, options.capture.prompt
+        )
     if run.plan.program.speculative is not None:
         result.speculation = speculation.stats(state.speculation, len(run.ids))
     if prompt_logprobs is not None:
@@ -158,6 +167,8 @@ def _recording(job: Plan) -> Plan:
         )
     if job.program.speculative is not None or job.options.mesh is not None:
         raise ValueError("return_routing=True does not combine with speculative or mesh")
+    if job.options.capture is not None:
+        raise NotImplementedError("return_routing=True does not combine with capture= yet")
     return dataclasses.replace(job, program=dataclasses.replace(job.program, routing=True))
 
 
@@ -196,13 +207,24 @@ def _start(
     o, prompt_count = plan.options, len(ids)
     guide = guided.guided_prompts(plan.info, ids, o.guidance_scale, o.negative_prompt, params)
     if guide is not None:  # the negative prompts join the batch after the real ones
+        if o.steer is not None or o.capture is not None:
+            raise NotImplementedError(
+                "guidance_scale= with steer= or capture= is not supported yet (a negative "
+                "row's prompt positions differ from its row's); docs/inside.md"
+            )
         ids, params = guide.with_negatives(ids, params)
     ids, params, shape = plan.batch(None, params, ids=ids)
-    tables, fsm = plan.batch_tables(params, prompts=prompt_count)
+    tables, fsm = plan.batch_tables(params, prompts=prompt_count, ids=ids)
     if guide is not None:
         guidance = guide.tables(o.n, params.batch_size)
         rows = guided.negative_rows_adapters(tables.rows, guidance)
         tables = tables.replace(guidance=guidance, rows=rows)
+    if o.capture is not None:
+        layers = len(o.capture.model_layers(plan.num_layers))
+        check_capture_size(
+            o.capture, layers, params.batch_size, shape.width, shape.buffer,
+            plan.info.residual_width,
+        )  # fmt: skip
     if on_pool(plan, params.batch_size):
         plan, state = _forked_state(plan, tables, ids, params, fsm, shape)
     else:
@@ -270,6 +292,10 @@ class StreamEvent:
     token_ids: list[int]  # tokens generated since the previous event
     finish_reason: str | None = None  # set on the row's last event
     stop_reason: StopReason = None  # set on the row's last event, as in `GenerationResult`
+    # with `capture=`: the states of `token_ids` ([len(token_ids), C, E] float32; the row's
+    # first event has its prompt's before them with `Capture(prompt=True)`), so a row's
+    # events' arrays, concatenated, are `generate(...).captured` for the row
+    captured: np.ndarray | None = None
 
 
 def stream(
@@ -288,12 +314,14 @@ def stream(
     ends with one event carrying its finish_reason. Concatenating a row's deltas gives
     exactly `generate(...).text` for that row. `params` and `keywords` (sampling settings
     and options, `guidance_scale=` and `negative_prompt=` included): as in `generate`.
-    With `speculative` a chunk is `chunk_steps` propose-verify cycles.
+    With `speculative` a chunk is `chunk_steps` propose-verify cycles. With `capture=`,
+    each event carries its tokens' states (`StreamEvent.captured`).
     """
     check_count("chunk_steps", chunk_steps, 1)
     options, settings = Options.split("stream", keywords)
-    job = plan(model, options, adapters=True, guidance=True)
+    job = plan(model, options, adapters=True, guidance=True, inside=True)
     run = _start(model, job, prompts, params, settings)
+    states = _StreamStates(options.capture, run)
     info, ids, params, layout, state = run.info, run.ids, run.params, run.plan.layout, run.state
     batch = len(ids)
     tok = info.tokenizer
@@ -308,9 +336,11 @@ def stream(
                 (state.tokens, state.num_tokens, state.finish, state.matched, state.step)
             )
         )
+        states.fetch(state)
         for r in sorted(open_rows):
             k, code = int(num[r]), int(finish[r])
             new = tokens[r, seen[r] : k].tolist()
+            captured = states.of(r, seen[r], k)
             seen[r] = k
             stops_r, include, min_r = row_stops(params, r)
             if code != RUNNING:
@@ -325,7 +355,7 @@ def stream(
                         reason, stop = "stop", hit
                     text = final[len(emitted[r]) :]
                 open_rows.discard(r)
-                yield StreamEvent(r, text, new, reason, stop)
+                yield StreamEvent(r, text, new, reason, stop, captured)
                 continue
             delta = ""
             if tok is not None:
@@ -335,7 +365,32 @@ def stream(
                 delta = visible[len(emitted[r]) :]
                 emitted[r] = max(visible, emitted[r], key=len)
             if new or delta:
-                yield StreamEvent(r, delta, new)
+                yield StreamEvent(r, delta, new, captured=captured)
         if not open_rows:
             return
         state = decode(run.plan.program, run.tables, state, np.int32(int(step) + chunk_steps))
+
+
+class _StreamStates:
+    """`stream`'s captured states (`capture=`): the generated ones read back each chunk,
+    and each row's prompt's (with `Capture(prompt=True)`, read before the loop runs: the
+    loop donates its state) given with its first event that has tokens."""
+
+    def __init__(self, capture: Any, run: _Run):
+        self.capture, self.generated, self.prompt = capture, None, {}
+        if capture is not None and capture.prompt:
+            rows = row_states(run.state.capture, run.ids, [0] * len(run.ids), True)
+            self.prompt = dict(enumerate(rows))
+
+    def fetch(self, state: DecodeState) -> None:
+        if self.capture is not None:
+            self.generated = np.asarray(jax.device_get(state.capture[1]))
+
+    def of(self, row: int, start: int, stop: int) -> np.ndarray | None:
+        """Row `row`'s states of its generated tokens `start:stop` (its prompt's first)."""
+        if self.capture is None:
+            return None
+        states = self.generated[row, start:stop]
+        if row in self.prompt and stop > start:
+            states = np.concatenate([self.prompt.pop(row), states])
+        return states

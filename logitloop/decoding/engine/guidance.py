@@ -70,8 +70,8 @@ class GuidedPrompts:
 def negative_rows_adapters(rows: Rows | None, guidance: Guidance) -> Rows | None:
     """`rows` (`Plan.adapter_rows` of the real rows) with each negative row under its
     guided row's adapter (the same model makes both scores)."""
-    if rows is None:
-        return None
+    if rows is None or rows.adapter is None:
+        return rows
     slots = np.asarray(rows.adapter)[np.asarray(guidance.parent)]
     return rows.replace(adapter=jax.device_put(slots))
 

@@ -127,6 +127,9 @@ class GenerationResult:
     # layers sent each token to, aligned with prompt + completion as `ll.token_logprobs`
     # takes them (`routing=`); -1 for the last generated token, which no pass fed back
     routing: list[np.ndarray] | None = None
+    # with `capture=ll.Capture(...)`: per row a float32 array [T, C, E], the residual
+    # stream at the captured layers (`ll.Capture` says which tokens T covers)
+    captured: list[np.ndarray] | None = None
 
     @property
     def texts(self) -> list[str] | None:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding.engine import guidance as guided
-from logitloop.decoding.engine import reuse
+from logitloop.decoding.engine import inside, reuse
 from logitloop.decoding.engine.host import (
     MIN_PROMPT_BUCKET,
     bucket,
@@ -45,6 +45,7 @@ from logitloop.decoding.engine.host import (
     tokenize_prompts,
     top_logprobs_bucket,
 )
+from logitloop.decoding.engine.inside import Capture
 from logitloop.decoding.loop import sharding
 from logitloop.decoding.loop import speculative as speculation
 from logitloop.decoding.loop.decode_loop import Program, Tables
@@ -87,6 +88,10 @@ class Options:
     negative_prompt: each guided prompt's negative context, text or token ids, one for
       every prompt or one per prompt (None: the prompt's last token); `generate` and
       `stream` so far (`logitloop.decoding.engine.guidance`, docs/guidance.md).
+    steer: steering vectors added to the residual stream (`ll.Steer`: one for every
+      prompt, or a list with one entry per prompt); capture: the residual stream to
+      record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate` and
+      `stream` so far (docs/inside.md).
     """
 
     n: int = 1
@@ -99,9 +104,15 @@ class Options:
     adapter: Any = None
     guidance_scale: Any = None
     negative_prompt: Any = None
+    steer: Any = None
+    capture: Any = None
 
     def __post_init__(self):
         check_count("n", self.n, 1)
+        if self.capture is not None and not isinstance(self.capture, Capture):
+            raise ValueError(
+                f"capture must be an ll.Capture(layers=...), got {type(self.capture).__name__}"
+            )
         if self.adapters is not None and not isinstance(self.adapters, Adapters):
             raise ValueError(
                 f"adapters must be an ll.Adapters (ll.load_adapter), got "
@@ -283,20 +294,43 @@ class Plan:
             self.info.weights, params.device_only(), stops, automata, self.draft_weights, rows
         )
 
-    def adapter_rows(self, prompts: int, batch_size: int) -> Rows | None:
+    def adapter_rows(
+        self, prompts: int, batch_size: int, ids: list[list[int]] | None = None
+    ) -> Rows | None:
         """The rows' per-row model state (`ll.Rows`) under `options.adapter`: each of the
         `prompts` prompts' adapter slot for its `n` rows, -1 (the base) for dummy rows up
-        to `batch_size`, with the table; None without adapters. An unknown name is
-        refused naming the prompt's index (`Adapters.slots`)."""
+        to `batch_size`, with the table; and under `options.steer` and `options.capture`
+        (`ids`: the rows' prompts, `n` per prompt) their steering vectors and the layers
+        to capture. None without any. An unknown name is refused naming the prompt's
+        index (`Adapters.slots`), a bad vector naming its prompt (`inside.steering`)."""
         o = self.options
-        if o.adapters is None:
-            return None
-        slots = np.repeat(o.adapters.slots(o.adapter, prompts), o.n)
-        slots = np.concatenate([slots, np.full(batch_size - len(slots), -1, np.int32)])
-        return Rows(jnp.asarray(slots), o.adapters.table)
+        rows = Rows()
+        if o.adapters is not None:
+            slots = np.repeat(o.adapters.slots(o.adapter, prompts), o.n)
+            slots = np.concatenate([slots, np.full(batch_size - len(slots), -1, np.int32)])
+            rows = Rows(jnp.asarray(slots), o.adapters.table)
+        if o.steer is not None and ids is not None:
+            steer = inside.steering(
+                o.steer, ids[:: o.n], o.n, batch_size, self.num_layers, self.info.residual_width
+            )
+            rows = rows.replace(steer=steer)
+        if o.capture is not None:
+            rows = rows.replace(capture=o.capture.model_layers(self.num_layers))
+        return None if rows == Rows() else rows
+
+    @property
+    def num_layers(self) -> int:
+        """The model's decoder layers (its `KVSpec`'s), as `ll.residual` numbers them."""
+        spec = self.info.runner.kv_spec
+        if spec is None:
+            raise ValueError(
+                "steer= and capture= need a model on the library's KV cache (a KVSpec): "
+                "this one keeps a cache of its own (contract version 0)"
+            )
+        return spec.num_layers
 
     def batch_tables(
-        self, params: SamplingParams, prompts: int | None = None
+        self, params: SamplingParams, prompts: int | None = None, ids: list[list[int]] | None = None
     ) -> tuple[Tables, np.ndarray | None]:
         """`tables` for one batch, with its stop-string tables and automata built here
         (and `prompts` prompts' adapters, `adapter_rows`); and the rows' initial
@@ -308,26 +342,56 @@ class Plan:
             self.info, params.stop, always=self.info.tokenizer is not None,
             rows=params.batch_size,
         )  # fmt: skip
-        rows = None if prompts is None else self.adapter_rows(prompts, params.batch_size)
+        rows = None if prompts is None else self.adapter_rows(prompts, params.batch_size, ids)
         return self.tables(params, stops, automata, rows), fsm
 
 
 def plan(
-    model: Any, options: Options | None = None, *, adapters: bool = False, guidance: bool = False
+    model: Any,
+    options: Options | None = None,
+    *,
+    adapters: bool = False,
+    guidance: bool = False,
+    inside: bool = False,
 ) -> Plan:
     """Resolve `model` under `options` (default `Options()`): its runner and weights, the
     layout, the speculation strategy and the draft's weights (see the module docstring).
-    `adapters`, `guidance`: whether the caller runs rows under LoRA adapters and under
-    classifier-free guidance (else `options.adapters`, `options.guidance_scale` are
-    refused)."""
+    `adapters`, `guidance`, `inside`: whether the caller runs rows under LoRA adapters,
+    under classifier-free guidance, and with steering and capture (else
+    `options.adapters`, `options.guidance_scale`, `options.steer` and `options.capture`
+    are refused)."""
     options = Options() if options is None else options
     check_adapters(model, options, adapters)
     guided.check_supported(options, guidance)
+    check_inside(options, inside)
     info = model_info(model, deterministic=options.deterministic)  # numerics: calibrated
     layout = sharding.layout_for(options.mesh, whole_vocab=info.runner.numerics.splits)
     info = layout.place(info)
     spec, draft_weights = speculation.resolve(options.speculative, info, options.mesh)
-    return Plan(options, info, Program(info.runner, layout, spec), draft_weights)
+    capture = options.capture
+    program = Program(
+        info.runner, layout, spec, capture=capture is not None,
+        capture_prompt=capture is not None and capture.prompt,
+    )  # fmt: skip
+    return Plan(options, info, program, draft_weights)
+
+
+def check_inside(options: Options, supported: bool) -> None:
+    """Refuse steering and capture where they do not run yet, by name (docs/inside.md)."""
+    given = [k for k in ("steer", "capture") if getattr(options, k) is not None]
+    if not given:
+        return
+    if not supported:
+        raise NotImplementedError(
+            f"{' and '.join(given)}= not here yet: steer= runs in generate and stream so far, "
+            "capture= in generate, stream and score (docs/inside.md, 'Not done yet')"
+        )
+    if options.mesh is not None:
+        raise NotImplementedError(f"{given[0]}= does not run with mesh= yet (docs/inside.md)")
+    if options.capture is not None and (options.n > 1 or options.speculative is not None):
+        raise NotImplementedError(
+            "capture= does not run with n > 1 or speculative= yet (docs/inside.md)"
+        )
 
 
 def check_adapters(model: Any, options: Options, supported: bool) -> None:

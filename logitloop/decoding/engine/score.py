@@ -52,6 +52,7 @@ from logitloop.decoding.engine.host import (
     row_bucket,
     tokenize_prompt,
 )
+from logitloop.decoding.engine.inside import Capture
 from logitloop.decoding.engine.plan import Options, plan
 from logitloop.decoding.loop.decode_loop import forward_prompt
 from logitloop.decoding.loop.layout import ONE_DEVICE, Layout
@@ -89,6 +90,9 @@ class ScoreResult:
     # token, at some position (its raw_logprobs there are -inf, as generate's finish
     # reason is "error" for such a row)
     error: str | None = None
+    # with `capture=`: [len(token_ids), C, E] float32, the residual stream at the captured
+    # layers at the position each token was predicted from (docs/inside.md)
+    captured: np.ndarray | None = None
 
     @property
     def raw_logprob_sum(self) -> float:
@@ -201,6 +205,7 @@ def score(
     share_prompts: bool = True,
     adapters: Any = None,
     adapter: Any = None,
+    capture: Any = None,
 ) -> list[ScoreResult]:
     """Score each continuation given its prompt: one forward pass per batch, no decode loop.
 
@@ -235,11 +240,16 @@ def score(
     `deterministic=True` the values are bit for bit those `generate` reports for the same
     tokens. `adapters`, `adapter`: LoRA adapters (`ll.load_adapter`) and each pair's
     adapter by name, one for all or one per pair (None: the base), as in `generate`;
-    pairs under adapters run their own prompt passes (no sharing yet).
+    pairs under adapters run their own prompt passes (no sharing yet). `capture`: an
+    `ll.Capture` (not with `mesh`): each result's `captured`, `[len(continuation), C, E]`
+    float32, the residual stream at the captured layers at the token each continuation
+    token was predicted from (the prompt's last, then the continuation's own; as
+    `generate`'s without `prompt=True`, which `score` refuses; docs/inside.md).
     """
     check_count("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
     options = Options(mesh=mesh, deterministic=deterministic, adapters=adapters, adapter=adapter)
     job = plan(model, options, adapters=True)
+    layers = score_capture(capture, job)
     info, layout = job.info, job.layout
     check_count("batch_size", batch_size, 1)
     batch_size = -(-batch_size // layout.row_multiple) * layout.row_multiple
@@ -262,7 +272,8 @@ def score(
     results: list[ScoreResult | None] = [None] * total
     # The programs' key besides the buckets (`reuse`): a call reuses the buckets of an
     # earlier one that cover its own.
-    key = ("score", info.runner, layout, top_logprobs, params is not None, slots is not None)
+    key = ("score", info.runner, layout, top_logprobs, params is not None, slots is not None,
+           layers)  # fmt: skip
     for start in range(0, total, batch_size):
         rows = order[start : start + batch_size]
         width = batch_size if total > batch_size else score_rows(len(rows), batch_size, layout)
@@ -270,13 +281,30 @@ def score(
             info, [ids[r] for r in rows], [conts[r] for r in rows],
             None if params is None else params.take(rows), top_logprobs, layout,
             share_prompts, rows=width, key=key,
-            adapters=None if slots is None else (adapters, slots[rows]),
+            adapters=None if slots is None else (adapters, slots[rows]), capture=layers,
         )  # fmt: skip
         for i, r in enumerate(rows):
             results[r] = _result(out, i, ids[r], conts[r], top_logprobs, params is not None, info)
+            if layers:
+                results[r].captured = np.asarray(out["captured"][i, : len(conts[r])])
         if progress is not None:
             progress(min(start + batch_size, total), total)
     return results
+
+
+def score_capture(capture: Any, job: Any) -> tuple[int, ...]:
+    """The layers `score(capture=)` records (`ll.residual`'s numbers), () without it;
+    checked by name before anything runs."""
+    if capture is None:
+        return ()
+    if not isinstance(capture, Capture):
+        raise ValueError(f"capture must be an ll.Capture(layers=...), got {type(capture).__name__}")
+    if capture.prompt or job.options.mesh is not None:
+        raise NotImplementedError(
+            "score(capture=) records the continuation's positions only, on one device: "
+            "Capture(prompt=True) and mesh= are not done yet (docs/inside.md)"
+        )
+    return capture.model_layers(job.num_layers)
 
 
 def score_rows(rows: int, batch_size: int, layout: Layout) -> int:
@@ -352,11 +380,13 @@ def _score_rows(
     rows: int | None = None,
     key: Any = None,
     adapters: tuple[Any, np.ndarray] | None = None,
+    capture: tuple[int, ...] = (),
 ) -> dict[str, np.ndarray]:
     """One batch on device; host arrays [B, C] (and [B, C, K] for the alternatives), B the
     batch's `rows` (default its pairs; padded with its first pair). `key`: the programs'
     key in `reuse` (None: the buckets the batch needs, no reuse). `adapters`: the
-    `ll.Adapters` and each pair's slot."""
+    `ll.Adapters` and each pair's slot. `capture`: the layers to record (`Rows.capture`),
+    then `out["captured"]` [B, C, len(capture), E]."""
     shape = need = _score_shape(ids, conts, rows or len(ids), share_prompts, layout)
     if key is not None:
         key = (*key, need.distinct > 0)  # a shared prompt pass is a program of its own
@@ -391,6 +421,8 @@ def _score_rows(
         table, slots = adapters
         slots = np.concatenate([slots, np.full(pad, -1, np.int32)])
         row_state = Rows(jnp.asarray(slots, jnp.int32), table.table)
+    if capture:
+        row_state = (row_state or Rows()).replace(capture=capture)
     out = score_batch(
         info.runner, info.weights, prompt, positions, batch.lengths, batch.history,
         cont, lengths, params, automata, fsm, row_prompt, row_state, num_top=num_top,
@@ -486,25 +518,35 @@ def continuation_logits(
     prompt's columns and `[B, C, L, k]` for the continuation's (-1: the router's own).
     With `row_prompt`, `prompt` and `positions` (and the prompt's routing) hold the K
     distinct prompts ([K, P]): the prompt pass runs once per prompt, and each row gathers
-    its prompt's last-column logits and cache (every cache leaf is per row, [K, ...])."""
+    its prompt's last-column logits and cache (every cache leaf is per row, [K, ...]).
+    Where `rows` captures layers (`Rows.capture`; only the static field, with
+    `row_prompt`) it returns `(logits, states)`, states [B, C, len(capture), E] float32
+    at the same columns as the logits."""
     width = cont.shape[1]
     prompt_routing, cont_routing = (None, None) if routing is None else routing
-    first, cache, *_ = forward_prompt(
+    first, cache, *extras = forward_prompt(
         runner, weights, prompt, positions, cache_len, layout, routing=prompt_routing, rows=rows
     )
+    capturing = rows is not None and bool(rows.capture)
+    states = extras[-1][:, -1:].astype(jnp.float32) if capturing else None  # [B, 1, L, E]
     if row_prompt is not None:
         first = first[row_prompt]
+        states = None if states is None else states[row_prompt]
     if width == 1:
-        return first[:, None].astype(jnp.float32)
+        logits = first[:, None].astype(jnp.float32)
+        return (logits, states) if capturing else logits
     if row_prompt is not None:
         cache = layout.cache(jax.tree.map(lambda x: x[row_prompt], cache), cont.shape[0])
     col = jnp.arange(width - 1)[None, :]  # [1, C - 1]
     pos = jnp.where(col < cont_len[:, None] - 1, prompt_len[:, None] + col, -1)
     routed = {} if cont_routing is None else {"routing": cont_routing[:, :-1]}
-    rest, *_ = runner.forward_columns(
+    rest, _, *more = runner.forward_columns(
         weights, cont[:, :-1], pos.astype(jnp.int32), cache, rows=rows, **routed
     )
-    return jnp.concatenate([first[:, None], rest], axis=1).astype(jnp.float32)
+    logits = jnp.concatenate([first[:, None], rest], axis=1).astype(jnp.float32)
+    if not capturing:
+        return logits
+    return logits, jnp.concatenate([states, more[-1].astype(jnp.float32)], axis=1)
 
 
 def raw_logprobs(
@@ -626,10 +668,15 @@ def score_batch(
         runner, weights, prompt, positions, prompt_len, cont, cont_len,
         history.tokens.shape[1], layout, row_prompt=row_prompt, rows=rows,
     )  # fmt: skip
+    states = None
+    if rows is not None and rows.capture:
+        logits, states = logits
     valid = jnp.arange(width)[None, :] < cont_len[:, None]  # [B, C]
     raw, (raw_max, norm, bad) = raw_logprobs(logits, cont, valid)
     best = first_argmax(logits.reshape(batch * width, -1)).reshape(batch, width)
     out = dict(raw=raw, is_argmax=valid & ~bad & (best == cont), bad=valid & bad)
+    if states is not None:
+        out["captured"] = states
     if params is not None:
         lp, _ = processed_logprobs(logits, cont, valid, params, history, automata, fsm)
         out["processed"] = jnp.where(valid, lp, NEG_INF)

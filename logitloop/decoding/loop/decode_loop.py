@@ -70,6 +70,11 @@ class Program:
     # Record each token's experts (`generate(..., return_routing=True)`, a mixture of
     # experts): the state then carries `routing`; without it the loop carries nothing more.
     routing: bool = False
+    # Record the residual stream at the layers `Tables.rows.capture` names (`generate(...,
+    # capture=)`): the state then carries `capture`; `capture_prompt`: at the prompt's
+    # tokens too, not only at the tokens that predict the generated ones.
+    capture: bool = False
+    capture_prompt: bool = False
 
 
 @struct.dataclass
@@ -151,6 +156,11 @@ class DecodeState:
     # `Program.routing`: the experts each token went to, (prompt [B, P, L, k], generated
     # [B, N, L, k]) i32, -1 where none (padding; a generated token never fed back); else None.
     routing: Any = None
+    # `Program.capture`: the residual stream at the captured layers, (prompt [B, P, C, E]
+    # or None without `capture_prompt`, generated [B, N, C, E]); generated column i holds
+    # the states at the token whose logits drew token i (the prompt's last for i = 0, else
+    # generated token i - 1 fed back), so every generated token has its column. Else None.
+    capture: Any = None
 
     @classmethod
     def empty(
@@ -446,13 +456,14 @@ def forward_prompt(
     cache the earlier ones wrote (as a decode step does). `cache`: the cache to write
     (a paged pool attached to the rows' tables); default a fresh one. `routing` ([B, P,
     L, k], a mixture of experts): experts to replay (-1: the router's own); the routing
-    used then comes back third. `rows`: the rows' per-row state (`Tables.rows`).
+    used then comes back third. `rows`: the rows' per-row state (`Tables.rows`); where it
+    captures layers, their states `[B, P, C, E]` come back last.
     """
     batch, width = prompt.shape
     if cache is None:
         cache = layout.cache(runner.init_cache(weights, batch, cache_len), batch)
     step = width if chunk is None else chunk
-    used = []
+    extras = []  # per chunk: the routing used and/or the captured states
     for start in range(0, width, step):
         cols = slice(start, start + step)
         routed = {} if routing is None else {"routing": routing[:, cols]}
@@ -460,10 +471,8 @@ def forward_prompt(
             weights, prompt[:, cols], positions[:, cols], cache, prompt=True,
             mesh=layout.row_mesh, rows=rows, **routed,
         )  # fmt: skip
-        used += got
-    if routing is None:
-        return logits, cache
-    return logits, cache, jnp.concatenate(used, axis=1)
+        extras.append(got)
+    return (logits, cache, *(jnp.concatenate(x, axis=1) for x in zip(*extras, strict=True)))
 
 
 @functools.partial(
@@ -504,9 +513,22 @@ def prefill(
         prompt_routing = jnp.where(positions[:, :, None, None] >= 0, used[0], -1)
         generated = runner.no_routing(tables.weights, batch, buffer_len)
         state = state.replace(routing=(prompt_routing, generated))
+    if program.capture:
+        state = state.replace(capture=first_capture(program, used[-1], buffer_len))
     if program.speculative is not None:
         state = state.replace(speculation=speculation_state(program, tables, prompts, buffer_len))
     return layout.state(state)
+
+
+def first_capture(program: Program, states: jax.Array, buffer_len: int) -> tuple:
+    """The state's `capture` after a prefill whose captured `states` are [B, P, C, E]: the
+    prompt's (with `capture_prompt`), and the generated buffer with column 0, the states
+    that drew the first token (the prompt's last column), filled."""
+    batch, _, layers_, width = states.shape
+    generated = jnp.zeros((batch, buffer_len, layers_, width), jnp.float32)
+    generated = generated.at[:, 0].set(states[:, -1].astype(jnp.float32))
+    prompt = states.astype(jnp.float32) if program.capture_prompt else None
+    return prompt, generated
 
 
 def speculation_state(
@@ -546,10 +568,21 @@ def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState
     pos = jnp.where(live, s.prompt_len + s.num_tokens - 1, -1)[:, None]
     runner = program.runner
     if s.routing is None:
-        logits, cache = runner.forward(
+        logits, cache, *got = runner.forward(
             tables.weights, last_tokens(s)[:, None], pos, cache, mesh=program.layout.row_mesh,
             rows=tables.rows,
         )  # fmt: skip
+        if program.capture:  # the states that draw token num_tokens go to that column
+            # On the contiguous cache (capture's only layout) every running row has drawn
+            # one token per step, so its num_tokens is step + 1 (< N while the loop runs):
+            # one in-place slice update of that column, the finished rows' kept (a scatter
+            # at each row's num_tokens cost 26% of the decode's tokens/s on a CPU).
+            prompt_states, generated = s.capture
+            states = got[0].astype(jnp.float32)  # [B, 1, C, E]
+            old = jax.lax.dynamic_slice_in_dim(generated, s.step + 1, 1, axis=1)
+            states = jnp.where(live[:, None, None, None], states, old)
+            generated = jax.lax.dynamic_update_slice_in_dim(generated, states, s.step + 1, axis=1)
+            s = s.replace(capture=(prompt_states, generated))
     else:
         # The fed token is generated token num_tokens - 1: its experts go to that column.
         batch = pos.shape[0]

@@ -96,10 +96,10 @@ def prefill_forked(
     runner = program.runner
     width = prompts.prompt.shape[1]
     routing = runner.no_routing(tables.weights, unique, width) if program.routing else None
-    # A prompt's n rows share its adapter (one per prompt), as they share its pages.
+    # A prompt's n rows share its adapter and steering, as they share its pages.
     state_rows = tables.rows
     if state_rows is not None:
-        state_rows = state_rows.replace(adapter=state_rows.adapter[::n])
+        state_rows = state_rows.every(n)
     logits, cache, *used = forward_prompt(
         runner, tables.weights, prompts.prompt, prompts.positions, 0, program.layout,
         cache=paged.attach(cache, pages.tables[::n]), routing=routing, rows=state_rows,

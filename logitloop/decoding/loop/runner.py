@@ -230,7 +230,9 @@ class ModelRunner:
         "data" axis (a deterministic runner tiles each device's rows by themselves).
         `routing` (a mixture of experts: `[B, T, L, k]` experts to replay, -1 for the
         router's own): the routing used comes back third (`DecoderModel.__call__`).
-        `rows`: the pass's per-row state (`ll.Rows`, the rows' adapters), or None."""
+        `rows`: the pass's per-row state (`ll.Rows`: the rows' adapters, steering), or
+        None; where it captures layers (`Rows.capture`) their residual streams come back
+        last, `[B, T, C, E]`."""
         numerics = self.numerics.for_pass(prompt=prompt, mesh=mesh)
         logits, cache, *used = self._pass(
             weights, tokens, positions, cache, numerics, routing, rows=rows
@@ -263,16 +265,23 @@ class ModelRunner:
         layers read back from what it returns."""
         if self.kv_spec is None:  # a FunctionModel with a cache of its own
             if rows is not None:
-                raise ValueError(OWN_CACHE_REFUSAL.format(what="adapter="))
+                raise ValueError(OWN_CACHE_REFUSAL.format(what="adapter=, steer= or capture="))
             return self.apply_fn(weights, tokens, positions, cache)
         kv = KV(cache, positions, self.kv_spec, numerics, all_columns, rows=rows)
         if self.family:
             routed = {} if routing is None else {"routing": routing}
             model = nnx.merge(self.graphdef, weights)
             logits, kv_out, *used = model(tokens, positions, kv, **routed)
-            return (logits, kv_out.finish("the model"), *used)
-        logits, kv_out, where = self._call_user_model(weights, tokens, positions, kv)
-        return logits, kv_contract.finish(kv_out, kv, where)
+            out = (logits, kv_out.finish("the model"), *used)
+            where = "the model"
+        else:
+            logits, kv_out, where = self._call_user_model(weights, tokens, positions, kv)
+            out = (logits, kv_contract.finish(kv_out, kv, where))
+        kv_contract.check_marked(kv_out, where)
+        if rows is None or not rows.capture:
+            return out
+        # The recorded residual streams, [B, T, C, E] in `rows.capture`'s order.
+        return (*out, jnp.stack([kv_out.captured[i] for i in rows.capture], axis=2))
 
     def _call_user_model(self, weights, tokens, positions, kv: KV | None) -> tuple:
         """A user's model (`from_nnx`, a `FunctionModel` with a `KVSpec`) called on one
@@ -491,6 +500,8 @@ class ModelInfo:
     attention: str = "the model's own"
     # Which weights are quantized (`logitloop.models.quantization.Quantization.describe`).
     weights_format: str = "float"
+    # E, the residual stream's width (a family's hidden size; None for a user's model).
+    residual_width: int | None = None
 
 
 def _eos_tuple(eos: Any) -> tuple[int, ...]:
@@ -619,6 +630,7 @@ def model_info(model: Any, *, deterministic: bool | str | Numerics = False) -> M
             eos_token_ids=_eos_tuple(getattr(config, "eos_token_id", None)),
             tokenizer=getattr(model, "tokenizer", None),
             attention=attention,
+            residual_width=int(config.hidden_size),
             weights_format=(
                 model.quantization.describe()
                 if getattr(model, "quantization", None) is not None

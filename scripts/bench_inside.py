@@ -1,0 +1,93 @@
+"""Capture and steering against a plain decode, side by side in one run (issue 72).
+
+    python scripts/bench_inside.py
+    python scripts/bench_inside.py --model path/to/hf --rows 8 --new-tokens 64
+    python scripts/bench_inside.py --layers 16   # the shipped model's shape, 16 random layers
+
+Greedy `generate` of `--rows` rows, `--new-tokens` new tokens each, in turns after a
+warm-up each: plain; capturing the residual stream after 2 layers (`ll.Capture(layers=(1,
+L - 1))`, generated tokens only); steering every row with one vector after layer 1 (a new
+random vector before each timed call, which must compile nothing); and plain again (the
+control: the noise the ratios are read against). Prints decode tokens per second (new
+tokens over the whole call, prefill included), the ratios to plain (the issue's goal: at
+least 0.9) and the programs the timed calls compiled. `--layers N`: a Llama of the shipped
+model's shape and dtype with N layers of random weights instead. `--out` writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import numpy as np
+from flax import nnx
+from timing import timed_turns  # scripts/ is on the path when run as a script
+
+import logitloop as ll
+from logitloop.models import LlamaModel
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="an HF checkpoint (default: shipped)")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=None, help="random layers (see above)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    model = ll.load_pretrained(args.model) if args.model else ll.load_pretrained()
+    if args.layers is not None:
+        windows = (model.config.sliding_windows[0],) * args.layers
+        config = dataclasses.replace(model.config, num_layers=args.layers, sliding_windows=windows)
+        model = LlamaModel(config, dtype=model.dtype, rngs=nnx.Rngs(0))
+    layers, width = model.config.num_layers, model.config.hidden_size
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(args.rows)]
+    keywords = dict(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    capture = ll.Capture(layers=(1, layers - 1))
+
+    def plain():
+        return ll.generate(model, prompts, **keywords)
+
+    def captured():
+        return ll.generate(model, prompts, capture=capture, **keywords)
+
+    def steered():
+        vector = rng.normal(0, 1, width).astype(np.float32)
+        return ll.generate(model, prompts, steer=ll.Steer(vector, 1, 2.0), **keywords)
+
+    fns = dict(plain=plain, capture=captured, steer=steered, control=plain)
+    results = timed_turns(fns, args.repeats)
+    tokens = args.rows * args.new_tokens
+    report = {
+        name: dict(tokens_per_s=tokens / seconds, seconds=seconds, compiled=compiled)
+        for name, (seconds, _, compiled) in results.items()
+    }
+    base = report["plain"]["tokens_per_s"]
+    for name in ("capture", "steer", "control"):
+        report[f"{name}_ratio"] = report[name]["tokens_per_s"] / base
+    report["setup"] = vars(args) | {
+        "dtype": str(model.dtype),
+        "device": jax.devices()[0].platform,
+        "layers": layers,
+        "captured_layers": list(capture.layers),
+    }
+    print(f"{'turn':10s} {'tokens/s':>10s} {'/ plain':>8s} {'compiled':>9s}")
+    for name in fns:
+        r = report[name]
+        print(f"{name:10s} {r['tokens_per_s']:10.1f} {r['tokens_per_s'] / base:8.3f} "
+              f"{r['compiled']:9d}")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
