@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import jax
 import numpy as np
-from timing import timed_turns  # scripts/ is on the path when run as a script
+from timing import (  # scripts/ is on the path when run as a script
+    print_rates,
+    rate_report,
+    timed_turns,
+)
 
 import logitloop as ll
 
@@ -65,27 +68,15 @@ def main(argv=None) -> dict:
 
     turns = dict(plain=plain, guided=guided, twice_the_rows=twice, half_guided=half)
     results = timed_turns(turns | dict(control=plain), args.repeats)
-    report = {}
-    for name, (seconds, _, compiled) in results.items():
-        count = 2 * args.rows if name == "twice_the_rows" else args.rows
-        report[name] = dict(
-            tokens_per_s=count * args.new_tokens / seconds, seconds=seconds, compiled=compiled
-        )
-    base = report["plain"]["seconds"]
-    for name in report:
-        report[name]["time_over_plain"] = report[name]["seconds"] / base
-    report["setup"] = vars(args) | {"dtype": str(model.dtype), "device": jax.devices()[0].platform}
-    print(f"{'turn':16s} {'tokens/s':>10s} {'time / plain':>13s} {'compiled':>9s}")
-    for name in (*turns, "control"):
-        r = report[name]
-        print(
-            f"{name:16s} {r['tokens_per_s']:10.1f} {r['time_over_plain']:12.3f}x {r['compiled']:9d}"
-        )
+    tokens = {name: args.rows * args.new_tokens for name in results}
+    tokens["twice_the_rows"] *= 2  # tokens/s of the real rows: 16 rows make twice the tokens
+    setup = vars(args) | {"dtype": str(model.dtype), "device": jax.devices()[0].platform}
+    report = rate_report(results, tokens, "plain", setup)
+    for name in results:
+        report[name]["time_over_plain"] = report[name]["seconds"] / report["plain"]["seconds"]
+    print_rates(report, results, args.out)
     ratio = report["plain"]["tokens_per_s"] / report["guided"]["tokens_per_s"]
     print(f"a guided row costs {ratio:.3f}x a plain row (goal: at most 2.1x)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
     return report
 
 

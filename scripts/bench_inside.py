@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import jax
 import numpy as np
 from flax import nnx
-from timing import timed_turns  # scripts/ is on the path when run as a script
+from timing import (  # scripts/ is on the path when run as a script
+    print_rates,
+    rate_report,
+    timed_turns,
+)
 
 import logitloop as ll
 from logitloop.models import LlamaModel
@@ -64,28 +67,14 @@ def main(argv=None) -> dict:
 
     fns = dict(plain=plain, capture=captured, steer=steered, control=plain)
     results = timed_turns(fns, args.repeats)
-    tokens = args.rows * args.new_tokens
-    report = {
-        name: dict(tokens_per_s=tokens / seconds, seconds=seconds, compiled=compiled)
-        for name, (seconds, _, compiled) in results.items()
-    }
-    base = report["plain"]["tokens_per_s"]
-    for name in ("capture", "steer", "control"):
-        report[f"{name}_ratio"] = report[name]["tokens_per_s"] / base
-    report["setup"] = vars(args) | {
+    setup = vars(args) | {
         "dtype": str(model.dtype),
         "device": jax.devices()[0].platform,
         "layers": layers,
         "captured_layers": list(capture.layers),
     }
-    print(f"{'turn':10s} {'tokens/s':>10s} {'/ plain':>8s} {'compiled':>9s}")
-    for name in fns:
-        r = report[name]
-        print(f"{name:10s} {r['tokens_per_s']:10.1f} {r['tokens_per_s'] / base:8.3f} "
-              f"{r['compiled']:9d}")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    report = rate_report(results, args.rows * args.new_tokens, "plain", setup)
+    print_rates(report, fns, args.out)
     return report
 
 

@@ -20,11 +20,14 @@ empty table when the request is read (the timed calls must compile nothing).
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import numpy as np
-from timing import timed_turns  # scripts/ is on the path when run as a script
+from timing import (  # scripts/ is on the path when run as a script
+    print_rates,
+    rate_report,
+    timed_turns,
+)
 
 import logitloop as ll
 
@@ -99,23 +102,14 @@ def main(argv=None) -> dict:
     table_bytes = sum(x.nbytes for x in jax.tree.leaves(t.table))
     itemsize = jax.tree.leaves(t.table)[0].dtype.itemsize
     adapter_bytes = sum(args.rank * (k + n) * itemsize for k, n in model.lora_sites().values())
-    report = {
-        name: dict(tokens_per_s=tokens / seconds, seconds=seconds, compiled=compiled)
-        for name, (seconds, _, compiled) in results.items()
-    }
-    report["ratio"] = report["adapters"]["tokens_per_s"] / report["base"]["tokens_per_s"]
-    report["control_ratio"] = report["control"]["tokens_per_s"] / report["base"]["tokens_per_s"]
+    setup = vars(args) | {"dtype": str(model.dtype), "device": jax.devices()[0].platform}
+    report = rate_report(results, tokens, "base", setup)
+    report["ratio"] = report["adapters"]["ratio"]
+    report["control_ratio"] = report["control"]["ratio"]
     report["adapter_bytes"], report["table_bytes"] = adapter_bytes, table_bytes
-    report["setup"] = vars(args) | {"dtype": str(model.dtype), "device": jax.devices()[0].platform}
-    print(f"{'turn':10s} {'tokens/s':>10s} {'compiled':>9s}")
-    for name in ("base", "adapters", "control"):
-        r = report[name]
-        print(f"{name:10s} {r['tokens_per_s']:10.1f} {r['compiled']:9d}")
+    print_rates(report, ("base", "adapters", "control"), args.out)
     print(f"adapters / base: {report['ratio']:.3f} (control {report['control_ratio']:.3f})")
     print(f"one adapter: {adapter_bytes / 2**20:.2f} MiB; the table: {table_bytes / 2**20:.2f} MiB")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
     return report
 
 

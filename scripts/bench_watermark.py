@@ -14,11 +14,14 @@ timed calls compiled; `--out` writes the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import numpy as np
-from timing import timed_turns  # scripts/ is on the path when run as a script
+from timing import (  # scripts/ is on the path when run as a script
+    print_rates,
+    rate_report,
+    timed_turns,
+)
 
 import logitloop as ll
 
@@ -66,22 +69,9 @@ def main(argv=None) -> dict:
         control=run(),
     )
     results = timed_turns(fns, args.repeats)
-    tokens = args.rows * args.new_tokens
-    report = {
-        name: dict(tokens_per_s=tokens / seconds, seconds=seconds, compiled=compiled)
-        for name, (seconds, _, compiled) in results.items()
-    }
-    base = report["plain"]["tokens_per_s"]
-    for r in report.values():
-        r["ratio"] = r["tokens_per_s"] / base
-    report["setup"] = vars(args) | {"dtype": str(model.dtype), "device": jax.devices()[0].platform}
-    print(f"{'turn':10s} {'tokens/s':>10s} {'x plain':>8s} {'compiled':>9s}")
-    for name in fns:
-        r = report[name]
-        print(f"{name:10s} {r['tokens_per_s']:10.1f} {r['ratio']:8.3f} {r['compiled']:9d}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    setup = vars(args) | {"dtype": str(model.dtype), "device": jax.devices()[0].platform}
+    report = rate_report(results, args.rows * args.new_tokens, "plain", setup)
+    print_rates(report, fns, args.out)
     return report
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -41,3 +42,29 @@ def timed_turns(fns: dict, repeats: int, warm_ups: dict | None = None) -> dict:
                 times[name].append(time.perf_counter() - t0)
             compiled[name] += counter.count
     return {name: (statistics.median(times[name]), outs[name], compiled[name]) for name in fns}
+
+
+def rate_report(results: dict, tokens: int | dict, base: str, setup: dict) -> dict:
+    """`timed_turns`' results as name -> `tokens_per_s`, `seconds`, `compiled` and `ratio`
+    (tokens/s over `base`'s); `tokens`: the tokens each call makes (or name -> tokens).
+    `setup` goes in under "setup"."""
+    report = {}
+    for name, (seconds, _, compiled) in results.items():
+        count = tokens[name] if isinstance(tokens, dict) else tokens
+        report[name] = dict(tokens_per_s=count / seconds, seconds=seconds, compiled=compiled)
+    for name in results:
+        report[name]["ratio"] = report[name]["tokens_per_s"] / report[base]["tokens_per_s"]
+    report["setup"] = setup
+    return report
+
+
+def print_rates(report: dict, names, out: str | None = None) -> None:
+    """The turns `names` of a `rate_report` as a table (tokens/s, the ratio, programs the
+    timed calls compiled); `out`: also the whole report as JSON."""
+    print(f"{'turn':16s} {'tokens/s':>10s} {'ratio':>8s} {'compiled':>9s}")
+    for name in names:
+        r = report[name]
+        print(f"{name:16s} {r['tokens_per_s']:10.1f} {r['ratio']:8.3f} {r['compiled']:9d}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
