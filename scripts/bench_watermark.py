@@ -13,11 +13,10 @@ timed calls compiled; `--out` writes the JSON.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import numpy as np
 from timing import (  # scripts/ is on the path when run as a script
+    decode_parser,
     print_rates,
     rate_report,
     timed_turns,
@@ -27,14 +26,8 @@ import logitloop as ll
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="an HF checkpoint (default: shipped)")
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser = decode_parser(__doc__)
     parser.add_argument("--depth", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     model = ll.load_pretrained(args.model) if args.model else ll.load_pretrained()

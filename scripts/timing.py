@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -68,3 +69,17 @@ def print_rates(report: dict, names, out: str | None = None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def decode_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments the decode benchmarks share: `--model` (an HF checkpoint, default the
+    shipped model), `--rows`, `--prompt` (tokens), `--new-tokens`, `--repeats`, `--out`
+    (the JSON report); a script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="an HF checkpoint (default: shipped)")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    return parser
