@@ -19,11 +19,10 @@ empty table when the request is read (the timed calls must compile nothing).
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import numpy as np
 from timing import (  # scripts/ is on the path when run as a script
+    decode_parser,
     print_rates,
     rate_report,
     timed_turns,
@@ -48,16 +47,10 @@ def random_adapter(model, rank: int, seed: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="an HF checkpoint (default: shipped)")
-    parser.add_argument("--rows", type=int, default=8)
+    parser = decode_parser(__doc__)
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--many", action="store_true", help="generate_many (docstring)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     model = ll.load_pretrained(args.model) if args.model else ll.load_pretrained()
