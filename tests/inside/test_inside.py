@@ -220,6 +220,10 @@ def test_speculative_rows_verify_under_their_steering(setup):
         (dict(capture=ll.Capture(layers=0, prompt=True, max_bytes=1000)),
          r"capture=: the buffer would take .* MiB \(\d+ rows x \d+ tokens x 1 layers x 64"),
         (dict(capture=ll.Capture(layers=0), n=2), "n > 1"),
+        (dict(capture=ll.Capture(layers=0, max_bytes=float("nan"))),
+         r"capture\.max_bytes must be an int"),
+        (dict(capture=ll.Capture(layers=0, max_bytes=-1)),
+         r"capture\.max_bytes = -1 is outside the allowed range"),
     ],
 )  # fmt: skip
 def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from logitloop.decoding.engine import memory_check
+from logitloop.decoding.engine.host import check_count
 from logitloop.models import kv as kv_contract
 from logitloop.models.steering import EVERYWHERE, Steering
 
@@ -172,7 +173,10 @@ def check_capture_size(
     """Refuse a capture buffer larger than `capture.max_bytes` (default the device's free
     memory, or `DEFAULT_CAPTURE_BYTES`), saying its size: `rows` x (`width` prompt columns
     with `capture.prompt`, + `buffer` generated) x `layers` x `e` float32 values (None: a
-    user's model, which does not say its width: unchecked)."""
+    user's model, which does not say its width: unchecked). A `max_bytes` that is not a
+    positive int is refused by name (a NaN would let every size through)."""
+    if capture.max_bytes is not None:
+        check_count("capture.max_bytes", capture.max_bytes, 1)
     if e is None:
         return
     tokens = buffer + (width if capture.prompt else 0)
