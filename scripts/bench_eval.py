@@ -110,10 +110,11 @@ def time_backend(lm, tasks_at, tasks: list[str], repeats: int) -> tuple[list[flo
 
 
 def shared_prefix_cost(model, context_len: int = 64, choices: int = 4, cont_len: int = 4):
-    """flops / bytes of `score_batch` (deterministic) for one context's `choices` rows:
-    unshared (every row its own prompt pass), shared (one prompt pass, its cache gathered
-    per row, what `ll.score` runs), and one row alone."""
-    from logitloop.decoding.engine import score as score_mod
+    """flops / bytes of the row batches' `score_batch` (deterministic; what `ll.score`
+    runs with `mesh=`) for one context's `choices` rows: unshared (every row its own
+    prompt pass), shared (one prompt pass, its cache gathered per row), and one row
+    alone."""
+    from logitloop.decoding.engine import score_rows as score_mod
     from logitloop.decoding.engine.host import MIN_PROMPT_BUCKET, bucket, prompt_batch
     from logitloop.decoding.engine.plan import Options, plan
 

@@ -111,7 +111,8 @@ class DecoderModel(nnx.Module):
         Returns the float32 logits of the last column, `[B, V]`, and the updated cache.
         Only the last column goes through the final norm and LM head: prompts are
         left-padded, so that column is every row's last real token. `all_columns=True`
-        returns every column's logits, `[B, T, V]` (speculative verification); default:
+        returns every column's logits, `[B, T, V]` (speculative verification), or those of
+        the columns the `KV` reads (`kv.read`, `[B, M, V]`: a packed scoring pass); default:
         what the `KV` asks for (`kv.all_columns`), else False. Padding columns
         (-1) compute finite values that are never used. `numerics`: how the layers reduce
         (`fixed_order.Numerics`, given by `decoding.loop.runner.ModelRunner.forward` for
@@ -141,15 +142,20 @@ class DecoderModel(nnx.Module):
         else:
             x, kv, used = self.hidden_states(tokens, positions, kv, routing=routing)
         new_cache = kv.finish("the model") if kv is not None and not isinstance(cache, KV) else kv
+        read = kv.read if all_columns and isinstance(cache, KV) else None
+
+        def columns(a):  # the columns whose logits the caller reads (`KV.read`)
+            return (a if read is None else a[:, read]) if all_columns else a[:, -1]
+
         if kv is not None and kv.rows is not None and len(self.layers) in kv.rows.capture:
             # The final norm's output of every column, recorded (`ll.residual`).
             normed, kv = kv_contract.residual(
                 self.output_norm(x, **policy(numerics)), kv, layer=len(self.layers)
             )
             new_cache = kv if isinstance(cache, KV) else new_cache
-            last = normed if all_columns else normed[:, -1]
+            last = columns(normed)
         else:
-            last = self.output_norm(x if all_columns else x[:, -1], **policy(numerics))
+            last = self.output_norm(columns(x), **policy(numerics))
         logits = self.output_logits(kv_contract.lm_head(last, self.head_weight(), kv))
         return (logits, new_cache) if routing is None else (logits, new_cache, used)
 

@@ -76,6 +76,7 @@ The policy itself, `Numerics`, its tiles and its compiler options live in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -407,6 +408,21 @@ def rowwise(
     args = (x,) if aux is None else (x, aux)
     if not numerics.fixed:
         return fn(*args)
+    split = numerics.prompt_rows
+    if split is not None and not head:
+        # A packed pass: its prompt tokens tiled as a prompt pass's, the rest as a decode
+        # step's (`Numerics.prompt_rows`), so each token meets its own pass's shapes.
+        def part(first: bool) -> Any:
+            def cut(a):
+                return a[:split] if first else a[split:]
+
+            policy = dataclasses.replace(numerics, prompt=first, prompt_rows=None)
+            rest = {} if aux is None else {"aux": cut(aux)}
+            return rowwise(fn, cut(x), numerics=policy, shape=shape, **rest)
+
+        if split >= x.shape[0] or split <= 0:
+            return part(split > 0)
+        return jax.tree.map(lambda p, d: jnp.concatenate([p, d]), part(True), part(False))
     mesh = numerics.row_mesh
     if numerics.tile_kernel is not None and mesh is None:
         return fn(*args)  # the kernel's rows do not depend on the row count: no tiles needed

@@ -55,6 +55,7 @@ __all__ = [
     "CONTRACT_VERSION",
     "KV",
     "KVSpec",
+    "Packed",
     "Rows",
     "attention",
     "dense",
@@ -174,6 +175,24 @@ class Rows:
         return self.take(slice(None, None, n))
 
 
+@struct.dataclass
+class Packed:
+    """How the tokens of a packed pass (tokens `[1, N]` from many rows, each with its
+    position in `kv.positions`) see each other: each row's tokens laid out by position,
+    so attention runs over rows, `[R, W]`, as a prompt pass over a cache does.
+
+    queries: `[R, W]` int32, the stream column of row r's query at position p (-1: none;
+      a prompt shared by several rows is queried in its first row only).
+    keys: `[R, W]` int32, the stream column whose key and value row r holds at position
+      p (-1: none; a shared prompt's columns in each of its rows).
+    rows: `[1, N]` int32, each token's row (its query's; 0 for padding, never read).
+    """
+
+    queries: jax.Array
+    keys: jax.Array
+    rows: jax.Array
+
+
 @jax.tree_util.register_pytree_node_class
 class KV:
     """The cache a forward pass threads through its `attention` calls.
@@ -196,6 +215,12 @@ class KV:
     `kv.captured` (a child): `{layer: [B, T, E]}`, the residual stream `residual` recorded
     at the layers `rows.capture` asks for; `kv.marked` (static): the layers `residual` was
     called for so far.
+
+    `kv.packed` (a child, or None): a packed pass (`Packed`): tokens `[1, N]` from many
+    rows, which `attention` lets see their own row's keys only; its caches are unused.
+    `kv.read` (a child, or None): `[M]` int32, the columns whose logits the caller reads
+    (an `all_columns` pass): a model may return `[B, M, V]`, those columns only (as
+    logitloop's families do), or all of them.
     """
 
     def __init__(
@@ -209,8 +234,12 @@ class KV:
         rows: Rows | None = None,
         marked: tuple[int, ...] = (),
         captured: dict[int, jax.Array] | None = None,
+        packed: Packed | None = None,
+        read: jax.Array | None = None,
     ):
         self.caches = list(caches)
+        self.packed = packed
+        self.read = read
         self.rows = rows
         self.positions = positions
         self.spec = spec
@@ -222,20 +251,25 @@ class KV:
 
     def tree_flatten(self):
         aux = (self.spec, self.numerics, self.all_columns, self.written, self.marked)
-        return (self.caches, self.positions, self.rows, self.captured), aux
+        children = (self.caches, self.positions, self.rows, self.captured, self.packed, self.read)
+        return children, aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        caches, positions, rows, captured = children
+        caches, positions, rows, captured, packed, read = children
         spec, numerics, all_columns, written, marked = aux
-        return cls(caches, positions, spec, numerics, all_columns, written, rows, marked, captured)
+        return cls(
+            caches, positions, spec, numerics, all_columns, written, rows, marked, captured,
+            packed, read,
+        )  # fmt: skip
 
     def _replace(self, **changes: Any) -> KV:
         """This KV with some of its fields changed (the others shared)."""
         fields = dict(
             caches=self.caches, positions=self.positions, spec=self.spec,
             numerics=self.numerics, all_columns=self.all_columns, written=self.written,
-            rows=self.rows, marked=self.marked, captured=self.captured,
+            rows=self.rows, marked=self.marked, captured=self.captured, packed=self.packed,
+            read=self.read,
         )  # fmt: skip
         return KV(**{**fields, **changes})
 
@@ -320,6 +354,11 @@ def attention(
         raise ValueError(
             f"{where}: window={window} but the KVSpec gives layer {layer} window {spec_window}"
         )
+    if kv.packed is not None:
+        out = packed_attention(
+            q, k, v, kv.positions, kv.packed, spec_window, scale, softcap, kv.numerics
+        )
+        return out, kv._replace(written=(*kv.written, layer))
     cache = kv.caches[layer]
     mask = layers.layer_mask(kv.positions, cache, spec_window)
     out, cache = layers.cached_attention(
@@ -328,6 +367,40 @@ def attention(
     caches = list(kv.caches)
     caches[layer] = cache
     return out, kv._replace(caches=caches, written=(*kv.written, layer))
+
+
+def packed_attention(
+    q: jax.Array,  # [1, N, H, D]
+    k: jax.Array,  # [1, N, Hkv, D]
+    v: jax.Array,  # [1, N, Hkv, D]
+    positions: jax.Array,  # [1, N]
+    packed: Packed,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
+    numerics: Numerics,
+) -> jax.Array:
+    """The attention of a packed pass (`Packed`): the stream's queries, keys and values
+    gathered into rows `[R, W]` (slot == position, as in a row's own cache), attended as
+    a prompt pass's rows are (the same implementation, so with `deterministic=True` the
+    same sums in the same order), and each token's output read back from its row."""
+    width = packed.queries.shape[1]
+
+    def rows_of(x, columns):  # [1, N, h, D] -> [R, W, h, D]
+        return x[0][jnp.maximum(columns, 0)]
+
+    q_pos = jnp.where(packed.queries >= 0, jnp.arange(width, dtype=jnp.int32), -1)
+    keys, values = (rows_of(x, packed.keys).transpose(0, 2, 1, 3) for x in (k, v))
+    out = ops_attention.attention(
+        rows_of(q, packed.queries),
+        keys,  # [R, Hkv, W, D]
+        values,
+        ops_attention.Mask(q_pos, None, window),
+        scale,
+        softcap,
+        deterministic=numerics.fixed,
+    )  # [R, W, H, D]
+    return out[packed.rows[0], jnp.maximum(positions[0], 0)][None]  # [1, N, H, D]
 
 
 def residual(x: jax.Array, kv: KV | None, *, layer: int) -> tuple[jax.Array, KV | None]:

@@ -117,6 +117,10 @@ class Numerics:
     row_mesh: the mesh whose "data" axis holds the pass's rows, if any (each device tiles
       its own rows, `rowwise`; a paged pool's pages lie over it too,
       `layers.cached_attention`); set per call (`for_pass`), whatever the mode.
+    prompt_rows: a packed pass (`ll.Packed`) whose first `prompt_rows` tokens are prompt
+      tokens and the rest generated ones (a continuation scored): its products tile the
+      first as a prompt pass and the rest as a decode step, each token as it would be in
+      its own pass (`rowwise`); None otherwise. Set per call (`for_pass`).
     """
 
     deterministic: bool | str = False
@@ -125,6 +129,7 @@ class Numerics:
     split_rows_keep_bits: bool = True
     prompt: bool = False
     row_mesh: Mesh | None = None
+    prompt_rows: int | None = None
 
     def __post_init__(self):
         if self.deterministic not in (False, True) and self.deterministic != MODEL_PARALLEL:
@@ -157,12 +162,14 @@ class Numerics:
         """Whether products also fix the splits of a model axis (MODEL_PARALLEL)."""
         return self.deterministic == MODEL_PARALLEL
 
-    def for_pass(self, *, prompt: bool = False, mesh: Mesh | None = None) -> Numerics:
+    def for_pass(
+        self, *, prompt: bool = False, mesh: Mesh | None = None, prompt_rows: int | None = None
+    ) -> Numerics:
         """This policy for one forward pass: a prompt pass or not, the rows over `mesh`'s
-        "data" axis or not."""
+        "data" axis or not, a packed pass of `prompt_rows` prompt tokens first or not."""
         if not self.fixed:  # only the rows' mesh matters (a paged pool's shards, `layers`)
             return self if mesh is None else dataclasses.replace(self, row_mesh=mesh)
-        return dataclasses.replace(self, prompt=prompt, row_mesh=mesh)
+        return dataclasses.replace(self, prompt=prompt, row_mesh=mesh, prompt_rows=prompt_rows)
 
     def compiler_options(self) -> dict[str, str]:
         """XLA options of this policy's programs on the default backend (none when plain)."""

@@ -175,7 +175,7 @@ def test_score_flags_the_pair_whose_logits_went_bad(value):
 
 
 def test_score_of_logits_minus_inf_everywhere_is_minus_inf_not_nan():
-    from logitloop.decoding.engine.score import raw_logprobs
+    from logitloop.decoding.engine.token_scores import raw_logprobs
 
     logits = jnp.full((1, 2, 4), -jnp.inf).at[0, 1].set(0.0)  # position 0: every token -inf
     raw, (_, _, bad) = raw_logprobs(logits, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool))

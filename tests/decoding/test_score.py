@@ -295,7 +295,8 @@ def test_shared_prompts_score_as_unshared_bit_for_bit(dtype):
 
 
 def test_shared_prompts_groups_a_batch_by_prompt():
-    from logitloop.decoding.engine.score import pair_order, shared_prompts
+    from logitloop.decoding.engine.score import pair_order
+    from logitloop.decoding.engine.score_rows import shared_prompts
 
     prompts, conts = _choice_pairs(64, 2, ((13, 4), (6, 3), (21, 2), (9, 1)))
     order = pair_order(prompts, conts, share=True)

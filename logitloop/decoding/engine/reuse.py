@@ -39,7 +39,10 @@ from typing import Any
 MAX_PADDING = 4
 # A field's need counts as at least this much for its padding limit: 1 or 2 rows may run
 # at 8, a continuation of 1 to 4 tokens at 16 columns (a short pass either way).
-FLOORS = {"rows": 2, "cont": 4}
+# A packed pass that feeds no continuation (`packed.PackShape.cont_tokens` 0) may run at
+# any continuation bucket up to 4 x its smallest, and a pass of few key slots at up to
+# 2048 (its keys are about its tokens, which pad to 256 and more).
+FLOORS = {"rows": 2, "cont": 4, "cont_tokens": 128, "keys": 512}
 # Fields that may grow without bound: the top-logprob width (0 or the one width,
 # `MAX_TOP_LOGPROBS`: the loop computes 20 alternatives for a call that asks none).
 UNBOUNDED = frozenset({"top"})

@@ -3,8 +3,8 @@
 An RL trainer (GRPO, PPO, RLOO) needs, for every sampled token, the log-probability the
 policy gave it, as a function of the weights it can differentiate. `token_logprobs` is
 `score`'s device computation with the weights as an argument: the same prompt pass, the
-same pass over the completion (`score.continuation_logits`), the same log-softmax
-normalizer and the same processed pipeline (`score.processed_logprobs`, which runs the
+same pass over the completion (`score_rows.continuation_logits`), the same log-softmax
+normalizer and the same processed pipeline (`token_scores.processed_logprobs`, which runs the
 sampler's own `adjust_logits` and truncation), compiled with the same numerics policy. So
 with `deterministic=True` its values are bit for bit the ones `generate` reported for the
 tokens it drew, in float32 and bfloat16 (docs/rl.md, "Exactness").
@@ -40,12 +40,8 @@ from flax import nnx, struct
 
 from logitloop.decoding.engine.host import MIN_PROMPT_BUCKET, bucket, row_bucket
 from logitloop.decoding.engine.plan import Options, plan
-from logitloop.decoding.engine.score import (
-    MIN_CONTINUATION_BUCKET,
-    continuation_logits,
-    processed_logprobs,
-    raw_logprobs,
-)
+from logitloop.decoding.engine.score_rows import MIN_CONTINUATION_BUCKET, continuation_logits
+from logitloop.decoding.engine.token_scores import processed_logprobs, raw_logprobs
 from logitloop.decoding.loop.layout import Layout
 from logitloop.decoding.loop.runner import ModelRunner, runner_jit
 from logitloop.decoding.sampling.history import History
@@ -387,7 +383,7 @@ def _forward(
     ids, plen, total = inputs.token_ids, inputs.prompt_lengths, inputs.lengths
     batch, width = ids.shape
     # The prompt left-padded to P columns (its last token in the last column), the
-    # completion right-padded to C, as `score._score_rows` buckets them.
+    # completion right-padded to C, as `score_rows.score_row_batch` buckets them.
     p_width = bucket(width, MIN_PROMPT_BUCKET)
     c_width = bucket(width, MIN_CONTINUATION_BUCKET)
     col = jnp.arange(p_width)[None, :]  # [1, P]

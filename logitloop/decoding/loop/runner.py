@@ -257,17 +257,48 @@ class ModelRunner:
             )
         return out
 
+    def forward_packed(
+        self, weights, tokens, positions, packed, read, *, prompt_rows: int, rows=None
+    ) -> tuple[jax.Array, ...]:
+        """The logits `[1, M, V]` of the columns `read` (`[M]`) of a packed pass: tokens
+        and positions `[1, N]` from many rows, which see each other as `packed` says
+        (`ll.Packed`), the first `prompt_rows` of them prompt tokens and the rest generated
+        ones (a deterministic runner tiles each as its own pass would, `Numerics.
+        prompt_rows`). Where `rows` captures layers, their residual streams `[1, N, C, E]`
+        come back last."""
+        if self.kv_spec is None:
+            raise ValueError(OWN_CACHE_REFUSAL.format(what="a packed pass"))
+        numerics = self.numerics.for_pass(prompt_rows=prompt_rows)
+        caches = [{} for _ in range(self.kv_spec.num_layers)]  # a packed pass keeps none
+        logits, _, *captured = self._pass(
+            weights, tokens, positions, caches, numerics, None, all_columns=True, rows=rows,
+            packed=packed, read=read,
+        )  # fmt: skip
+        if not self.family:  # a user's model returns every column's
+            if logits.ndim != 3:
+                raise ValueError(
+                    "scoring needs a model that returns the logits of every column, [B, T, V]; "
+                    f"this one returned shape {tuple(logits.shape)}"
+                )
+            logits = logits[:, read]
+        return (logits, *captured)
+
     def _pass(
-        self, weights, tokens, positions, cache, numerics, routing, all_columns=False, rows=None
-    ):
+        self, weights, tokens, positions, cache, numerics, routing, all_columns=False, rows=None,
+        packed=None, read=None,
+    ):  # fmt: skip
         """One forward pass: `(logits, cache[, routing used])`, the model handed the pass's
-        `KV` over `cache` (a layer list, with the pass's per-row state `rows`) and the
-        layers read back from what it returns."""
+        `KV` over `cache` (a layer list, with the pass's per-row state `rows`; `packed`,
+        `read`: a packed pass, `KV.packed` and `KV.read`) and the layers read back from
+        what it returns."""
         if self.kv_spec is None:  # a FunctionModel with a cache of its own
             if rows is not None:
                 raise ValueError(OWN_CACHE_REFUSAL.format(what="adapter=, steer= or capture="))
             return self.apply_fn(weights, tokens, positions, cache)
-        kv = KV(cache, positions, self.kv_spec, numerics, all_columns, rows=rows)
+        kv = KV(
+            cache, positions, self.kv_spec, numerics, all_columns, rows=rows, packed=packed,
+            read=read,
+        )  # fmt: skip
         if self.family:
             routed = {} if routing is None else {"routing": routing}
             model = nnx.merge(self.graphdef, weights)
