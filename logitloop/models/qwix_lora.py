@@ -44,6 +44,15 @@ def is_state(source: Any) -> bool:
     return any(_LEAF.match(str(path[-1])) for path, _ in _leaves(source))
 
 
+def largest_rank(state: Any) -> int:
+    """The largest rank of Qwix LoRA `state` (its `_lora_a` leaves' last axis): the
+    `max_rank` a table for it needs."""
+    ranks = [np.shape(v)[-1] for path, v in _leaves(state) if str(path[-1]).endswith("_lora_a")]
+    if not ranks:
+        raise ValueError("the Qwix LoRA state holds no `{weight}_lora_a` parameter")
+    return int(max(ranks))
+
+
 def peft_tensors(state: Any, alpha: Any, where: str) -> tuple[dict, dict]:
     """`(config, tensors)` in PEFT's form of Qwix LoRA `state` under the provider's
     `alpha`: `layers.{i}.{module}.lora_A.weight [r, K]` and `lora_B.weight [N, r]`, B

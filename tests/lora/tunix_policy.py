@@ -25,6 +25,7 @@ def lora_policy(folder, hf_config, seed: int):
         hidden_dim=c.intermediate_size, num_heads=c.num_attention_heads,
         head_dim=c.hidden_size // c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
         rope_theta=int(c.rope_parameters["rope_theta"]), norm_eps=c.rms_norm_eps,
+        weight_tying=c.tie_word_embeddings,
     )  # fmt: skip
     base = tunix_params.create_model_from_safe_tensors(str(folder), config, dtype=jnp.float32)
     provider = qwix.LoraProvider(
