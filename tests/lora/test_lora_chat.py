@@ -9,7 +9,6 @@ import io
 import json
 
 import numpy as np
-import pytest
 
 import logitloop as ll
 from logitloop.cli import main
