@@ -565,6 +565,8 @@ def repl(
     chat_template: ChatTemplate | None = None,
     checkpoint_defaults: bool = True,
     ignore_eos: bool = False,
+    adapters: Any = None,
+    adapter: str | None = None,
 ) -> None:
     """An interactive conversation: read a line, stream the reply, keep the conversation.
 
@@ -577,9 +579,10 @@ def repl(
     stays in the conversation as far as it was shown (what the user saw is what the model is
     told it said), marked `INTERRUPTED` on the screen only. A turn the model cannot take
     (e.g. past its context) prints the error and leaves the conversation as it was.
-    `ignore_eos`: as in `chat`.
+    `ignore_eos`, `adapters`, `adapter` (every turn under that LoRA adapter): as in `chat`.
     """
     template = model_template(model) if chat_template is None else chat_template
+    lora = {} if adapters is None else dict(adapters=adapters, adapter=adapter)
     knobs = dict(params_kwargs or {})
     seed = int(knobs.pop("seed", 0) or 0)
     start = [] if system is None else [{"role": "system", "content": system}]
@@ -612,7 +615,9 @@ def repl(
         asked = [*messages, {"role": "user", "content": text}]
         params = {**knobs, "seed": seed + turn}
         try:
-            reply = _reply(model, asked, params, checkpoint_defaults, ignore_eos, template, output)
+            reply = _reply(
+                model, asked, params, checkpoint_defaults, ignore_eos, template, output, lora
+            )
         except KeyboardInterrupt:  # pressed just as the reply ended: it is not kept
             output.write("\n")
             reply = None
@@ -622,9 +627,10 @@ def repl(
 
 
 def _reply(
-    model, messages, knobs, checkpoint_defaults, ignore_eos, template, output: TextIO
+    model, messages, knobs, checkpoint_defaults, ignore_eos, template, output: TextIO, lora
 ) -> str | None:
-    """Stream one reply to `output`; its text (as far as shown), or None on an error."""
+    """Stream one reply to `output` (under `lora`: `stream`'s `adapters=`, `adapter=`);
+    its text (as far as shown), or None on an error."""
     shown: list[str] = []
     events = None
     try:
@@ -633,7 +639,7 @@ def _reply(
         else:
             params = SamplingParams.create(1, **knobs)
         events = stream_chat(
-            model, [messages], params, chat_template=template, ignore_eos=ignore_eos
+            model, [messages], params, chat_template=template, ignore_eos=ignore_eos, **lora
         )
         for event in events:
             output.write(event.text)

@@ -414,8 +414,11 @@ def adapter_spec(text: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
-def _add_adapter_flags(parser: argparse.ArgumentParser) -> None:
+def _add_adapter_flags(parser: argparse.ArgumentParser, *, per_line: bool = True) -> None:
+    """`--adapter NAME=PATH` (repeatable) and `--use-adapter NAME`; `per_line`: a JSONL
+    job, whose lines may name their own adapter (chat has one conversation)."""
     lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    lines = '; a JSONL line\'s "adapter": "NAME" runs its prompt under it, null under the base'
     lora.add_argument(
         "--adapter",
         type=adapter_spec,
@@ -423,13 +426,13 @@ def _add_adapter_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="load the PEFT LoRA adapter PATH (a folder or a Hub repo id) as NAME "
-        "(repeatable); a JSONL line's "
-        '"adapter": "NAME" runs its prompt under it, null under the base model',
+        "(repeatable)" + (lines + " model" if per_line else ""),
     )
+    runs = "the prompts that name none" if per_line else "the conversation"
     lora.add_argument(
         "--use-adapter",
         metavar="NAME",
-        help="the adapter of the prompts that name none (default: the base model)",
+        help=f"the adapter of {runs} (default: the base model)",
     )
 
 
@@ -655,3 +658,4 @@ def _add_chat_parser(sub) -> None:
         "max tokens 256)"
     )
     _add_sampling_flags(s, generation=True, chat=True)
+    _add_adapter_flags(chat, per_line=False)

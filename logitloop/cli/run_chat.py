@@ -1,15 +1,16 @@
 """`logitloop chat`: settle the sampling settings (the checkpoint's generation_config.json
-defaults under the flags), load the model and its chat template, then run the interactive
-loop of `logitloop.conversation.repl` on the terminal."""
+defaults under the flags), load the model, its chat template and the `--adapter`s (the
+conversation runs under `--use-adapter`'s, default the base model), then run the
+interactive loop of `logitloop.conversation.repl` on the terminal."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from logitloop.cli.common import CLIError, checkpoint_defaults, resolve_models
+from logitloop.cli.common import CLIError, adapter_specs, checkpoint_defaults, resolve_models
 from logitloop.cli.parser import base_knobs
-from logitloop.jobs import load_model
+from logitloop.jobs import load_adapters, load_model
 from logitloop.jobs.items import row_params
 
 
@@ -39,9 +40,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--system is empty")
     knobs = {"max_tokens": CHAT_MAX_TOKENS, **checkpoint_defaults(args), **base_knobs(args)}
     row_params(knobs)  # every flag checked before the model loads
+    specs = adapter_specs(args)  # {name: path}, --use-adapter one of them
     model = load_model(
         args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
     )
+    adapters = load_adapters(model, specs)  # None without --adapter
     try:
         template = model_template(model)
     except ValueError as e:
@@ -56,5 +59,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=template,
         checkpoint_defaults=False,  # already under the flags (or --generation-config none)
         ignore_eos=args.ignore_eos,
+        adapters=adapters,
+        adapter=args.use_adapter,
     )
     return 0

@@ -19,6 +19,11 @@ module gives it:
 - `TunixTokenizer`: the model's tokenizer with the methods tunix's `TokenizerAdapter`
   asks for (`bos_id`, `eos_id`, `pad_id`).
 
+A LoRA policy (tunix's own model under qwix's `LoraProvider`, the base frozen): the engine
+decodes a logitloop `model=` of the same base checkpoint with the policy's LoRA state in
+an adapter table (`ll.load_adapter(..., alpha=)`), loaded again at every weight sync
+(tunix sends `nnx.state(policy, nnx.LoRAParam)`), which compiles nothing.
+
 The log-probs are the sampling distribution's as tunix's trainer defines it,
 `log_softmax(logits / temperature)` (raw `log_softmax(logits)` for temperature 0, greedy),
 everywhere: in `RolloutOutput.logprobs`, `get_per_token_logps` and the loss. One function,
@@ -39,6 +44,8 @@ import numpy as np
 from flax import nnx
 
 import logitloop as ll
+from logitloop.models.qwix_lora import is_state as is_lora_state
+from logitloop.models.qwix_lora import largest_rank
 
 MISSING_TUNIX = (
     "logitloop's tunix adapter needs google-tunix, an optional extra: "
@@ -51,6 +58,7 @@ except ImportError as e:  # pragma: no cover - exercised only without tunix
     raise ImportError(MISSING_TUNIX) from e
 
 __all__ = [
+    "LORA_POLICY",
     "MISSING_TUNIX",
     "POLICY_LOSS",
     "LogitloopRollout",
@@ -61,6 +69,7 @@ __all__ = [
 ]
 
 POLICY_LOSS = "logitloop_grpo"
+LORA_POLICY = "policy"  # the adapter table's name of a LoRA policy's weights
 
 
 class TunixTokenizer:
@@ -154,13 +163,16 @@ def completion_logprobs(
     pad_id: int,
     temperature: float,
     deterministic: bool | str = True,
+    adapters: Any = None,
+    adapter: Any = None,
 ) -> jax.Array:
     """`[B, C]` log-probs of tunix's completion tokens, the trainer's definition
     (`log_softmax(logits / temperature)`, raw for temperature 0), 0.0 at padding: tunix's
     layout laid out as `ll.token_logprobs` takes it and its values read back. Pure and
     differentiable in the model's weights; usable under `jax.jit` (only shapes are checked
     there). A prompt row's leading `pad_id`s are its padding, a completion row ends at its
-    first `pad_id` (tunix's masks)."""
+    first `pad_id` (tunix's masks). `adapters`, `adapter`: each row under its LoRA
+    adapter (`ll.token_logprobs`)."""
     prompt = jnp.asarray(prompt_tokens, jnp.int32)
     completion = jnp.asarray(completion_tokens, jnp.int32)
     p_width, c_width = prompt.shape[1], completion.shape[1]
@@ -180,8 +192,9 @@ def completion_logprobs(
     raw = float(temperature) in (0.0, 1.0)
     params = None if raw else _temperature_rows(prompt.shape[0], float(temperature))
     out = ll.token_logprobs(
-        model, ids, prompt_len, params, lengths=lengths, deterministic=deterministic
-    )
+        model, ids, prompt_len, params, lengths=lengths, deterministic=deterministic,
+        adapters=adapters, adapter=adapter,
+    )  # fmt: skip
     lp = out.raw_logprobs if raw else out.logprobs
     j = jnp.arange(c_width)[None, :]
     at = jnp.take_along_axis(lp, jnp.minimum(prompt_len[:, None] + j, lp.shape[1] - 1), axis=1)
@@ -200,7 +213,15 @@ class LogitloopRollout(base_rollout.BaseRollout):
     """tunix's rollout engine running `ll.generate` (module docstring). tunix constructs
     it from `ClusterConfig.rollout_engine`; `functools.partial(LogitloopRollout,
     deterministic=False)` changes the numerics mode (then the log-probs of the rollout
-    and of the trainer are no longer bit for bit equal)."""
+    and of the trainer are no longer bit for bit equal).
+
+    A LoRA policy (`rollout_actor` holds `nnx.LoRAParam`s: tunix's Llama 3 / Qwen2 /
+    Qwen3 under qwix's `LoraProvider`): `functools.partial(LogitloopRollout, model=...,
+    lora_alpha=...)`, `model` the logitloop model of the policy's base checkpoint and
+    `lora_alpha` the provider's. The policy's LoRA state is loaded into an adapter table
+    (one slot, of the state's largest rank) now and at every `update_params` tunix makes
+    with it; rows decode and are scored under it; `model()` is the logitloop model (so
+    tunix, seeing other weights than its trainer's, syncs them)."""
 
     def __init__(
         self,
@@ -211,17 +232,39 @@ class LogitloopRollout(base_rollout.BaseRollout):
         *,
         deterministic: bool | str = True,
         seed: int = 0,
+        model: Any = None,
+        lora_alpha: float | None = None,
     ):
         if mesh is not None and getattr(mesh, "size", 1) > 1:
             raise ValueError(
                 f"mesh: the logitloop rollout engine runs on one device, got a mesh of "
                 f"{mesh.size} devices"
             )
+        lora = nnx.state(rollout_actor, nnx.LoRAParam)
+        self._adapters = self._alpha = None
+        if jax.tree.leaves(lora):
+            if model is None or lora_alpha is None:
+                raise ValueError(
+                    "rollout_actor is a LoRA policy (it holds nnx.LoRAParam): pass model= "
+                    "(the logitloop model of its base checkpoint) and lora_alpha= (the qwix "
+                    "LoraProvider's alpha), e.g. functools.partial(LogitloopRollout, "
+                    "model=..., lora_alpha=...)"
+                )
+            rank = largest_rank(lora)
+            self._alpha = lora_alpha
+            self._adapters = ll.load_adapter(
+                model, lora, name=LORA_POLICY, alpha=lora_alpha, max_adapters=1, max_rank=rank
+            )
+        elif model is not None or lora_alpha is not None:
+            raise ValueError(
+                "model= and lora_alpha= go with a LoRA policy; rollout_actor holds no "
+                "nnx.LoRAParam (it is the model the engine decodes)"
+            )
+        self._model = rollout_actor if model is None else model
         # tunix hands its TokenizerAdapter (over a `TunixTokenizer`): its pad id is the
         # one the learner pads and masks with.
-        tokenizer = tokenizer or TunixTokenizer(rollout_actor.tokenizer)
+        tokenizer = tokenizer or TunixTokenizer(self._model.tokenizer)
         self._pad = int(tokenizer.pad_id())
-        self._model = rollout_actor
         self._config = rollout_config
         self.deterministic = deterministic
         self._seed = int(seed)
@@ -256,8 +299,9 @@ class LogitloopRollout(base_rollout.BaseRollout):
         self._config = rollout_config
         ignore_eos = rollout_config.eos_tokens is not None
         gen = ll.generate(
-            self._model, ids, params, deterministic=self.deterministic, ignore_eos=ignore_eos
-        )
+            self._model, ids, params, deterministic=self.deterministic, ignore_eos=ignore_eos,
+            **self._adapter_rows(),
+        )  # fmt: skip
         padded = np.full((len(ids), width), self._pad, np.int32)
         for r, row in enumerate(ids):
             padded[r, width - len(row) :] = row
@@ -283,14 +327,18 @@ class LogitloopRollout(base_rollout.BaseRollout):
         temperature = 1.0 if self._config is None else float(self._config.temperature)
         lp = completion_logprobs(
             self._model, prompt_tokens, completion_tokens, self._pad, temperature,
-            self.deterministic,
+            self.deterministic, **self._adapter_rows(),
         )  # fmt: skip
         return jax.lax.stop_gradient(lp)
 
     def update_params(self, params: Any, filter_types: Any = None) -> None:
         """The trainer's weights into the rollout model with `nnx.update`: same tree, each
         leaf cast to the rollout weight's dtype (logitloop refuses another float dtype),
-        so nothing compiles again."""
+        so nothing compiles again. A LoRA policy's LoRA state goes into the adapter table
+        instead (its values only: nothing compiles either)."""
+        if self._adapters is not None and jax.tree.leaves(params) and is_lora_state(params):
+            self._adapters = self._adapters.load(params, name=LORA_POLICY, alpha=self._alpha)
+            return
         current = nnx.state(self._model, *(filter_types or (nnx.Param,)))
         cast = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), params, current)
         nnx.update(self._model, cast)
@@ -305,6 +353,12 @@ class LogitloopRollout(base_rollout.BaseRollout):
         return self._model
 
     # ------------------------------------------------------------------ helpers
+
+    def _adapter_rows(self) -> dict[str, Any]:
+        """The LoRA policy's table and adapter for every row (none without one)."""
+        if self._adapters is None:
+            return {}
+        return dict(adapters=self._adapters, adapter=LORA_POLICY)
 
     def _row_seeds(self, seed: Any, rows: int) -> np.ndarray:
         base = self._seed if seed is None else int(np.asarray(seed).reshape(-1)[0])

@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.models import qwix_lora
 from logitloop.models.lora import LoraTable, site_name
 
 CONFIG_FILE = "adapter_config.json"
@@ -99,14 +100,16 @@ class Adapters:
         name: str,
         config: Mapping[str, Any] | None = None,
         revision: str | None = None,
+        alpha: float | None = None,
     ):
         """This table with adapter `name` loaded (replacing one of that name): `source` a
         PEFT adapter folder or its Hugging Face Hub repo id ("org/name", at `revision`;
-        `logitloop.models.hub.adapter_folder`), or its tensors (a mapping of PEFT's names
-        to arrays) with `config` (adapter_config.json's fields)."""
+        `logitloop.models.hub.adapter_folder`), its tensors (a mapping of PEFT's names
+        to arrays) with `config` (adapter_config.json's fields), or a Qwix / tunix LoRA
+        state with the provider's `alpha` (`logitloop.models.qwix_lora`)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
-        config, tensors, where = _read(source, config, revision)
+        config, tensors, where = _read(source, config, revision, alpha)
         scale = _check_config(config, self.max_rank, where)
         blocks = self._blocks(tensors, where)
         if name in self.names:
@@ -226,12 +229,15 @@ def load_adapter(
     max_adapters: int = 4,
     max_rank: int = 16,
     revision: str | None = None,
+    alpha: float | None = None,
 ) -> Adapters:
     """`adapters` (default a new table for `model`, `Adapters.create(model, max_adapters=,
     max_rank=)`) with the LoRA adapter `source` loaded as `name`: a PEFT adapter folder
     (`adapter_config.json`, `adapter_model.safetensors`), its Hugging Face Hub repo id
-    ("org/name" at `revision`, fetched into the Hugging Face cache as models are), or its
-    tensors with `config`.
+    ("org/name" at `revision`, fetched into the Hugging Face cache as models are), its
+    tensors with `config`, or a Qwix / tunix LoRA state (`nnx.state(policy,
+    nnx.LoRAParam)` of a tunix Llama 3 / Qwen2 / Qwen3 under qwix's `LoraProvider`) with
+    the provider's `alpha` (scale `alpha / rank`, as qwix computes it).
     PEFT's LoRA only (`r`, `lora_alpha`, `use_rslora`, `target_modules`, bias "none");
     DoRA, other PEFT types, bias terms, `rank_pattern` / `alpha_pattern` and
     `modules_to_save` are refused by name. Returns a new `Adapters`; compiles nothing."""
@@ -239,7 +245,7 @@ def load_adapter(
         adapters = Adapters.create(model, max_adapters=max_adapters, max_rank=max_rank)
     elif not isinstance(adapters, Adapters):
         raise ValueError(f"adapters must be an ll.Adapters, got {type(adapters).__name__}")
-    return adapters.load(source, name=name, config=config, revision=revision)
+    return adapters.load(source, name=name, config=config, revision=revision, alpha=alpha)
 
 
 def adapter_rank(source: Any, config: Mapping[str, Any] | None = None) -> int:
@@ -272,9 +278,21 @@ def _folder(source: str | os.PathLike, revision: str | None) -> str:
 
 
 def _read(
-    source: Any, config: Mapping[str, Any] | None, revision: str | None = None
+    source: Any,
+    config: Mapping[str, Any] | None,
+    revision: str | None = None,
+    alpha: float | None = None,
 ) -> tuple[dict, Mapping, str]:
     """The adapter's config, tensors and a name for errors."""
+    if qwix_lora.is_state(source):
+        if config is not None:
+            raise ValueError("config= goes with PEFT tensors; a Qwix LoRA state takes alpha=")
+        return (*qwix_lora.peft_tensors(source, alpha, "the Qwix LoRA state"), "Qwix LoRA state")
+    if alpha is not None:
+        raise ValueError(
+            "alpha= goes with a Qwix LoRA state; a PEFT adapter has its own lora_alpha "
+            "(adapter_config.json, or config=)"
+        )
     if isinstance(source, (str, os.PathLike)):
         folder = _folder(source, revision)
         config_path = os.path.join(folder, CONFIG_FILE)
@@ -300,8 +318,8 @@ def _read(
             raise ValueError("an adapter given as tensors needs config= (adapter_config.json)")
         return dict(config), source, "adapter tensors"
     raise ValueError(
-        f"an adapter is a PEFT adapter folder or a mapping of its tensors, got "
-        f"{type(source).__name__} (Qwix / tunix LoRA states are not supported yet)"
+        f"an adapter is a PEFT adapter folder, a mapping of its tensors or a Qwix LoRA "
+        f"state, got {type(source).__name__}"
     )
 
 

@@ -287,6 +287,44 @@ def test_speculative_rows_verify_under_their_adapters(setup):
     assert sum(r["drafted"] for r in fast.speculation) > 0  # drafts were verified
 
 
+@pytest.mark.slow  # one more program set (the draft's passes under its table)
+def test_a_draft_under_its_own_adapters_drafts_each_rows_adapter(setup):
+    """`DraftModel(adapters=)`: the draft (here the target itself) holds "a" only. Row "a"
+    drafts under "a", so the target under "a" accepts every draft (greedy: the same
+    model and adapter) and the row takes the fewest cycles any draft could: 7 tokens after
+    the prefill's first, 3 a cycle (2 drafts and the target's own). Row "b" drafts under
+    the draft's base and takes more; the tokens are plain decoding's under each row's
+    adapter (strict acceptance). Drafting row "a" without its adapter accepted none."""
+    model, table = setup["model"], setup["table"]
+    prompts = random_prompts(160, [6, 7], 9)
+    keywords = dict(temperature=0, max_new_tokens=8, ignore_eos=True, adapter=["a", "b"])
+    plain = ll.generate(model, prompts, adapters=table, **keywords)
+    draft_table = ll.load_adapter(model, setup["dir"] / "a", name="a")
+    draft = ll.DraftModel(
+        model=model, adapters=draft_table, num_draft=2, cycle_cost=1.0, min_acceptance=0.0
+    )
+    fast = ll.generate(model, prompts, adapters=table, speculative=draft, **keywords)
+    assert fast.token_ids == plain.token_ids
+    a, b = fast.speculation
+    assert a["proposed"] == a["cycles"] == 3 and a["accepted"] == 7 - 3, a
+    assert b["cycles"] > 3, b
+
+
+def test_draft_adapters_are_refused_by_name(setup):
+    model, table = setup["model"], setup["table"]
+    draft = ll.DraftModel(model=model, adapters=table, num_draft=2)
+    with pytest.raises(ValueError, match="DraftModel.adapters runs with the call's adapters="):
+        ll.generate(model, [[3, 4, 5]], speculative=draft, max_new_tokens=2)
+    with pytest.raises(ValueError, match="nor in generate_many yet"):
+        ll.generate_many(
+            model, [[3, 4, 5]], adapters=table, speculative=draft, max_new_tokens=2, slots=1
+        )
+    other = ll.Adapters.create(sites={(0, "q_proj"): (64, 64)})
+    bad = ll.DraftModel(model=model, adapters=other, num_draft=2)
+    with pytest.raises(ValueError, match="DraftModel.adapters was made for another model"):
+        ll.generate(model, [[3, 4, 5]], adapters=table, speculative=bad, max_new_tokens=2)
+
+
 @pytest.mark.slow  # the tiny Llama above is the default twin
 @pytest.mark.parametrize("case", ["qwen2", "gemma2", "mixtral"])
 def test_other_families_equal_peft_merged(case, tmp_path):

@@ -290,9 +290,8 @@ class Plan:
     ) -> Tables:
         """What the loop reads for rows `params` (`stops`, `automata`: their device
         tables, `stop_tables` and `constraint_tables`; `rows`: `adapter_rows`)."""
-        return Tables(
-            self.info.weights, params.device_only(), stops, automata, self.draft_weights, rows
-        )
+        draft = draft_inputs(self.draft_weights, self.options, rows)
+        return Tables(self.info.weights, params.device_only(), stops, automata, draft, rows)
 
     def adapter_rows(
         self, prompts: int, batch_size: int, ids: list[list[int]] | None = None
@@ -394,8 +393,34 @@ def check_inside(options: Options, supported: bool) -> None:
         )
 
 
+def draft_inputs(draft_weights: Any, options: Options, rows: Any) -> Any:
+    """A draft model's weights, with its rows' adapters where it has its own
+    (`DraftModel.adapters`: each row drafts under the draft's adapter of its own adapter's
+    name, else the draft's base): `speculative.DraftInputs`. `rows`: the batch's
+    (`adapter_rows`), fixed for the call: a job that admits rows as it runs builds its
+    tables without them and is refused here."""
+    table = getattr(options.speculative, "adapters", None)
+    if table is None:
+        return draft_weights
+    if options.adapters is None or rows is None or rows.adapter is None:
+        raise ValueError(
+            "DraftModel.adapters runs with the call's adapters= (each row drafts under the "
+            "draft's adapter of its own adapter's name), in generate, stream and chat; "
+            "not without adapters=, nor in generate_many yet (docs/lora.md)"
+        )
+    names = options.adapters.names  # the call's slot -> the draft's slot of that name
+    mapping = [table.names.index(n) if n in table.names else -1 for n in names]
+    mapping = np.asarray([*mapping, -1], np.int32)  # slot -1 (the base) reads the last
+    slots = mapping[np.asarray(rows.adapter)]  # [B]
+    return speculation.DraftInputs(draft_weights, Rows(jnp.asarray(slots), table.table))
+
+
 def check_adapters(model: Any, options: Options, supported: bool) -> None:
-    """Refuse adapters where they do not run yet, or made for another model, by name."""
+    """Refuse adapters where they do not run yet, or made for another model, by name
+    (and the draft model's own, `DraftModel.adapters`)."""
+    draft_table = getattr(options.speculative, "adapters", None)
+    if draft_table is not None:
+        _made_for(options.speculative.model, draft_table, "DraftModel.adapters")
     table = options.adapters
     if table is None:
         return
@@ -407,9 +432,16 @@ def check_adapters(model: Any, options: Options, supported: bool) -> None:
         )
     if options.mesh is not None:
         raise ValueError("adapters= does not run with mesh= yet (docs/lora.md)")
+    _made_for(model, table, "adapters=")
+
+
+def _made_for(model: Any, table: Any, argument: str) -> None:
+    """Refuse `table` (an `ll.Adapters`, given as `argument`) made for another model."""
+    if not isinstance(table, Adapters):
+        raise ValueError(f"{argument} must be an ll.Adapters, got {type(table).__name__}")
     sites = model.lora_sites() if hasattr(model, "lora_sites") else None
     if sites is not None and dict(sites) != dict(table.sites):
         raise ValueError(
-            "adapters= was made for another model (its target projections or their shapes "
+            f"{argument} was made for another model (its target projections or their shapes "
             "differ from this model's): make it with ll.load_adapter(model, ...)"
         )

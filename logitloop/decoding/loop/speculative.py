@@ -87,6 +87,7 @@ from logitloop.decoding.loop.layout import Layout
 from logitloop.decoding.loop.runner import ModelRunner, model_info
 from logitloop.decoding.sampling import sampler
 from logitloop.decoding.sampling.params import SamplingParams
+from logitloop.models.kv import Rows
 from logitloop.models.layers import RING_SLACK
 from logitloop.ops.sampling import noise
 
@@ -446,9 +447,17 @@ class DraftModel(_Speculation):
     own drafts. Rows switch themselves off as prompt lookup's do; the plain steps taken
     meanwhile skip the draft, which is fed the tokens it missed (`CATCH_UP` columns at a
     time) before it next proposes.
+
+    adapters: the draft's own LoRA adapters (an `ll.Adapters` made for `model`), or None
+    (the draft decodes its base weights). A row under the call's adapter "x" drafts under
+    the draft's adapter named "x", where this table has one, else under the draft's base
+    (drafts change how fast, not what: the target verifies under the row's own adapter).
+    Runs where the call takes `adapters=` with a batch fixed at the start (`generate`,
+    `stream`, `chat`; `engine.plan.draft_inputs`).
     """
 
     model: Any = None
+    adapters: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -480,9 +489,17 @@ class _Draft(_Speculation):
     runner: ModelRunner
 
     def draft_prefill(self, draft_weights, prompt, positions, cache_len, layout):
+        weights, rows = _unpack(draft_weights)
+        if rows is not None and rows.adapter.shape[0] != prompt.shape[0]:
+            rows = rows.every(rows.adapter.shape[0] // prompt.shape[0])  # a prompt's n rows
         return loop.forward_prompt(
-            self.runner, draft_weights, prompt, positions, cache_len, layout
+            self.runner, weights, prompt, positions, cache_len, layout, rows=rows
         )[1]
+
+    def forward(self, draft_weights, tokens, positions, cache):
+        """The draft over `tokens` (each row under its draft adapter, `DraftInputs`)."""
+        weights, rows = _unpack(draft_weights)
+        return self.runner.forward(weights, tokens, positions, cache, rows=rows)
 
     def catch_up(self, draft_weights, s) -> Any:
         """The draft's cache with every running row's tokens before its last two fed (rows
@@ -501,7 +518,7 @@ class _Draft(_Speculation):
             at = fed[:, None] + cols  # [B, C]
             pos = jnp.where(at < upto[:, None], at, -1)
             tokens = jnp.maximum(jnp.take_along_axis(hist, jnp.clip(at, 0, cap - 1), axis=1), 0)
-            _, cache = self.runner.forward(draft_weights, tokens, pos, cache)
+            _, cache = self.forward(draft_weights, tokens, pos, cache)
             return cache, jnp.maximum(fed, jnp.minimum(fed + CATCH_UP, upto))
 
         spec = s.speculation
@@ -516,7 +533,7 @@ class _Draft(_Speculation):
         tokens = jnp.concatenate([jnp.maximum(prev, 0), loop.last_tokens(s)[:, None]], axis=1)
         pos = jnp.where(running[:, None], base[:, None] + jnp.arange(-1, 1)[None, :], -1)
         cache = self.catch_up(draft_weights, s)
-        logits, cache = self.runner.forward(draft_weights, tokens, pos, cache)
+        logits, cache = self.forward(draft_weights, tokens, pos, cache)
         drafts, qs = [], []
         for i in range(k):
             token, q = self.pick(logits, params, s.num_tokens + i)
@@ -524,7 +541,7 @@ class _Draft(_Speculation):
             qs.append(q)
             if i + 1 < k:
                 p_i = jnp.where(running, base + 1 + i, -1)[:, None]
-                logits, cache = self.runner.forward(draft_weights, token[:, None], p_i, cache)
+                logits, cache = self.forward(draft_weights, token[:, None], p_i, cache)
         drafts = jnp.stack(drafts, axis=1)  # [B, K]
         q = None if self.acceptance == "strict" else jnp.stack(qs, axis=1)  # [B, K, V]
         num = jnp.where(running, k, 0).astype(jnp.int32)
@@ -546,3 +563,20 @@ class _Draft(_Speculation):
         token = jnp.where(greedy, greedy_tok, sampled)
         q = jnp.where(greedy[:, None], jax.nn.one_hot(token, logits.shape[1]), jnp.exp(logq))
         return token, q
+
+
+@struct.dataclass
+class DraftInputs:
+    """A draft model's weights with its rows' adapters (`DraftModel.adapters`), as
+    `Tables.draft_weights`: `rows` an `ll.Rows` of each row's slot in the draft's table
+    (`[B]`, -1: the draft's base) and that table."""
+
+    weights: Any
+    rows: Rows
+
+
+def _unpack(draft_weights: Any) -> tuple[Any, Rows | None]:
+    """(the draft's weights, its rows' adapters or None)."""
+    if isinstance(draft_weights, DraftInputs):
+        return draft_weights.weights, draft_weights.rows
+    return draft_weights, None
