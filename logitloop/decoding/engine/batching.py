@@ -13,15 +13,15 @@ from typing import Any
 from logitloop.decoding.engine import job_adapters, paged_batching
 from logitloop.decoding.engine.batcher import (
     Request,
-    _all_set_max_tokens,
     _Batcher,
     _bounds_from,
     _describe,
+    _split_request,
 )
 from logitloop.decoding.engine.host import GenerationResult, check_count
 from logitloop.decoding.engine.plan import Options, plan
 from logitloop.decoding.engine.prefix_cache import PrefixBatcher
-from logitloop.decoding.sampling.params import canonical_knobs, generation_defaults
+from logitloop.decoding.sampling.params import SamplingParams, canonical_knobs, generation_defaults
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
 
@@ -77,7 +77,7 @@ def _job(
     """`iter_generate_many`'s job for the public function `caller` (named in errors): its
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
-    job = plan(model, options, adapters=True)
+    job = plan(model, options, adapters=True, inside=("steer",))
     job_adapters.check_job_adapter(options.adapter)
     info, layout = job.info, job.layout
     slots = check_count("slots", slots, 1)
@@ -152,6 +152,19 @@ def _job(
         factory=factory, **bounds,
     )  # fmt: skip
     return batcher.run(requests)
+
+
+def _all_set_max_tokens(requests: Any) -> bool:
+    """Whether `requests` is a non-empty sequence whose every request sets its max_tokens."""
+    if not isinstance(requests, Sequence) or not requests:
+        return False
+    for item in requests:
+        knobs = _split_request(item).params
+        if not isinstance(knobs, SamplingParams) and not (
+            isinstance(knobs, Mapping) and ({"max_tokens", "max_new_tokens"} & set(knobs))
+        ):
+            return False
+    return True
 
 
 def generate_many(
