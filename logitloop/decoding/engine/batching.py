@@ -238,6 +238,10 @@ def generate_many(
       an idle brought adapter's, `logitloop.decoding.engine.job_adapters`). A
       request's `n` rows share its adapter; the prefix cache keys pages by adapter
       (`logitloop.decoding.engine.job_adapters`).
+    steer: steering vectors (an `ll.Steer` or a list of them) for every request that
+      gives none of its own (`Request(prompt, steer=...)`; `[]`: none); new vectors
+      compile nothing, and the prefix cache keys pages by the vectors that reach the
+      prompt (`logitloop.decoding.engine.job_steering`, docs/inside.md).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:

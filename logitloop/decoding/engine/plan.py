@@ -91,7 +91,8 @@ class Options:
     steer: steering vectors added to the residual stream (`ll.Steer`: one for every
       prompt, or a list with one entry per prompt); capture: the residual stream to
       record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate` and
-      `stream` so far (docs/inside.md).
+      `stream` so far, and `steer=` in `generate_many` too (one setting for every
+      request that gives none, `Request.steer`; docs/inside.md).
     """
 
     n: int = 1
