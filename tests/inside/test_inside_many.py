@@ -126,3 +126,20 @@ def test_preempted_steered_rows_resume_under_their_vectors(setup):
             model, [prompts[i]], steer=[s or None], **{**GREEDY, "max_new_tokens": 8}
         )
         assert out[i].token_ids == want.token_ids, i
+
+
+@pytest.mark.slow
+def test_a_generators_later_request_starts_the_steering(setup):
+    """A generator whose first two requests give no vectors (the job starts without any
+    steering state) and whose third steers, `n = 2` rows a request: every row equals
+    `generate` alone (the state gains the vectors mid-job, compiling once)."""
+    model = setup["model"]
+    prompts = random_prompts(160, [7, 10, 9], 24)
+    steers = [None, None, [ll.Steer(vector(33), 0, 6.0)]]
+
+    def requests():
+        yield from (ll.Request(p, steer=s) for p, s in zip(prompts, steers, strict=True))
+
+    out = dict(ll.iter_generate_many(model, requests(), n=2, **JOB))
+    for i, s in enumerate(steers):
+        assert out[i].token_ids == [alone(model, prompts[i], s or [])] * 2, i
