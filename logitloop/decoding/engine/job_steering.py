@@ -73,9 +73,8 @@ class JobSteering:
         """A request's steers (its `steer`, module docstring) for its prompt of
         `prompt_len` tokens, checked: `inside.row_steers`' tuples."""
         entries = steer_list(steer, "steer")
-        name = "steer" if entries is not None else "steer="
         entries = self.default if entries is None else entries
-        steers = inside.row_steers(entries, name, prompt_len, self.num_layers, self.width)
+        steers = inside.row_steers(entries, "steer", prompt_len, self.num_layers, self.width)
         if steers and self.width is None:
             self.width = steers[0][0].shape[0]  # a user's model: the first vector's
         self.k = max(self.k, inside.vector_bucket(len(steers)))
@@ -107,7 +106,8 @@ class JobSteering:
 
     def group(self, rows: Sequence[tuple]) -> Steering:
         """A prefill group's vectors (`[G]` rows' steers)."""
-        arrays = inside.steer_arrays(len(rows), self._fit()[0].shape[1], self._fit()[0].shape[2])
+        _, k, e = self._fit()[0].shape
+        arrays = inside.steer_arrays(len(rows), k, e)
         for i, steers in enumerate(rows):
             inside.put_steers(arrays, i, steers)
         return Steering(*map(jnp.asarray, arrays))
