@@ -26,15 +26,6 @@ ATOL = 2e-4  # float32 states of magnitude ~1-10 (the parity tests' logits take 
 WIDTH = 64  # the tiny Llama's hidden size (tests/models/tiny_checkpoints.py)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The tiny Llama (2 layers), in transformers and logitloop."""
-    d = tmp_path_factory.mktemp("inside")
-    hf = build_hf_model("llama")
-    save_hf_model(hf, d)
-    return dict(hf=hf, model=ll.load_pretrained(str(d)))
-
-
 def hf_states(hf, sequence: list[int]) -> list[np.ndarray]:
     """transformers' `output_hidden_states` of one sequence: entry l + 1 is the residual
     stream after decoder layer l (the last one after the final norm), each [T, E]."""
@@ -237,7 +228,12 @@ def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):
     [
         lambda m: ll.score(m, [[1, 2]], [[3]], steer=ll.Steer(np.zeros(WIDTH), 0)),
         lambda m: ll.generate_many(m, [[1, 2]], capture=ll.Capture(layers=0)),
-        lambda m: ll.generate_many(m, [[1, 2]], steer=ll.Steer(np.zeros(WIDTH), 0)),
+        lambda m: ll.generate_many(
+            m,
+            [ll.Request([1, 2], steer=ll.Steer(np.zeros(WIDTH), 0))],
+            mesh=jax.make_mesh((1, 1), ("data", "model")),
+        ),
+        lambda m: ll.generate_many(m, [[1, 2]], steer=ll.Steer(np.zeros(WIDTH), 0), mesh=1),
         lambda m: ll.score(m, [[1, 2]], [[3]], capture=ll.Capture(layers=0, prompt=True)),
     ],
 )

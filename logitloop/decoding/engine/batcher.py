@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding.engine import job_adapters
+from logitloop.decoding.engine import job_adapters, job_steering
 from logitloop.decoding.engine.host import (
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
@@ -105,6 +105,8 @@ class Request:
     adapter: its LoRA adapter in the job's `adapters=` by name, None for the job's
       `adapter=` (default the base model), or `(name, source)` to load `source` into the
       table as the job runs (`logitloop.decoding.engine.job_adapters`).
+    steer: its steering vectors: an `ll.Steer`, a list of them (`[]`: none), or None for
+      the job's `steer=` (`logitloop.decoding.engine.job_steering`).
     """
 
     prompt: Any
@@ -112,6 +114,7 @@ class Request:
     id: Any = None
     processors: Sequence[Any] | None = None
     adapter: Any = None
+    steer: Any = None
 
 
 # --------------------------------------------------------------------------- device side
@@ -186,8 +189,10 @@ def _admit(
     With `prefix`, `prompts` holds only the columns after each row's shared pages
     (`suffix_batch`): the prefill computes those and attends the rest."""
     rows = tables.replace(params=new.params, stops=new.stops)
-    if new.rows is not None:  # the new rows' adapters, over the job's table
-        rows = rows.replace(rows=tables.rows.replace(adapter=new.rows.adapter))
+    if new.rows is not None:  # the new rows' adapters (over the job's table) and vectors
+        rows = rows.replace(
+            rows=tables.rows.replace(adapter=new.rows.adapter, steer=new.rows.steer)
+        )
     cache = None
     if state.pages is not None:  # the new rows' prefill writes into the shared pool
         state, cache = pool.admit(state, slot, prompts.lengths, prefix, shape=program.pool)
@@ -228,6 +233,7 @@ class _Row:
     automaton: HostAutomaton | None = None  # its constraint's, compiled
     shard: int = 0  # the block of slots (a mesh's data shard) it is admitted to
     adapter: int = -1  # its LoRA adapter's slot in the job's table (-1: the base)
+    steer: tuple = ()  # its steering vectors (`job_steering.JobSteering.resolve`)
 
 
 @dataclasses.dataclass
@@ -305,6 +311,7 @@ class _Batcher:
         self.automata_seen: list[HostAutomaton] = []
         self.initial: dict[int, int] = {}  # id(automaton) -> its initial state in the tables
         self.adapters = job_adapters.for_job(plan.options, slots)  # LoRA, or None
+        self.steering: job_steering.JobSteering | None = None  # set by `run`, or None
 
     # ------------------------------------------------------------------ requests
 
@@ -364,12 +371,15 @@ class _Batcher:
                 compiled = constraints.compile_rows(params.constraints, vocab)
                 stop_ids = np.asarray(params.stop_token_ids)
                 constraints.refuse_stop_ids(params.constraints, stop_ids, vocab)
+            self.steering, steer = job_steering.resolve(
+                self.steering, self.plan, self.slots, request.steer, len(ids[0])
+            )
             adapter = job_adapters.slot_of(self.adapters, request.adapter, self.n)  # last
         except (ValueError, TypeError) as e:
             raise ValueError(f"{_describe(index, request.id)}: {e}") from None
-        widths = params.widths()
+        widths, model_rows = params.widths(), dict(adapter=adapter, steer=steer)
         rows = [
-            _Row(index, c, ids[c], params.take([c]), widths, compiled[c], adapter=adapter)
+            _Row(index, c, ids[c], params.take([c]), widths, compiled[c], **model_rows)
             for c in range(self.n)
         ]
         pending = _Pending(
@@ -398,9 +408,8 @@ class _Batcher:
             # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
             empty = template.widen(widths).take([0] * self.slots)
             empty = empty.replace(temperature=jax.device_put(np.zeros(self.slots, np.float32)))
-            self.tables = self.plan.tables(empty, stops)
-            if self.adapters is not None:
-                self.tables = self.tables.replace(rows=self.adapters.rows())
+            rows = job_steering.slot_rows(self.adapters, self.steering)
+            self.tables = self.plan.tables(empty, stops, rows=rows)
             self.state = _empty_state(
                 self.plan.program,
                 self.tables,
@@ -527,11 +536,12 @@ class _Batcher:
             [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
             np.int32,
         )
-        adapters = job_adapters.group_rows(self.adapters, [r.adapter for r in group])
-        if adapters is not None:  # the table as loaded so far, the slots' new adapters
-            self.adapters.admitted(slot, [r.adapter for r in group])
-            self.tables = self.tables.replace(rows=self.adapters.rows())
-        new = Tables(None, new_params.device_only(), new_stops, rows=adapters)
+        rows = job_steering.admitted(self.adapters, self.steering, slot, group)
+        if rows is not None:  # the table as loaded so far, the slots' new adapters, vectors
+            self.tables = self.tables.replace(
+                rows=job_steering.slot_rows(self.adapters, self.steering)
+            )
+        new = Tables(None, new_params.device_only(), new_stops, rows=rows)
         self.state, params, stops = _admit(
             self.plan.program,
             self.tables,
@@ -598,6 +608,7 @@ class _Batcher:
         While a chunk runs on the device, the host yields the results of the previous
         chunk and reads (tokenizes, validates) up to `prefill_batch` requests ahead.
         """
+        self.steering = job_steering.for_job(self.plan, self.slots, requests, _describe)
         source = enumerate(requests)
         exhausted = False
         waiting: deque[_Row] = deque()
@@ -678,16 +689,3 @@ def _bounds_from(
                 continue  # reported with the request's index later
         longest, most = max(longest, length), max(most, mt)
     return longest, most
-
-
-def _all_set_max_tokens(requests: Any) -> bool:
-    """Whether `requests` is a non-empty sequence whose every request sets its max_tokens."""
-    if not isinstance(requests, Sequence) or not requests:
-        return False
-    for item in requests:
-        knobs = _split_request(item).params
-        if not isinstance(knobs, SamplingParams) and not (
-            isinstance(knobs, Mapping) and ({"max_tokens", "max_new_tokens"} & set(knobs))
-        ):
-            return False
-    return True

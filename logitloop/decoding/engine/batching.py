@@ -13,15 +13,15 @@ from typing import Any
 from logitloop.decoding.engine import job_adapters, paged_batching
 from logitloop.decoding.engine.batcher import (
     Request,
-    _all_set_max_tokens,
     _Batcher,
     _bounds_from,
     _describe,
+    _split_request,
 )
 from logitloop.decoding.engine.host import GenerationResult, check_count
 from logitloop.decoding.engine.plan import Options, plan
 from logitloop.decoding.engine.prefix_cache import PrefixBatcher
-from logitloop.decoding.sampling.params import canonical_knobs, generation_defaults
+from logitloop.decoding.sampling.params import SamplingParams, canonical_knobs, generation_defaults
 
 __all__ = ["Request", "generate_many", "iter_generate_many"]
 
@@ -77,7 +77,7 @@ def _job(
     """`iter_generate_many`'s job for the public function `caller` (named in errors): its
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
-    job = plan(model, options, adapters=True)
+    job = plan(model, options, adapters=True, inside=("steer",))
     job_adapters.check_job_adapter(options.adapter)
     info, layout = job.info, job.layout
     slots = check_count("slots", slots, 1)
@@ -154,6 +154,19 @@ def _job(
     return batcher.run(requests)
 
 
+def _all_set_max_tokens(requests: Any) -> bool:
+    """Whether `requests` is a non-empty sequence whose every request sets its max_tokens."""
+    if not isinstance(requests, Sequence) or not requests:
+        return False
+    for item in requests:
+        knobs = _split_request(item).params
+        if not isinstance(knobs, SamplingParams) and not (
+            isinstance(knobs, Mapping) and ({"max_tokens", "max_new_tokens"} & set(knobs))
+        ):
+            return False
+    return True
+
+
 def generate_many(
     model: Any,
     requests: Iterable[Any],
@@ -225,6 +238,10 @@ def generate_many(
       an idle brought adapter's, `logitloop.decoding.engine.job_adapters`). A
       request's `n` rows share its adapter; the prefix cache keys pages by adapter
       (`logitloop.decoding.engine.job_adapters`).
+    steer: steering vectors (an `ll.Steer` or a list of them) for every request that
+      gives none of its own (`Request(prompt, steer=...)`; `[]`: none); new vectors
+      compile nothing, and the prefix cache keys pages by the vectors that reach the
+      prompt (`logitloop.decoding.engine.job_steering`, docs/inside.md).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:

@@ -134,31 +134,58 @@ def steering(
             f"per prompt: None, an ll.Steer or a list of them), got {type(steer).__name__}"
             + (f" of {len(steer)}" if isinstance(steer, (list, tuple)) else "")
         )
-    rows = []
-    for i, entries in enumerate(per_prompt):
-        name = "steer" if isinstance(steer, Steer) else f"steer[{i}]"
-        checked = [
-            _checked_steer(s, name if len(entries) == 1 else f"{name}[{k}]", num_layers, width)
-            for k, s in enumerate(entries)
-        ]
-        rows.append([(*c[:3], *_span(c[3], len(prompts[i]))) for c in checked])
+    rows = [
+        row_steers(entries, "steer" if isinstance(steer, Steer) else f"steer[{i}]",
+                   len(prompts[i]), num_layers, width)
+        for i, entries in enumerate(per_prompt)
+    ]  # fmt: skip
     if not any(rows):
         return None
     widths = {v.shape[0] for row in rows for v, *_ in row}
     if len(widths) > 1:
         raise ValueError(f"steer= vectors have different widths {sorted(widths)}")
-    k = 1 << (max(len(r) for r in rows) - 1).bit_length()
-    e = widths.pop()
-    vectors = np.zeros((batch_size, k, e), np.float32)
-    layers = np.full((batch_size, k), -1, np.int32)
-    scales = np.zeros((batch_size, k), np.float32)
-    spans = np.zeros((2, batch_size, k), np.int32)
+    arrays = steer_arrays(batch_size, vector_bucket(max(len(r) for r in rows)), widths.pop())
     for p, row in enumerate(rows):
-        for j, (vector, layer, scale, start, stop) in enumerate(row):
-            at = slice(p * n, p * n + n)
-            vectors[at, j], layers[at, j], scales[at, j] = vector, layer, scale
-            spans[0, at, j], spans[1, at, j] = start, stop
-    return Steering(*map(jnp.asarray, (vectors, layers, scales, spans[0], spans[1])))
+        put_steers(arrays, slice(p * n, p * n + n), row)
+    return Steering(*map(jnp.asarray, arrays))
+
+
+def row_steers(
+    entries: Sequence[Any], name: str, prompt_len: int, num_layers: int, width: int | None
+) -> list[tuple]:
+    """One row's `Steer`s (`entries`, named `name`, `name[k]` when several) as checked
+    `(vector [E] float32, layer, scale, start, stop)` tuples for a prompt of `prompt_len`
+    tokens (`_span`)."""
+    checked = [
+        _checked_steer(s, name if len(entries) == 1 else f"{name}[{k}]", num_layers, width)
+        for k, s in enumerate(entries)
+    ]
+    return [(*c[:3], *_span(c[3], prompt_len)) for c in checked]
+
+
+def vector_bucket(count: int) -> int:
+    """K, the vectors a row holds, for a row of `count` (a power of two, at least 1)."""
+    return 1 << (max(count, 1) - 1).bit_length()
+
+
+def steer_arrays(rows: int, k: int, e: int) -> tuple[np.ndarray, ...]:
+    """Host arrays of a `Steering` of `rows` rows steering nothing: (vectors [rows, k, e],
+    layers, scales, start, stop [rows, k])."""
+    return (
+        np.zeros((rows, k, e), np.float32), np.full((rows, k), -1, np.int32),
+        np.zeros((rows, k), np.float32), np.zeros((rows, k), np.int32),
+        np.zeros((rows, k), np.int32),
+    )  # fmt: skip
+
+
+def put_steers(arrays: tuple[np.ndarray, ...], at: Any, steers: Sequence[tuple]) -> None:
+    """Write one row's checked steers (`row_steers`) into rows `at` of `steer_arrays`,
+    clearing the vectors after them."""
+    vectors, layers, scales, start, stop = arrays
+    vectors[at], layers[at], scales[at], start[at], stop[at] = 0.0, -1, 0.0, 0, 0
+    for j, (vector, layer, scale, lo, hi) in enumerate(steers):
+        vectors[at, j], layers[at, j], scales[at, j] = vector, layer, scale
+        start[at, j], stop[at, j] = lo, hi
 
 
 def _span(tokens: str, prompt_len: int) -> tuple[int, int]:

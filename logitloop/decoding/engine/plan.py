@@ -91,7 +91,8 @@ class Options:
     steer: steering vectors added to the residual stream (`ll.Steer`: one for every
       prompt, or a list with one entry per prompt); capture: the residual stream to
       record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate` and
-      `stream` so far (docs/inside.md).
+      `stream` so far, and `steer=` in `generate_many` too (one setting for every
+      request that gives none, `Request.steer`; docs/inside.md).
     """
 
     n: int = 1
@@ -351,12 +352,13 @@ def plan(
     *,
     adapters: bool = False,
     guidance: bool = False,
-    inside: bool = False,
+    inside: bool | tuple[str, ...] = False,
 ) -> Plan:
     """Resolve `model` under `options` (default `Options()`): its runner and weights, the
     layout, the speculation strategy and the draft's weights (see the module docstring).
     `adapters`, `guidance`, `inside`: whether the caller runs rows under LoRA adapters,
-    under classifier-free guidance, and with steering and capture (else
+    under classifier-free guidance, and with steering and capture (`inside`: True for
+    both, or the names of those it runs, e.g. `("steer",)`; else
     `options.adapters`, `options.guidance_scale`, `options.steer` and `options.capture`
     are refused)."""
     options = Options() if options is None else options
@@ -375,15 +377,18 @@ def plan(
     return Plan(options, info, program, draft_weights)
 
 
-def check_inside(options: Options, supported: bool) -> None:
-    """Refuse steering and capture where they do not run yet, by name (docs/inside.md)."""
+def check_inside(options: Options, supported: bool | tuple[str, ...]) -> None:
+    """Refuse steering and capture where they do not run yet, by name (docs/inside.md).
+    `supported`: True (both run here), False (neither) or the names of those that run."""
     given = [k for k in ("steer", "capture") if getattr(options, k) is not None]
     if not given:
         return
-    if not supported:
+    refused = [k for k in given if supported is not True and k not in (supported or ())]
+    if refused:
         raise NotImplementedError(
-            f"{' and '.join(given)}= not here yet: steer= runs in generate and stream so far, "
-            "capture= in generate, stream and score (docs/inside.md, 'Not done yet')"
+            f"{' and '.join(refused)}= not here yet: steer= runs in generate, stream and "
+            "generate_many so far, capture= in generate, stream and score (docs/inside.md, "
+            "'Not done yet')"
         )
     if options.mesh is not None:
         raise NotImplementedError(f"{given[0]}= does not run with mesh= yet (docs/inside.md)")

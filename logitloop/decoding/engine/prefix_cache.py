@@ -20,7 +20,9 @@ tokens are equal. The host keeps the keys (`PrefixCache`); the pool holds the pa
 
 Under LoRA adapters (`adapters=`) the keys are salted with the row's adapter (its slot
 and how often the job wrote it, `job_adapters.JobAdapters.salt`): a page prefilled under
-one adapter is never read by a row under another or the base.
+one adapter is never read by a row under another or the base; under steering, with the
+vectors that reached the prompt's tokens (`job_steering.salt`): a steered prompt's pages
+are never read by an unsteered row or a row with other vectors.
 
 The `n` rows of a request share their prompt's pages the same way: the first is
 prefilled, the others (in a later prefill group) read its pages. With
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitloop.decoding.engine import job_steering
 from logitloop.decoding.engine.batcher import _Row
 from logitloop.decoding.engine.paged_batching import PagedBatcher, _cdiv
 from logitloop.decoding.loop import pages as paging
@@ -154,6 +157,7 @@ class PrefixBatcher(PagedBatcher):
         salt = b"" if self.keep else row.request.to_bytes(8, "little")
         if self.adapters is not None:  # pages are keyed by the adapter they were made under
             salt += self.adapters.salt(row.adapter)
+        salt += job_steering.salt(row.steer)  # and by the vectors that reached the prompt
         return page_keys(row.ids, self.page_size, salt)
 
     def _limit(self, row: _Row) -> int:

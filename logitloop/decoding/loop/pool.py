@@ -311,7 +311,8 @@ def resume(
     holds; the row reads them (`pages.share`) and its prompt pass computes only the
     `width` (static, at least the rest of the prompt) columns from the first position after
     them, as an admission's prefill after cached pages does. `per_row`: the slots' per-row
-    state (`ll.Rows` [B]: their LoRA adapters), or None; the row recomputes under its own."""
+    state (`ll.Rows` [B]: their LoRA adapters, steering vectors), or None; the row
+    recomputes under its own."""
     pool = state.pages
     batch = pool.arrival.shape[0]
     rows = jnp.arange(batch) == slot
@@ -331,8 +332,10 @@ def resume(
         lambda t: jnp.where(real, t[take], paging.NO_PAGE), layer_tables(pool, program.pool)
     )
     cache = attach(state.cache, tables)
-    if per_row is not None:  # the passes' rows: the slot's adapter, the base for the others
-        per_row = per_row.replace(adapter=jnp.where(take == slot, per_row.adapter[take], -1))
+    if per_row is not None:  # the passes' rows: the slot's adapter (the base for the
+        per_row = per_row.take(take)  # others) and vectors (the others feed no position)
+        if per_row.adapter is not None:
+            per_row = per_row.replace(adapter=jnp.where(take == slot, per_row.adapter, -1))
     history = state.history.tokens[take]  # [d, P + N]
     buffer = state.tokens.shape[1]  # N: the generated tokens' buffer
     start = count * program.pool.page_size  # the prompt's first position not in a shared page
