@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -72,8 +73,8 @@ class Adapters:
         width = max_adapters * max_rank
         arrays = {  # placed from the host: nothing compiles
             site_name(*key): (
-                jnp.asarray(np.zeros((k, width), dtype)),
-                jnp.asarray(np.zeros((width, n), dtype)),
+                jax.device_put(np.zeros((k, width), dtype)),
+                jax.device_put(np.zeros((width, n), dtype)),
             )
             for key, (k, n) in sites.items()
         }
@@ -215,7 +216,7 @@ class Adapters:
                 r = lora_a.shape[0]
                 a_all[:, slot * rank : slot * rank + r] = lora_a.T
                 b_all[slot * rank : slot * rank + r] = scale * lora_b.T
-            sites[site_name(*key)] = (jnp.asarray(a_all), jnp.asarray(b_all))
+            sites[site_name(*key)] = (jax.device_put(a_all), jax.device_put(b_all))
         return self.table.replace(sites=sites)
 
 

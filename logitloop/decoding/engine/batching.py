@@ -19,7 +19,7 @@ from logitloop.decoding.engine.batcher import (
     _split_request,
 )
 from logitloop.decoding.engine.host import GenerationResult, check_count
-from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.engine.plan import Options, draft_inputs, plan
 from logitloop.decoding.engine.prefix_cache import PrefixBatcher
 from logitloop.decoding.sampling.params import SamplingParams, canonical_knobs, generation_defaults
 
@@ -78,6 +78,9 @@ def _job(
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
     job = plan(model, options, adapters=True, inside=("steer",))
+    if getattr(options.speculative, "adapters", None) is not None:
+        # Its rows change as requests are admitted: the draft's slots would go stale.
+        draft_inputs(job.draft_weights, options, None)  # refuses, naming what runs
     job_adapters.check_job_adapter(options.adapter)
     info, layout = job.info, job.layout
     slots = check_count("slots", slots, 1)

@@ -147,7 +147,7 @@ def steering(
     arrays = steer_arrays(batch_size, vector_bucket(max(len(r) for r in rows)), widths.pop())
     for p, row in enumerate(rows):
         put_steers(arrays, slice(p * n, p * n + n), row)
-    return Steering(*map(jnp.asarray, arrays))
+    return Steering(*map(jax.device_put, arrays))
 
 
 def row_steers(

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from logitloop.models.adapters import Adapters
@@ -156,7 +156,7 @@ class JobAdapters:
 
     def rows(self) -> Rows:
         """The batch slots' adapters over the job's table, placed from the host."""
-        return Rows(jnp.asarray(self.of_slot), self.table.table)
+        return Rows(jax.device_put(np.asarray(self.of_slot)), self.table.table)
 
     def salt(self, slot: int) -> bytes:
         """What keys the prefix-cache pages of a row under table slot `slot`."""
@@ -191,7 +191,7 @@ def group_rows(job: JobAdapters | None, table_slots: Sequence[int]) -> Rows | No
     `batcher._admit`), or None without adapters."""
     if job is None:
         return None
-    return Rows(jnp.asarray(np.asarray(table_slots, np.int32)))
+    return Rows(jax.device_put(np.asarray(table_slots, np.int32)))
 
 
 def request_adapter(item: Any) -> Any:

@@ -27,7 +27,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from logitloop.decoding.engine import inside, job_adapters
@@ -102,7 +102,7 @@ class JobSteering:
 
     def steering(self) -> Steering:
         """The batch slots' vectors, placed from the host."""
-        return Steering(*map(jnp.asarray, self._fit()))
+        return Steering(*map(jax.device_put, self._fit()))
 
     def group(self, rows: Sequence[tuple]) -> Steering:
         """A prefill group's vectors (`[G]` rows' steers)."""
@@ -110,7 +110,7 @@ class JobSteering:
         arrays = inside.steer_arrays(len(rows), k, e)
         for i, steers in enumerate(rows):
             inside.put_steers(arrays, i, steers)
-        return Steering(*map(jnp.asarray, arrays))
+        return Steering(*map(jax.device_put, arrays))
 
 
 def salt(steers: Sequence[tuple]) -> bytes:

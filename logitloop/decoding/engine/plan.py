@@ -28,7 +28,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from logitloop.decoding.engine import guidance as guided
@@ -308,7 +308,7 @@ class Plan:
         if o.adapters is not None:
             slots = np.repeat(o.adapters.slots(o.adapter, prompts), o.n)
             slots = np.concatenate([slots, np.full(batch_size - len(slots), -1, np.int32)])
-            rows = Rows(jnp.asarray(slots), o.adapters.table)
+            rows = Rows(jax.device_put(np.asarray(slots)), o.adapters.table)
         if o.steer is not None and ids is not None:
             steer = inside.steering(
                 o.steer, ids[:: o.n], o.n, batch_size, self.num_layers, self.info.residual_width
@@ -417,7 +417,7 @@ def draft_inputs(draft_weights: Any, options: Options, rows: Any) -> Any:
     mapping = [table.names.index(n) if n in table.names else -1 for n in names]
     mapping = np.asarray([*mapping, -1], np.int32)  # slot -1 (the base) reads the last
     slots = mapping[np.asarray(rows.adapter)]  # [B]
-    return speculation.DraftInputs(draft_weights, Rows(jnp.asarray(slots), table.table))
+    return speculation.DraftInputs(draft_weights, Rows(jax.device_put(slots), table.table))
 
 
 def check_adapters(model: Any, options: Options, supported: bool) -> None:

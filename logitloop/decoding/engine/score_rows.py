@@ -133,7 +133,7 @@ def score_row_batch(
     if adapters is not None:
         table, slots = adapters
         slots = np.concatenate([slots, np.full(pad, -1, np.int32)])
-        row_state = Rows(jnp.asarray(slots, jnp.int32), table.table)
+        row_state = Rows(jax.device_put(np.asarray(slots, np.int32)), table.table)
     if capture:
         row_state = (row_state or Rows()).replace(capture=capture)
     out = score_batch(
