@@ -46,6 +46,13 @@ def compile_counter() -> CompileWatch:
 # the families whose logits parity (default) already covers every layer; the processor
 # agreement test across generate/stream/generate_many (the mesh worker covers the loop).
 SLOW_CASES = (
+    # Repeats since packed scoring passes (issue 70): a deterministic pair beside wider pairs
+    # and against generate over 100 tokens (tests/decoding/test_packed.py's alone-vs-packed
+    # bits, float32 and bfloat16, and test_score.py's score = generate stay), and the
+    # precompiled 24-call matrix (test_reuse.py's matrix after one warm-up, 4 programs, and
+    # precompile's own cases stay).
+    "tests/decoding/test_deterministic.py::test_score_row_alone_equals_row_beside_wider_pairs",
+    "tests/decoding/test_compile_once.py::test_the_table_compiles_nothing_after_precompile",
     # The paged pool's and the prefix cache's costliest cases, each beside a default case of
     # the same path: speculation on a pool with preemptions (the 12-request paged job and
     # the speculative tests stay), eviction under a small pool (the deterministic prefix-cache
