@@ -136,8 +136,9 @@ def main() -> None:
           f"{watch.count} programs ({watch.seconds:.1f} s compiling)")  # fmt: skip
     for k, v in med.items():
         print(f"  {k:13s} {v:8.2f} s  {scored / v:8.1f} scored tokens/s")
-    print(f"  ratio (transformers time / logitloop time): {med['transformers'] / med['logitloop']:.2f}x;"
-          f" largest difference of a pair's sum {diff:.2e}")  # fmt: skip
+    ratio = med["transformers"] / med["logitloop"]
+    print(f"  ratio (transformers time / logitloop time): {ratio:.2f}x; largest difference "
+          f"of a pair's sum {diff:.2e}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({
             "pairs": args.pairs, "layers": args.layers, "programs": watch.count,
