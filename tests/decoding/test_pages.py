@@ -186,6 +186,20 @@ def test_shards_are_pools_of_their_own(ops):
         assert np.asarray(pages.free_by_shard(state)).tolist() == free
 
 
+def test_host_counts_compile_nothing(compile_counter):
+    """A job reads the pool's free pages on the host after each chunk: counted there in
+    NumPy, equal to the program's counts, with no eager program (one per shape, each a
+    compile in a first evaluation)."""
+    state = pages.init_pages(NUM_PAGES, ROWS, ENTRIES, PAGE_SIZE, shards=2)
+    state, _ = _allocate(state, jnp.int32([5, 0, 9, 3]))
+    on_device = (int(jax.jit(pages.free_pages)(state)), jax.jit(pages.free_by_shard)(state))
+    host = jax.device_get(state)
+    with compile_counter as c:
+        free, by_shard = pages.free_pages(host), pages.free_by_shard(host)
+    assert c.count == 0 and isinstance(by_shard, np.ndarray)
+    assert int(free) == on_device[0] and by_shard.tolist() == np.asarray(on_device[1]).tolist()
+
+
 def test_freed_pages_go_to_the_next_request_at_once():
     state = pages.init_pages(4, 2, 4, 4)
     state, granted = _allocate(state, jnp.int32([16, 0]))

@@ -272,17 +272,13 @@ class PagedBatcher(_Batcher):
     def done(self, occupant: dict) -> np.ndarray:
         done = super().done(occupant)
         s = self.state
-        stalled, free, counts, num_tokens, prompt_len = jax.device_get(
+        # Read on the host, counted there: an eager count would be a program of its own.
+        stalled, states, num_tokens, prompt_len = jax.device_get(
             self.plan.layout.host_view(
-                (
-                    s.pages.stalled,
-                    paging.free_by_shard(s.pages.pages),
-                    pool.free_counts(s.pages),
-                    s.num_tokens,
-                    s.prompt_len,
-                )
+                (s.pages.stalled, s.pages.states(), s.num_tokens, s.prompt_len)
             )
         )
+        free, counts = paging.free_by_shard(states[0]), np.asarray(pool.free_counts(states))
         self.free_pages = np.asarray(free, np.int64)
         self.group_free = np.asarray(counts[1:], np.int64)
         most = np.maximum(self.stats["most_pages_held"], self.group_pages - counts)

@@ -100,14 +100,15 @@ def _held_entries(state: PageState) -> jax.Array:
 
 
 def free_pages(state: PageState) -> jax.Array:
-    """`[]` int32: pages no row holds."""
-    return jnp.sum(state.ref_counts == 0, dtype=jnp.int32)
+    """`[]` int32: pages no row holds (inside a program, or on a host copy of `state`:
+    NumPy in, NumPy out, no eager program)."""
+    return (state.ref_counts == 0).sum(dtype=jnp.int32)
 
 
 def free_by_shard(state: PageState) -> jax.Array:
-    """`[shards]` int32: pages no row holds in each block of the pool."""
-    free = (state.ref_counts == 0).reshape(state.shards, -1)
-    return jnp.sum(free, axis=1, dtype=jnp.int32)
+    """`[shards]` int32: pages no row holds in each block of the pool (a host copy of
+    `state` gives NumPy, as `free_pages`)."""
+    return (state.ref_counts == 0).reshape(state.shards, -1).sum(axis=1, dtype=jnp.int32)
 
 
 def _allocate_by_shard(

@@ -133,9 +133,10 @@ def init(runner: Any, weights: Any, shape: PoolShape, batch: int) -> tuple[Any, 
     return cache, Pool(states[0], jnp.zeros((batch,), jnp.int32), no, no, tuple(states[1:]))
 
 
-def free_counts(pool: Pool) -> jax.Array:
-    """[G] int32: free pages in each group, the main one first."""
-    return jnp.stack([paging.free_pages(state) for state in pool.states()])
+def free_counts(states: tuple[PageState, ...]) -> list:
+    """Free pages in each group of `pool.states()` (the main one first): on a host copy,
+    NumPy counts (`paging.free_pages`)."""
+    return [paging.free_pages(state) for state in states]
 
 
 def layer_tables(pool: Pool, shape: PoolShape) -> Any:
