@@ -332,12 +332,19 @@ def test_draft_adapters_are_refused_by_name(setup):
 
 
 @pytest.mark.slow  # the tiny Llama above is the default twin
-@pytest.mark.parametrize("case", ["qwen2", "gemma2", "mixtral"])
+@pytest.mark.parametrize("case", ["shipped", "qwen2", "gemma2", "mixtral"])
 def test_other_families_equal_peft_merged(case, tmp_path):
-    """Qwen2 (q/k/v biases), Gemma 2 (its norms, soft-capping, sliding windows) and
-    Mixtral (attention targets: its experts take no adapters) under two adapters and the
-    base in one batch, against transformers with each adapter merged."""
-    base = build_hf_model(case)
+    """The shipped model (float32, tied embeddings), Qwen2 (q/k/v biases), Gemma 2 (its
+    norms, soft-capping, sliding windows) and Mixtral (attention targets: its experts take
+    no adapters) under two adapters and the base in one batch, against transformers with
+    each adapter merged."""
+    if case == "shipped":
+        from transformers import AutoModelForCausalLM
+
+        shipped = Path(ll.__file__).parent / "models" / "tiny"
+        base = AutoModelForCausalLM.from_pretrained(shipped, dtype="float32").eval()
+    else:
+        base = build_hf_model(case)
     save_hf_model(base, tmp_path / "base")
     targets = ATTENTION if case == "mixtral" else TARGETS
     merged = {
