@@ -10,7 +10,8 @@ when its value says so (the row's logits pass through bit-identical):
 - `TypicalP(mass)`: locally typical sampling, after temperature (mass 1 = off).
 - `GreenListWatermark(key, gamma, delta, seeding, context_width)`: Kirchenbauer et al.'s
   watermark, and `SynthIDWatermark(keys, ngram_len, ...)`: SynthID Text, both as
-  transformers computes them, after temperature (key None = off); `watermark_score`
+  transformers computes them, after temperature and the top-k/top-p/min-p filters
+  (key None = off); `watermark_score`
   detects either (`logitloop.processors.watermark`).
 """
 

@@ -122,6 +122,51 @@ def test_synthid_scores_equal_transformers_over_a_generation():
     assert untouched[1] == 2 and untouched[3] >= 2 and untouched[0] == 0
 
 
+def test_watermarks_run_after_the_filters_as_in_transformers():
+    """With temperature, top-k, top-p and min-p on, the distribution a row draws from is
+    transformers' warpers followed by its watermark processor, softmaxed: the filters
+    choose their set from the unwatermarked logits. Green list rows (both seedings) and
+    SynthID rows, one row per filter alone and one with all of them."""
+    b, vocab = 4, V
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, vocab, size=6).tolist() for _ in range(b)]
+    logits = (2.0 * rng.normal(size=(b, vocab))).astype(np.float32)
+    knobs = dict(temperature=[0.7, 1.3, 0.9, 0.8], top_k=[40, 0, 0, 60],
+                 top_p=[1.0, 0.8, 1.0, 0.9], min_p=[0.0, 0.0, 0.05, 0.02])  # fmt: skip
+    params = ll.SamplingParams.create(b, **knobs)
+    history = make_history(rows, [6] * b, 16)
+    positions = jnp.zeros((b,), jnp.int32)
+    keys = [[654, 400, 836, 123, 340]] * b
+    for kind in ("lefthash", "selfhash", "synthid"):
+        if kind == "synthid":
+            wm = ll.SynthIDWatermark.create(b, keys=keys, ngram_len=3)
+        else:
+            wm = ll.GreenListWatermark.create(b, vocab, key=15485863, seeding=kind, gamma=0.5)
+        got = np.asarray(ll.sampling_distribution(
+            jnp.asarray(logits), params, positions, history, processors=[wm]))  # fmt: skip
+        for r in range(b):
+            chain = [transformers.TemperatureLogitsWarper(knobs["temperature"][r])]
+            if knobs["top_k"][r]:
+                chain.append(transformers.TopKLogitsWarper(knobs["top_k"][r]))
+            if knobs["top_p"][r] < 1:
+                chain.append(transformers.TopPLogitsWarper(knobs["top_p"][r]))
+            if knobs["min_p"][r]:
+                chain.append(transformers.MinPLogitsWarper(knobs["min_p"][r]))
+            if kind == "synthid":
+                chain.append(transformers.SynthIDTextWatermarkLogitsProcessor(
+                    3, keys[r], 2**16, 0, 1024, "cpu"))  # fmt: skip
+            else:
+                chain.append(transformers.WatermarkLogitsProcessor(
+                    vocab, "cpu", greenlist_ratio=0.5, hashing_key=15485863,
+                    seeding_scheme=kind))  # fmt: skip
+            ids, x = torch.tensor([rows[r]]), torch.tensor(logits[r : r + 1])
+            for step in chain:
+                x = step(ids, x)
+            want = torch.softmax(x, dim=-1)[0].numpy()
+            assert ((got[r] > 0) == (want > 0)).all(), (kind, r)
+            np.testing.assert_allclose(got[r], want, rtol=1e-4, atol=1e-6, err_msg=f"{kind} {r}")
+
+
 def test_green_list_detector_equals_transformers():
     rng = np.random.default_rng(3)
     texts = [rng.integers(2, V, size=50).tolist() for _ in range(2)]

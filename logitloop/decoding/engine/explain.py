@@ -186,7 +186,7 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
     x = proc.scaled
     vocab = x.shape[1]
     cand_x, _ = jax.lax.top_k(x, min(NUM_CANDIDATES, vocab))
-    thr = thresholds(x, params.top_k, params.top_p, params.min_p, cand_x)
+    thr = thresholds(x, *proc.rules(params.knobs), cand_x)
     status = proc.status(thr.row_max)
     off = jnp.full_like(thr.row_max, -jnp.inf)
     no_greedy = jnp.zeros_like(proc.greedy)
@@ -196,7 +196,7 @@ def _pipeline(logits, params: SamplingParams, positions, history: History) -> di
     # Greedy rows: temperature 0 keeps only the argmax at the temperature step; top_k == 1
     # rows are unscaled in `scaled`, so show them divided by T (as any other row).
     tempered_x = transforms.apply_temperature(proc.adjusted, params.temperature)
-    if any(procs.after_temperature(p) for p in params.processors):
+    if any(procs.place(p) != "early" for p in params.processors):
         tempered_x = proc.adjusted  # scaled already, the late processors applied
     tempered_x = jnp.where(jnp.isnan(tempered_x), -jnp.inf, tempered_x)
     tempered_x = jnp.where(proc.greedy[:, None], tempered_x, x)

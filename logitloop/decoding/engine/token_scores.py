@@ -74,7 +74,7 @@ def processed_logprobs(
                              allowed_bits=bits)  # fmt: skip
         key = row_keys(params.seed, positions)
         drawn, thr = xla_filter_and_sample(
-            proc.adjusted, params.top_k, params.top_p, params.min_p, proc.greedy, key,
+            proc.adjusted, *proc.rules(params.knobs), proc.greedy, key,
             temperature=proc.temperature,
         )  # fmt: skip
         m = jnp.where(jnp.isfinite(thr.row_max), thr.row_max, 0.0)

@@ -12,7 +12,11 @@ Where it runs in the sampling order (`logitloop.decoding.sampling.sampler`): aft
 steps 1-3 (masks and bias, `min_tokens`, penalties) and before temperature, in list order.
 A processor whose class sets `after_temperature = True` runs after step 4 instead, on the
 temperature-scaled logits, before top-k, top-p and min-p (typical sampling needs that).
-Greedy rows (temperature 0 or top_k 1) are not scaled, so there it sees the unscaled logits.
+One that sets `after_filters = True` runs last, after top-k, top-p and min-p: it sees the
+scaled logits with the filtered-out tokens at -inf, and the row draws from what it returns
+with no filter after it (watermarks: transformers applies them after every warper).
+Greedy rows (temperature 0 or top_k 1) are not scaled nor filtered, so there such a
+processor sees the unscaled logits.
 
 The processors travel inside `SamplingParams` (`params.processors`, a tuple), so everything
 that selects, repeats, pads or places rows (`take`, `n > 1`, `generate_many`'s slots, a
@@ -61,6 +65,18 @@ def after_temperature(processor: Any) -> bool:
     return bool(getattr(processor, "after_temperature", False))
 
 
+def after_filters(processor: Any) -> bool:
+    return bool(getattr(processor, "after_filters", False))
+
+
+def place(processor: Any) -> str:
+    """Where `processor` runs: "early" (before temperature), "late" (after it) or
+    "filtered" (after top-k, top-p and min-p)."""
+    if after_filters(processor):
+        return "filtered"
+    return "late" if after_temperature(processor) else "early"
+
+
 def _name(i: int, processor: Any) -> str:
     return f"processors[{i}] ({type(processor).__name__})"
 
@@ -105,15 +121,15 @@ def apply_all(
     logits: jax.Array,
     step: Step,
     *,
-    late: bool,
+    where: str,
 ) -> jax.Array:
-    """Run the processors of one place in the order (`late`: after temperature).
+    """Run the processors of one place in the order (`where`: a `place`).
 
     Nothing else touches the logits here, so a trivial processor costs its own pass only:
     NaN is read as -inf (masked) by the steps after, and a row whose maximum is +inf gets
     the bad-logits outcome (`sampler.Processed.status`)."""
     for i, (p, s) in enumerate(zip(processors, states, strict=True)):
-        if after_temperature(p) != late:
+        if place(p) != where:
             continue
         out = p.apply(s, logits, step)
         if jnp.shape(out) != logits.shape:

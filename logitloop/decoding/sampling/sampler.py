@@ -58,6 +58,7 @@ from logitloop.ops.sampling.xla import (
     SINGLE,
     Axes,
     candidates,
+    rules_off_on_greedy,
     scale_logits,
     thresholds,
 )
@@ -105,6 +106,20 @@ class Processed:
     temperature: jax.Array  # [B] f32, the temperature applied: 0 on greedy rows
     greedy: jax.Array  # [B] bool
     bad: jax.Array  # [B] bool, logits hold NaN or +inf
+    # Static: top-k, top-p and min-p were applied already (`adjusted` holds -inf where they
+    # cut), for the processors that run after them; the callers then filter no more.
+    filtered: bool = struct.field(pytree_node=False, default=False)
+
+    def rules(self, knobs) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """top_k, top_p, min_p [B] for the steps after: the row's own, or every filter off
+        where they ran already (`filtered`)."""
+        if not self.filtered:
+            return knobs.top_k, knobs.top_p, knobs.min_p
+        return (
+            jnp.zeros_like(knobs.top_k),
+            jnp.ones_like(knobs.top_p),
+            jnp.zeros_like(knobs.min_p),
+        )
 
     @property
     def scaled(self) -> jax.Array:
@@ -195,11 +210,15 @@ def adjust_logits(
             raise ValueError("processors need whole rows of the vocabulary on each device")
         done = jnp.zeros(positions.shape, bool) if done is None else done
         step = procs.Step(positions=positions, history=history, done=done)
-        z = procs.apply_all(params.processors, states, z, step, late=False)
-        if any(procs.after_temperature(p) for p in params.processors):
+        z = procs.apply_all(params.processors, states, z, step, where="early")
+        places = {procs.place(p) for p in params.processors}
+        if places & {"late", "filtered"}:
             z = scale_logits(z, temperature)
-            z = procs.apply_all(params.processors, states, z, step, late=True)
-            temperature = jnp.where(greedy, 0.0, 1.0)  # `adjusted` is scaled already
+            temperature = jnp.where(greedy, 0.0, 1.0)  # `adjusted` is scaled from here
+            z = procs.apply_all(params.processors, states, z, step, where="late")
+        if "filtered" in places:
+            z = _filtered(z, knobs, greedy)
+            z = procs.apply_all(params.processors, states, z, step, where="filtered")
     return Processed(
         raw=raw,
         raw_max=raw_max,
@@ -210,7 +229,17 @@ def adjust_logits(
         temperature=temperature,
         greedy=greedy,
         bad=bad,
+        filtered=bool(params.processors) and any(map(procs.after_filters, params.processors)),
     )
+
+
+def _filtered(x: jax.Array, knobs, greedy: jax.Array) -> jax.Array:
+    """[B, V] the scaled logits `x` with the tokens top-k, top-p and min-p cut at -inf (a
+    greedy row: unchanged)."""
+    top_k, top_p, min_p = rules_off_on_greedy(knobs.top_k, knobs.top_p, knobs.min_p, greedy)
+    cand_x, _ = candidates(x, min(NUM_CANDIDATES, x.shape[1]))
+    thr = thresholds(x, top_k, top_p, min_p, cand_x)
+    return jnp.where(x >= thr.kept[:, None], x, NEG_INF)
 
 
 def _top_logprobs(raw_logp: jax.Array, n: jax.Array, axes: Axes, width: int) -> TopLogprobs:
@@ -379,17 +408,18 @@ def sample_step(
     proc = adjust_logits(logits, params, positions, history, axes, states, done, allowed_bits)
     knobs = params.knobs
     key = row_keys(knobs.seed, positions)
+    top_k, top_p, min_p = proc.rules(knobs)
     if axes.vocab is None and resolve_backend(backend) == "pallas":
         drawn, thr = filter_and_sample(
-            proc.scaled, knobs.top_k, knobs.top_p, knobs.min_p, proc.greedy, key, backend=backend
+            proc.scaled, top_k, top_p, min_p, proc.greedy, key, backend=backend
         )
     else:
         # Candidates and thresholds straight from the unscaled logits: no [B, V] write.
         drawn, thr = xla_filter_and_sample(
             proc.adjusted,
-            knobs.top_k,
-            knobs.top_p,
-            knobs.min_p,
+            top_k,
+            top_p,
+            min_p,
             proc.greedy,
             key,
             temperature=proc.temperature,
@@ -514,7 +544,6 @@ def sampling_distribution(
         logits, params, positions, history, states=states, allowed_bits=allowed_bits
     )
     cand_x, _ = candidates(proc.scaled, min(NUM_CANDIDATES, proc.scaled.shape[1]))
-    knobs = params.knobs
-    thr = thresholds(proc.scaled, knobs.top_k, knobs.top_p, knobs.min_p, cand_x)
+    thr = thresholds(proc.scaled, *proc.rules(params.knobs), cand_x)
     probs = kept_distribution(proc.scaled, thr, proc.greedy)
     return jnp.where((proc.status(thr.row_max) == STATUS_OK)[:, None], probs, 0.0)

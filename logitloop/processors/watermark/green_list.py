@@ -89,9 +89,8 @@ class GreenListWatermark:
     """Kirchenbauer et al.'s green-list watermark per row (transformers'
     `WatermarkLogitsProcessor`; see the module docstring). Build with `create`.
 
-    It runs after temperature (`after_temperature`), before top-k, top-p and min-p; in
-    transformers it runs after those filters. Without them (top_k 0, top_p 1, min_p 0)
-    the two sample from the same distribution.
+    It runs last (`after_filters`), after temperature, top-k, top-p and min-p, as
+    transformers runs it after every warper: it sees the filtered-out tokens at -inf.
     """
 
     on: jax.Array  # [B] bool: the row is watermarked (key not None)
@@ -103,7 +102,7 @@ class GreenListWatermark:
     context_width: jax.Array  # [B] i32 in [1, MAX_CONTEXT_WIDTH]
     vocab_size: int = struct.field(pytree_node=False, default=0)
 
-    after_temperature: ClassVar[bool] = True
+    after_filters: ClassVar[bool] = True
 
     @classmethod
     def create(

@@ -102,9 +102,8 @@ class SynthIDState:
 class SynthIDWatermark:
     """SynthID Text per row (see the module docstring). Build with `create`.
 
-    It runs after temperature (`after_temperature`), before top-k, top-p and min-p; in
-    transformers it runs after those filters. Without them (top_k 0, top_p 1, min_p 0)
-    the two sample from the same distribution.
+    It runs last (`after_filters`), after temperature, top-k, top-p and min-p, as
+    transformers runs it after every warper: it sees the filtered-out tokens at -inf.
     """
 
     on: jax.Array  # [B] bool: the row is watermarked (keys not None)
@@ -115,7 +114,7 @@ class SynthIDWatermark:
     skip_first: jax.Array  # [B] bool: skip_first_ngram_calls
     history_size: int = struct.field(pytree_node=False, default=1024)
 
-    after_temperature: ClassVar[bool] = True
+    after_filters: ClassVar[bool] = True
 
     @classmethod
     def create(
