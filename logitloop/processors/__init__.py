@@ -7,7 +7,7 @@ when its value says so (the row's logits pass through bit-identical):
 - `NoRepeatNGram(size)`: ban a token that would repeat an n-gram already in the row (0 = off).
 - `DRY(multiplier, base, allowed_length, penalty_range, sequence_breakers)`: the "Don't
   Repeat Yourself" penalty of text-generation-webui and llama.cpp (multiplier 0 = off).
-- `TypicalP(mass)`: locally typical sampling, after temperature (mass 1 = off).
+- `TypicalP(mass)`: locally typical sampling, after temperature and the filters (mass 1 = off).
 - `GreenListWatermark(key, gamma, delta, seeding, context_width)`: Kirchenbauer et al.'s
   watermark, and `SynthIDWatermark(keys, ngram_len, ...)`: SynthID Text, both as
   transformers computes them, after temperature and the top-k/top-p/min-p filters

@@ -12,9 +12,10 @@ token whose score is at most the score of the first token (in score order) at wh
 cumulative probability reaches `mass` (so ties at the boundary are kept), and at least
 the token with the smallest score. The probability sums are float32 sums in another order
 than transformers' cumulative sum, so the two can differ when the mass at the boundary
-equals `mass` to within rounding. It runs after temperature on the scaled logits
-(`after_temperature = True`), before top-k, top-p and min-p, as `transformers` orders its
-warpers. A row whose logits are all -inf is returned unchanged.
+equals `mass` to within rounding. It runs after temperature, top-k, top-p and min-p
+on the scaled logits (`after_filters = True`, the cut tokens at -inf), as `transformers`
+orders its warpers (typical after min-p). A row whose logits are all -inf is returned
+unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class TypicalP:
 
     mass: jax.Array  # [B] f32 in (0, 1], 1 = off for that row
 
-    after_temperature = True  # a class attribute, not a field: runs on the scaled logits
+    after_filters = True  # a class attribute, not a field: runs after the filters
 
     @classmethod
     def create(cls, batch_size: int, mass: Any = 1.0) -> TypicalP:

@@ -69,6 +69,32 @@ def test_matches_transformers(seed):
         _check_row(out[r], logits[r], peer[0].numpy(), f"row {r} (mass {mass})")
 
 
+def test_runs_after_the_filters_as_in_transformers():
+    """Temperature, top-k, top-p and min-p, then typical: the distribution a row draws
+    from is transformers' warpers in its order (typical after min-p), softmaxed."""
+    import logitloop as ll
+
+    torch = pytest.importorskip("torch")
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    b, logits = 3, _logits(6)[:3]
+    knobs = dict(temperature=[0.7, 1.3, 0.9], top_k=[40, 0, 0], top_p=[1.0, 0.8, 1.0],
+                 min_p=[0.0, 0.0, 0.05])  # fmt: skip
+    got = np.asarray(ll.sampling_distribution(
+        jnp.asarray(logits), ll.SamplingParams.create(b, **knobs), jnp.zeros((b,), jnp.int32),
+        processors=[TypicalP.create(b, 0.6)]))  # fmt: skip
+    for r in range(b):
+        chain = [lp.TemperatureLogitsWarper(knobs["temperature"][r])]
+        chain += [lp.TopKLogitsWarper(knobs["top_k"][r])] if knobs["top_k"][r] else []
+        chain += [lp.TopPLogitsWarper(knobs["top_p"][r])] if knobs["top_p"][r] < 1 else []
+        chain += [lp.MinPLogitsWarper(knobs["min_p"][r])] if knobs["min_p"][r] else []
+        x = torch.tensor(logits[r : r + 1])
+        for step in [*chain, lp.TypicalLogitsWarper(mass=float(np.float32(0.6)))]:
+            x = step(torch.zeros((1, 0), dtype=torch.long), x)
+        want = torch.softmax(x, dim=-1)[0].numpy()
+        assert ((got[r] > 0) == (want > 0)).all(), r
+        np.testing.assert_allclose(got[r], want, rtol=1e-4, atol=1e-6, err_msg=f"row {r}")
+
+
 def test_closed_forms():
     # p = [0.4, 0.3, 0.3]: H = 1.089 nats; the 0.3 tokens (surprisal 1.204) are more typical
     # than the 0.4 token (0.916), and reach mass 0.5 together: the most likely token goes.
@@ -106,9 +132,9 @@ def test_scores_one_ulp_apart_split_at_the_boundary():
     _check_row(out[0], logits, expected, "one-ulp split")
 
 
-def test_after_temperature_is_not_a_leaf(compile_counter):
+def test_after_filters_is_not_a_leaf(compile_counter):
     proc = TypicalP.create(len(MASS), MASS)
-    assert TypicalP.after_temperature is True
+    assert TypicalP.after_filters is True
     assert len(jax.tree_util.tree_leaves(proc)) == 1
     logits = jnp.asarray(_logits(5))
     apply_jit(proc, logits, HIST)

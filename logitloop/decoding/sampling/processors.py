@@ -11,10 +11,11 @@ three methods:
 Where it runs in the sampling order (`logitloop.decoding.sampling.sampler`): after the built-in
 steps 1-3 (masks and bias, `min_tokens`, penalties) and before temperature, in list order.
 A processor whose class sets `after_temperature = True` runs after step 4 instead, on the
-temperature-scaled logits, before top-k, top-p and min-p (typical sampling needs that).
+temperature-scaled logits, before top-k, top-p and min-p.
 One that sets `after_filters = True` runs last, after top-k, top-p and min-p: it sees the
 scaled logits with the filtered-out tokens at -inf, and the row draws from what it returns
-with no filter after it (watermarks: transformers applies them after every warper).
+with no filter after it (typical sampling and the watermarks, as transformers orders
+them after its other warpers).
 Greedy rows (temperature 0 or top_k 1) are not scaled nor filtered, so there such a
 processor sees the unscaled logits.
 

@@ -23,6 +23,8 @@ Per row, in this order (each step is one pure function in `transforms.py` or
 6. top-p over the top-k survivors renormalised: the smallest set of most likely tokens whose
    mass reaches p, plus every token tied with the last one kept; `top_p == 1` is an identity.
 7. min-p: keep tokens with `prob >= min_p * max_prob`; `min_p == 0` is an identity.
+   Then the processors with `after_filters = True`, on the scaled logits with the cut
+   tokens at -inf (typical sampling, the watermarks); the draw filters no more.
 8. Draw from the renormalised survivors with the row's own random stream, keyed by
    `(seed, position)` only (`jax.random.fold_in`): a row's token does not depend on which
    rows share the batch or where it sits.
