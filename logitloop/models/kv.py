@@ -440,12 +440,15 @@ def residual(x: jax.Array, kv: KV | None, *, layer: int) -> tuple[jax.Array, KV 
         )
     rows, captured = kv.rows, kv.captured
     if rows is not None and rows.steer is not None and layer < top:
-        if rows.steer.width != x.shape[-1] or rows.steer.vectors.shape[0] != x.shape[0]:
+        token_rows = None if kv.packed is None else kv.packed.rows
+        batch = x.shape[0] if token_rows is None else kv.packed.queries.shape[0]
+        if rows.steer.width != x.shape[-1] or rows.steer.vectors.shape[0] != batch:
             raise ValueError(
                 f"{where}: the steering vectors are [{rows.steer.vectors.shape[0]}, K, "
                 f"{rows.steer.width}] for a residual stream of shape {tuple(x.shape)}"
+                + ("" if token_rows is None else f" packed from {batch} rows")
             )
-        x = steering_lib.add(x, rows.steer, kv.positions, layer)
+        x = steering_lib.add(x, rows.steer, kv.positions, layer, token_rows)
     if rows is not None and layer in rows.capture:
         captured = {**captured, layer: x}
     return x, kv._replace(marked=(*kv.marked, layer), captured=captured)

@@ -49,8 +49,14 @@ def add(
     steering: Steering,
     positions: jax.Array,  # [B, T] i32, -1 for padding
     layer: int,
+    rows: jax.Array | None = None,  # [1, N] i32: a packed pass's tokens' rows
 ) -> jax.Array:
-    """`x` plus each row's vectors for `layer` at its steered positions (module docstring)."""
+    """`x` plus each row's vectors for `layer` at its steered positions (module docstring).
+    In a packed pass (`rows`: x `[1, N, E]` holds the tokens of the `steering`'s rows, token
+    n of row `rows[0, n]`) each token gets its own row's vectors."""
+    if rows is not None:
+        per_token = jax.tree.map(lambda a: a[rows[0]], steering)  # N rows of one token
+        return add(x[0][:, None], per_token, positions[0][:, None], layer)[:, 0][None]
     weight = jnp.where(steering.layers == layer, steering.scales, 0.0)  # [B, K]
     pos = positions[:, :, None]  # [B, T, 1]
     on = (pos >= 0) & (pos >= steering.start[:, None]) & (pos < steering.stop[:, None])

@@ -151,6 +151,27 @@ def test_steering_equals_a_transformers_forward_hook(setup):
         assert (out.token_ids[row] == plain) == (not steers), row
 
 
+def test_score_under_steering_is_generate_under_it(setup, compile_counter):
+    """`score(steer=)` of what a steered `generate` drew: the raw log-probabilities bit for
+    bit under `deterministic=True` (prompt, generated and both spans, two vectors, an
+    unsteered pair in the same packed pass); other vectors compile nothing."""
+    model = setup["model"]
+    prompts = random_prompts(160, [5, 8, 4, 6], 2)
+    steer = [s or None for s in STEERS]
+    keywords = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True, deterministic=True)
+    out = ll.generate(model, prompts, steer=steer, **keywords)
+    scored = ll.score(model, prompts, out.token_ids, steer=steer, deterministic=True)
+    for row, result in enumerate(scored):
+        np.testing.assert_array_equal(result.raw_logprobs, out.raw_logprobs[row], err_msg=row)
+    plain = ll.score(model, prompts, out.token_ids, deterministic=True)
+    same = [p.raw_logprobs == s.raw_logprobs for p, s in zip(plain, scored, strict=True)]
+    assert same == [not s for s in STEERS]
+    other = [[ll.Steer(vector(9), 1, 3.0)], None, None, [ll.Steer(vector(8), 0, -2.0)] * 2]
+    with compile_counter as c:
+        again = ll.score(model, prompts, out.token_ids, steer=other, deterministic=True)
+    assert c.count == 0 and again[0].raw_logprobs != scored[0].raw_logprobs
+
+
 def test_new_vectors_scales_and_layers_compile_nothing(setup, compile_counter):
     """New vectors, scales, layers and token spans, and rows with fewer vectors or none,
     in a batch of the same shape (its first call is the parity test's shape: run after
@@ -226,7 +247,13 @@ def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda m: ll.score(m, [[1, 2]], [[3]], steer=ll.Steer(np.zeros(WIDTH), 0)),
+        lambda m: ll.score(
+            m,
+            [[1, 2]],
+            [[3]],
+            steer=ll.Steer(np.zeros(WIDTH), 0),
+            mesh=jax.make_mesh((1, 1), ("data", "model")),
+        ),  # fmt: skip
         lambda m: ll.generate_many(m, [[1, 2]], capture=ll.Capture(layers=0)),
         lambda m: ll.generate_many(
             m,

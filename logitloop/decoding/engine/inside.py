@@ -120,6 +120,15 @@ def steering(
     the dummy rows up to `batch_size`; K, the vectors per row, a power of two. None when
     no row steers. `width`: the model's residual width (None: a user's model, whose pass
     checks it when traced). Everything is checked by name before anything runs."""
+    arrays = steering_arrays(steer, prompts, n, batch_size, num_layers, width)
+    return None if arrays is None else Steering(*map(jax.device_put, arrays))
+
+
+def steering_arrays(
+    steer: Any, prompts: Sequence[Sequence[int]], n: int, batch_size: int, num_layers: int,
+    width: int | None,
+) -> tuple[np.ndarray, ...] | None:  # fmt: skip
+    """`steering`'s host arrays (`steer_arrays`), or None when no row steers."""
     if steer is None:
         return None
     count = len(prompts)
@@ -147,7 +156,7 @@ def steering(
     arrays = steer_arrays(batch_size, vector_bucket(max(len(r) for r in rows)), widths.pop())
     for p, row in enumerate(rows):
         put_steers(arrays, slice(p * n, p * n + n), row)
-    return Steering(*map(jax.device_put, arrays))
+    return arrays
 
 
 def row_steers(

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding.engine import packed, reuse
+from logitloop.decoding.engine import inside, packed, reuse
 from logitloop.decoding.engine.host import (
     MIN_PROMPT_BUCKET,
     bucket,
@@ -37,7 +37,6 @@ from logitloop.decoding.engine.host import (
     prompt_batch,
     tokenize_prompt,
 )
-from logitloop.decoding.engine.inside import Capture
 from logitloop.decoding.engine.plan import Options, plan
 from logitloop.decoding.engine.score_rows import score_row_batch, score_rows
 from logitloop.decoding.engine.token_scores import NEG_INF, processed_logprobs, token_scores
@@ -45,6 +44,7 @@ from logitloop.decoding.loop.runner import ModelInfo, ModelRunner, runner_jit
 from logitloop.decoding.sampling import processors as procs
 from logitloop.decoding.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from logitloop.models.kv import Packed, Rows
+from logitloop.models.steering import Steering
 
 
 @dataclasses.dataclass
@@ -179,6 +179,7 @@ def score(
     adapter: Any = None,
     capture: Any = None,
     token_budget: int = packed.TOKEN_BUDGET,
+    steer: Any = None,
 ) -> list[ScoreResult]:
     """Score each continuation given its prompt: one forward pass per batch, no decode loop.
 
@@ -221,6 +222,10 @@ def score(
     float32, the residual stream at the captured layers at the token each continuation
     token was predicted from (the prompt's last, then the continuation's own; as
     `generate`'s without `prompt=True`, which `score` refuses; docs/inside.md).
+    `steer`: steering vectors (`ll.Steer`, one for every pair or one entry per pair, as in
+    `generate`; not with `mesh`): "prompt" steers the prompt's tokens, "generated" the
+    continuation's, so a pair scores what `generate` computed for the same tokens under
+    the same steering; steered pairs run their own prompt passes.
     """
     check_count("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
     options = Options(mesh=mesh, deterministic=deterministic, adapters=adapters, adapter=adapter)
@@ -233,7 +238,8 @@ def score(
     ids, conts = score_pairs(prompts, continuations, info)
     total = len(ids)
     slots = None if adapters is None else adapters.slots(adapter, total)
-    share_prompts = share_prompts and slots is None
+    steers = score_steering(steer, ids, job)
+    share_prompts = share_prompts and slots is None and steers is None
     if params is not None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
@@ -248,8 +254,9 @@ def score(
     order = pair_order(ids, conts, share_prompts)
     results: list[ScoreResult | None] = [None] * total
     if mesh is None and info.runner.kv_spec is not None:
+        steered = None if steers is None else steers[0].shape[1:]  # K, E
         key = ("packed score", info.runner, top_logprobs, params is not None,
-               slots is not None, layers)  # fmt: skip
+               slots is not None, layers, steered)  # fmt: skip
         passes = packed.split_passes(
             ids, conts, order, token_budget, batch_size, slots, share_prompts
         )
@@ -259,6 +266,7 @@ def score(
                 info, [ids[r] for r in rows], [conts[r] for r in rows],
                 None if params is None else params.take(rows), top_logprobs, key,
                 share_prompts, None if slots is None else (adapters, slots[rows]), layers,
+                None if steers is None else tuple(a[rows] for a in steers),
             )  # fmt: skip
             for i, r in enumerate(rows):
                 results[r] = _result(out[i], ids[r], conts[r], top_logprobs, info)
@@ -287,12 +295,22 @@ def score(
     return results
 
 
+def score_steering(steer: Any, ids: list[list[int]], job: Any) -> tuple[np.ndarray, ...] | None:
+    """The pairs' steering as host arrays (`inside.steering_arrays`, one row per pair), or
+    None without it; refused by name with `mesh` (the row batches take none yet)."""
+    if steer is None:
+        return None
+    if job.options.mesh is not None:
+        raise NotImplementedError("score(steer=) runs on one device: not with mesh= yet")
+    return inside.steering_arrays(steer, ids, 1, len(ids), job.num_layers, job.info.residual_width)
+
+
 def score_capture(capture: Any, job: Any) -> tuple[int, ...]:
     """The layers `score(capture=)` records (`ll.residual`'s numbers), () without it;
     checked by name before anything runs."""
     if capture is None:
         return ()
-    if not isinstance(capture, Capture):
+    if not isinstance(capture, inside.Capture):
         raise ValueError(f"capture must be an ll.Capture(layers=...), got {type(capture).__name__}")
     if capture.prompt or job.options.mesh is not None:
         raise NotImplementedError(
@@ -384,10 +402,12 @@ def _score_packed(
     share: bool,
     adapters: tuple[Any, np.ndarray] | None,
     capture: tuple[int, ...],
+    steers: tuple[np.ndarray, ...] | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """One packed pass (`packed`) on device: each pair's values, one entry per
     continuation token (`_result`). `key`: the programs' key in `reuse`; `adapters`: the
-    `ll.Adapters` and each pair's slot; `capture`: the layers to record."""
+    `ll.Adapters` and each pair's slot; `capture`: the layers to record; `steers`: the
+    pairs' steering (`score_steering`'s rows)."""
     slots = None if adapters is None else adapters[1]
     lay_out = functools.partial(
         packed.pack, ids, conts, share=share, slots=slots, with_params=params is not None
@@ -402,6 +422,11 @@ def _score_packed(
         rows = Rows(batch.adapter, adapters[0].table)
     if capture:
         rows = (rows or Rows()).replace(capture=capture)
+    if steers is not None:
+        arrays = inside.steer_arrays(shape.rows, *steers[0].shape[1:])
+        for padded, given in zip(arrays, steers, strict=True):
+            padded[: len(ids)] = given
+        rows = (rows or Rows()).replace(steer=Steering(*map(jax.device_put, arrays)))
     extra = None
     if params is not None:
         extra = _packed_params(info, ids, conts, params, batch, shape)
