@@ -8,20 +8,23 @@ and steering vectors per row on meshes against one device, the worker's tiny Lla
   (2, 4) and on one device, and where the table and the rows' slots are placed;
 - more: `n=2` sampled rows and `stream` on (2, 4); steering vectors (`steer=`) beside
   the adapters; `generate_many` on the paged pool with the prefix cache, each request's
-  adapter and `Request.steer`, one request bringing adapter "c" into the running job;
-  `score`; all against one device;
+  adapter and `Request.steer`, one request bringing adapter "c" into the running job
+  (and a second job bringing "d", counting its compiles); `score`; all against one
+  device;
 - deterministic: the mixed batch under `deterministic=True` on (2, 1) and under
   "model-parallel" on (1, 2), each against one device in its mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
 
 import logitloop as ll
 from logitloop.decoding.engine.plan import Options, plan
+from logitloop.decoding.runtime.compiles import CompileWatch
 from tests.sharding.workers import PROMPTS, emit, make_mesh, summarize, tiny_model
 
 TOKENS = 5
@@ -104,6 +107,14 @@ def case_more(model, table, out: dict) -> None:
         results = ll.generate_many(model, requests, **job, mesh=m, stats=stats)
         out[f"many_{where}"] = rows_of(results)
         out[f"many_{where}_cached"] = stats["cached_tokens"]
+    # the same job on the mesh again, bringing another adapter as "d": it compiles nothing
+    requests[3:] = [
+        dataclasses.replace(requests[3], adapter=("d", adapter(model, 4, 9))),
+        dataclasses.replace(requests[4], adapter="d"),
+    ]
+    with CompileWatch() as watch:
+        ll.generate_many(model, requests, **job, mesh=mesh)
+    out["many_mesh_again_compiles"] = watch.count
     conts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]]
     for where, m in (("single", None), ("mesh", mesh)):
         scores = ll.score(model, BATCH, conts, adapters=table, adapter=ROWS, mesh=m)

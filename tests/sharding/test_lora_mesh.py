@@ -79,9 +79,11 @@ def test_steering_beside_adapters_on_a_mesh(run):
 @pytest.mark.slow
 def test_generate_many_on_a_mesh_equals_one_device(run):
     """The paged pool with the prefix cache (a pool per data shard), each request's adapter
-    and `Request.steer`, "c" brought into the running job by the fourth request."""
+    and `Request.steer`, "c" brought into the running job by the fourth request; a second
+    job bringing "d" instead compiles nothing."""
     _same(run["many_mesh"], run["many_single"])
     assert run["many_mesh_cached"] == run["many_single_cached"] > 0
+    assert run["many_mesh_again_compiles"] == 0
 
 
 @pytest.mark.slow
