@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from logitloop.models import qwix_lora
 from logitloop.models.lora import LoraTable, site_name
@@ -203,12 +204,16 @@ class Adapters:
     def _write(self, slot: int, blocks: dict, scale: float) -> LoraTable:
         """The table with slot `slot` holding `blocks` (`scale` folded into B), every
         site's block of that slot the adapter does not target zeroed. Written on the host
-        and placed whole (a device update would compile a program per shape)."""
+        and placed whole (a device update would compile a program per shape), on the mesh
+        the table was placed on, if any (a job's table on a mesh stays there)."""
         rank = self.max_rank
         cols = slice(slot * rank, (slot + 1) * rank)
         sites = {}
         for key in self.sites:
-            a_all, b_all = (np.array(x) for x in self.table.sites[site_name(*key)])
+            old = self.table.sites[site_name(*key)]
+            where = getattr(old[0], "sharding", None)
+            where = where if isinstance(where, NamedSharding) else None
+            a_all, b_all = (np.array(x) for x in old)
             a_all[:, cols] = 0
             b_all[cols] = 0
             if key in blocks:
@@ -216,7 +221,7 @@ class Adapters:
                 r = lora_a.shape[0]
                 a_all[:, slot * rank : slot * rank + r] = lora_a.T
                 b_all[slot * rank : slot * rank + r] = scale * lora_b.T
-            sites[site_name(*key)] = (jax.device_put(a_all), jax.device_put(b_all))
+            sites[site_name(*key)] = (jax.device_put(a_all, where), jax.device_put(b_all, where))
         return self.table.replace(sites=sites)
 
 

@@ -123,7 +123,8 @@ def param_shardings(weights: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _put(x: Any, sharding: NamedSharding) -> Any:
+def put(x: Any, sharding: NamedSharding) -> Any:
+    """`x` on `sharding`: as it is where it is already there, else `jax.device_put`."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
     return jax.device_put(x, sharding)
@@ -131,7 +132,7 @@ def _put(x: Any, sharding: NamedSharding) -> Any:
 
 def place_weights(weights: Any, mesh: Mesh) -> Any:
     """Lay `weights` (an `nnx.State` or any pytree) over the mesh by the rules."""
-    return jax.tree.map(_put, weights, param_shardings(weights, mesh))
+    return jax.tree.map(put, weights, param_shardings(weights, mesh))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:

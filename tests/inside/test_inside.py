@@ -255,12 +255,9 @@ def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):
             mesh=jax.make_mesh((1, 1), ("data", "model")),
         ),  # fmt: skip
         lambda m: ll.generate_many(m, [[1, 2]], capture=ll.Capture(layers=0)),
-        lambda m: ll.generate_many(
-            m,
-            [ll.Request([1, 2], steer=ll.Steer(np.zeros(WIDTH), 0))],
-            mesh=jax.make_mesh((1, 1), ("data", "model")),
+        lambda m: ll.generate(
+            m, [[1, 2]], capture=ll.Capture(layers=0), mesh=jax.make_mesh((1, 1), ("data", "model"))
         ),
-        lambda m: ll.generate_many(m, [[1, 2]], steer=ll.Steer(np.zeros(WIDTH), 0), mesh=1),
         lambda m: ll.score(m, [[1, 2]], [[3]], capture=ll.Capture(layers=0, prompt=True)),
     ],
 )

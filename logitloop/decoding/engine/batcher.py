@@ -408,7 +408,7 @@ class _Batcher:
             # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
             empty = template.widen(widths).take([0] * self.slots)
             empty = empty.replace(temperature=jax.device_put(np.zeros(self.slots, np.float32)))
-            rows = job_steering.slot_rows(self.adapters, self.steering)
+            rows = job_steering.slot_rows(self.adapters, self.steering, self.plan.layout)
             self.tables = self.plan.tables(empty, stops, rows=rows)
             self.state = _empty_state(
                 self.plan.program,
@@ -536,10 +536,11 @@ class _Batcher:
             [-1 if r.automaton is None else self.initial[id(r.automaton)] for r in group],
             np.int32,
         )
-        rows = job_steering.admitted(self.adapters, self.steering, slot, group)
+        layout = self.plan.layout
+        rows = job_steering.admitted(self.adapters, self.steering, slot, group, layout)
         if rows is not None:  # the table as loaded so far, the slots' new adapters, vectors
             self.tables = self.tables.replace(
-                rows=job_steering.slot_rows(self.adapters, self.steering)
+                rows=job_steering.slot_rows(self.adapters, self.steering, layout)
             )
         new = Tables(None, new_params.device_only(), new_stops, rows=rows)
         self.state, params, stops = _admit(

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from logitloop.decoding.engine import inside, job_adapters
+from logitloop.decoding.loop.layout import Layout
 from logitloop.models.kv import Rows
 from logitloop.models.steering import Steering
 
@@ -157,28 +158,32 @@ def resolve(
 
 
 def start(plan: Any, slots: int) -> JobSteering:
-    """A job's steering under `plan`, before any request (`for_job`); a mesh's job
-    refuses it by name (as `plan.check_inside` refuses the job's `steer=`)."""
-    if plan.options.mesh is not None:
-        raise NotImplementedError("Request.steer does not run with mesh= yet (docs/inside.md)")
+    """A job's steering under `plan`, before any request (`for_job`)."""
     return JobSteering(plan.options.steer, slots, plan.num_layers, plan.info.residual_width)
 
 
-def slot_rows(adapters: Any, steering: JobSteering | None) -> Rows | None:
+def slot_rows(adapters: Any, steering: JobSteering | None, layout: Layout) -> Rows | None:
     """The batch slots' per-row model state: their LoRA adapters (`job_adapters`) and
-    steering vectors, placed from the host; None without either."""
+    steering vectors, placed from the host where `layout` reads them; None without
+    either."""
     if adapters is None and steering is None:
         return None
     rows = Rows() if adapters is None else adapters.rows()
-    return rows if steering is None else rows.replace(steer=steering.steering())
+    rows = rows if steering is None else rows.replace(steer=steering.steering())
+    return layout.place_rows(rows)
 
 
 def admitted(
-    adapters: Any, steering: JobSteering | None, slot: np.ndarray, group: Sequence[Any]
+    adapters: Any,
+    steering: JobSteering | None,
+    slot: np.ndarray,
+    group: Sequence[Any],
+    layout: Layout,
 ) -> Rows | None:
     """The rows of `group` (`batcher._Row`s, dummies repeating the first) took `slot`
     (`[G]`): the slots' adapters and vectors are theirs from now on; returns the group's
-    own per-row state for its prefill (`[G]`), None without adapters or steering."""
+    own per-row state for its prefill (`[G]`, placed where `layout` reads it), None
+    without adapters or steering."""
     if adapters is None and steering is None:
         return None
     rows = Rows()
@@ -188,4 +193,4 @@ def admitted(
     if steering is not None:
         steering.admitted(slot, [r.steer for r in group])
         rows = rows.replace(steer=steering.group([r.steer for r in group]))
-    return rows
+    return layout.place_rows(rows)

@@ -11,11 +11,12 @@ defaults), and all start with `plan(model, options)`:
   policy, `fixed_order.Numerics`: `deterministic=` fixes the reduction order, and
   `fixed_order.calibrate` runs this backend's probes once), the layout (one device, or a
   mesh) and the resolved speculation strategy; the loop's programs compile against it;
-- the device part: the model's weights placed by the layout and a draft model's weights,
-  then per batch `Plan.rows` (the prompts and params checked against the model, `n`
-  samples per prompt, the model's EOS ids among the stop ids, a mesh's dummy rows) and
-  `Plan.tables` (`loop.Tables`: the params' device part, the stop-string tables and the
-  constraints' automata, with the weights: everything the loop reads and never writes).
+- the device part: the model's weights (and an adapter table) placed by the layout and a
+  draft model's weights, then per batch `Plan.rows` (the prompts and params checked
+  against the model, `n` samples per prompt, the model's EOS ids among the stop ids, a
+  mesh's dummy rows) and `Plan.tables` (`loop.Tables`: the params' device part, the
+  stop-string tables and the constraints' automata, the rows' per-row model state placed
+  by the layout, with the weights: everything the loop reads and never writes).
 
 So a new entry point (a scorer, a beam search) writes none of this again.
 """
@@ -292,6 +293,7 @@ class Plan:
         """What the loop reads for rows `params` (`stops`, `automata`: their device
         tables, `stop_tables` and `constraint_tables`; `rows`: `adapter_rows`)."""
         draft = draft_inputs(self.draft_weights, self.options, rows)
+        rows = self.layout.place_rows(rows)
         return Tables(self.info.weights, params.device_only(), stops, automata, draft, rows)
 
     def adapter_rows(
@@ -368,6 +370,10 @@ def plan(
     info = model_info(model, deterministic=options.deterministic)  # numerics: calibrated
     layout = sharding.layout_for(options.mesh, whole_vocab=info.runner.numerics.splits)
     info = layout.place(info)
+    if options.adapters is not None:  # the table where the loop reads it, as the weights
+        table = layout.place_rows(Rows(lora=options.adapters.table)).lora
+        adapters = dataclasses.replace(options.adapters, table=table)
+        options = dataclasses.replace(options, adapters=adapters)
     spec, draft_weights = speculation.resolve(options.speculative, info, options.mesh)
     capture = options.capture
     program = Program(
@@ -390,8 +396,8 @@ def check_inside(options: Options, supported: bool | tuple[str, ...]) -> None:
             "generate_many so far, capture= in generate, stream and score (docs/inside.md, "
             "'Not done yet')"
         )
-    if options.mesh is not None:
-        raise NotImplementedError(f"{given[0]}= does not run with mesh= yet (docs/inside.md)")
+    if options.mesh is not None and options.capture is not None:
+        raise NotImplementedError("capture= does not run with mesh= yet (docs/inside.md)")
     if options.capture is not None and (options.n > 1 or options.speculative is not None):
         raise NotImplementedError(
             "capture= does not run with n > 1 or speculative= yet (docs/inside.md)"
@@ -435,8 +441,6 @@ def check_adapters(model: Any, options: Options, supported: bool) -> None:
             "and token_logprobs so far, not here yet "
             "(docs/lora.md, 'Not done yet')"
         )
-    if options.mesh is not None:
-        raise ValueError("adapters= does not run with mesh= yet (docs/lora.md)")
     _made_for(model, table, "adapters=")
 
 

@@ -230,6 +230,7 @@ def score(
     check_count("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
     options = Options(mesh=mesh, deterministic=deterministic, adapters=adapters, adapter=adapter)
     job = plan(model, options, adapters=True)
+    adapters = job.options.adapters  # the table where the layout reads it
     layers = score_capture(capture, job)
     info, layout = job.info, job.layout
     check_count("batch_size", batch_size, 1)

@@ -136,6 +136,7 @@ def score_row_batch(
         row_state = Rows(jax.device_put(np.asarray(slots, np.int32)), table.table)
     if capture:
         row_state = (row_state or Rows()).replace(capture=capture)
+    row_state = layout.place_rows(row_state)
     out = score_batch(
         info.runner, info.weights, prompt, positions, batch.lengths, batch.history,
         cont, lengths, params, automata, fsm, row_prompt, row_state, num_top=num_top,

@@ -56,6 +56,11 @@ class Layout:
         """Host side: the model (`ModelInfo`) with its weights where the loop reads them."""
         return info
 
+    def place_rows(self, rows: Any) -> Any:
+        """Host side: the rows' per-row model state (`ll.Rows`, or None) where the loop
+        reads it."""
+        return rows
+
     @property
     def row_mesh(self) -> Any:
         """The mesh whose "data" axis holds the rows (None: one device)."""

@@ -57,6 +57,7 @@ from logitloop.models.partitioning import (  # noqa: F401 - re-exported: the mes
     MODEL_AXIS,
     param_shardings,
     place_weights,
+    put,
     shard_model,
 )
 from logitloop.ops.sampling.sharded import auto_axes
@@ -196,6 +197,23 @@ class MeshLayout(Layout):
     def place(self, info: Any) -> Any:
         """Weights onto the mesh by the models' partition rules."""
         return dataclasses.replace(info, weights=place_weights(info.weights, self.mesh))
+
+    def place_rows(self, rows: Any) -> Any:
+        """The rows' LoRA adapter table (`Rows.lora`) replicated on every device, each
+        row's adapter slot and steering vectors over "data" with the rows (replicated
+        where the data axis does not divide them). Arrays already there do not move."""
+        if rows is None:
+            return None
+        shards = self.mesh.shape[DATA_AXIS]
+
+        def row(x: Any) -> Any:
+            split = np.ndim(x) >= 1 and np.shape(x)[0] % shards == 0
+            return put(x, self._named(P(DATA_AXIS) if split else P()))
+
+        lora = jax.tree.map(lambda x: put(x, self._named(P())), rows.lora)
+        return rows.replace(
+            adapter=jax.tree.map(row, rows.adapter), lora=lora, steer=jax.tree.map(row, rows.steer)
+        )
 
     @property
     def row_multiple(self) -> int:
