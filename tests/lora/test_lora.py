@@ -20,6 +20,7 @@ pytest.importorskip("peft")
 
 import logitloop as ll  # noqa: E402
 from logitloop.decoding.engine import reuse  # noqa: E402
+from logitloop.decoding.runtime import compiles  # noqa: E402
 from tests.models.tiny_checkpoints import build_hf_model, random_prompts, save_hf_model  # noqa: E402
 
 from .peft_adapters import ATTENTION, TARGETS, make_adapter, torch_greedy  # noqa: E402
@@ -222,8 +223,22 @@ def test_unknown_adapter_names_are_refused_with_the_row(setup):
         ll.generate(model, [[5, 6], [7, 8]], adapters=table, adapter=["a"])
     with pytest.raises(ValueError, match="pass adapters="):
         ll.generate(model, [[5, 6]], adapter="a")
-    with pytest.raises(ValueError, match="not here yet"):
-        ll.precompile(model, rows=[1], prompt_len=[8], max_tokens=2, adapters=table)
+
+
+def test_precompiled_buckets_under_adapters_compile_nothing(setup, compile_counter):
+    """`precompile(rows=, adapters=)` compiles generate's programs for the table: later
+    calls in its buckets, any rows' adapters (the base included), compile nothing."""
+    model, table = setup["model"], setup["table"]
+    report = ll.precompile(model, rows=[2], prompt_len=[8], max_tokens=4, adapters=table,
+                           temperature=0)  # fmt: skip
+    assert report.programs + report.cached > 0
+    prompts = random_prompts(160, [5, 7], 12)
+    with compile_counter as c:
+        for rows in (["a", "b"], [None, "a"], "b"):
+            ll.generate(model, prompts, adapters=table, adapter=rows, temperature=0,
+                        max_tokens=3)  # fmt: skip
+    compiles._prepared.clear()  # later new programs of this model need not warn
+    assert c.count == 0
 
 
 def test_a_table_of_another_model_is_refused(setup):

@@ -437,8 +437,8 @@ def check_adapters(model: Any, options: Options, supported: bool) -> None:
         return
     if not supported:
         raise ValueError(
-            "adapters= runs in generate, stream, chat, generate_many, score, beam_search "
-            "and token_logprobs so far, not here yet "
+            "adapters= runs in generate, stream, chat, generate_many, score, beam_search, "
+            "token_logprobs and precompile so far, not here yet "
             "(docs/lora.md, 'Not done yet')"
         )
     _made_for(model, table, "adapters=")

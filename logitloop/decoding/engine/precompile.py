@@ -155,7 +155,7 @@ def _precompile(model, rows, prompt_len, max_tokens, slots, progress, keywords):
         slots = check_count("slots", slots, 1)
         return _precompile_job(model, slots, prompt_sizes, token_sizes, progress, keywords)
     options, settings = Options.split("precompile", keywords)
-    job = plan(model, options)
+    job = plan(model, options, adapters=True)
     row_sizes = _sizes("rows", 1 if rows is None else rows, 1)
     combos = list(itertools.product(row_sizes, prompt_sizes, token_sizes))
     started, compiled, cached, buckets = time.perf_counter(), 0, 0, []
@@ -167,7 +167,9 @@ def _precompile(model, rows, prompt_len, max_tokens, slots, progress, keywords):
         names = [f"precompile(rows={r}, prompt_len={p})"] * r
         # The bucket itself, recorded so that later calls it covers reuse its programs.
         ids, params, shape = job.batch(None, params, ids=ids, names=names, fit=False)
-        tables, fsm = job.batch_tables(params)
+        # Under `adapters=`, the rows' slots (the base's: values are data) and the table.
+        adapted = options.adapters is not None
+        tables, fsm = job.batch_tables(params, prompts=len(ids) // options.n if adapted else None)
         if on_pool(job, params.batch_size):
             run, fn, args, kwargs = forked_call(job, tables, ids, params, fsm, shape)
         else:
