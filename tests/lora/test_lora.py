@@ -331,15 +331,41 @@ def test_a_draft_under_its_own_adapters_drafts_each_rows_adapter(setup):
     assert b["cycles"] > 3, b
 
 
+def test_a_jobs_draft_drafts_each_requests_adapter(setup):
+    """`generate_many` with `DraftModel(adapters=)` (holding "a" only), requests under "a",
+    "b" and the base through 2 slots with refills: each request's tokens are plain
+    decoding's under its adapter, and each "a" request drafts under "a" (every draft
+    accepted: the fewest cycles, as in `generate`) whichever slot it lands in and
+    whatever held the slot before; the others draft under the draft's base (the target's:
+    the base's drafts are all accepted too, "b"'s are not)."""
+    model, table = setup["model"], setup["table"]
+    prompts = random_prompts(160, [6, 7, 5, 6, 7], 9)
+    names = ["b", "a", None, "a", "b"]
+    keywords = dict(temperature=0, max_new_tokens=8, ignore_eos=True)
+    plain = ll.generate(model, prompts, adapters=table, adapter=names, **keywords)
+    draft_table = ll.load_adapter(model, setup["dir"] / "a", name="a")
+    draft = ll.DraftModel(
+        model=model, adapters=draft_table, num_draft=2, cycle_cost=1.0, min_acceptance=0.0
+    )
+    requests = [ll.Request(p, adapter=n) for p, n in zip(prompts, names, strict=True)]
+    out = ll.generate_many(model, requests, adapters=table, speculative=draft, slots=2,
+                           chunk_steps=2, **keywords)  # fmt: skip
+    assert [r.token_ids[0] for r in out] == plain.token_ids
+    for r, name in zip(out, names, strict=True):
+        (spec,) = r.speculation
+        if name == "b":  # drafted under the draft's base
+            assert spec["cycles"] > 3, (name, spec)
+        else:  # "a" under "a"; the base under the draft's base, which is the target's
+            assert spec["proposed"] == spec["cycles"] == 3 and spec["accepted"] == 4, spec
+
+
 def test_draft_adapters_are_refused_by_name(setup):
     model, table = setup["model"], setup["table"]
     draft = ll.DraftModel(model=model, adapters=table, num_draft=2)
     with pytest.raises(ValueError, match="DraftModel.adapters runs with the call's adapters="):
         ll.generate(model, [[3, 4, 5]], speculative=draft, max_new_tokens=2)
-    with pytest.raises(ValueError, match="nor in generate_many yet"):
-        ll.generate_many(
-            model, [[3, 4, 5]], adapters=table, speculative=draft, max_new_tokens=2, slots=1
-        )
+    with pytest.raises(ValueError, match="DraftModel.adapters runs with the call's adapters="):
+        ll.generate_many(model, [[3, 4, 5]], speculative=draft, max_new_tokens=2, slots=1)
     other = ll.Adapters.create(sites={(0, "q_proj"): (64, 64)})
     bad = ll.DraftModel(model=model, adapters=other, num_draft=2)
     with pytest.raises(ValueError, match="DraftModel.adapters was made for another model"):

@@ -193,6 +193,8 @@ def _admit(
         rows = rows.replace(
             rows=tables.rows.replace(adapter=new.rows.adapter, steer=new.rows.steer)
         )
+    if new.draft_weights is not None:  # a draft's own adapters: the new rows' (draft_inputs)
+        rows = rows.replace(draft_weights=new.draft_weights)
     cache = None
     if state.pages is not None:  # the new rows' prefill writes into the shared pool
         state, cache = pool.admit(state, slot, prompts.lengths, prefix, shape=program.pool)
@@ -409,7 +411,8 @@ class _Batcher:
             empty = template.widen(widths).take([0] * self.slots)
             empty = empty.replace(temperature=jax.device_put(np.zeros(self.slots, np.float32)))
             rows = job_steering.slot_rows(self.adapters, self.steering, self.plan.layout)
-            self.tables = self.plan.tables(empty, stops, rows=rows)
+            names = job_adapters.names(self.adapters)
+            self.tables = self.plan.tables(empty, stops, rows=rows, names=names)
             self.state = _empty_state(
                 self.plan.program,
                 self.tables,
@@ -538,11 +541,16 @@ class _Batcher:
         )
         layout = self.plan.layout
         rows = job_steering.admitted(self.adapters, self.steering, slot, group, layout)
+        new_draft = None
         if rows is not None:  # the table as loaded so far, the slots' new adapters, vectors
-            self.tables = self.tables.replace(
-                rows=job_steering.slot_rows(self.adapters, self.steering, layout)
-            )
-        new = Tables(None, new_params.device_only(), new_stops, rows=rows)
+            slot_rows = job_steering.slot_rows(self.adapters, self.steering, layout)
+            self.tables = self.tables.replace(rows=slot_rows)
+            names = job_adapters.names(self.adapters)
+            new_draft = self.plan.own_draft(rows, names)  # a draft's own adapters, or None
+            if new_draft is not None:
+                own = self.plan.own_draft(slot_rows, names)
+                self.tables = self.tables.replace(draft_weights=own)
+        new = Tables(None, new_params.device_only(), new_stops, draft_weights=new_draft, rows=rows)
         self.state, params, stops = _admit(
             self.plan.program,
             self.tables,

@@ -78,8 +78,7 @@ def _job(
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
     job = plan(model, options, adapters=True, inside=("steer",))
-    if getattr(options.speculative, "adapters", None) is not None:
-        # Its rows change as requests are admitted: the draft's slots would go stale.
+    if getattr(options.speculative, "adapters", None) is not None and options.adapters is None:
         draft_inputs(job.draft_weights, options, None)  # refuses, naming what runs
     job_adapters.check_job_adapter(options.adapter)
     info, layout = job.info, job.layout

@@ -171,6 +171,11 @@ def for_job(options: Any, slots: int) -> JobAdapters | None:
     return JobAdapters(options.adapters, options.adapter, slots)
 
 
+def names(job: JobAdapters | None) -> tuple[str | None, ...] | None:
+    """The adapter in each slot of the job's table (None without adapters)."""
+    return None if job is None else tuple(job.table.names)
+
+
 def slot_of(job: JobAdapters | None, adapter: Any, rows: int) -> int:
     """A request's adapter's table slot for its `rows` rows (`JobAdapters.resolve`; -1:
     the base)."""

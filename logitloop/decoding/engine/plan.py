@@ -289,12 +289,22 @@ class Plan:
         stops: Any = None,
         automata: Automata | None = None,
         rows: Rows | None = None,
+        names: Sequence[str | None] | None = None,
     ) -> Tables:
         """What the loop reads for rows `params` (`stops`, `automata`: their device
-        tables, `stop_tables` and `constraint_tables`; `rows`: `adapter_rows`)."""
-        draft = draft_inputs(self.draft_weights, self.options, rows)
+        tables, `stop_tables` and `constraint_tables`; `rows`: `adapter_rows`; `names`:
+        the adapter of each slot of the table `rows.adapter` indexes, default the call's,
+        for a draft's own adapters, `draft_inputs`)."""
+        draft = draft_inputs(self.draft_weights, self.options, rows, names)
         rows = self.layout.place_rows(rows)
         return Tables(self.info.weights, params.device_only(), stops, automata, draft, rows)
+
+    def own_draft(self, rows: Rows, names: Sequence[str | None] | None) -> Any:
+        """`draft_inputs` for `rows` where the draft model has adapters of its own, else
+        None (a job's admissions and slots; `names`: the job table's)."""
+        if getattr(self.options.speculative, "adapters", None) is None:
+            return None
+        return draft_inputs(self.draft_weights, self.options, rows, names)
 
     def adapter_rows(
         self, prompts: int, batch_size: int, ids: list[list[int]] | None = None
@@ -404,22 +414,25 @@ def check_inside(options: Options, supported: bool | tuple[str, ...]) -> None:
         )
 
 
-def draft_inputs(draft_weights: Any, options: Options, rows: Any) -> Any:
+def draft_inputs(
+    draft_weights: Any, options: Options, rows: Any, names: Sequence[str | None] | None = None
+) -> Any:
     """A draft model's weights, with its rows' adapters where it has its own
     (`DraftModel.adapters`: each row drafts under the draft's adapter of its own adapter's
     name, else the draft's base): `speculative.DraftInputs`. `rows`: the batch's
-    (`adapter_rows`), fixed for the call: a job that admits rows as it runs builds its
-    tables without them and is refused here."""
+    (`adapter_rows`; a job's slots or admitted rows), whose `adapter` indexes a table
+    whose slots hold the adapters `names` (default the call's `adapters=`; a job's table,
+    which loads adapters as it runs, gives its own)."""
     table = getattr(options.speculative, "adapters", None)
     if table is None:
         return draft_weights
     if options.adapters is None or rows is None or rows.adapter is None:
         raise ValueError(
             "DraftModel.adapters runs with the call's adapters= (each row drafts under the "
-            "draft's adapter of its own adapter's name), in generate, stream and chat; "
-            "not without adapters=, nor in generate_many yet (docs/lora.md)"
+            "draft's adapter of its own adapter's name), not without it (docs/lora.md)"
         )
-    names = options.adapters.names  # the call's slot -> the draft's slot of that name
+    if names is None:
+        names = options.adapters.names  # the call's slot -> the draft's slot of that name
     mapping = [table.names.index(n) if n in table.names else -1 for n in names]
     mapping = np.asarray([*mapping, -1], np.int32)  # slot -1 (the base) reads the last
     slots = mapping[np.asarray(rows.adapter)]  # [B]
