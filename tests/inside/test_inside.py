@@ -227,7 +227,6 @@ def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):
     "call",
     [
         lambda m: ll.score(m, [[1, 2]], [[3]], steer=ll.Steer(np.zeros(WIDTH), 0)),
-        lambda m: ll.generate_many(m, [[1, 2]], capture=ll.Capture(layers=0)),
         lambda m: ll.generate_many(
             m,
             [ll.Request([1, 2], steer=ll.Steer(np.zeros(WIDTH), 0))],

@@ -164,12 +164,14 @@ def start(plan: Any, slots: int) -> JobSteering:
     return JobSteering(plan.options.steer, slots, plan.num_layers, plan.info.residual_width)
 
 
-def slot_rows(adapters: Any, steering: JobSteering | None) -> Rows | None:
+def slot_rows(adapters: Any, steering: JobSteering | None, capture: Any = None) -> Rows | None:
     """The batch slots' per-row model state: their LoRA adapters (`job_adapters`) and
-    steering vectors, placed from the host; None without either."""
-    if adapters is None and steering is None:
+    steering vectors, placed from the host, and the layers they capture (`capture`, a
+    `job_capture.JobCapture`); None without any."""
+    if adapters is None and steering is None and capture is None:
         return None
     rows = Rows() if adapters is None else adapters.rows()
+    rows = rows if capture is None else rows.replace(capture=capture.layers)
     return rows if steering is None else rows.replace(steer=steering.steering())
 
 

@@ -90,9 +90,9 @@ class Options:
       `stream` so far (`logitloop.decoding.engine.guidance`, docs/guidance.md).
     steer: steering vectors added to the residual stream (`ll.Steer`: one for every
       prompt, or a list with one entry per prompt); capture: the residual stream to
-      record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate` and
-      `stream` so far, and `steer=` in `generate_many` too (one setting for every
-      request that gives none, `Request.steer`; docs/inside.md).
+      record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate`,
+      `stream` and `generate_many` so far (there `steer=` is the setting of every
+      request that gives none, `Request.steer`, and `capture=` the job's; docs/inside.md).
     """
 
     n: int = 1
@@ -387,8 +387,8 @@ def check_inside(options: Options, supported: bool | tuple[str, ...]) -> None:
     if refused:
         raise NotImplementedError(
             f"{' and '.join(refused)}= not here yet: steer= runs in generate, stream and "
-            "generate_many so far, capture= in generate, stream and score (docs/inside.md, "
-            "'Not done yet')"
+            "generate_many so far, capture= in generate, stream, generate_many and score "
+            "(docs/inside.md, 'Not done yet')"
         )
     if options.mesh is not None:
         raise NotImplementedError(f"{given[0]}= does not run with mesh= yet (docs/inside.md)")
