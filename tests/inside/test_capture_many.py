@@ -93,6 +93,22 @@ def test_a_second_job_of_the_same_layers_compiles_nothing(setup, compile_counter
     check_against_transformers(setup["hf"], rows, [out[i] for i in range(len(rows))], False)
 
 
+def test_steered_requests_capture_their_steered_states(setup):
+    """Steering and capture in one job (per-request vectors beside unsteered requests):
+    each request's tokens and states are `generate`'s with the same vectors."""
+    model, rows = setup["model"], prompts(44)[:3]
+    vector = np.random.default_rng(3).normal(size=WIDTH).astype(np.float32)
+    steers = [ll.Steer(vector, 0, 6.0), None, ll.Steer(vector, 1, 4.0, tokens="generated")]
+    many = [ll.Request(p, dict(max_tokens=t), steer=s or [])
+            for p, t, s in zip(rows, TOKENS[:3], steers, strict=True)]  # fmt: skip
+    out = ll.generate_many(model, many, capture=CAPTURE, **PAGED)
+    want = ll.generate(model, rows, steer=steers, capture=CAPTURE, temperature=0,
+                       ignore_eos=True, max_new_tokens=TOKENS[:3])  # fmt: skip
+    for i, result in enumerate(out):
+        assert result.token_ids == [want.token_ids[i]]
+        np.testing.assert_allclose(result.captured[0], want.captured[i], rtol=0, atol=ATOL)
+
+
 @pytest.mark.slow
 def test_preempted_rows_keep_their_states(setup):
     """A pool too small for two rows' growth: rows are preempted and resumed (keys and
