@@ -36,20 +36,21 @@ def prompts(seed: int = 40) -> list[list[int]]:
 
 
 def requests(rows: list[list[int]]) -> list[ll.Request]:
-    return [ll.Request(p, dict(max_tokens=t)) for p, t in zip(rows, TOKENS, strict=True)]
+    return [ll.Request(p, dict(max_tokens=t)) for p, t in zip(rows, TOKENS, strict=False)]
 
 
 def check_against_transformers(hf, rows, out, prompt: bool) -> None:
-    """Each request's states: layer 0 and the final norm's output at every token of its
-    sequence that a pass fed (the prompt's too with `prompt`), transformers' values."""
+    """Each request's states, each of its rows': layer 0 and the final norm's output at
+    every token of its sequence that a pass fed (the prompt's too with `prompt`),
+    transformers' values."""
     for row, result in zip(rows, out, strict=True):
-        sequence = row + result.token_ids[0]
-        hs = hf_states(hf, sequence)
-        want = np.stack([hs[1], hs[-1]], axis=1)[:-1]  # the last token is never fed
-        want = want if prompt else want[len(row) - 1 :]
-        got = result.captured[0]
-        assert got.shape == want.shape and got.dtype == np.float32
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+        assert len(result.captured) == len(result.token_ids)
+        for tokens, got in zip(result.token_ids, result.captured, strict=True):
+            hs = hf_states(hf, row + tokens)
+            want = np.stack([hs[1], hs[-1]], axis=1)[:-1]  # the last token is never fed
+            want = want if prompt else want[len(row) - 1 :]
+            assert got.shape == want.shape and got.dtype == np.float32
+            np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
 
 
 def test_paged_prefix_cached_job_captures_what_transformers_and_generate_do(setup):
@@ -100,13 +101,26 @@ def test_steered_requests_capture_their_steered_states(setup):
     vector = np.random.default_rng(3).normal(size=WIDTH).astype(np.float32)
     steers = [ll.Steer(vector, 0, 6.0), None, ll.Steer(vector, 1, 4.0, tokens="generated")]
     many = [ll.Request(p, dict(max_tokens=t), steer=s or [])
-            for p, t, s in zip(rows, TOKENS[:3], steers, strict=True)]  # fmt: skip
+            for p, t, s in zip(rows, TOKENS, steers, strict=False)]  # fmt: skip
     out = ll.generate_many(model, many, capture=CAPTURE, **PAGED)
     want = ll.generate(model, rows, steer=steers, capture=CAPTURE, temperature=0,
                        ignore_eos=True, max_new_tokens=TOKENS[:3])  # fmt: skip
     for i, result in enumerate(out):
         assert result.token_ids == [want.token_ids[i]]
         np.testing.assert_allclose(result.captured[0], want.captured[i], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("prompt", [False, True])
+def test_each_of_n_samples_captures_its_own_sequence(setup, prompt):
+    """`n = 2` sampled rows a request on a pool: rows sharing their prompt's pages
+    (`prompt=False`), or each prefilling it whole (`prompt=True`: no row shares): every
+    row's states are transformers' on its own sequence."""
+    rows = prompts(45)[:3]
+    capture = ll.Capture(layers=(0,), prompt=prompt, final_norm=True)
+    keywords = {**PAGED, "temperature": 1.0, "seed": 7, "n": 2}
+    out = ll.generate_many(setup["model"], requests(rows), capture=capture, **keywords)
+    assert any(r.token_ids[0] != r.token_ids[1] for r in out)  # the samples differ
+    check_against_transformers(setup["hf"], rows, out, prompt=prompt)
 
 
 @pytest.mark.slow
@@ -129,7 +143,7 @@ def test_preempted_rows_keep_their_states(setup):
         (dict(capture=ll.Capture(layers=0, prompt=True, max_bytes=10_000)),
          r"capture=: the buffer would take .* MiB \(2 rows x 32 tokens x 1 layers x 64 floats"),
         (dict(capture=ll.Capture(layers=(0, 2))), r"capture\.layers\[1\] = 2 is out of range"),
-        (dict(capture=ll.Capture(layers=0), n=2), "n > 1"),
+        (dict(capture=ll.Capture(layers=0), speculative=ll.PromptLookup()), "speculative="),
         (dict(capture=(0,)), "capture must be an ll.Capture"),
     ],
 )  # fmt: skip

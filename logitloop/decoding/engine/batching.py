@@ -77,7 +77,8 @@ def _job(
     """`iter_generate_many`'s job for the public function `caller` (named in errors): its
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
-    job = job_capture.scattering(plan(model, options, adapters=True, inside=True))
+    job = plan(model, options, adapters=True, inside=True, capture_samples=True)
+    job = job_capture.scattering(job)
     if getattr(options.speculative, "adapters", None) is not None:
         # Its rows change as requests are admitted: the draft's slots would go stale.
         draft_inputs(job.draft_weights, options, None)  # refuses, naming what runs
@@ -149,7 +150,8 @@ def _job(
             slots, max_prompt_len, max_tokens_bound, page_size
         )
     factory = paged_batching.PagedBatcher  # every row owns its pages
-    if refusal is None:  # a request's n rows share its prompt's pages; the cache keeps them
+    if refusal is None and job_capture.shares_prompts(options):
+        # a request's n rows share its prompt's pages; the cache keeps them
         factory = functools.partial(PrefixBatcher, keep=prefix_cache)
     batcher = paged_batching.batcher(
         job, requests, kv_cache_tokens, page_size, {} if stats is None else stats,
@@ -248,7 +250,7 @@ def generate_many(
       prompt (`logitloop.decoding.engine.job_steering`, docs/inside.md).
     capture: an `ll.Capture`, the job's: each result's `captured`, one `[T, C, E]` float32
       array per row aligned with its `token_ids` as `generate(..., capture=)`'s
-      (`logitloop.decoding.engine.job_capture`; not with `n > 1`, `speculative=` or
+      (`logitloop.decoding.engine.job_capture`; `n > 1` too, not `speculative=` or
       `mesh=`). `Capture(prompt=True)` prefills every prompt whole: `prefix_cache`
       defaults to False and True is refused (a cached page's tokens get no states).
 

@@ -16,8 +16,9 @@ refilled.
 Prompt capture and the prefix cache: a row that reads a cached page runs none of its
 tokens through the model, so no pass computes their states, and recomputing them would
 cost the prefill the cache saves. `Capture(prompt=True)` therefore prefills every prompt
-whole: the job's `prefix_cache` defaults to False, and `prefix_cache=True` is refused by
-name. Without `prompt=True` the prefix cache runs as ever: a row's prefill always computes
+whole, for each of a request's `n` rows too: the job's `prefix_cache` defaults to False,
+`prefix_cache=True` is refused by name, and on a pool (`kv_cache_tokens`) every row owns
+its pages. Without `prompt=True` the prefix cache runs as ever: a row's prefill always computes
 its prompt's last token, whose states draw its first token. A preempted row keeps its
 states; its resumption recomputes keys and values only (`pool.resume`).
 """
@@ -39,7 +40,7 @@ from logitloop.models.kv import Rows
 def prefix_cache(options: Any, prefix_cache: bool | None) -> bool | None:
     """The job's `prefix_cache` under its `capture=` (module docstring): False by default
     with `Capture(prompt=True)`, which refuses True by name; else as given."""
-    if options.capture is None or not options.capture.prompt:
+    if shares_prompts(options):
         return prefix_cache
     if prefix_cache:
         raise ValueError(
@@ -48,6 +49,12 @@ def prefix_cache(options: Any, prefix_cache: bool | None) -> bool | None:
             "(prompt capture prefills every prompt whole) or capture with prompt=False"
         )
     return False
+
+
+def shares_prompts(options: Any) -> bool:
+    """Whether the job's rows may share prompt pages (a request's `n` rows, the prefix
+    cache): not under `Capture(prompt=True)` (module docstring)."""
+    return options.capture is None or not options.capture.prompt
 
 
 def scattering(plan: Any) -> Any:
