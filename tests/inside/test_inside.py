@@ -253,8 +253,7 @@ def test_bad_input_is_refused_by_name(setup, keywords, match, compile_counter):
             [[3]],
             steer=ll.Steer(np.zeros(WIDTH), 0),
             mesh=jax.make_mesh((1, 1), ("data", "model")),
-        ),  # fmt: skip
-        lambda m: ll.generate_many(m, [[1, 2]], capture=ll.Capture(layers=0)),
+        ),
         lambda m: ll.generate(
             m, [[1, 2]], capture=ll.Capture(layers=0), mesh=jax.make_mesh((1, 1), ("data", "model"))
         ),

@@ -22,10 +22,8 @@ width widens it (`SamplingParams.widen`, to the next power of two as `create` bu
 them) and that shape compiles once; a second job with the same bounds and settings of the
 same kind compiles nothing.
 
-Requests are checked by the same host helpers as `generate` (`logitloop.decoding.engine.host`),
-and each request's finished rows go through the same `collect`.
-
-Identity with `generate`: a slot's new request starts from a fresh state row (tokens -1,
+Identity with `generate` (whose host helpers check the requests, and whose `collect` takes
+the finished rows): a slot's new request starts from a fresh state row (tokens -1,
 counters 0, a zeroed cache row, its own history, stop windows and params), its prompt sits
 at positions `0 .. len - 1` and its generated token `i` is drawn with the random stream
 `(seed, i)` and fed back at position `len + i`, exactly as `generate` does for that prompt
@@ -49,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding.engine import job_adapters, job_steering
+from logitloop.decoding.engine import job_adapters, job_capture, job_steering
 from logitloop.decoding.engine.host import (
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
@@ -74,10 +72,7 @@ from logitloop.decoding.loop.decode_loop import (
     decode,
     prefill,
 )
-from logitloop.decoding.loop.runner import (
-    ModelInfo,
-    runner_jit,
-)
+from logitloop.decoding.loop.runner import ModelInfo, runner_jit
 from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import constraints
 from logitloop.decoding.sampling import processors as procs
@@ -124,6 +119,7 @@ class Request:
     jax.jit,
     static_argnames=(
         "program", "vocab", "batch", "prompt_len", "buffer_len", "num_top", "window", "text",
+        "capture",
     ),
 )  # fmt: skip
 def _empty_state(
@@ -137,8 +133,10 @@ def _empty_state(
     num_top: int,
     window: int,
     text: int,
+    capture: tuple[int, int] | None = None,
 ) -> DecodeState:
-    """A state whose every row is an empty, finished slot (the loop never touches it)."""
+    """A state whose every row is an empty, finished slot (the loop never touches it);
+    `capture`: the captured states' (C, E), with `program.capture` (`job_capture`)."""
     cap = prompt_len + buffer_len
     zeros = jnp.zeros((batch,), jnp.int32)
     pages = None
@@ -157,6 +155,7 @@ def _empty_state(
         processor_states=procs.init_states(tables.params.processors, batch, vocab),
         done=True,
     ).replace(pages=pages)
+    state = state.replace(capture=job_capture.empty(program, capture, state))
     if program.speculative is not None:  # a one-column "prompt" of padding: nothing is written
         pad = jnp.full((batch, 1), -1, jnp.int32)
         spec = program.speculative.init(
@@ -248,6 +247,7 @@ class _Pending:
     outputs: list[Outputs | None]  # per row, once it finished: host arrays [1, ...]
     # per row, with `speculative=`: {"cycles", "proposed", "drafted", "accepted"} once it finished
     speculation: list[dict[str, int] | None] | None = None
+    captured: list[Any] | None = None  # per row, with `capture=`: `JobCapture.fetch`'s
 
 
 def _describe(index: int, request_id: Any) -> str:
@@ -314,6 +314,7 @@ class _Batcher:
         self.initial: dict[int, int] = {}  # id(automaton) -> its initial state in the tables
         self.adapters = job_adapters.for_job(plan.options, slots)  # LoRA, or None
         self.steering: job_steering.JobSteering | None = None  # set by `run`, or None
+        self.capture = job_capture.for_job(plan, slots, self.prompt_len, self.buffer_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -384,13 +385,8 @@ class _Batcher:
             _Row(index, c, ids[c], params.take([c]), widths, compiled[c], **model_rows)
             for c in range(self.n)
         ]
-        pending = _Pending(
-            index=index,
-            ids=ids,
-            params=params,
-            outputs=[None] * self.n,
-            speculation=[None] * self.n,
-        )
+        none = [None] * self.n
+        pending = _Pending(index, ids, params, list(none), list(none), list(none))
         return pending, rows
 
     # ------------------------------------------------------------------ device state
@@ -410,7 +406,8 @@ class _Batcher:
             # Empty slots are greedy: no row of theirs takes the sampler's slow paths.
             empty = template.widen(widths).take([0] * self.slots)
             empty = empty.replace(temperature=jax.device_put(np.zeros(self.slots, np.float32)))
-            rows = job_steering.slot_rows(self.adapters, self.steering, self.plan.layout)
+            layout = self.plan.layout
+            rows = job_steering.slot_rows(self.adapters, self.steering, layout, self.capture)
             names = job_adapters.names(self.adapters)
             self.tables = self.plan.tables(empty, stops, rows=rows, names=names)
             self.state = _empty_state(
@@ -423,6 +420,7 @@ class _Batcher:
                 num_top=widths.top_logprobs,
                 window=widths.sequence_len,
                 text=text,
+                capture=None if self.capture is None else self.capture.shape,
             )
             return
         self.tables = self.tables.replace(params=self.tables.params.widen(widths), stops=stops)
@@ -541,15 +539,9 @@ class _Batcher:
         )
         layout = self.plan.layout
         rows = job_steering.admitted(self.adapters, self.steering, slot, group, layout)
-        new_draft = None
-        if rows is not None:  # the table as loaded so far, the slots' new adapters, vectors
-            slot_rows = job_steering.slot_rows(self.adapters, self.steering, layout)
-            self.tables = self.tables.replace(rows=slot_rows)
-            names = job_adapters.names(self.adapters)
-            new_draft = self.plan.own_draft(rows, names)  # a draft's own adapters, or None
-            if new_draft is not None:
-                own = self.plan.own_draft(slot_rows, names)
-                self.tables = self.tables.replace(draft_weights=own)
+        self.tables, new_draft = job_steering.refreshed(
+            self.plan, self.tables, rows, self.adapters, self.steering, self.capture
+        )
         new = Tables(None, new_params.device_only(), new_stops, draft_weights=new_draft, rows=rows)
         self.state, params, stops = _admit(
             self.plan.program,
@@ -583,12 +575,17 @@ class _Batcher:
         rows, which a paged pool's preemption reads)."""
         return np.asarray(jax.device_get(self.plan.layout.host_view(self.state.done)))
 
-    def fetch(self, slots: Sequence[int]) -> list[tuple[Outputs, dict[str, int] | None]]:
-        """Copy the finished rows in `slots` to the host, each as `Outputs` of one row and
-        its speculation counts (None without `speculative=`)."""
+    def fetch(self, slots: Sequence[int]) -> list[tuple[Outputs, Any, Any]]:
+        """Copy the finished rows in `slots` to the host, each as `Outputs` of one row, its
+        speculation counts (None without `speculative=`) and its captured states
+        (`job_capture.JobCapture.fetch`; None without `capture=`)."""
         outputs = jax.device_get(self.plan.layout.host_view(self.state.outputs()))
         counts = speculation.stats(self.state.speculation, self.slots)
-        return [(outputs.take([slot]), counts and counts[slot]) for slot in slots]
+        states = self.capture.fetch(self.state, slots) if self.capture else [None] * len(slots)
+        return [
+            (outputs.take([slot]), counts and counts[slot], got)
+            for slot, got in zip(slots, states, strict=True)
+        ]
 
     # ------------------------------------------------------------------ results
 
@@ -607,6 +604,8 @@ class _Batcher:
         result = collect(outputs, pending.ids, pending.params, self.info)
         if self.plan.program.speculative is not None:
             result.speculation = list(pending.speculation)
+        if self.capture is not None:
+            result.captured = self.capture.rows(pending.captured, pending.ids, result.num_tokens)
         return result.per_request()
 
     # ------------------------------------------------------------------ the loop
@@ -658,13 +657,14 @@ class _Batcher:
             finished = sorted(slot for slot in occupant if done[slot])
             if not finished:
                 continue
-            for slot, (out, counts) in zip(finished, self.fetch(finished), strict=True):
+            for slot, (out, counts, states) in zip(finished, self.fetch(finished), strict=True):
                 row = occupant.pop(slot)
                 job_adapters.finished(self.adapters, row.adapter)
                 free.append(slot)
                 request = pending[row.request]
                 request.outputs[row.child] = out
                 request.speculation[row.child] = counts
+                request.captured[row.child] = states
                 if all(o is not None for o in request.outputs):
                     ready.append(row.request)
             free.sort()

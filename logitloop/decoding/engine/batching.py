@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from logitloop.decoding.engine import job_adapters, paged_batching
+from logitloop.decoding.engine import job_adapters, job_capture, paged_batching
 from logitloop.decoding.engine.batcher import (
     Request,
     _Batcher,
@@ -77,7 +77,8 @@ def _job(
     """`iter_generate_many`'s job for the public function `caller` (named in errors): its
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
-    job = plan(model, options, adapters=True, inside=("steer",))
+    job = plan(model, options, adapters=True, inside=True, capture_samples=True)
+    job = job_capture.scattering(job)
     if getattr(options.speculative, "adapters", None) is not None and options.adapters is None:
         draft_inputs(job.draft_weights, options, None)  # refuses, naming what runs
     job_adapters.check_job_adapter(options.adapter)
@@ -135,6 +136,7 @@ def _job(
     )
     if prefix_cache not in (None, True, False):
         raise ValueError(f"prefix_cache must be True, False or None, got {prefix_cache!r}")
+    prefix_cache = job_capture.prefix_cache(options, prefix_cache)  # False for prompt capture
     refusal = paged_batching.prefix_refusal(job)
     if prefix_cache is None:
         prefix_cache = refusal is None
@@ -147,7 +149,8 @@ def _job(
             slots, max_prompt_len, max_tokens_bound, page_size
         )
     factory = paged_batching.PagedBatcher  # every row owns its pages
-    if refusal is None:  # a request's n rows share its prompt's pages; the cache keeps them
+    if refusal is None and job_capture.shares_prompts(options):
+        # a request's n rows share its prompt's pages; the cache keeps them
         factory = functools.partial(PrefixBatcher, keep=prefix_cache)
     batcher = paged_batching.batcher(
         job, requests, kv_cache_tokens, page_size, {} if stats is None else stats,
@@ -244,6 +247,11 @@ def generate_many(
       gives none of its own (`Request(prompt, steer=...)`; `[]`: none); new vectors
       compile nothing, and the prefix cache keys pages by the vectors that reach the
       prompt (`logitloop.decoding.engine.job_steering`, docs/inside.md).
+    capture: an `ll.Capture`, the job's: each result's `captured`, one `[T, C, E]` float32
+      array per row aligned with its `token_ids` as `generate(..., capture=)`'s
+      (`logitloop.decoding.engine.job_capture`; `n > 1` too, not `speculative=` or
+      `mesh=`). `Capture(prompt=True)` prefills every prompt whole: `prefix_cache`
+      defaults to False and True is refused (a cached page's tokens get no states).
 
     Returns one `GenerationResult` per request, each holding that prompt's `n` rows, equal to
     `generate(model, [prompt], SamplingParams.create(1, **knobs), n=n)` but for `text`:

@@ -162,15 +162,36 @@ def start(plan: Any, slots: int) -> JobSteering:
     return JobSteering(plan.options.steer, slots, plan.num_layers, plan.info.residual_width)
 
 
-def slot_rows(adapters: Any, steering: JobSteering | None, layout: Layout) -> Rows | None:
+def slot_rows(
+    adapters: Any, steering: JobSteering | None, layout: Layout, capture: Any = None
+) -> Rows | None:
     """The batch slots' per-row model state: their LoRA adapters (`job_adapters`) and
-    steering vectors, placed from the host where `layout` reads them; None without
-    either."""
-    if adapters is None and steering is None:
+    steering vectors, placed from the host where `layout` reads them, and the layers they
+    capture (`capture`, a `job_capture.JobCapture`); None without any."""
+    if adapters is None and steering is None and capture is None:
         return None
     rows = Rows() if adapters is None else adapters.rows()
+    rows = rows if capture is None else rows.replace(capture=capture.layers)
     rows = rows if steering is None else rows.replace(steer=steering.steering())
     return layout.place_rows(rows)
+
+
+def refreshed(
+    plan: Any, tables: Any, rows: Rows | None, adapters: Any, steering: Any, capture: Any
+) -> tuple[Any, Any]:
+    """After an admission whose group's per-row state is `rows` (`admitted`): the job's
+    `tables` with the slots' state (the table as loaded so far, the slots' adapters and
+    vectors) and, for a draft model with adapters of its own, the slots' draft inputs;
+    and the group's draft inputs (None: the draft's own weights serve)."""
+    if rows is None:
+        return tables, None
+    slots = slot_rows(adapters, steering, plan.layout, capture)
+    names = job_adapters.names(adapters)
+    tables = tables.replace(rows=slots)
+    group_draft = plan.own_draft(rows, names)
+    if group_draft is not None:
+        tables = tables.replace(draft_weights=plan.own_draft(slots, names))
+    return tables, group_draft
 
 
 def admitted(

@@ -91,9 +91,9 @@ class Options:
       `stream` so far (`logitloop.decoding.engine.guidance`, docs/guidance.md).
     steer: steering vectors added to the residual stream (`ll.Steer`: one for every
       prompt, or a list with one entry per prompt); capture: the residual stream to
-      record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate` and
-      `stream` so far, and `steer=` in `generate_many` too (one setting for every
-      request that gives none, `Request.steer`; docs/inside.md).
+      record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate`,
+      `stream` and `generate_many` so far (there `steer=` is the setting of every
+      request that gives none, `Request.steer`, and `capture=` the job's; docs/inside.md).
     """
 
     n: int = 1
@@ -365,6 +365,7 @@ def plan(
     adapters: bool = False,
     guidance: bool = False,
     inside: bool | tuple[str, ...] = False,
+    capture_samples: bool = False,
 ) -> Plan:
     """Resolve `model` under `options` (default `Options()`): its runner and weights, the
     layout, the speculation strategy and the draft's weights (see the module docstring).
@@ -372,11 +373,12 @@ def plan(
     under classifier-free guidance, and with steering and capture (`inside`: True for
     both, or the names of those it runs, e.g. `("steer",)`; else
     `options.adapters`, `options.guidance_scale`, `options.steer` and `options.capture`
-    are refused)."""
+    are refused; `capture_samples`: whether it captures beside `n > 1`, `generate_many`,
+    whose samples are rows of their own)."""
     options = Options() if options is None else options
     check_adapters(model, options, adapters)
     guided.check_supported(options, guidance)
-    check_inside(options, inside)
+    check_inside(options, inside, capture_samples)
     info = model_info(model, deterministic=options.deterministic)  # numerics: calibrated
     layout = sharding.layout_for(options.mesh, whole_vocab=info.runner.numerics.splits)
     info = layout.place(info)
@@ -393,9 +395,12 @@ def plan(
     return Plan(options, info, program, draft_weights)
 
 
-def check_inside(options: Options, supported: bool | tuple[str, ...]) -> None:
+def check_inside(
+    options: Options, supported: bool | tuple[str, ...], samples: bool = False
+) -> None:
     """Refuse steering and capture where they do not run yet, by name (docs/inside.md).
-    `supported`: True (both run here), False (neither) or the names of those that run."""
+    `supported`: True (both run here), False (neither) or the names of those that run;
+    `samples`: capture runs beside `n > 1` here."""
     given = [k for k in ("steer", "capture") if getattr(options, k) is not None]
     if not given:
         return
@@ -403,14 +408,16 @@ def check_inside(options: Options, supported: bool | tuple[str, ...]) -> None:
     if refused:
         raise NotImplementedError(
             f"{' and '.join(refused)}= not here yet: steer= runs in generate, stream and "
-            "generate_many so far, capture= in generate, stream and score (docs/inside.md, "
-            "'Not done yet')"
+            "generate_many so far, capture= in generate, stream, generate_many and score "
+            "(docs/inside.md, 'Not done yet')"
         )
     if options.mesh is not None and options.capture is not None:
         raise NotImplementedError("capture= does not run with mesh= yet (docs/inside.md)")
-    if options.capture is not None and (options.n > 1 or options.speculative is not None):
+    if options.capture is not None and options.speculative is not None:
+        raise NotImplementedError("capture= does not run with speculative= yet (docs/inside.md)")
+    if options.capture is not None and options.n > 1 and not samples:
         raise NotImplementedError(
-            "capture= does not run with n > 1 or speculative= yet (docs/inside.md)"
+            "capture= does not run with n > 1 here yet (generate_many runs it; docs/inside.md)"
         )
 
 

@@ -72,9 +72,12 @@ class Program:
     routing: bool = False
     # Record the residual stream at the layers `Tables.rows.capture` names (`generate(...,
     # capture=)`): the state then carries `capture`; `capture_prompt`: at the prompt's
-    # tokens too, not only at the tokens that predict the generated ones.
+    # tokens too, not only at the tokens that predict the generated ones; `capture_scatter`:
+    # rows entered at different steps (`generate_many`'s slots), so each row's states go to
+    # its own column (a scatter), not to the one column every row of `generate` shares.
     capture: bool = False
     capture_prompt: bool = False
+    capture_scatter: bool = False
 
 
 @struct.dataclass
@@ -573,15 +576,22 @@ def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState
             rows=tables.rows,
         )  # fmt: skip
         if program.capture:  # the states that draw token num_tokens go to that column
-            # On the contiguous cache (capture's only layout) every running row has drawn
-            # one token per step, so its num_tokens is step + 1 (< N while the loop runs):
-            # one in-place slice update of that column, the finished rows' kept (a scatter
-            # at each row's num_tokens cost 26% of the decode's tokens/s on a CPU).
             prompt_states, generated = s.capture
             states = got[0].astype(jnp.float32)  # [B, 1, C, E]
-            old = jax.lax.dynamic_slice_in_dim(generated, s.step + 1, 1, axis=1)
-            states = jnp.where(live[:, None, None, None], states, old)
-            generated = jax.lax.dynamic_update_slice_in_dim(generated, states, s.step + 1, axis=1)
+            if program.capture_scatter:  # each running row at its own num_tokens
+                col = jnp.where(live, s.num_tokens, generated.shape[1])  # out of range: dropped
+                rows = jnp.arange(col.shape[0])
+                generated = generated.at[rows, col].set(states[:, 0], mode="drop")
+            else:
+                # On `generate`'s contiguous cache every running row has drawn one token per
+                # step, so its num_tokens is step + 1 (< N while the loop runs): one in-place
+                # slice update of that column, the finished rows' kept (a scatter at each
+                # row's num_tokens cost 26% of the decode's tokens/s on a CPU).
+                old = jax.lax.dynamic_slice_in_dim(generated, s.step + 1, 1, axis=1)
+                states = jnp.where(live[:, None, None, None], states, old)
+                generated = jax.lax.dynamic_update_slice_in_dim(
+                    generated, states, s.step + 1, axis=1
+                )
             s = s.replace(capture=(prompt_states, generated))
     else:
         # The fed token is generated token num_tokens - 1: its experts go to that column.

@@ -313,7 +313,8 @@ def resume(
     `width` (static, at least the rest of the prompt) columns from the first position after
     them, as an admission's prefill after cached pages does. `per_row`: the slots' per-row
     state (`ll.Rows` [B]: their LoRA adapters, steering vectors), or None; the row
-    recomputes under its own."""
+    recomputes under its own. It captures nothing (`Rows.capture`): the states the row's
+    passes captured the first time stay in `DecodeState.capture`."""
     pool = state.pages
     batch = pool.arrival.shape[0]
     rows = jnp.arange(batch) == slot
@@ -335,6 +336,7 @@ def resume(
     cache = attach(state.cache, tables)
     if per_row is not None:  # the passes' rows: the slot's adapter (the base for the
         per_row = per_row.take(take)  # others) and vectors (the others feed no position)
+        per_row = per_row.replace(capture=())  # its captured states are kept (above)
         if per_row.adapter is not None:
             per_row = per_row.replace(adapter=jnp.where(take == slot, per_row.adapter, -1))
     history = state.history.tokens[take]  # [d, P + N]
