@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 import logitloop as ll  # noqa: E402
-from logitloop.decoding.engine import job_adapters  # noqa: E402
+from logitloop.decoding.engine import job_adapters, reuse  # noqa: E402
 from tests.models.tiny_checkpoints import random_prompts  # noqa: E402
 
 from .peft_adapters import torch_greedy  # noqa: E402
@@ -60,6 +60,12 @@ def test_loading_an_adapter_into_a_running_job_compiles_nothing(setup, compile_c
     its row runs the loaded adapter."""
     model, table = setup["model"], setup["table"]
     prompts = random_prompts(160, [10, 9, 10], 13)
+    # Only this test's own calls (as test_lora.py's twin): no shape recorded by another
+    # test of this worker (`reuse`, whose programs a cleared jit cache may have dropped),
+    # and the host side of a load once before counting. It counted 5 programs in a full
+    # run, 0 alone.
+    reuse.forget()
+    ll.load_adapter(model, setup["dir"] / "b", name="c", adapters=table)
     first = [ll.Request(prompts[0], adapter="a"), ll.Request(prompts[1]), ll.Request(prompts[2])]
     ll.generate_many(model, first, adapters=table, **JOB)
 
