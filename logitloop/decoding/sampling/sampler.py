@@ -207,6 +207,7 @@ def adjust_logits(
     greedy = (knobs.temperature == 0) | (knobs.top_k == 1)
     penalized = z
     temperature = jnp.where(greedy, 0.0, knobs.temperature)
+    filtered = False  # static: top-k, top-p and min-p ran already (processors after them)
     if params.processors:
         if axes.vocab is not None:
             raise ValueError("processors need whole rows of the vocabulary on each device")
@@ -218,7 +219,8 @@ def adjust_logits(
             z = scale_logits(z, temperature)
             temperature = jnp.where(greedy, 0.0, 1.0)  # `adjusted` is scaled from here
             z = procs.apply_all(params.processors, states, z, step, where="late")
-        if "filtered" in places:
+        filtered = "filtered" in places
+        if filtered:
             z = _filtered(z, knobs, greedy)
             z = procs.apply_all(params.processors, states, z, step, where="filtered")
     return Processed(
@@ -231,7 +233,7 @@ def adjust_logits(
         temperature=temperature,
         greedy=greedy,
         bad=bad,
-        filtered=bool(params.processors) and any(map(procs.after_filters, params.processors)),
+        filtered=filtered,
     )
 
 
