@@ -24,6 +24,32 @@ import pytest
 os.environ.setdefault("LOGITLOOP_COMPILE_CACHE", "off")
 
 
+def _fast_compiles() -> None:
+    """Compile the tests' programs at LLVM -O0 with XLA:CPU's older fusion emitters: the
+    tests check values, not speed, and most of a test's time is XLA:CPU compiling small
+    programs (a run of tests/lora and tests/inside/test_capture_many.py: 161 s of CPU time
+    at the defaults, 71 s so). Neither option turns on fast math, so floating-point
+    operations and their order are the program's own; the deterministic mode's bits are
+    also pinned at the default options, in a subprocess
+    (tests/decoding/test_default_codegen.py). Set before JAX starts its CPU client (it
+    reads XLA_FLAGS once), and inherited by every subprocess a test starts. Only for the
+    jaxlib releases these flags were tested with (an unknown flag stops XLA); off with
+    LOGITLOOP_TEST_XLA_FLAGS=off."""
+    if os.environ.get("LOGITLOOP_TEST_XLA_FLAGS", "").lower() in ("0", "off", "no"):
+        return
+    from importlib.metadata import version
+
+    major_minor = tuple(int(part) for part in version("jaxlib").split(".")[:2])
+    if major_minor != (0, 10):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} {TEST_XLA_FLAGS}".strip()
+
+
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+_fast_compiles()
+
+
 from tests.docs import DOC_FILES
 
 _LOADED = pytest.StashKey[dict]()  # (path, dtype) -> the model, for the documentation blocks

@@ -22,9 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def worker_env(devices: int) -> dict[str, str]:
     env = dict(os.environ)
+    # After the test process's own flags (the root conftest.py's compile options).
     env["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    )
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+        " --xla_backend_optimization_level=0"
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_NUM_CPU_DEVICES", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
