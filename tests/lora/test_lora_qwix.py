@@ -1,8 +1,9 @@
 """Qwix / tunix LoRA states as adapters (issue 71): the LoRA state of a tunix Llama 3
 under qwix's `LoraProvider` (a rank per rule), loaded with `ll.load_adapter(model, state,
 alpha=)` into the table beside PEFT's adapters, decodes as tunix's own forward of that
-policy (qwix's products, `alpha / rank`) in a batch beside PEFT and base rows; bad states
-are refused by name."""
+policy (qwix's products, `alpha / rank`) in a batch beside PEFT and base rows; so does a
+tunix Gemma 2's, whose attention is fused einsums (`qkv_einsum`, or `q_einsum` and
+`kv_einsum`); bad states are refused by name."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ pytest.importorskip("tunix", reason="a tunix LoRA policy needs the extra `rl` (g
 pytest.importorskip("qwix", reason="a tunix LoRA policy needs qwix")
 
 import logitloop as ll  # noqa: E402
-from tests.models.tiny_checkpoints import random_prompts  # noqa: E402
+from tests.models.tiny_checkpoints import build_hf_model, random_prompts, save_hf_model  # noqa: E402
 
 from .peft_adapters import torch_greedy  # noqa: E402
-from .tunix_policy import ALPHA, lora_policy, tunix_greedy  # noqa: E402
+from .tunix_policy import ALPHA, gemma_lora_policy, lora_policy, tunix_greedy  # noqa: E402
 
 TOKENS = 4
 ATOL = 1e-4  # the float32 parity tests' tolerance
@@ -44,6 +45,41 @@ def test_qwix_state_decodes_as_the_tunix_policy_beside_peft_rows(setup, policy):
         assert out.token_ids[row] == torch_greedy(setup["merged"][name], prompts[row], TOKENS)[0]
 
 
+@pytest.fixture(
+    scope="module",
+    params=[4, pytest.param(2, marks=pytest.mark.slow)],
+    ids=["qkv_einsum", "q_kv_einsum"],
+)
+def gemma(request, tmp_path_factory):
+    """`(transformers Gemma 2, logitloop's, the tunix LoRA policy of it, its LoRA state)`
+    of a tiny Gemma 2 with 4 query heads and `request.param` key/value heads (4: tunix
+    fuses q, k, v in one einsum; 2: q apart, k and v fused), made as tunix's Gemma runs
+    (a tied head, RoPE theta 10000, queries scaled by head_dim ** -0.5)."""
+    pytest.importorskip("torch")
+    hf = build_hf_model(
+        "gemma2",
+        num_key_value_heads=request.param,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=16,  # head_dim
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    )
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("gemma") / "base")
+    policy, state = gemma_lora_policy(folder, hf.config, seed=5)
+    return hf, ll.load_pretrained(str(folder)), policy, state
+
+
+def test_qwix_gemma_einsums_decode_as_the_tunix_policy(gemma):
+    hf, model, policy, state = gemma
+    table = ll.load_adapter(model, state, name="g", alpha=ALPHA)
+    prompts = random_prompts(160, [6, 4], 7)
+    greedy = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+    out = ll.generate(model, prompts, adapters=table, adapter=["g", None], **greedy)
+    tokens, logprobs = tunix_greedy(policy, prompts[0], TOKENS)
+    assert out.token_ids[0] == tokens
+    np.testing.assert_allclose(out.raw_logprobs[0], logprobs, rtol=0, atol=ATOL)
+    assert out.token_ids[1] == torch_greedy(hf, prompts[1], TOKENS)[0]  # the base row
+
+
 def test_qwix_state_refused_by_name(setup, policy):
     _, state, _ = policy
     model = setup["model"]
@@ -56,10 +92,21 @@ def test_qwix_state_refused_by_name(setup, policy):
         ll.load_adapter(model, peft, name="a", alpha=ALPHA, config={"r": 4, "lora_alpha": 8})
     with pytest.raises(ValueError, match="max_rank=4"):  # the MLP's rank 8
         ll.load_adapter(model, state, name="q", alpha=ALPHA, max_rank=4)
-    fused = {"layers": {0: {"attn": {"kv_einsum": {
-        "w_lora_a": np.ones((64, 4)), "w_lora_b": np.ones((4, 2, 2, 16))}}}}}  # fmt: skip
-    with pytest.raises(ValueError, match="targets module 'kv_einsum' of layer 0"):
-        ll.load_adapter(model, fused, name="g", alpha=ALPHA)
+
+    def lora(module, a, b):  # a state of one module of layer 0
+        return {"layers": {0: {"attn": {module: {"w_lora_a": np.ones(a), "w_lora_b": np.ones(b)}}}}}
+
+    for name in ("gating_einsum", "k_einsum"):  # no module of tunix's Gemma 2 / 3
+        with pytest.raises(ValueError, match=f"targets module '{name}' of layer 0"):
+            ll.load_adapter(model, lora(name, (64, 4), (4, 2, 16)), name="g", alpha=ALPHA)
+    with pytest.raises(ValueError, match=r"kv_einsum: lora_b \(4, 3, 2, 16\) is not \[rank, 2,"):
+        ll.load_adapter(model, lora("kv_einsum", (64, 4), (4, 3, 2, 16)), name="g", alpha=ALPHA)
+    with pytest.raises(ValueError, match="do not share a rank"):  # a batch axis first
+        ll.load_adapter(model, lora("q_proj", (2, 64, 4), (2, 4, 64)), name="g", alpha=ALPHA)
+    twice = lora("q_einsum", (64, 4), (4, 4, 16))
+    twice["layers"][0]["attn"]["q_proj"] = twice["layers"][0]["attn"]["q_einsum"]
+    with pytest.raises(ValueError, match="layer 0's q_proj is targeted twice"):
+        ll.load_adapter(model, twice, name="g", alpha=ALPHA)
     one_sided = {"layers": {0: {"attn": {"q_proj": {"w_lora_a": np.ones((64, 4))}}}}}
     with pytest.raises(ValueError, match="q_proj has only its lora_a"):
         ll.load_adapter(model, one_sided, name="g", alpha=ALPHA)
