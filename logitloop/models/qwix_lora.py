@@ -18,7 +18,7 @@ head axes flattened head-major as logitloop's head-split weights are. The state 
 alpha: it is the provider's, given as `alpha=`; the rank is each site's `a.shape[-1]`, and
 `alpha / rank` is folded into that site's B here (qwix allows a rank per rule).
 
-tunix's Gemma, Gemma 2 and Gemma 3 (`tunix.models.gemma`, `gemma3`) name their attention
+tunix's Gemma 2 and Gemma 3 (`tunix.models.gemma`, `gemma3`) name their attention
 einsums, whose weights qwix treats the same way (an einsum's `a` holds the weight's axes
 that the input has too, then the rank; `b` the rank then the rest):
 

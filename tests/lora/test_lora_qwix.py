@@ -45,23 +45,37 @@ def test_qwix_state_decodes_as_the_tunix_policy_beside_peft_rows(setup, policy):
         assert out.token_ids[row] == torch_greedy(setup["merged"][name], prompts[row], TOKENS)[0]
 
 
+# (transformers case, key/value heads of 4 query heads): with 4, tunix fuses q, k and v
+# in one einsum; with 2, q is apart and k and v fused. The checkpoints are made as
+# tunix's Gemma runs (`gemma_lora_policy`).
+GEMMAS = {
+    "gemma2_qkv_einsum": ("gemma2", 4),
+    "gemma2_q_kv_einsum": ("gemma2", 2),
+    "gemma3_q_kv_einsum": ("gemma3_text", 2),
+}
+AS_TUNIX = {
+    "gemma2": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "gemma3_text": dict(sliding_window_pattern=6),
+}
+
+
 @pytest.fixture(
     scope="module",
-    params=[4, pytest.param(2, marks=pytest.mark.slow)],
-    ids=["qkv_einsum", "q_kv_einsum"],
+    params=[pytest.param(k, marks=[pytest.mark.slow] if i else []) for i, k in enumerate(GEMMAS)],
 )
 def gemma(request, tmp_path_factory):
-    """`(transformers Gemma 2, logitloop's, the tunix LoRA policy of it, its LoRA state)`
-    of a tiny Gemma 2 with 4 query heads and `request.param` key/value heads (4: tunix
-    fuses q, k, v in one einsum; 2: q apart, k and v fused), made as tunix's Gemma runs
-    (a tied head, RoPE theta 10000, queries scaled by head_dim ** -0.5)."""
+    """`(transformers Gemma, logitloop's, the tunix LoRA policy of it, its LoRA state)`
+    of a tiny Gemma 2 or 3 (`GEMMAS`)."""
     pytest.importorskip("torch")
+    case, kv_heads = GEMMAS[request.param]
+    if case == "gemma3_text":
+        pytest.importorskip("einops", reason="tunix 0.1.7's Gemma 3 imports einops undeclared")
     hf = build_hf_model(
-        "gemma2",
-        num_key_value_heads=request.param,
+        case,
+        num_key_value_heads=kv_heads,
         tie_word_embeddings=True,
         query_pre_attn_scalar=16,  # head_dim
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        **AS_TUNIX[case],
     )
     folder = save_hf_model(hf, tmp_path_factory.mktemp("gemma") / "base")
     policy, state = gemma_lora_policy(folder, hf.config, seed=5)

@@ -1,5 +1,5 @@
-"""A tunix LoRA policy for tests: tunix's own Llama 3 (`tunix.models.llama3`) or Gemma 2
-(`tunix.models.gemma`) loaded from a tiny checkpoint, under qwix's `LoraProvider` on
+"""A tunix LoRA policy for tests: tunix's own Llama 3 (`tunix.models.llama3`), Gemma 2
+or Gemma 3 loaded from a tiny checkpoint, under qwix's `LoraProvider` on
 every attention and MLP projection (attention at rank 4, MLP at rank 8: a rank per
 rule), with every LoRA parameter random and non-zero (qwix starts B at zero), and its
 own forward (`tunix_greedy`), the reference."""
@@ -31,26 +31,40 @@ def lora_policy(folder, hf_config, seed: int):
 
 
 def gemma_lora_policy(folder, hf_config, seed: int):
-    """`(policy, lora state)`: tunix's Gemma 2 of the Gemma 2 checkpoint in `folder` with
-    qwix LoRA on its attention einsums (`qkv_einsum` when it has as many key/value heads
-    as query heads, else `q_einsum` and `kv_einsum`; `attn_vec_einsum`) and MLP. tunix's
-    Gemma ties its head, rotates by theta 10000 and scales queries by `head_dim ** -0.5`:
-    the checkpoint must too."""
+    """`(policy, lora state)`: tunix's Gemma 2 (`tunix.models.gemma`) or Gemma 3
+    (`gemma3`) of the checkpoint in `folder` with qwix LoRA on its attention einsums
+    (`qkv_einsum` when it has as many key/value heads as query heads, else `q_einsum` and
+    `kv_einsum`; `attn_vec_einsum`) and MLP. tunix's Gemma ties its head, scales queries
+    by `head_dim ** -0.5`, and Gemma 2's rotates by theta 10000, Gemma 3's makes every
+    sixth layer global: the checkpoint must too."""
     import jax.numpy as jnp
-    from tunix.models.gemma import model as tunix_gemma
-    from tunix.models.gemma import params_safetensors as tunix_params
 
     c = hf_config
-    kinds = (tunix_gemma.AttentionType.LOCAL_SLIDING, tunix_gemma.AttentionType.GLOBAL)
-    config = tunix_gemma.ModelConfig(
+    sizes = dict(
         num_layers=c.num_hidden_layers, num_embed=c.vocab_size, embed_dim=c.hidden_size,
         hidden_dim=c.intermediate_size, num_heads=c.num_attention_heads, head_dim=c.head_dim,
-        num_kv_heads=c.num_key_value_heads, final_logit_softcap=c.final_logit_softcapping,
-        use_post_attn_norm=True, use_post_ffw_norm=True,
-        attention_types=[kinds[i % 2] for i in range(c.num_hidden_layers)],
-        attn_logits_soft_cap=c.attn_logit_softcapping, sliding_window_size=c.sliding_window,
+        num_kv_heads=c.num_key_value_heads, sliding_window_size=c.sliding_window,
     )  # fmt: skip
-    base = tunix_params.create_model_from_safe_tensors(str(folder), config, dtype=jnp.float32)
+    if c.model_type == "gemma2":
+        from tunix.models.gemma import model, params_safetensors
+
+        kinds = (model.AttentionType.LOCAL_SLIDING, model.AttentionType.GLOBAL)
+        config = model.ModelConfig(
+            **sizes, final_logit_softcap=c.final_logit_softcapping,
+            use_post_attn_norm=True, use_post_ffw_norm=True,
+            attention_types=[kinds[i % 2] for i in range(c.num_hidden_layers)],
+            attn_logits_soft_cap=c.attn_logit_softcapping,
+        )  # fmt: skip
+    else:
+        from tunix.models.gemma3 import model, params_safetensors
+
+        local, full = (c.rope_parameters[k] for k in ("sliding_attention", "full_attention"))
+        config = model.ModelConfig(
+            **sizes, local_base_frequency=local["rope_theta"],
+            global_base_frequency=full["rope_theta"],
+            global_scale_factor=full.get("factor", 1.0), param_dtype=jnp.float32,
+        )  # fmt: skip
+    base = params_safetensors.create_model_from_safe_tensors(str(folder), config, dtype=jnp.float32)
     return _with_lora(base, ".*attn/(q|kv|qkv|attn_vec)_einsum", seed)
 
 
