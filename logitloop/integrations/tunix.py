@@ -216,12 +216,13 @@ class LogitloopRollout(base_rollout.BaseRollout):
     and of the trainer are no longer bit for bit equal).
 
     A LoRA policy (`rollout_actor` holds `nnx.LoRAParam`s: tunix's Llama 3 / Qwen2 /
-    Qwen3 under qwix's `LoraProvider`): `functools.partial(LogitloopRollout, model=...,
-    lora_alpha=...)`, `model` the logitloop model of the policy's base checkpoint and
-    `lora_alpha` the provider's. The policy's LoRA state is loaded into an adapter table
-    (one slot, of the state's largest rank) now and at every `update_params` tunix makes
-    with it; rows decode and are scored under it; `model()` is the logitloop model (so
-    tunix, seeing other weights than its trainer's, syncs them)."""
+    Qwen3 / Gemma 2 / Gemma 3 under qwix's `LoraProvider`):
+    `functools.partial(LogitloopRollout, model=..., lora_alpha=...)`, `model` the
+    logitloop model of the policy's base checkpoint and `lora_alpha` the provider's. The
+    policy's LoRA state is loaded into an adapter table (one slot, of the state's largest
+    rank) now and at every `update_params` tunix makes with it; rows decode and are
+    scored under it; `model()` is the logitloop model (so tunix, seeing other weights than
+    its trainer's, syncs them)."""
 
     def __init__(
         self,

@@ -242,8 +242,9 @@ def load_adapter(
     (`adapter_config.json`, `adapter_model.safetensors`), its Hugging Face Hub repo id
     ("org/name" at `revision`, fetched into the Hugging Face cache as models are), its
     tensors with `config`, or a Qwix / tunix LoRA state (`nnx.state(policy,
-    nnx.LoRAParam)` of a tunix Llama 3 / Qwen2 / Qwen3 under qwix's `LoraProvider`) with
-    the provider's `alpha` (scale `alpha / rank`, as qwix computes it).
+    nnx.LoRAParam)` of a tunix Llama 3 / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 under qwix's
+    `LoraProvider`: `qwix_lora`) with the provider's `alpha` (scale `alpha / rank`, as
+    qwix computes it).
     PEFT's LoRA only (`r`, `lora_alpha`, `use_rslora`, `target_modules`, bias "none");
     DoRA, other PEFT types, bias terms, `rank_pattern` / `alpha_pattern` and
     `modules_to_save` are refused by name. Returns a new `Adapters`; compiles nothing."""

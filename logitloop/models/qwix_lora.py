@@ -18,9 +18,22 @@ head axes flattened head-major as logitloop's head-split weights are. The state 
 alpha: it is the provider's, given as `alpha=`; the rank is each site's `a.shape[-1]`, and
 `alpha / rank` is folded into that site's B here (qwix allows a rank per rule).
 
-Gemma's fused einsums (`kv_einsum`, `gating_einsum`, `qkv_einsum`) and a weight whose
-`a` or `b` has batch axes are refused by name: their module names are no target of the
-table.
+tunix's Gemma 2 and Gemma 3 (`tunix.models.gemma`, `gemma3`) name their attention
+einsums, whose weights qwix treats the same way (an einsum's `a` holds the weight's axes
+that the input has too, then the rank; `b` the rank then the rest):
+
+    attn/q_einsum/w         [H, E, D]     a [E, r]      b [r, H, D]      -> q_proj
+    attn/attn_vec_einsum/w  [H, D, E]     a [H, D, r]   b [r, E]         -> o_proj
+    attn/qkv_einsum/w       [3, H, E, D]  a [E, r]      b [r, 3, H, D]   -> q, k, v_proj
+    attn/kv_einsum/w        [2, K, E, D]  a [E, r]      b [r, 2, K, D]   -> k, v_proj
+
+A fused einsum's LoRA is one low-rank update of the fused weight: each projection it
+feeds (the order tunix unpacks its output in: q, k, v) gets the same A and its own slice
+of B along the fused axis. Their MLPs are `nnx.Linear`s named as PEFT's (tunix splits a
+checkpoint's `gating_einsum` into `gate_proj` and `up_proj` when it loads one), so no
+state of theirs has a `gating_einsum`: that name, Gemma 4's `k_einsum` (keys that are
+also the values) and any other module are refused by name, as is a weight whose `a` or
+`b` has batch axes.
 """
 
 from __future__ import annotations
@@ -34,6 +47,14 @@ import numpy as np
 
 # The last key of a Qwix LoRA parameter: `{weight}_lora_{a|b}`.
 _LEAF = re.compile(r"^\w+_lora_([ab])$")
+# tunix's Gemma einsums (module docstring) -> the projections they feed, in the order of
+# their `b`'s fused axis (one name: no fused axis).
+_EINSUMS = {
+    "q_einsum": ("q_proj",),
+    "attn_vec_einsum": ("o_proj",),
+    "qkv_einsum": ("q_proj", "k_proj", "v_proj"),
+    "kv_einsum": ("k_proj", "v_proj"),
+}
 
 
 def is_state(source: Any) -> bool:
@@ -92,11 +113,28 @@ def peft_tensors(state: Any, alpha: Any, where: str) -> tuple[dict, dict]:
                 "(a: the weight's contracted axes then the rank; b: the rank then the rest; "
                 "weights with batch axes are not supported)"
             )
-        name = f"layers.{layer}.{module}.lora_{{}}.weight"
-        tensors[name.format("A")] = a.reshape(-1, rank).T  # [r, K]
-        tensors[name.format("B")] = (float(alpha) / rank) * b.reshape(rank, -1).T  # [N, r]
+        for target, part in _targets(module, b, path, where):
+            name = f"layers.{layer}.{target}.lora_{{}}.weight"
+            if name.format("A") in tensors:
+                raise ValueError(f"{where}: layer {layer}'s {target} is targeted twice")
+            tensors[name.format("A")] = a.reshape(-1, rank).T  # [r, K]
+            tensors[name.format("B")] = (float(alpha) / rank) * part.reshape(rank, -1).T  # [N, r]
         config_rank = max(config_rank, rank)
     return {"r": config_rank, "lora_alpha": config_rank}, tensors
+
+
+def _targets(module: str, b: np.ndarray, path: str, where: str) -> list[tuple[str, np.ndarray]]:
+    """`(projection, its part of b [r, ...])` of one module's LoRA: a PEFT-named module
+    its whole `b`, a fused Gemma einsum each projection its slice along the fused axis."""
+    targets = _EINSUMS.get(module, (module,))
+    if len(targets) == 1:
+        return [(targets[0], b)]
+    if b.ndim < 3 or b.shape[1] != len(targets):
+        raise ValueError(
+            f"{where}: {path}: lora_b {b.shape} is not [rank, {len(targets)}, heads, head_dim] "
+            f"(tunix's {module}: {', '.join(targets)} fused)"
+        )
+    return [(target, b[:, i]) for i, target in enumerate(targets)]
 
 
 def _leaves(tree: Any) -> list[tuple[tuple, Any]]:

@@ -182,14 +182,16 @@ CASES = {
 }
 
 
-def build_hf_model(case: str, seed: int = 0):
-    """A randomly initialised, eval-mode float32 `transformers` model for `case`."""
+def build_hf_model(case: str, seed: int = 0, **overrides):
+    """A randomly initialised, eval-mode float32 `transformers` model for `case` (its
+    config kwargs with `overrides`)."""
     import torch
     import transformers
 
     config_cls, model_cls, kwargs = CASES[case]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    config = getattr(transformers, config_cls)(**(kwargs | overrides))
+    model = getattr(transformers, model_cls)(config)
     if config_cls.startswith("Gemma"):
         # HF starts Gemma's (1 + weight) norms at weight 0; make them random so a norm
         # that forgot the 1, or the weight, shows. Larger post-norms keep the blocks from
