@@ -14,6 +14,8 @@ is one negative prompt's ids, for every prompt). The negative prompts of the gui
 prompts join the batch as extra prompts after the real ones (`with_negatives`), each with
 a copy of its prompt's params (so `n` samples each get their own negative row, and a
 negative row stops with its row); the results keep the real rows only.
+`generate_many` takes the same settings per request, its negative rows in slots of their
+own (`job_guidance`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from logitloop.decoding.sampling.checks import is_token_id, row_name
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.kv import Rows
 
-WHERE = "generate and stream"  # the entry points that run guidance so far
+WHERE = "generate, stream and generate_many"  # the entry points that run guidance so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +152,7 @@ def _per_prompt(name: str, value: Any, count: int, is_one) -> list[Any]:
 
 def check_supported(options: Any, supported: bool) -> None:
     """Refuse guidance where it does not run yet (`supported` False: an entry point other
-    than generate and stream), and beside the options it does not combine with yet, by
+    than generate, stream and generate_many), and beside the options it does not combine with yet, by
     name."""
     if options.guidance_scale is None and options.negative_prompt is None:
         return
