@@ -152,8 +152,8 @@ def _per_prompt(name: str, value: Any, count: int, is_one) -> list[Any]:
 
 def check_supported(options: Any, supported: bool) -> None:
     """Refuse guidance where it does not run yet (`supported` False: an entry point other
-    than generate, stream and generate_many), and beside the options it does not combine with yet, by
-    name."""
+    than generate, stream and generate_many), and beside the options it does not combine
+    with yet, by name."""
     if options.guidance_scale is None and options.negative_prompt is None:
         return
     if not supported:
