@@ -73,8 +73,26 @@ def test_a_small_pool_preempts_pairs_together_and_keeps_the_tokens(model):
         model, _requests(prompts, scales, negative), n=2, kv_cache_tokens=48, page_size=4,
         stats=stats, **{**BOUNDS, "slots": 6}, **GREEDY,
     )  # fmt: skip
-    assert stats["preemptions"] > 0 and stats["resumed"] == stats["preemptions"]
     _assert_equal_generate(model, out, prompts, scales, negative, n=2)
+    assert stats["preemptions"] > 0 and stats["resumed"] == stats["preemptions"]
+
+
+def test_finished_pairs_leave_their_slots_unguided(model):
+    """A pair's slots are freed with their guidance: after the job every slot is its own
+    negative and parent again at scale 1 (a stale link would make an empty slot follow the
+    next row admitted to its old partner's slot)."""
+    from logitloop.decoding.engine.batcher import _Batcher
+    from logitloop.decoding.engine.plan import Options, plan
+
+    job = plan(model, Options(ignore_eos=True), guidance=True)
+    bounds = {**BOUNDS, "max_tokens": BOUNDS["max_tokens_bound"]}
+    del bounds["max_tokens_bound"]
+    batcher = _Batcher(job, **bounds, defaults=dict(temperature=0, max_tokens=TOKENS))
+    assert len(list(batcher.run(_requests(*_cases(0))))) == 6
+    slots = np.arange(BOUNDS["slots"])
+    np.testing.assert_array_equal(batcher.guidance.negative, slots)
+    np.testing.assert_array_equal(batcher.guidance.parent, slots)
+    np.testing.assert_array_equal(batcher.guidance.scale, np.ones(BOUNDS["slots"]))
 
 
 def test_a_job_of_other_scales_and_negative_prompts_compiles_nothing(model, compile_counter):
