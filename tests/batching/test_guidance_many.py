@@ -122,6 +122,31 @@ def test_job_wide_guidance_is_every_requests_default(model):
     _assert_equal_generate(model, out, prompts, [2.0, None], [negative, None])
 
 
+def test_steered_and_captured_guided_requests_equal_generate(model):
+    """Guided requests beside steering (a negative row steered as its row) and the job's
+    capture (the real rows' states) on a prefix-cached pool: `generate`'s tokens, raw
+    log-probabilities and captured states for the same prompts and settings."""
+    prompts, scales, negative = _cases(9)
+    rng = np.random.default_rng(10)
+    vectors = [rng.normal(size=32).astype(np.float32) for _ in range(2)]
+    steer = [ll.Steer(vectors[0], 0, 6.0), None, ll.Steer(vectors[1], 1, -4.0), None,
+             ll.Steer(vectors[1], 0, 3.0, tokens="prompt"), None]  # fmt: skip
+    capture = ll.Capture(layers=(1,))
+    requests = [
+        Request(p, guidance_scale=sc, negative_prompt=n, steer=st or [])
+        for p, sc, n, st in zip(prompts, scales, negative, steer, strict=True)
+    ]
+    out = generate_many(model, requests, capture=capture, **BOUNDS, **GREEDY)
+    want = ll.generate(
+        model, prompts, guidance_scale=scales, negative_prompt=negative, steer=steer,
+        capture=capture, **GREEDY,
+    )  # fmt: skip
+    for r, result in enumerate(out):
+        assert result.token_ids == [want.token_ids[r]], r
+        np.testing.assert_allclose(result.raw_logprobs[0], want.raw_logprobs[r], atol=1e-4)
+        np.testing.assert_allclose(result.captured[0], want.captured[r], rtol=0, atol=2e-4)
+
+
 @pytest.mark.parametrize(
     "request_, keywords, error, message",
     [
@@ -140,8 +165,6 @@ def test_job_wide_guidance_is_every_requests_default(model):
          "guidance_scale= of generate_many is every request's default: one number"),
         ({}, dict(guidance_scale=2.0, negative_prompt=[[4], [5]]), ValueError,
          "negative_prompt= of generate_many is every request's default"),
-        (dict(guidance_scale=2.0, steer=ll.Steer(np.ones(32, np.float32), layer=0)), {},
-         NotImplementedError, r"requests\[0\]: guidance_scale= with steer="),
         (dict(guidance_scale=2.0), dict(speculative=ll.PromptLookup()), NotImplementedError,
          "guidance_scale= does not run with speculative="),
     ],

@@ -55,6 +55,20 @@ class GuidedPrompts:
         rows = list(range(self.prompts)) + self.guided
         return ids + self.negatives, params.broadcast_to(self.prompts).take(rows)
 
+    def with_negatives_steer(self, steer: Any) -> Any:
+        """`steer=` (`generate`'s: an `ll.Steer` for every prompt, or one entry per prompt)
+        for the prompts of `with_negatives`: each negative prompt steered as its guided
+        prompt (its spans counted in its own context: its prompt is the negative prompt)."""
+        if not isinstance(steer, (list, tuple)):
+            return steer  # None, or one Steer for every row
+        if len(steer) != self.prompts:
+            raise ValueError(
+                f"steer= must be an ll.Steer for every prompt or a list of {self.prompts} "
+                f"entries (one per prompt: None, an ll.Steer or a list of them), got a "
+                f"{type(steer).__name__} of {len(steer)}"
+            )
+        return [*steer, *(steer[u] for u in self.guided)]
+
     def tables(self, n: int, batch_size: int) -> Guidance:
         """The loop's `Guidance` for a batch of `batch_size` rows laid out by `Plan.batch`
         from `with_negatives`: prompt-major, `n` rows a prompt, negative prompt j's rows

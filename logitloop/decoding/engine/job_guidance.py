@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from logitloop.decoding.engine import guidance as guided
+from logitloop.decoding.engine import job_steering
 from logitloop.decoding.engine.host import tokenize_prompt
 from logitloop.decoding.loop.guidance import Guidance
 
@@ -91,8 +92,9 @@ def rows(batcher: Any, request: Any, ids: list[int], params: Any, real: list) ->
     """The rows of a request (`real`: its `n` rows, prompt `ids`, `params` of `n` rows)
     with each guided sample's negative row after it (the module docstring); `real` as
     it is when the request is not guided. Refused by name: what `generate` refuses,
-    a negative prompt over the job's `max_prompt_len`, guidance beside `steer=` or
-    `capture=`, and a `prefill_batch` that cannot prefill a pair."""
+    a negative prompt over the job's `max_prompt_len`, and a `prefill_batch` that cannot
+    prefill a pair. A negative row runs under its row's adapter and steering; under
+    `capture=` its states are never read back."""
     plan = batcher.plan
     scale, negative = request_guidance(request, plan.options)
     guided.check_supported(
@@ -106,19 +108,20 @@ def rows(batcher: Any, request: Any, ids: list[int], params: Any, real: list) ->
         raise ValueError(
             f"negative_prompt has {len(neg)} tokens, over max_prompt_len = {batcher.max_prompt_len}"
         )
-    if any(row.steer for row in real) or batcher.capture is not None:
-        raise NotImplementedError(
-            "guidance_scale= with steer= or capture= is not supported yet (a negative "
-            "row's prompt positions differ from its row's); docs/inside.md"
-        )
     if batcher.group // batcher.shards < 2:
         raise ValueError(
             f"a guided request needs prefill_batch >= 2 (its row and its negative row are "
             f"prefilled together), got prefill_batch = {batcher.group}: pass prefill_batch=2"
         )
+    # Its row's steering, its spans counted in its own context (as `generate` steers it).
+    batcher.steering, steer = job_steering.resolve(
+        batcher.steering, plan, batcher.slots, request.steer, len(neg)
+    )
     out = []
     for row in real:
-        negative_row = dataclasses.replace(row, ids=list(neg), negative=True, partner=row)
+        negative_row = dataclasses.replace(
+            row, ids=list(neg), steer=steer, negative=True, partner=row
+        )
         row.scale, row.partner = guide.scales[0], negative_row
         out += [row, negative_row]
     return out
