@@ -64,14 +64,14 @@ def test_guided_requests_through_refilled_slots_equal_generate(model):
 
 
 def test_a_small_pool_preempts_pairs_together_and_keeps_the_tokens(model):
-    """A pool of 12 pages of 4 tokens for 6 slots: pairs wait for pages and are preempted
-    and resumed together; a prefix cache (the default) beside them, n = 2 (each sample its
-    own negative row)."""
+    """A pool of 12 pages of 4 tokens for 5 slots (a pair the free slots would cut
+    waits): pairs wait for pages and are preempted and resumed together; a prefix cache
+    (the default) beside them, n = 2 (each sample its own negative row)."""
     prompts, scales, negative = _cases(0)
     stats = {}
     out = generate_many(
         model, _requests(prompts, scales, negative), n=2, kv_cache_tokens=48, page_size=4,
-        stats=stats, **{**BOUNDS, "slots": 6}, **GREEDY,
+        stats=stats, **{**BOUNDS, "slots": 5}, **GREEDY,
     )  # fmt: skip
     _assert_equal_generate(model, out, prompts, scales, negative, n=2)
     assert stats["preemptions"] > 0 and stats["resumed"] == stats["preemptions"]

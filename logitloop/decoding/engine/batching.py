@@ -251,6 +251,11 @@ def generate_many(
       gives none of its own (`Request(prompt, steer=...)`; `[]`: none); new vectors
       compile nothing, and the prefix cache keys pages by the vectors that reach the
       prompt (`logitloop.decoding.engine.job_steering`, docs/inside.md).
+    guidance_scale, negative_prompt: classifier-free guidance (one value each) for every
+      request that gives none of its own (`Request(prompt, guidance_scale=...,
+      negative_prompt=...)`; scale 1: unguided), as `generate`'s for its prompt: each
+      guided row takes a second slot for its negative row, admitted, preempted and freed
+      with it (`logitloop.decoding.engine.job_guidance`, docs/guidance.md).
     capture: an `ll.Capture`, the job's: each result's `captured`, one `[T, C, E]` float32
       array per row aligned with its `token_ids` as `generate(..., capture=)`'s
       (`logitloop.decoding.engine.job_capture`; `n > 1` too, not `speculative=` or

@@ -122,7 +122,8 @@ def generate(
     is decoded beside a row of its negative context (default its prompt's last token) in
     the same loop, and draws from `uncond + scale * (cond - uncond)` on log-softmaxed
     logits, before every other transform (`logitloop.decoding.engine.guidance`,
-    docs/guidance.md).
+    docs/guidance.md). Beside `steer=` the negative row runs under its row's vectors;
+    beside `capture=` only the real rows' states come back.
 
     `return_routing=True` (a mixture of experts; not with `speculative` or `mesh`):
     `result.routing[i]`, the experts each routed layer sent each of row i's prompt and

@@ -133,7 +133,10 @@ def units(rows: Sequence[Any]) -> Iterator[list[Any]]:
     i = 0
     while i < len(rows):
         size = 2 if rows[i].partner is not None and not rows[i].negative else 1
-        yield list(rows[i : i + size])
+        unit = list(rows[i : i + size])
+        if unit[-1] is not (rows[i].partner or rows[i]):
+            raise AssertionError("a guided row without its negative row (a split pair)")
+        yield unit
         i += size
 
 

@@ -223,7 +223,7 @@ class PagedBatcher(_Batcher):
         ]
         count = 0
         # A guided row and its negative row (`job_guidance.units`) go to one shard together.
-        for unit in job_guidance.units(list(waiting)[: len(free)]):
+        for unit in job_guidance.units(list(waiting)):  # until the slots or pages run out
             shards = [shard for shard in range(self.shards) if open_slots[shard] >= len(unit)]
             needs = {shard: sum(self.pages_needed(r, shard) for r in unit) for shard in shards}
             shards.sort(key=lambda shard: (needs[shard], -self.free_pages[shard]))
