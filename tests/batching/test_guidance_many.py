@@ -77,6 +77,25 @@ def test_a_small_pool_preempts_pairs_together_and_keeps_the_tokens(model):
     assert stats["preemptions"] > 0 and stats["resumed"] == stats["preemptions"]
 
 
+@pytest.mark.slow  # the fixed-order programs (~35 s to compile on 2 loaded cores)
+def test_deterministic_guided_requests_are_generates_bit_for_bit(model):
+    prompts, scales, negative = _cases(0)
+    out = generate_many(
+        model, _requests(prompts, scales, negative), deterministic=True, prefix_cache=False,
+        **BOUNDS, **GREEDY,
+    )  # fmt: skip
+    want = ll.generate(
+        model, prompts, guidance_scale=scales, negative_prompt=negative, deterministic=True,
+        **GREEDY,
+    )  # fmt: skip
+    for r, result in enumerate(out):
+        assert result.token_ids == [want.token_ids[r]], r
+        got, bits = (
+            np.asarray(x, np.float32) for x in (result.raw_logprobs[0], want.raw_logprobs[r])
+        )
+        assert np.array_equal(got, bits), r
+
+
 def test_finished_pairs_leave_their_slots_unguided(model):
     """A pair's slots are freed with their guidance: after the job every slot is its own
     negative and parent again at scale 1 (a stale link would make an empty slot follow the
