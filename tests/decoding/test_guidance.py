@@ -242,6 +242,10 @@ def test_deterministic_guided_row_bits_do_not_depend_on_the_batch(setup):
         ),
         (dict(guidance_scale=2.0, negative_prompt=[[4], [999]]), r"negative_prompt\[1\] holds"),
         (dict(guidance_scale=2.0, negative_prompt=[4] * 130), "over the model's context"),
+        (
+            dict(guidance_scale=2.0, steer=[None] * 3),
+            "steer= must be an ll.Steer for every prompt or a list of 2 entries",
+        ),
     ],
 )
 def test_bad_input_is_refused_by_name(setup, keywords, message):
@@ -253,12 +257,8 @@ def test_bad_input_is_refused_by_name(setup, keywords, message):
 def test_entry_points_without_guidance_refuse_it(setup):
     _, model = setup
     with pytest.raises(NotImplementedError, match="guidance_scale= and negative_prompt= run in"):
-        list(ll.generate_many(model, [[3, 4]], guidance_scale=2.0))
-    with pytest.raises(NotImplementedError, match="guidance_scale= and negative_prompt= run in"):
         ll.precompile(model, rows=1, prompt_len=4, max_tokens=4, guidance_scale=2.0)
     with pytest.raises(TypeError, match="guidance_scale"):
         ll.score(model, [[3, 4]], [[5]], guidance_scale=2.0)
     with pytest.raises(NotImplementedError, match="does not run with speculative="):
         ll.generate(model, [[3, 4]], guidance_scale=2.0, speculative=ll.PromptLookup())
-    with pytest.raises(NotImplementedError, match="guidance_scale= with steer= or capture="):
-        ll.generate(model, [[3, 4]], guidance_scale=2.0, capture=ll.Capture(layers=(0,)))

@@ -104,9 +104,10 @@ def vector(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=WIDTH).astype(np.float32)
 
 
-def hooked_greedy(hf, prompt: list[int], steers, n: int) -> list[int]:
-    """transformers' greedy `generate` with a forward hook per steer adding `scale *
-    vector` to decoder layer `layer`'s output at the steer's tokens."""
+def hooked_greedy(hf, prompt: list[int], steers, n: int, **generate) -> list[int]:
+    """transformers' greedy `generate` (and `generate`'s other keywords) with a forward
+    hook per steer adding `scale * vector` to decoder layer `layer`'s output at the steer's
+    tokens."""
     handles = []
     for s in steers:
 
@@ -123,7 +124,7 @@ def hooked_greedy(hf, prompt: list[int], steers, n: int) -> list[int]:
     try:
         with torch.no_grad():
             ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False)  # fmt: skip
+                              do_sample=False, **generate)  # fmt: skip
     finally:
         for h in handles:
             h.remove()
@@ -149,6 +150,35 @@ def test_steering_equals_a_transformers_forward_hook(setup):
         assert out.token_ids[row] == hooked_greedy(setup["hf"], prompt, steers, TOKENS), row
         plain = hooked_greedy(setup["hf"], prompt, [], TOKENS)
         assert (out.token_ids[row] == plain) == (not steers), row
+
+
+def test_guided_rows_steer_their_negative_rows_and_capture_the_real_ones(setup):
+    """Guidance beside steering: a guided row's negative row runs under its steering, as a
+    transformers forward hook steers the unconditional pass too (greedy tokens equal
+    transformers' `generate(guidance_scale=, negative_prompt_ids=)` under the hook); beside
+    capture, `captured` holds the real rows only, the states `score` captures of the same
+    completions."""
+    prompts = random_prompts(160, [5, 7, 6], 12)
+    negative = random_prompts(160, [4], 13)[0]
+    steers = [[ll.Steer(vector(5), 0, 6.0)], [], [ll.Steer(vector(6), 1, -5.0)]]
+    capture = ll.Capture(layers=(1,))
+    out = ll.generate(
+        setup["model"], prompts, guidance_scale=[2.0, 3.0, None],
+        negative_prompt=[negative, None, None], steer=[s or None for s in steers],
+        capture=capture, temperature=0, max_new_tokens=TOKENS, ignore_eos=True,
+    )  # fmt: skip
+    cfg = [dict(guidance_scale=2.0, negative_prompt_ids=torch.tensor([negative])),
+           dict(guidance_scale=3.0), {}]  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        want = hooked_greedy(setup["hf"], prompt, steers[row], TOKENS, **cfg[row])
+        assert out.token_ids[row] == want, row
+    unsteered = hooked_greedy(setup["hf"], prompts[0], [], TOKENS, **cfg[0])
+    assert out.token_ids[0] != unsteered  # the steering reached the guided row
+    scored = ll.score(setup["model"], prompts, out.token_ids, steer=[s or None for s in steers],
+                      capture=capture)  # fmt: skip
+    assert len(out.captured) == 3
+    for row in range(3):  # the states that drew each token
+        np.testing.assert_allclose(out.captured[row], scored[row].captured, rtol=0, atol=ATOL)
 
 
 def test_score_under_steering_is_generate_under_it(setup, compile_counter):

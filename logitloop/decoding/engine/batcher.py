@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding.engine import job_adapters, job_capture, job_steering
+from logitloop.decoding.engine import job_adapters, job_capture, job_guidance, job_steering
 from logitloop.decoding.engine.host import (
     MIN_BUFFER_BUCKET,
     MIN_PROMPT_BUCKET,
@@ -59,6 +59,12 @@ from logitloop.decoding.engine.host import (
     stop_tables,
     suffix_batch,
     tokenize_prompt,
+)
+from logitloop.decoding.engine.job_requests import (
+    _describe,
+    _Pending,
+    _Row,
+    _split_request,
 )
 from logitloop.decoding.engine.plan import Plan
 from logitloop.decoding.loop import pool, stop_strings
@@ -72,7 +78,7 @@ from logitloop.decoding.loop.decode_loop import (
     decode,
     prefill,
 )
-from logitloop.decoding.loop.runner import ModelInfo, runner_jit
+from logitloop.decoding.loop.runner import runner_jit
 from logitloop.decoding.loop.stop_strings import StopStrings
 from logitloop.decoding.sampling import constraints
 from logitloop.decoding.sampling import processors as procs
@@ -80,37 +86,9 @@ from logitloop.decoding.sampling.checks import MIN_LIST_WIDTH, Widths
 from logitloop.decoding.sampling.constraints import HostAutomaton
 from logitloop.decoding.sampling.history import History
 from logitloop.decoding.sampling.params import (
-    DEFAULT_MAX_TOKENS,
     SamplingParams,
     canonical_knobs,
 )
-
-
-@dataclasses.dataclass
-class Request:
-    """One prompt with its own settings.
-
-    prompt: a string (needs a model with a tokenizer) or a list of token ids.
-    params: `SamplingParams.create` keyword arguments for this prompt (they replace the
-      job's defaults key by key; `max_new_tokens` is `max_tokens`), or a `SamplingParams`
-      of batch size 1, or None.
-    id: anything; only used to name the request in error messages.
-    processors: this request's processors (leaves with a row axis of 1), instead of the
-      job's; every request of a job has processors of the same tree structure.
-    adapter: its LoRA adapter in the job's `adapters=` by name, None for the job's
-      `adapter=` (default the base model), or `(name, source)` to load `source` into the
-      table as the job runs (`logitloop.decoding.engine.job_adapters`).
-    steer: its steering vectors: an `ll.Steer`, a list of them (`[]`: none), or None for
-      the job's `steer=` (`logitloop.decoding.engine.job_steering`).
-    """
-
-    prompt: Any
-    params: Mapping[str, Any] | SamplingParams | None = None
-    id: Any = None
-    processors: Sequence[Any] | None = None
-    adapter: Any = None
-    steer: Any = None
-
 
 # --------------------------------------------------------------------------- device side
 
@@ -187,7 +165,7 @@ def _admit(
     states) into slots; returns the state and the slots' params and stop-string tables.
     With `prefix`, `prompts` holds only the columns after each row's shared pages
     (`suffix_batch`): the prefill computes those and attends the rest."""
-    rows = tables.replace(params=new.params, stops=new.stops)
+    rows = tables.replace(params=new.params, stops=new.stops, guidance=new.guidance)
     if new.rows is not None:  # the new rows' adapters (over the job's table) and vectors
         rows = rows.replace(
             rows=tables.rows.replace(adapter=new.rows.adapter, steer=new.rows.steer)
@@ -220,51 +198,6 @@ def _admit(
 
 
 # --------------------------------------------------------------------------- host side
-
-
-@dataclasses.dataclass
-class _Row:
-    """One generated sequence: a request's prompt under one row of its params."""
-
-    request: int  # index of the request in the input
-    child: int  # sample index within the request (n > 1)
-    ids: list[int]
-    params: SamplingParams  # batch size 1
-    widths: Widths
-    automaton: HostAutomaton | None = None  # its constraint's, compiled
-    shard: int = 0  # the block of slots (a mesh's data shard) it is admitted to
-    adapter: int = -1  # its LoRA adapter's slot in the job's table (-1: the base)
-    steer: tuple = ()  # its steering vectors (`job_steering.JobSteering.resolve`)
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A request admitted from the input and not yet returned."""
-
-    index: int
-    ids: list[list[int]]  # per row
-    params: SamplingParams  # n rows, EOS ids added (as `generate` has them)
-    outputs: list[Outputs | None]  # per row, once it finished: host arrays [1, ...]
-    # per row, with `speculative=`: {"cycles", "proposed", "drafted", "accepted"} once it finished
-    speculation: list[dict[str, int] | None] | None = None
-    captured: list[Any] | None = None  # per row, with `capture=`: `JobCapture.fetch`'s
-
-
-def _describe(index: int, request_id: Any) -> str:
-    return f"requests[{index}]" + ("" if request_id is None else f" (id {request_id!r})")
-
-
-def _split_request(item: Any) -> Request:
-    """Request | (prompt, params) | prompt -> Request."""
-    if isinstance(item, Request):
-        return item
-    if (
-        isinstance(item, tuple)
-        and len(item) == 2
-        and (item[1] is None or isinstance(item[1], (Mapping, SamplingParams)))
-    ):
-        return Request(item[0], item[1])
-    return Request(item)
 
 
 class _Batcher:
@@ -315,6 +248,7 @@ class _Batcher:
         self.adapters = job_adapters.for_job(plan.options, slots)  # LoRA, or None
         self.steering: job_steering.JobSteering | None = None  # set by `run`, or None
         self.capture = job_capture.for_job(plan, slots, self.prompt_len, self.buffer_len)
+        self.guidance: job_guidance.JobGuidance | None = None  # from the first guided request
 
     # ------------------------------------------------------------------ requests
 
@@ -378,13 +312,18 @@ class _Batcher:
                 self.steering, self.plan, self.slots, request.steer, len(ids[0])
             )
             adapter = job_adapters.slot_of(self.adapters, request.adapter, self.n)  # last
+            widths, model_rows = params.widths(), dict(adapter=adapter, steer=steer)
+            rows = [
+                _Row(index, c, ids[c], params.take([c]), widths, compiled[c], **model_rows)
+                for c in range(self.n)
+            ]
+            rows = job_guidance.rows(self, request, ids[0], params, rows)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{_describe(index, request.id)}: {e}") from None
-        widths, model_rows = params.widths(), dict(adapter=adapter, steer=steer)
-        rows = [
-            _Row(index, c, ids[c], params.take([c]), widths, compiled[c], **model_rows)
-            for c in range(self.n)
-        ]
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{_describe(index, request.id)}: {e}") from None
+        if len(rows) > self.n and self.guidance is None:  # the job's first guided request
+            self.guidance = job_guidance.JobGuidance(self.slots)
         none = [None] * self.n
         pending = _Pending(index, ids, params, list(none), list(none), list(none))
         return pending, rows
@@ -480,10 +419,12 @@ class _Batcher:
             self.admit_group(placed, slot)
         return [used[id(row)] for row in rows]
 
-    def full(self, group: Sequence[_Row], row: _Row) -> bool:
-        """Whether `group` has no place left for `row`: `prefill_batch / shards` places per
-        block of slots (`place`)."""
-        return sum(r.shard == row.shard for r in group) == self.group // self.shards
+    def full(self, group: Sequence[_Row], unit: Sequence[_Row]) -> bool:
+        """Whether `group` has no places left for `unit` (a row, or a guided row and its
+        negative row, `job_guidance.units`): `prefill_batch / shards` places per block of
+        slots (`place`)."""
+        taken = sum(r.shard == unit[0].shard for r in group)
+        return taken + len(unit) > self.group // self.shards
 
     def place(self, group: Sequence[_Row], free: list[int]) -> tuple[list, np.ndarray]:
         """The prefill batch of `group`: `[prefill_batch]` places, None for a dummy, and
@@ -505,11 +446,11 @@ class _Batcher:
         """The rows in prefill groups that `place` can hold (a prefix cache's batcher also
         starts a new group where a row reuses pages a row before it writes)."""
         group: list[_Row] = []
-        for row in rows:
-            if self.full(group, row):
+        for unit in job_guidance.units(rows):
+            if self.full(group, unit):
                 yield group
                 group = []
-            group.append(row)
+            group += unit
         if group:
             yield group
 
@@ -520,6 +461,7 @@ class _Batcher:
         `group`: `place`'s rows, None for a dummy, which repeats the first row).
         `shared` ([prefill_batch, P] int32, -1 past each row's pages): with a paged pool,
         cached full pages of each row's prompt it reads instead of prefilling them."""
+        guidance = job_guidance.admitted(self.guidance, group, slot)  # [G], and the slots'
         first = next(row for row in group if row is not None)
         group = [first if row is None else row for row in group]
         group = group + [first] * (self.group - len(group))
@@ -542,7 +484,12 @@ class _Batcher:
         self.tables, new_draft = job_steering.refreshed(
             self.plan, self.tables, rows, self.adapters, self.steering, self.capture
         )
-        new = Tables(None, new_params.device_only(), new_stops, draft_weights=new_draft, rows=rows)
+        if self.guidance is not None:
+            self.tables = self.tables.replace(guidance=self.guidance.tables())
+        new = Tables(
+            None, new_params.device_only(), new_stops, draft_weights=new_draft, rows=rows,
+            guidance=guidance,
+        )  # fmt: skip
         self.state, params, stops = _admit(
             self.plan.program,
             self.tables,
@@ -560,7 +507,7 @@ class _Batcher:
     def admissible(self, waiting: Sequence[_Row], free: list[int], occupant: dict) -> int:
         """How many of the `waiting` rows to admit into the `free` slots now (with a paged
         pool, `paged_batching`: as many as its free pages hold, each to a shard)."""
-        return min(len(waiting), len(free))
+        return job_guidance.whole(waiting, min(len(waiting), len(free)))
 
     def resume(self, occupant: dict) -> None:
         """Resume preempted rows (a paged pool's, `paged_batching`); nothing here."""
@@ -657,10 +604,16 @@ class _Batcher:
             finished = sorted(slot for slot in occupant if done[slot])
             if not finished:
                 continue
-            for slot, (out, counts, states) in zip(finished, self.fetch(finished), strict=True):
-                row = occupant.pop(slot)
-                job_adapters.finished(self.adapters, row.adapter)
+            rows = {slot: occupant.pop(slot) for slot in finished}
+            for slot, row in rows.items():
                 free.append(slot)
+                if self.guidance is not None:
+                    self.guidance.freed(slot)
+                if not row.negative:  # a negative row runs under its row's hold
+                    job_adapters.finished(self.adapters, row.adapter)
+            real = [slot for slot in finished if not rows[slot].negative]  # negatives: dropped
+            for slot, (out, counts, states) in zip(real, self.fetch(real), strict=True):
+                row = rows[slot]
                 request = pending[row.request]
                 request.outputs[row.child] = out
                 request.speculation[row.child] = counts
@@ -669,32 +622,3 @@ class _Batcher:
                     ready.append(row.request)
             free.sort()
             ready.sort()
-
-
-def _bounds_from(
-    info: ModelInfo, items: Sequence[Any], defaults: Mapping[str, Any]
-) -> tuple[int, int]:
-    """Longest prompt and largest max_tokens of a list of requests (0 when unknown)."""
-    longest, most = 1, 1
-    for item in items:
-        request = _split_request(item)
-        prompt, knobs = request.prompt, request.params
-        if isinstance(prompt, str):
-            if info.tokenizer is None:
-                continue  # reported with the request's index later
-            length = len(info.tokenizer.encode(prompt))
-        else:
-            try:
-                length = len(prompt)
-            except TypeError:
-                continue
-        if isinstance(knobs, SamplingParams):
-            mt = int(np.max(np.asarray(knobs.max_tokens)))
-        else:
-            try:
-                mt = {**defaults, **canonical_knobs(knobs or {})}.get("max_tokens")
-                mt = int(np.max(np.asarray(DEFAULT_MAX_TOKENS if mt is None else mt)))
-            except (TypeError, ValueError):
-                continue  # reported with the request's index later
-        longest, most = max(longest, length), max(most, mt)
-    return longest, most

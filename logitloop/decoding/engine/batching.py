@@ -10,15 +10,15 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from logitloop.decoding.engine import job_adapters, job_capture, paged_batching
-from logitloop.decoding.engine.batcher import (
+from logitloop.decoding.engine import job_adapters, job_capture, job_guidance, paged_batching
+from logitloop.decoding.engine.batcher import _Batcher
+from logitloop.decoding.engine.host import GenerationResult, check_count
+from logitloop.decoding.engine.job_requests import (
     Request,
-    _Batcher,
     _bounds_from,
     _describe,
     _split_request,
 )
-from logitloop.decoding.engine.host import GenerationResult, check_count
 from logitloop.decoding.engine.plan import Options, draft_inputs, plan
 from logitloop.decoding.engine.prefix_cache import PrefixBatcher
 from logitloop.decoding.sampling.params import SamplingParams, canonical_knobs, generation_defaults
@@ -77,7 +77,8 @@ def _job(
     """`iter_generate_many`'s job for the public function `caller` (named in errors): its
     arguments checked, its defaults and bounds settled, the batcher started."""
     options, settings = Options.split(caller, keywords)
-    job = plan(model, options, adapters=True, inside=True, capture_samples=True)
+    job = plan(model, options, adapters=True, guidance=True, inside=True, capture_samples=True)
+    job_guidance.check_job(options)
     job = job_capture.scattering(job)
     if getattr(options.speculative, "adapters", None) is not None and options.adapters is None:
         draft_inputs(job.draft_weights, options, None)  # refuses, naming what runs
@@ -89,6 +90,8 @@ def _job(
     if prefill_batch is None:
         multiple = layout.row_multiple
         prefill_batch = -(-min(4, -(-slots // 8)) // multiple) * multiple
+        if job_guidance.any_guided(requests, options):  # a guided row and its negative row
+            prefill_batch = min(max(prefill_batch, 2), slots)
     group = check_count("prefill_batch", prefill_batch, 1, slots)
     layout.check_rows("prefill_batch", group)
     if not isinstance(params, (Mapping, type(None))):
@@ -118,6 +121,7 @@ def _job(
         )
     if isinstance(requests, Sequence) and (max_prompt_len is None or max_tokens_bound is None):
         longest, most = _bounds_from(info, requests, defaults)
+        longest = max(longest, job_guidance.longest_negative(info, requests, options))
         max_prompt_len = longest if max_prompt_len is None else max_prompt_len
         max_tokens_bound = most if max_tokens_bound is None else max_tokens_bound
     if max_tokens_bound is None:
@@ -247,6 +251,11 @@ def generate_many(
       gives none of its own (`Request(prompt, steer=...)`; `[]`: none); new vectors
       compile nothing, and the prefix cache keys pages by the vectors that reach the
       prompt (`logitloop.decoding.engine.job_steering`, docs/inside.md).
+    guidance_scale, negative_prompt: classifier-free guidance (one value each) for every
+      request that gives none of its own (`Request(prompt, guidance_scale=...,
+      negative_prompt=...)`; scale 1: unguided), as `generate`'s for its prompt: each
+      guided row takes a second slot for its negative row, admitted, preempted and freed
+      with it (`logitloop.decoding.engine.job_guidance`, docs/guidance.md).
     capture: an `ll.Capture`, the job's: each result's `captured`, one `[T, C, E]` float32
       array per row aligned with its `token_ids` as `generate(..., capture=)`'s
       (`logitloop.decoding.engine.job_capture`; `n > 1` too, not `speculative=` or

@@ -122,7 +122,8 @@ def generate(
     is decoded beside a row of its negative context (default its prompt's last token) in
     the same loop, and draws from `uncond + scale * (cond - uncond)` on log-softmaxed
     logits, before every other transform (`logitloop.decoding.engine.guidance`,
-    docs/guidance.md).
+    docs/guidance.md). Beside `steer=` the negative row runs under its row's vectors;
+    beside `capture=` only the real rows' states come back.
 
     `return_routing=True` (a mixture of experts; not with `speculative` or `mesh`):
     `result.routing[i]`, the experts each routed layer sent each of row i's prompt and
@@ -207,12 +208,10 @@ def _start(
     o, prompt_count = plan.options, len(ids)
     guide = guided.guided_prompts(plan.info, ids, o.guidance_scale, o.negative_prompt, params)
     if guide is not None:  # the negative prompts join the batch after the real ones
-        if o.steer is not None or o.capture is not None:
-            raise NotImplementedError(
-                "guidance_scale= with steer= or capture= is not supported yet (a negative "
-                "row's prompt positions differ from its row's); docs/inside.md"
-            )
         ids, params = guide.with_negatives(ids, params)
+        if o.steer is not None:  # each negative row steered as its row; captured: all rows,
+            o = dataclasses.replace(o, steer=guide.with_negatives_steer(o.steer))  # the real
+            plan = dataclasses.replace(plan, options=o)  # rows' returned (`_Run.ids`)
     ids, params, shape = plan.batch(None, params, ids=ids)
     tables, fsm = plan.batch_tables(params, prompts=prompt_count, ids=ids)
     if guide is not None:

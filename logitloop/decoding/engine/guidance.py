@@ -14,6 +14,8 @@ is one negative prompt's ids, for every prompt). The negative prompts of the gui
 prompts join the batch as extra prompts after the real ones (`with_negatives`), each with
 a copy of its prompt's params (so `n` samples each get their own negative row, and a
 negative row stops with its row); the results keep the real rows only.
+`generate_many` takes the same settings per request, its negative rows in slots of their
+own (`job_guidance`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from logitloop.decoding.sampling.checks import is_token_id, row_name
 from logitloop.decoding.sampling.params import SamplingParams
 from logitloop.models.kv import Rows
 
-WHERE = "generate and stream"  # the entry points that run guidance so far
+WHERE = "generate, stream and generate_many"  # the entry points that run guidance so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,20 @@ class GuidedPrompts:
         guided prompt's params (before `n` and the row bucket: `Plan.batch` does those)."""
         rows = list(range(self.prompts)) + self.guided
         return ids + self.negatives, params.broadcast_to(self.prompts).take(rows)
+
+    def with_negatives_steer(self, steer: Any) -> Any:
+        """`steer=` (`generate`'s: an `ll.Steer` for every prompt, or one entry per prompt)
+        for the prompts of `with_negatives`: each negative prompt steered as its guided
+        prompt (its spans counted in its own context: its prompt is the negative prompt)."""
+        if not isinstance(steer, (list, tuple)):
+            return steer  # None, or one Steer for every row
+        if len(steer) != self.prompts:
+            raise ValueError(
+                f"steer= must be an ll.Steer for every prompt or a list of {self.prompts} "
+                f"entries (one per prompt: None, an ll.Steer or a list of them), got a "
+                f"{type(steer).__name__} of {len(steer)}"
+            )
+        return [*steer, *(steer[u] for u in self.guided)]
 
     def tables(self, n: int, batch_size: int) -> Guidance:
         """The loop's `Guidance` for a batch of `batch_size` rows laid out by `Plan.batch`
@@ -150,8 +166,8 @@ def _per_prompt(name: str, value: Any, count: int, is_one) -> list[Any]:
 
 def check_supported(options: Any, supported: bool) -> None:
     """Refuse guidance where it does not run yet (`supported` False: an entry point other
-    than generate and stream), and beside the options it does not combine with yet, by
-    name."""
+    than generate, stream and generate_many), and beside the options it does not combine
+    with yet, by name."""
     if options.guidance_scale is None and options.negative_prompt is None:
         return
     if not supported:

@@ -29,8 +29,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from logitloop.decoding.engine.batcher import _Batcher, _bounds_from, _describe, _Row
+from logitloop.decoding.engine import job_guidance
+from logitloop.decoding.engine.batcher import _Batcher
 from logitloop.decoding.engine.host import MIN_BUFFER_BUCKET, MIN_PROMPT_BUCKET, bucket
+from logitloop.decoding.engine.job_requests import _bounds_from, _describe, _Row
 from logitloop.decoding.engine.plan import Plan
 from logitloop.decoding.loop import pages as paging
 from logitloop.decoding.loop import pool
@@ -142,16 +144,19 @@ class PagedBatcher(_Batcher):
 
     def prepare(self, index: int, item: Any) -> tuple[Any, list[_Row]]:
         pending, rows = super().prepare(index, item)
+        name = _describe(index, getattr(item, "id", None))
         for row in rows:
             most = int(np.asarray(row.params.max_tokens)[0])
-            _too_long(
-                _describe(index, getattr(item, "id", None)),
-                len(row.ids),
-                most,
-                self.kv_cache_tokens,
-                self.page_size,
-                self.shards,
-            )
+            _too_long(name, len(row.ids), most, self.kv_cache_tokens, self.page_size, self.shards)
+        for unit in job_guidance.units(rows):  # a guided row and its negative row, at once
+            ps, most = self.page_size, int(np.asarray(unit[0].params.max_tokens)[0])
+            need = sum(tokens_needed(len(row.ids), most, ps) for row in unit)
+            if need > self.kv_cache_tokens // ps // self.shards * ps:
+                raise ValueError(
+                    f"{name}: its row and its negative row need {need} tokens of KV cache "
+                    f"together (max_tokens = {most}, in pages of {ps}), over "
+                    f"kv_cache_tokens = {self.kv_cache_tokens}"
+                )
         return pending, rows
 
     def shard_of(self, slot: int) -> int:
@@ -196,6 +201,11 @@ class PagedBatcher(_Batcher):
     def resumed(self, slot: int, row: _Row, shared: list[int]) -> None:
         """The parked row in `slot` holds pages again, `shared` first."""
 
+    def unit(self, slot: int) -> list[int]:
+        """`slot`, and its row's partner's slot when the row is guided or a negative row
+        (`job_guidance`): preempted and resumed together."""
+        return [slot] if self.guidance is None else self.guidance.unit(slot)
+
     def _running(self, occupant: dict, shard: int) -> int:
         return sum(
             1 for slot in occupant if slot not in self.parked and self.shard_of(slot) == shard
@@ -212,9 +222,10 @@ class PagedBatcher(_Batcher):
             for shard in range(self.shards)
         ]
         count = 0
-        for row in list(waiting)[: len(free)]:
-            shards = [shard for shard in range(self.shards) if open_slots[shard]]
-            needs = {shard: self.pages_needed(row, shard) for shard in shards}
+        # A guided row and its negative row (`job_guidance.units`) go to one shard together.
+        for unit in job_guidance.units(list(waiting)):  # until the slots or pages run out
+            shards = [shard for shard in range(self.shards) if open_slots[shard] >= len(unit)]
+            needs = {shard: sum(self.pages_needed(r, shard) for r in unit) for shard in shards}
             shards.sort(key=lambda shard: (needs[shard], -self.free_pages[shard]))
             chosen = next(
                 (
@@ -226,12 +237,13 @@ class PagedBatcher(_Batcher):
             )
             if chosen is None:
                 break
-            row.shard = chosen
-            self.claim(row, chosen)
+            for row in unit:
+                row.shard = chosen
+                self.claim(row, chosen)
             self._take(needs[chosen], chosen)
-            open_slots[chosen] -= 1
-            running[chosen] += 1
-            count += 1
+            open_slots[chosen] -= len(unit)
+            running[chosen] += len(unit)
+            count += len(unit)
         in_flight = sum(running)
         self.stats["most_rows_in_flight"] = max(self.stats["most_rows_in_flight"], in_flight)
         return count
@@ -248,26 +260,32 @@ class PagedBatcher(_Batcher):
             return
         ps = self.page_size
         waits = set()  # shards whose oldest preempted row does not fit yet
-        for slot in sorted(self.parked, key=self.arrival.__getitem__):
-            shard = self.shard_of(slot)
-            row = occupant[slot]
-            shared = [] if shard in waits else self.cached_prompt(row, shard)
-            need = _cdiv(int(self.held[slot]), ps) - len(shared)
+        for first in sorted(self.parked, key=self.arrival.__getitem__):
+            shard = self.shard_of(first)
+            if first not in self.parked or shard in waits:  # resumed with its partner, or
+                continue  # its shard's older row waits
+            unit = self.unit(first)  # a guided row and its negative row resume together
+            shared = [self.cached_prompt(occupant[slot], shard) for slot in unit]
+            need = sum(
+                _cdiv(int(self.held[s]), ps) - len(p) for s, p in zip(unit, shared, strict=True)
+            )
             running = self._running(occupant, shard)
-            if shard in waits or not self.room(need + RESERVE_PAGES * running, shard):
+            if not self.room(need + RESERVE_PAGES * running, shard):
                 waits.add(shard)
                 continue
-            table = np.full((self.plan.program.pool.entries,), paging.NO_PAGE, np.int32)
-            table[: len(shared)] = shared
-            rest = bucket(max(len(row.ids) - len(shared) * ps, 1), MIN_PROMPT_BUCKET)
-            self.state = pool.resume(
-                self.plan.program, self.tables.weights, self.state, np.int32(slot), table,
-                self.tables.rows, width=min(rest, self.prompt_len),
-            )  # fmt: skip
-            self.resumed(slot, row, shared)
+            for slot, cached in zip(unit, shared, strict=True):
+                row = occupant[slot]
+                table = np.full((self.plan.program.pool.entries,), paging.NO_PAGE, np.int32)
+                table[: len(cached)] = cached
+                rest = bucket(max(len(row.ids) - len(cached) * ps, 1), MIN_PROMPT_BUCKET)
+                self.state = pool.resume(
+                    self.plan.program, self.tables.weights, self.state, np.int32(slot), table,
+                    self.tables.rows, width=min(rest, self.prompt_len),
+                )  # fmt: skip
+                self.resumed(slot, row, cached)
+                self.parked.discard(slot)
+                self.stats["resumed"] += 1
             self._take(need, shard)
-            self.parked.discard(slot)
-            self.stats["resumed"] += 1
 
     def done(self, occupant: dict) -> np.ndarray:
         done = super().done(occupant)
@@ -300,16 +318,17 @@ class PagedBatcher(_Batcher):
                 for slot in occupant
                 if not done[slot] and slot not in self.parked and self.shard_of(slot) == shard
             ]
-            victim = max(running, key=self.arrival.__getitem__)
-            tables = jax.device_get([state.tables[victim] for state in s.pages.states()])
-            held = np.array([np.sum(table >= 0) for table in tables], np.int64)
-            self.state = pool.park(self.state, np.int32(victim))
-            self.parked.add(victim)
-            kept = self.vacate(victim)  # its pages a prefix cache keeps are not free
-            # Its pages held (a window may have released some), less those the cache keeps.
-            self.free_pages[shard] += int(held[0]) - kept
-            self.group_free += held[1:]
-            self.stats["preemptions"] += 1
+            newest = max(running, key=self.arrival.__getitem__)
+            for victim in self.unit(newest):  # a guided row's partner goes with it
+                tables = jax.device_get([state.tables[victim] for state in s.pages.states()])
+                held = np.array([np.sum(table >= 0) for table in tables], np.int64)
+                self.state = pool.park(self.state, np.int32(victim))
+                self.parked.add(victim)
+                kept = self.vacate(victim)  # its pages a prefix cache keeps are not free
+                # Its pages held (a window may have released some), less those cached.
+                self.free_pages[shard] += int(held[0]) - kept
+                self.group_free += held[1:]
+                self.stats["preemptions"] += 1
         for slot in occupant:
             if done[slot]:
                 self.arrival.pop(slot, None)

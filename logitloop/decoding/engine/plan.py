@@ -87,8 +87,10 @@ class Options:
     guidance_scale: classifier-free guidance, one finite number for every prompt or one
       per prompt (None or 1: unguided), and
     negative_prompt: each guided prompt's negative context, text or token ids, one for
-      every prompt or one per prompt (None: the prompt's last token); `generate` and
-      `stream` so far (`logitloop.decoding.engine.guidance`, docs/guidance.md).
+      every prompt or one per prompt (None: the prompt's last token); `generate`,
+      `stream` and `generate_many` (one value for every request that gives none,
+      `Request.guidance_scale`) so far (`logitloop.decoding.engine.guidance`,
+      docs/guidance.md).
     steer: steering vectors added to the residual stream (`ll.Steer`: one for every
       prompt, or a list with one entry per prompt); capture: the residual stream to
       record (`ll.Capture`, `result.captured`, `StreamEvent.captured`); `generate`,

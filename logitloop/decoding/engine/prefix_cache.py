@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitloop.decoding.engine import job_steering
-from logitloop.decoding.engine.batcher import _Row
+from logitloop.decoding.engine import job_guidance, job_steering
+from logitloop.decoding.engine.job_requests import _Row
 from logitloop.decoding.engine.paged_batching import PagedBatcher, _cdiv
 from logitloop.decoding.loop import pages as paging
 
@@ -158,6 +158,7 @@ class PrefixBatcher(PagedBatcher):
         if self.adapters is not None:  # pages are keyed by the adapter they were made under
             salt += self.adapters.salt(row.adapter)
         salt += job_steering.salt(row.steer)  # and by the vectors that reached the prompt
+        salt += job_guidance.salt(row)  # a negative context's apart from prompts'
         return page_keys(row.ids, self.page_size, salt)
 
     def _limit(self, row: _Row) -> int:
@@ -207,9 +208,9 @@ class PrefixBatcher(PagedBatcher):
 
     def cached_prompt(self, row: _Row, shard: int) -> list[int]:
         # Every full prompt page: a resumed row needs no prompt logits. Kept from eviction
-        # while its resumption makes room.
+        # while its resumption (with its partner's, `job_guidance`) makes room.
         shared = self.caches[shard].match(self._keys(row), len(row.ids) // self.page_size)
-        self.protect = set(shared)
+        self.protect |= set(shared)
         return shared
 
     def resume(self, occupant: dict) -> None:
@@ -271,18 +272,20 @@ class PrefixBatcher(PagedBatcher):
         such a row starts the next group, after the pages it reads are cached."""
         group: list[_Row] = []
         written: set[tuple[int, bytes]] = set()
-        for row in rows:
-            cache = self.caches[row.shard]
+
+        def unwritten(row: _Row) -> list[bytes]:  # keys of the pages its prefill writes
             keys = self._keys(row)[: self._limit(row)]
-            cached = len(cache.match(keys, len(keys)))
-            if self.full(group, row) or (
-                cached < len(keys) and (row.shard, keys[cached]) in written
-            ):
+            return keys[len(self.caches[row.shard].match(keys, len(keys))) :]
+
+        # A guided row and its negative row (`job_guidance.units`) stay in one group: their
+        # keys differ (`job_guidance.salt`), so neither reads a page the other writes.
+        for unit in job_guidance.units(rows):
+            reads = [(row.shard, keys[0]) for row in unit if (keys := unwritten(row))]
+            if self.full(group, unit) or any(read in written for read in reads):
                 yield group
                 group, written = [], set()
-                cached = len(cache.match(keys, len(keys)))
-            group.append(row)
-            written.update((row.shard, key) for key in keys[cached:])
+            group += unit
+            written.update((row.shard, key) for row in unit for key in unwritten(row))
         if group:
             yield group
         self.protect = set()

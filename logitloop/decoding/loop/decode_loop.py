@@ -566,6 +566,8 @@ def decode_step(program: Program, tables: Tables, s: DecodeState) -> DecodeState
         live, cache = ~s.done, s.cache
     else:
         s, live = paged.grow(s, program.pool)
+        if tables.guidance is not None:  # a guided row and its negative row step together
+            s, live = guidance.together(tables.guidance, s, live)
         cache = paged.attach(s.cache, paged.layer_tables(s.pages, program.pool))
     # Finished rows feed a padding position, so their cache is never written again.
     pos = jnp.where(live, s.prompt_len + s.num_tokens - 1, -1)[:, None]

@@ -17,6 +17,9 @@ sampling step (`decode_loop.sample_state`: prefill, decode):
    finish too (`follow_finish`), so the two stop together and the negative row never
    holds the loop open.
 
+On a paged pool (`generate_many`) a row refused a page holds its partner back too
+(`together`), so the pair never falls out of step.
+
 Rows without guidance are their own negative and parent, with scale 1: step 1 leaves
 their logits as they are (they pay the [B, V] select of step 1, nothing else), and
 step 3 leaves their token as drawn. A batch where no row is guided carries no
@@ -71,3 +74,13 @@ def follow_finish(guidance: Guidance, state):
     (equal already when the two rows' stop rules are the same; this makes it so)."""
     p = guidance.parent
     return state.replace(done=state.done[p], finish=state.finish[p], matched=state.matched[p])
+
+
+def together(guidance: Guidance, state, live: jax.Array):
+    """A paged pool's step (`pool.grow`): `live` ([R] bool, the rows granted their page)
+    with a guided row and its negative row held back together when either was refused,
+    and the one held back marked stalled (the host preempts the pair together,
+    `generate_many`'s `job_guidance`): the two feed the same tokens at every step."""
+    both = live & live[guidance.negative] & live[guidance.parent]
+    pool = state.pages
+    return state.replace(pages=pool.replace(stalled=pool.stalled | (live & ~both))), both
