@@ -1,10 +1,12 @@
 """Tiny PEFT LoRA adapters for tests: random A and B (PEFT starts B at zero) on every
 attention and MLP projection of a tiny transformers Llama, saved as adapter folders, and
-the merged models (`merge_and_unload`) the logitloop rows must equal."""
+the merged models (`merge_and_unload`) the logitloop rows must equal; and an adapter
+folder for the shipped model written without PEFT (`shipped_model_adapter`)."""
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -42,3 +44,22 @@ def torch_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]
             ids.append(tok)
             lps.append(float(lp[tok]))
     return ids[len(prompt) :], lps
+
+
+def shipped_model_adapter(folder, seed: int):
+    """A PEFT adapter folder for the shipped model (4 layers, hidden 256): rank 8 on
+    every layer's up_proj, written as adapter_config.json and safetensors."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    name = "base_model.model.model.layers.{}.mlp.up_proj.lora_{}.weight"
+    tensors = {}
+    for layer in range(4):
+        tensors[name.format(layer, "A")] = rng.normal(0, 0.3, (8, 256)).astype(np.float32)
+        tensors[name.format(layer, "B")] = rng.normal(0, 0.3, (704, 8)).astype(np.float32)
+    folder.mkdir()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["up_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder

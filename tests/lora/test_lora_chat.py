@@ -6,34 +6,15 @@ loads."""
 from __future__ import annotations
 
 import io
-import json
-
-import numpy as np
 
 import logitloop as ll
 from logitloop.cli import main
 from logitloop.conversation import HELP, PROMPT
 
+from .peft_adapters import shipped_model_adapter
+
 QUESTION = "The for statement"
 FLAGS = ["--temperature", "0", "--max-tokens", "8", "--seed", "0"]
-
-
-def _peft_folder(folder, seed: int):
-    """A PEFT adapter folder for the shipped model (4 layers, hidden 256): rank 8 on
-    every layer's up_proj, written as adapter_config.json and safetensors."""
-    from safetensors.numpy import save_file
-
-    rng = np.random.default_rng(seed)
-    name = "base_model.model.model.layers.{}.mlp.up_proj.lora_{}.weight"
-    tensors = {}
-    for layer in range(4):
-        tensors[name.format(layer, "A")] = rng.normal(0, 0.3, (8, 256)).astype(np.float32)
-        tensors[name.format(layer, "B")] = rng.normal(0, 0.3, (704, 8)).astype(np.float32)
-    folder.mkdir()
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["up_proj"]}
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return folder
 
 
 def _reply(out: str) -> str:
@@ -44,7 +25,7 @@ def _reply(out: str) -> str:
 
 
 def test_chat_runs_under_the_adapter(tmp_path, monkeypatch, capsys):
-    folder = _peft_folder(tmp_path / "up8", seed=0)
+    folder = shipped_model_adapter(tmp_path / "up8", seed=0)
     monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION + "\n"))
     status = main(["chat", *FLAGS, "--adapter", f"up8={folder}", "--use-adapter", "up8"])
     captured = capsys.readouterr()
