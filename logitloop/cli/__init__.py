@@ -68,7 +68,8 @@ after each step of the sampler and the step that cut each one (computed by
 `logitloop.decoding.engine.explain`, shown by `logitloop.cli.explain_view`); `--plot FILE.png`
 also draws a temperature sweep, raw vs final probabilities and `--draws` tokens from
 `ll.sample` against the final distribution. It takes the same sampling flags as `generate`
-(those that act on the next token) and validates them with the same messages.
+(those that act on the next token) and validates them with the same messages, and runs the
+prompt under `--use-adapter`'s LoRA adapter of its `--adapter NAME=PATH`s, as `chat` does.
 
 Bad input (an invalid setting, an unreadable or malformed input file, a missing model, a
 prompt too long for the model's context) prints one line, `logitloop: error: ...`, to

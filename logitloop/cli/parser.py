@@ -414,9 +414,11 @@ def adapter_spec(text: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
-def _add_adapter_flags(parser: argparse.ArgumentParser, *, per_line: bool = True) -> None:
-    """`--adapter NAME=PATH` (repeatable) and `--use-adapter NAME`; `per_line`: a JSONL
-    job, whose lines may name their own adapter (chat has one conversation)."""
+def _add_adapter_flags(parser: argparse.ArgumentParser, *, one: str | None = None) -> None:
+    """`--adapter NAME=PATH` (repeatable) and `--use-adapter NAME`: the adapter of a JSONL
+    job's lines that name none, or of `one` ("the conversation": chat; "the prompt":
+    explain), which runs alone."""
+    per_line = one is None
     lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     lines = '; a JSONL line\'s "adapter": "NAME" runs its prompt under it, null under the base'
     lora.add_argument(
@@ -428,7 +430,7 @@ def _add_adapter_flags(parser: argparse.ArgumentParser, *, per_line: bool = True
         help="load the PEFT LoRA adapter PATH (a folder or a Hub repo id) as NAME "
         "(repeatable)" + (lines + " model" if per_line else ""),
     )
-    runs = "the prompts that name none" if per_line else "the conversation"
+    runs = "the prompts that name none" if per_line else one
     lora.add_argument(
         "--use-adapter",
         metavar="NAME",
@@ -627,6 +629,7 @@ def _add_explain_parser(sub) -> None:
     _add_model_flags(ex)
     s = ex.add_argument_group("sampling (defaults: SamplingParams.create's)")
     _add_sampling_flags(s, generation=False)
+    _add_adapter_flags(ex, one="the prompt")
 
 
 _CHAT_HELP = """\
@@ -658,4 +661,4 @@ def _add_chat_parser(sub) -> None:
         "max tokens 256)"
     )
     _add_sampling_flags(s, generation=True, chat=True)
-    _add_adapter_flags(chat, per_line=False)
+    _add_adapter_flags(chat, one="the conversation")

@@ -1,5 +1,6 @@
 """`logitloop explain`: the next token's table (and `--plot`'s figure) for one PROMPT, its
-settings validated exactly as `generate` validates them."""
+settings validated exactly as `generate` validates them; the prompt runs under
+`--use-adapter`'s LoRA adapter of the `--adapter`s loaded (default: the base model)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from logitloop.cli.common import PROG, CLIError, resolve_models
+from logitloop.cli.common import PROG, CLIError, adapter_specs, resolve_models
 from logitloop.cli.parser import base_knobs
-from logitloop.jobs import load_model
+from logitloop.jobs import load_adapters, load_model
 from logitloop.jobs.items import check_prompt, check_vocab, prompt_ids, row_params
 
 _EXPLAIN_MAX_TOKENS = 2**31 - 1  # explain has no --max-tokens: min_tokens is bounded by itself
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--plot {args.plot}: folder not found: {plot.parent}")
     resolve_models(args)
     params = row_params(dict(base_knobs(args), max_tokens=_EXPLAIN_MAX_TOKENS))
+    specs = adapter_specs(args)  # {name: path}, --use-adapter one of them
 
     from logitloop.cli.explain_view import explanation_figure, format_table
     from logitloop.decoding.engine.explain import draw_next_tokens, explain_next_token
@@ -55,11 +57,15 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(
         args.model, args.dtype, args.quantize, args.group_size, args.quantize_embedding
     )
+    adapters = load_adapters(model, specs)  # None without --adapter
     info = model_info(model)
     check_vocab(params, info.vocab_size)  # token ids given as flags, against the vocabulary
     ids = prompt_ids("PROMPT", args.prompt, 1, info)  # room for the next token
     try:
-        expl = explain_next_token(model, ids, params, ignore_eos=args.ignore_eos)
+        expl = explain_next_token(
+            model, ids, params, ignore_eos=args.ignore_eos, adapters=adapters,
+            adapter=args.use_adapter,
+        )  # fmt: skip
     except ValueError as e:
         raise CLIError(str(e)) from None
     # which weights are quantized (format, group size) and which stay float

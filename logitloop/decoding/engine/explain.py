@@ -9,7 +9,8 @@ The terminal table and the figure that show an `Explanation` are the CLI's
 
 `explain_next_token` runs the model's prefill for the prompt exactly as `generate` does
 (same left padding, prompt bucket and cache length, same `prepare`, so the model's EOS ids
-join the stop token ids unless `ignore_eos`), then the sampler's own pieces for generated
+join the stop token ids unless `ignore_eos`; under `adapter=` of `adapters=`, the row's
+LoRA adapter, with `generate`'s `Plan.adapter_rows`), then the sampler's own pieces for generated
 index 0 with the prompt as history:
 
 - `raw`: softmax of the model's logits;
@@ -168,9 +169,10 @@ class Explanation:
 
 
 @functools.partial(jax.jit, static_argnames=("runner", "cache_len"))
-def _prefill_logits(runner: ModelRunner, weights, prompt, positions, *, cache_len: int):
-    """The next-token logits [B, V] of left-padded prompts, as `loop.prefill` gets them."""
-    return forward_prompt(runner, weights, prompt, positions, cache_len)[0]
+def _prefill_logits(runner: ModelRunner, weights, prompt, positions, rows, *, cache_len: int):
+    """The next-token logits [B, V] of left-padded prompts, as `loop.prefill` gets them
+    (`rows`: the rows' `ll.Rows`, their adapters; None for the base)."""
+    return forward_prompt(runner, weights, prompt, positions, cache_len, rows=rows)[0]
 
 
 def _no_cut(thr: Thresholds, z: jax.Array) -> Thresholds:
@@ -274,10 +276,14 @@ def explain_next_token(
     *,
     ignore_eos: bool = False,
     processors: Sequence[Any] | None = None,
+    adapters: Any = None,
+    adapter: str | None = None,
 ) -> Explanation:
     """Run the prompt's prefill and the sampler's steps for the next token (see the module
     docstring). `params` must hold one row; its `max_tokens` is not used (the prompt needs
-    room for one more token only). `processors` (one row each) add a "processors" stage."""
+    room for one more token only). `processors` (one row each) add a "processors" stage.
+    `adapters`, `adapter`: LoRA adapters (`ll.load_adapter`) and the row's adapter by
+    name (None: the base model), as in `generate`."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params)!r}")
     if params.batch_size != 1:
@@ -285,18 +291,23 @@ def explain_next_token(
     if params.constraints:  # its stages have no constraint mask: refused, not ignored
         raise ValueError("explain does not support json_schema, regex or choice constraints")
     params = params.replace(max_tokens=jnp.ones_like(params.max_tokens))
-    job = plan(model, Options(ignore_eos=ignore_eos, processors=processors))
+    options = Options(
+        ignore_eos=ignore_eos, processors=processors, adapters=adapters, adapter=adapter
+    )
+    job = plan(model, options, adapters=True)
     info = job.info
     ids, params = job.rows([prompt], params)
     ids0 = ids[0]
     params = params.device_only()
+    rows = job.layout.place_rows(job.adapter_rows(1, 1))  # as `Plan.tables` places them
 
     # The prefill layout of host.initial_state for a one-token buffer.
     batch = prompt_batch([ids0], MIN_BUFFER_BUCKET)
     history = jax.tree.map(jnp.asarray, batch.history)
     logits = _prefill_logits(
-        info.runner, info.weights, batch.prompt, batch.positions, cache_len=batch.cache_len
-    )
+        info.runner, info.weights, batch.prompt, batch.positions, rows,
+        cache_len=batch.cache_len,
+    )  # fmt: skip
     logits = logits.astype(jnp.float32)
     step = jnp.zeros((1,), jnp.int32)  # generated index 0
 

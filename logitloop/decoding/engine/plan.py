@@ -82,8 +82,8 @@ class Options:
     adapter: each prompt's adapter by name, one for all or one per prompt (None: the
       base model); `generate`, `stream`, `chat` and `generate_many` (one name for every
       request that names none, `Request.adapter`) so far, speculative decoding included
-      (and `score`, `beam_search`, `token_logprobs`, which take them as keywords;
-      docs/lora.md).
+      (and `score`, `beam_search`, `token_logprobs`, `explain_next_token` (one name),
+      which take them as keywords; docs/lora.md).
     guidance_scale: classifier-free guidance, one finite number for every prompt or one
       per prompt (None or 1: unguided), and
     negative_prompt: each guided prompt's negative context, text or token ids, one for
@@ -460,7 +460,7 @@ def check_adapters(model: Any, options: Options, supported: bool) -> None:
     if not supported:
         raise ValueError(
             "adapters= runs in generate, stream, chat, generate_many, score, beam_search, "
-            "token_logprobs and precompile so far, not here yet "
+            "token_logprobs, explain_next_token and precompile so far, not here yet "
             "(docs/lora.md, 'Not done yet')"
         )
     _made_for(model, table, "adapters=")
