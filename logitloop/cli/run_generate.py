@@ -40,6 +40,13 @@ from logitloop.jobs.items import (
     span,
     validate_params,
 )
+from logitloop.jobs.request_keys import (
+    GUIDANCE_KEYS,
+    check_requests,
+    may_guide,
+    refuse_requests,
+    request_kwargs,
+)
 from logitloop.jobs.sinks import JsonlOutput, TextOutput, check_not_input, id_key, output_file
 
 
@@ -114,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
             skipped = len(items) - len(todo)
     try:
         check_adapters(items, list(adapters))
+        if args.num_beams is not None:
+            refuse_requests(todo, "--num-beams")
+        if args.speculative or args.draft_model:
+            refuse_requests(todo, "--speculative", GUIDANCE_KEYS)
         validate_params(todo, base, base_params)
         if not todo:
             note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
@@ -152,6 +163,7 @@ def _run_job(
     load_s = time.perf_counter() - t_load
     render_conversations(items, model, args.ignore_eos)
     prepare_tokens(todo, info)
+    check_requests(todo, info)
     check_vocab(base_params, info.vocab_size)  # token ids given as flags: named as such
     for item in todo:
         if item.params is not base_params:
@@ -314,7 +326,7 @@ def _run_requests(
         nonlocal handed
         for index, item in enumerate(todo):
             handed = index
-            yield Request(item.token_ids, item.params, adapter=item.knobs.get(ADAPTER_KEY))
+            yield Request(item.token_ids, item.params, **request_kwargs(item))
 
     tokens = 0
     finished: dict[int, dict[str, Any]] = {}
@@ -322,7 +334,7 @@ def _run_requests(
     try:
         for index, result in iter_generate_many(
             model, requests(), n=args.n, ignore_eos=args.ignore_eos,
-            deterministic=args.deterministic, **shapes,
+            deterministic=args.deterministic, **shapes, **may_guide(todo),
         ):  # fmt: skip
             finished[index] = record(todo[index], result, args.n, tokenizer)
             tokens += sum(result.num_tokens)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from logitloop.jobs import JobError
+from logitloop.jobs.request_keys import STEER_KEY
 
 __all__ = ["Generator", "generate_jsonl", "require_ray"]
 
@@ -90,8 +91,18 @@ def batch_objects(batch: Mapping[str, Any]) -> list[tuple[dict[str, Any], str]]:
                     f"a Ray Data row has no 'id' (columns: {', '.join(columns)}); every row "
                     "needs one: its record is matched to it by id"
                 )
+            if isinstance(obj.get(STEER_KEY), str):  # a JSON-encoded column (module docstring)
+                obj[STEER_KEY] = _json_cell(obj[STEER_KEY], f"{where}: {STEER_KEY}")
         out.append((obj, where))
     return out
+
+
+def _json_cell(text: str, name: str) -> Any:
+    """A JSON-encoded cell (`name` names it): its value, JSON data only."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{name} is not valid JSON text ({e})") from None
 
 
 class Generator:
@@ -192,7 +203,6 @@ class Generator:
     def _records(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         import logitloop as ll
         from logitloop.jobs.items import (
-            ADAPTER_KEY,
             check_adapters,
             check_vocab,
             job_bounds,
@@ -202,6 +212,12 @@ class Generator:
             render_conversations,
             span,
             validate_params,
+        )
+        from logitloop.jobs.request_keys import (
+            GUIDANCE_KEYS,
+            check_requests,
+            refuse_requests,
+            request_kwargs,
         )
 
         items = []
@@ -219,10 +235,10 @@ class Generator:
             check_vocab(item.params, self.info.vocab_size, item.where)
         bounds = job_bounds(items, self.info, self.defaults)
         self.bounds = {k: max(v, bounds[k]) for k, v in self.bounds.items()}
-        requests = [
-            ll.Request(item.token_ids, item.params, adapter=item.knobs.get(ADAPTER_KEY))
-            for item in items
-        ]
+        check_requests(items, self.info)
+        if self.options.get("speculative") is not None:
+            refuse_requests(items, "speculative=", GUIDANCE_KEYS)
+        requests = [ll.Request(it.token_ids, it.params, **request_kwargs(it)) for it in items]
         try:
             results = ll.generate_many(
                 self.model, requests, n=self.n, ignore_eos=self.ignore_eos,
