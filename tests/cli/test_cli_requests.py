@@ -80,7 +80,7 @@ BAD_LINES = {
         "steer.vector must have shape [256] (the model's hidden size), got (2,)",
     ),
     "layer": (
-        '"steer": [{"layer": 0, "vector": %s}, {"layer": 9, "vector": %s}]' % (VECTOR, VECTOR),
+        f'"steer": [{{"layer": 0, "vector": {VECTOR}}}, {{"layer": 9, "vector": {VECTOR}}}]',
         "steer[1].layer = 9 is out of range: the model's layers are [0, 4)",
     ),
 }
@@ -100,4 +100,5 @@ def test_bad_request_settings_name_the_line_and_key(case, tmp_path, capsys):
 def test_beam_search_refuses_a_guided_line(tmp_path, capsys):
     path = _write(tmp_path / "in.jsonl", [{"prompt": "a", "guidance_scale": 2.0}])
     assert main(["generate", "-i", path, "--num-beams", "2", "--max-tokens", "2", "-q"]) == 2
-    assert "in.jsonl line 1: guidance_scale does not run with --num-beams" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "in.jsonl line 1: guidance_scale does not run with --num-beams" in err
