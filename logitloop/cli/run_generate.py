@@ -36,6 +36,7 @@ from logitloop.jobs.items import (
     read_items,
     record,
     render_conversations,
+    request_error,
     row_params,
     span,
     validate_params,
@@ -320,12 +321,9 @@ def _run_requests(
         disable=args.quiet or args.input is None,
         dynamic_ncols=True,
     )
-    handed = -1  # the request the library read last: the one a request error is about
 
     def requests():
-        nonlocal handed
-        for index, item in enumerate(todo):
-            handed = index
+        for item in todo:
             yield Request(item.token_ids, item.params, **request_kwargs(item))
 
     tokens = 0
@@ -347,10 +345,7 @@ def _run_requests(
             bar.update(1)
             bar.set_postfix(tokens=tokens, refresh=False)
     except ValueError as e:
-        label = f"requests[{handed}]: "  # how the library names one request
-        if handed >= 0 and str(e).startswith(label):
-            raise CLIError(f"{todo[handed].where}: {str(e)[len(label) :]}") from None
-        raise CLIError(f"{span(todo)}: {e}") from None
+        raise request_error(todo, e) from None
     finally:
         bar.close()
     return tokens

@@ -4,8 +4,11 @@
   model once (`__init__`) and runs each batch through `ll.generate_many` (continuous
   batching and the prefix cache inside the actor). A batch's rows are prompts: the columns
   `id` and one of `prompt`, `prompt_token_ids`, `messages`, plus sampling settings under
-  `SamplingParams.create`'s names (a null cell sets nothing), read and checked by the
-  job code the CLI runs too (`logitloop.jobs.items.object_item`). It returns one column,
+  `SamplingParams.create`'s names (a null cell sets nothing), and the request's settings
+  the CLI's JSONL lines take (`logitloop.jobs.request_keys`: `adapter`, `guidance_scale`,
+  `negative_prompt`, `steer`; a `steer` cell is a nested value, or JSON text in a string
+  column), read and checked by the job code the CLI runs too
+  (`logitloop.jobs.items.object_item`). It returns one column,
   `record`: each row's output line, exactly the CLI's JSONL record
   (`logitloop.jobs.items.record`) as JSON text.
   (A record's fields change type from row to row, `stop_reason` an int, a string, a list or
@@ -133,7 +136,8 @@ class Generator:
         and none later; None: bounds grow with the batches the actor sees.
       adapters: LoRA adapters, `{name: PEFT adapter folder}`, loaded once per actor into
         one table (`logitloop.jobs.load_adapters`); a row's `adapter` column names its
-        (null or absent: the base model, or the job's `params["adapter"]`).
+        (null or absent: the base model, or the job's `params["adapter"]`). Likewise
+        a row's `guidance_scale`, `negative_prompt` and `steer` (docs/ray.md).
     """
 
     def __init__(
@@ -210,7 +214,7 @@ class Generator:
             prepare_tokens,
             record,
             render_conversations,
-            span,
+            request_error,
             validate_params,
         )
         from logitloop.jobs.request_keys import (
@@ -246,7 +250,7 @@ class Generator:
                 **self.bounds, **self.options,
             )  # fmt: skip
         except ValueError as e:
-            raise JobError(f"{span(items)}: {e}") from None
+            raise request_error(items, e) from None
         tokenizer = self.info.tokenizer
         return [record(it, r, self.n, tokenizer) for it, r in zip(items, results, strict=True)]
 

@@ -16,6 +16,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -188,6 +189,15 @@ def adapter_rows(adapters, items: Sequence[Item]) -> dict[str, Any]:
     if adapters is None:
         return {}
     return {"adapters": adapters, "adapter": [it.knobs.get(ADAPTER_KEY) for it in items]}
+
+
+def request_error(items: Sequence[Item], error: Exception) -> JobError:
+    """The library's error about a job of `items`, named by the item it is about (it names
+    one request "requests[3]: ..."), else by the whole run (`span`)."""
+    found = re.match(r"requests\[(\d+)\]: ", str(error))
+    if found and int(found[1]) < len(items):
+        return JobError(f"{items[int(found[1])].where}: {str(error)[found.end() :]}")
+    return JobError(f"{span(items)}: {error}")
 
 
 def span(items: Sequence[Item]) -> str:

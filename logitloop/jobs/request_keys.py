@@ -8,8 +8,9 @@ library's own checks, named by the line:
   a finite number (1: unguided), and text or a list of token ids.
 - "steer": its steering vectors (docs/inside.md): an object with `ll.Steer`'s fields
   ("vector": a list of numbers of the model's hidden size, "layer": a decoder layer,
-  "scale": a number, default 1, "tokens": "prompt", "generated" or "both", the default),
-  or a list of such objects (several layers; [] for none).
+  "scale": a number, default 1, "tokens": "prompt", "generated" or "both", the default;
+  a null field takes the default), or a list of such objects (several layers; [] for
+  none).
 
 What needs no model is checked when the line is read (`normalise`); the negative prompt's
 tokens and context, a vector's width and a layer's range once the model is loaded
@@ -54,15 +55,19 @@ def normalise(name: str, value: Any, where: str) -> Any:
 
 
 def _steer_objects(value: Any) -> list[dict[str, Any]]:
-    """A line's "steer" (an object or a list of them) as a list of objects."""
+    """A line's "steer" (an object or a list of them) as a list of objects, null fields
+    left out (`ll.Steer`'s defaults: a Ray column of structs fills a field a row lacks
+    with null)."""
     entries = value if isinstance(value, list) else [value]
+    out = []
     for k, entry in enumerate(entries):
-        name = STEER_KEY if isinstance(value, dict) else f"{STEER_KEY}[{k}]"
+        name = STEER_KEY if len(entries) == 1 else f"{STEER_KEY}[{k}]"  # as row_steers
         if not isinstance(entry, dict):
             raise ValueError(
                 f"{name} must be an object with ll.Steer's fields ({', '.join(STEER_FIELDS)}) "
                 f"or a list of them, got {entry!r}"
             )
+        entry = {key: v for key, v in entry.items() if v is not None}
         unknown = [key for key in entry if key not in STEER_FIELDS]
         missing = [key for key in ("vector", "layer") if key not in entry]
         if unknown or missing:
@@ -76,7 +81,8 @@ def _steer_objects(value: Any) -> list[dict[str, Any]]:
             isinstance(x, (int, float)) and not isinstance(x, bool) for x in vector
         ):
             raise ValueError(f"{name}.vector must be a list of numbers, got {vector!r}")
-    return entries
+        out.append(entry)
+    return out
 
 
 def steers(value: Any) -> list[Any] | None:

@@ -102,3 +102,13 @@ def test_beam_search_refuses_a_guided_line(tmp_path, capsys):
     assert main(["generate", "-i", path, "--num-beams", "2", "--max-tokens", "2", "-q"]) == 2
     err = capsys.readouterr().err
     assert "in.jsonl line 1: guidance_scale does not run with --num-beams" in err
+
+
+def test_a_library_error_about_one_request_names_its_line(tmp_path, capsys):
+    """`generate_many`'s error about requests[1] (a guided request under one slot) names
+    the line it came from."""
+    lines = [{"prompt": "a"}, {"id": "g", "prompt": "b", "guidance_scale": 2.0}]
+    path = _write(tmp_path / "in.jsonl", lines)
+    assert main(["generate", "-i", path, "--batch-size", "1", *FLAGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f'logitloop: error: {path} line 2 (id "g"): a guided request'), err

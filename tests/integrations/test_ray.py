@@ -223,3 +223,29 @@ def test_generate_jsonl_resumes_a_folder(local_ray, tmp_path):
     assert done == 3
     got = _records(tmp_path / "out" / "results.jsonl")
     assert got == _reference(str(tmp_path / "in.jsonl"), base, slots=3)
+
+
+def test_guidance_and_steering_columns_equal_generate():
+    """A batch's `guidance_scale`, `negative_prompt` and `steer` columns (null cells set
+    nothing; `steer` as JSON text, one of the forms a column carries) go to each row's
+    request: the greedy tokens are `ll.generate`'s (in-process: no Ray needed)."""
+    import numpy as np
+
+    vector = np.random.default_rng(0).standard_normal(256).round(4)
+    steer = {"layer": 1, "vector": vector.tolist(), "scale": 4.0, "tokens": "generated"}
+    prompt = "The for statement"
+    batch = {
+        "id": np.array([0, 1, 2]),
+        "prompt": np.array([prompt] * 3, dtype=object),
+        "guidance_scale": np.array([np.nan, 3.0, np.nan]),
+        "negative_prompt": np.array([None, "A dog", None], dtype=object),
+        "steer": np.array([None, None, json.dumps(steer)], dtype=object),
+    }
+    generator = ll_ray.Generator(params={"max_tokens": 4, "temperature": 0}, slots=4)
+    got = [json.loads(text)["token_ids"] for text in generator(batch)["record"]]
+    want = ll.generate(
+        generator.model, [prompt] * 3, max_tokens=4, temperature=0, deterministic=True,
+        guidance_scale=[None, 3.0, None], negative_prompt=[None, "A dog", None],
+        steer=[None, None, ll.Steer(vector.astype(np.float32), 1, 4.0, "generated")],
+    ).token_ids  # fmt: skip
+    assert got == want and len({tuple(t) for t in want}) == 3
