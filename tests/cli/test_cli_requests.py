@@ -12,6 +12,7 @@ import pytest
 
 import logitloop as ll
 from logitloop.cli import main
+from logitloop.jobs.items import Item, request_error
 
 PROMPT = "The for statement"
 FLAGS = ["--max-tokens", "4", "--temperature", "0", "--no-compile-cache", "-q"]
@@ -105,10 +106,13 @@ def test_beam_search_refuses_a_guided_line(tmp_path, capsys):
 
 
 def test_a_library_error_about_one_request_names_its_line(tmp_path, capsys):
-    """`generate_many`'s error about requests[1] (a guided request under one slot) names
-    the line it came from."""
-    lines = [{"prompt": "a"}, {"id": "g", "prompt": "b", "guidance_scale": 2.0}]
+    """`generate_many`'s error about requests[0] (a guided request under one slot, read
+    before anything compiles) names the line it came from."""
+    lines = [{"id": "g", "prompt": "c", "guidance_scale": 2}, {"prompt": "a"}]
     path = _write(tmp_path / "in.jsonl", lines)
     assert main(["generate", "-i", path, "--batch-size", "1", *FLAGS]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f'logitloop: error: {path} line 2 (id "g"): a guided request'), err
+    assert err[-1].startswith(f'logitloop: error: {path} line 1 (id "g"): a guided request'), err
+    items = [Item(i, f"x.jsonl line {i + 1}", "p", {}, i, i + 1) for i in range(3)]
+    assert str(request_error(items, ValueError("requests[2]: bad"))) == "x.jsonl line 3: bad"
+    assert str(request_error(items, ValueError("bad"))) == "x.jsonl lines 1 to 3: bad"

@@ -249,3 +249,21 @@ def test_guidance_and_steering_columns_equal_generate():
         steer=[None, None, ll.Steer(vector.astype(np.float32), 1, 4.0, "generated")],
     ).token_ids  # fmt: skip
     assert got == want and len({tuple(t) for t in want}) == 3
+
+
+def test_a_steer_cell_is_nested_or_json_text():
+    """The two forms of a `steer` column (a struct column's cell, its missing fields null,
+    or JSON text) read as the same setting; bad JSON text is named by its row."""
+    import numpy as np
+
+    from logitloop.jobs.request_keys import steers
+
+    nested = {"layer": np.int64(1), "vector": np.array([0.5, -1.0]), "scale": None}
+    text = json.dumps({"layer": 1, "vector": [0.5, -1.0]})
+    rows = ll_ray.batch_objects({"id": np.array([0, 1]), "prompt": np.array(["a", "b"]),
+                                 "steer": np.array([[nested], text], dtype=object)})  # fmt: skip
+    got = [[(s.layer, s.vector.tolist(), s.scale, s.tokens) for s in steers(obj["steer"])]
+           for obj, _ in rows]  # fmt: skip
+    assert got == [[(1, [0.5, -1.0], 1.0, "both")]] * 2
+    with pytest.raises(ValueError, match=r"row with id 2: steer is not valid JSON text"):
+        ll_ray.batch_objects({"id": np.array([2]), "steer": np.array(["{"], dtype=object)})
