@@ -153,7 +153,10 @@ JSONL input: one object per line, e.g.
   {"prompt_token_ids": [1, 415, 2936], "stop": ["\\n\\n"], "logprobs": 5}
   {"prompt": "Label:", "choice": ["yes", "no"]}   (also "json_schema": {...}, "regex": "...")
 Per-line keys are SamplingParams.create's arguments (max_new_tokens = max_tokens) and
-replace the flags for that line; "adapter": "NAME" picks a LoRA adapter --adapter loaded.
+replace the flags for that line; "adapter": "NAME" picks a LoRA adapter --adapter loaded;
+"guidance_scale": 3.0 and "negative_prompt": "..." guide the line (docs/guidance.md);
+"steer": {"layer": 2, "vector": [...], "scale": 4.0, "tokens": "generated"} (or a list)
+steers it (docs/inside.md).
 
 Output (--output FILE.jsonl): one line per prompt, in input order:
   {"id", "prompt", "seed", "text", "token_ids", "num_tokens", "finish_reason", "stop_reason"}

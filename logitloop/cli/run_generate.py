@@ -36,9 +36,17 @@ from logitloop.jobs.items import (
     read_items,
     record,
     render_conversations,
+    request_error,
     row_params,
     span,
     validate_params,
+)
+from logitloop.jobs.request_keys import (
+    GUIDANCE_KEYS,
+    check_requests,
+    may_guide,
+    refuse_requests,
+    request_kwargs,
 )
 from logitloop.jobs.sinks import JsonlOutput, TextOutput, check_not_input, id_key, output_file
 
@@ -114,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
             skipped = len(items) - len(todo)
     try:
         check_adapters(items, list(adapters))
+        if args.num_beams is not None:
+            refuse_requests(todo, "--num-beams")
+        if args.speculative or args.draft_model:
+            refuse_requests(todo, "--speculative", GUIDANCE_KEYS)
         validate_params(todo, base, base_params)
         if not todo:
             note(f"nothing to do: all {len(items)} prompts are already in {sink.name}")
@@ -152,6 +164,7 @@ def _run_job(
     load_s = time.perf_counter() - t_load
     render_conversations(items, model, args.ignore_eos)
     prepare_tokens(todo, info)
+    check_requests(todo, info)
     check_vocab(base_params, info.vocab_size)  # token ids given as flags: named as such
     for item in todo:
         if item.params is not base_params:
@@ -308,13 +321,10 @@ def _run_requests(
         disable=args.quiet or args.input is None,
         dynamic_ncols=True,
     )
-    handed = -1  # the request the library read last: the one a request error is about
 
     def requests():
-        nonlocal handed
-        for index, item in enumerate(todo):
-            handed = index
-            yield Request(item.token_ids, item.params, adapter=item.knobs.get(ADAPTER_KEY))
+        for item in todo:
+            yield Request(item.token_ids, item.params, **request_kwargs(item))
 
     tokens = 0
     finished: dict[int, dict[str, Any]] = {}
@@ -322,7 +332,7 @@ def _run_requests(
     try:
         for index, result in iter_generate_many(
             model, requests(), n=args.n, ignore_eos=args.ignore_eos,
-            deterministic=args.deterministic, **shapes,
+            deterministic=args.deterministic, **shapes, **may_guide(todo),
         ):  # fmt: skip
             finished[index] = record(todo[index], result, args.n, tokenizer)
             tokens += sum(result.num_tokens)
@@ -335,10 +345,7 @@ def _run_requests(
             bar.update(1)
             bar.set_postfix(tokens=tokens, refresh=False)
     except ValueError as e:
-        label = f"requests[{handed}]: "  # how the library names one request
-        if handed >= 0 and str(e).startswith(label):
-            raise CLIError(f"{todo[handed].where}: {str(e)[len(label) :]}") from None
-        raise CLIError(f"{span(todo)}: {e}") from None
+        raise request_error(todo, e) from None
     finally:
         bar.close()
     return tokens

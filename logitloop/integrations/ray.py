@@ -4,8 +4,11 @@
   model once (`__init__`) and runs each batch through `ll.generate_many` (continuous
   batching and the prefix cache inside the actor). A batch's rows are prompts: the columns
   `id` and one of `prompt`, `prompt_token_ids`, `messages`, plus sampling settings under
-  `SamplingParams.create`'s names (a null cell sets nothing), read and checked by the
-  job code the CLI runs too (`logitloop.jobs.items.object_item`). It returns one column,
+  `SamplingParams.create`'s names (a null cell sets nothing), and the request's settings
+  the CLI's JSONL lines take (`logitloop.jobs.request_keys`: `adapter`, `guidance_scale`,
+  `negative_prompt`, `steer`; a `steer` cell is a nested value, or JSON text in a string
+  column), read and checked by the job code the CLI runs too
+  (`logitloop.jobs.items.object_item`). It returns one column,
   `record`: each row's output line, exactly the CLI's JSONL record
   (`logitloop.jobs.items.record`) as JSON text.
   (A record's fields change type from row to row, `stop_reason` an int, a string, a list or
@@ -34,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from logitloop.jobs import JobError
+from logitloop.jobs.request_keys import STEER_KEY
 
 __all__ = ["Generator", "generate_jsonl", "require_ray"]
 
@@ -90,8 +94,18 @@ def batch_objects(batch: Mapping[str, Any]) -> list[tuple[dict[str, Any], str]]:
                     f"a Ray Data row has no 'id' (columns: {', '.join(columns)}); every row "
                     "needs one: its record is matched to it by id"
                 )
+            if isinstance(obj.get(STEER_KEY), str):  # a JSON-encoded column (module docstring)
+                obj[STEER_KEY] = _json_cell(obj[STEER_KEY], f"{where}: {STEER_KEY}")
         out.append((obj, where))
     return out
+
+
+def _json_cell(text: str, name: str) -> Any:
+    """A JSON-encoded cell (`name` names it): its value, JSON data only."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{name} is not valid JSON text ({e})") from None
 
 
 class Generator:
@@ -122,7 +136,8 @@ class Generator:
         and none later; None: bounds grow with the batches the actor sees.
       adapters: LoRA adapters, `{name: PEFT adapter folder}`, loaded once per actor into
         one table (`logitloop.jobs.load_adapters`); a row's `adapter` column names its
-        (null or absent: the base model, or the job's `params["adapter"]`).
+        (null or absent: the base model, or the job's `params["adapter"]`). Likewise
+        a row's `guidance_scale`, `negative_prompt` and `steer` (docs/ray.md).
     """
 
     def __init__(
@@ -192,7 +207,6 @@ class Generator:
     def _records(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         import logitloop as ll
         from logitloop.jobs.items import (
-            ADAPTER_KEY,
             check_adapters,
             check_vocab,
             job_bounds,
@@ -200,8 +214,14 @@ class Generator:
             prepare_tokens,
             record,
             render_conversations,
-            span,
+            request_error,
             validate_params,
+        )
+        from logitloop.jobs.request_keys import (
+            GUIDANCE_KEYS,
+            check_requests,
+            refuse_requests,
+            request_kwargs,
         )
 
         items = []
@@ -219,10 +239,10 @@ class Generator:
             check_vocab(item.params, self.info.vocab_size, item.where)
         bounds = job_bounds(items, self.info, self.defaults)
         self.bounds = {k: max(v, bounds[k]) for k, v in self.bounds.items()}
-        requests = [
-            ll.Request(item.token_ids, item.params, adapter=item.knobs.get(ADAPTER_KEY))
-            for item in items
-        ]
+        check_requests(items, self.info)
+        if self.options.get("speculative") is not None:
+            refuse_requests(items, "speculative=", GUIDANCE_KEYS)
+        requests = [ll.Request(it.token_ids, it.params, **request_kwargs(it)) for it in items]
         try:
             results = ll.generate_many(
                 self.model, requests, n=self.n, ignore_eos=self.ignore_eos,
@@ -230,7 +250,7 @@ class Generator:
                 **self.bounds, **self.options,
             )  # fmt: skip
         except ValueError as e:
-            raise JobError(f"{span(items)}: {e}") from None
+            raise request_error(items, e) from None
         tokenizer = self.info.tokenizer
         return [record(it, r, self.n, tokenizer) for it, r in zip(items, results, strict=True)]
 

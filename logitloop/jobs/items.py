@@ -16,6 +16,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from logitloop.jobs import JobError
+from logitloop.jobs.request_keys import ADAPTER_KEY, REQUEST_KEYS, negative_length, normalise
 from logitloop.jobs.sinks import describe_id, id_key
 
 
@@ -58,10 +60,6 @@ def param_defaults() -> dict[str, Any]:
 
 
 _ID_LIST_KNOBS = ("banned_token_ids", "allowed_token_ids", "stop_token_ids")
-# A prompt's LoRA adapter by name (None: the base model), a per-prompt setting kept with
-# the sampling settings (a line's replaces the job's) but given to the request, not to
-# `SamplingParams.create`.
-ADAPTER_KEY = "adapter"
 _CONSTRAINT_KNOBS = ("json_schema", "regex", "choice")  # at most one per prompt
 
 
@@ -69,10 +67,8 @@ def _normalise_override(name: str, value: Any, where: str) -> Any:
     """One JSONL line's setting, in the per-row form SamplingParams.create takes."""
     if value is None:
         return None
-    if name == ADAPTER_KEY:
-        if not isinstance(value, str) or not value:
-            raise JobError(f"{where}: adapter must be an adapter's name or null, got {value!r}")
-        return value
+    if name in REQUEST_KEYS:  # its request's, not a sampling setting (`request_keys`)
+        return normalise(name, value, where)
     if name == "logit_bias":
         if not isinstance(value, dict):
             raise JobError(f"{where}: logit_bias must be an object of token id -> bias")
@@ -133,8 +129,8 @@ def row_params(knobs: dict[str, Any], where: str | None = None):
     kwargs = {
         name: [_row_value(name, value)]
         for name, value in knobs.items()
-        # None: every token allowed; the adapter is the request's, not a sampling setting
-        if not (name == "allowed_token_ids" and value is None) and name != ADAPTER_KEY
+        # None: every token allowed; the request's settings are not sampling settings
+        if not (name == "allowed_token_ids" and value is None) and name not in REQUEST_KEYS
     }
     try:
         return SamplingParams.create(1, **kwargs)
@@ -193,6 +189,15 @@ def adapter_rows(adapters, items: Sequence[Item]) -> dict[str, Any]:
     if adapters is None:
         return {}
     return {"adapters": adapters, "adapter": [it.knobs.get(ADAPTER_KEY) for it in items]}
+
+
+def request_error(items: Sequence[Item], error: Exception) -> JobError:
+    """The library's error about a job of `items`, named by the item it is about (it names
+    one request "requests[3]: ..."), else by the whole run (`span`)."""
+    found = re.match(r"requests\[(\d+)\]: ", str(error))
+    if found and int(found[1]) < len(items):
+        return JobError(f"{items[int(found[1])].where}: {str(error)[found.end() :]}")
+    return JobError(f"{span(items)}: {error}")
 
 
 def span(items: Sequence[Item]) -> str:
@@ -321,10 +326,11 @@ def object_item(
     for key, value in obj.items():
         if key == "id" or key in PROMPT_KEYS:
             continue
-        if key not in allowed and key != ADAPTER_KEY:
+        if key not in allowed and key not in REQUEST_KEYS:
             raise JobError(
                 f"{where}: unknown key {key!r}; a line holds id, prompt, "
-                f"prompt_token_ids or messages, its adapter, and sampling settings "
+                f"prompt_token_ids or messages, its request's settings "
+                f"({', '.join(REQUEST_KEYS)}), and sampling settings "
                 f"({', '.join(sorted(allowed))})"
             )
         knobs[key] = _normalise_override(key, value, where)
@@ -458,8 +464,9 @@ def prepare_tokens(items: Sequence[Item], info) -> None:
 
 
 def job_bounds(items: Sequence[Item], info, defaults) -> dict[str, int]:
-    """Longest prompt and largest max_tokens over every input line, done ones included, so
-    that a resumed run decodes with the same shapes as an uninterrupted one."""
+    """Longest prompt (negative prompts included) and largest max_tokens over every input
+    line, done ones included, so that a resumed run decodes with the same shapes as an
+    uninterrupted one."""
     from logitloop.decoding.sampling.params import DEFAULT_MAX_TOKENS
 
     longest, most = 1, 1
@@ -470,7 +477,7 @@ def job_bounds(items: Sequence[Item], info, defaults) -> dict[str, int]:
             length = len(info.tokenizer.encode(item.prompt)) if info.tokenizer else 1
         else:
             length = len(item.prompt)
-        longest = max(longest, length)
+        longest = max(longest, length, negative_length(item, info))
         value = item.knobs.get("max_tokens")
         most = max(most, int(float(DEFAULT_MAX_TOKENS if value is None else value)))
     cap = info.max_length - 1

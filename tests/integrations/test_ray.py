@@ -223,3 +223,47 @@ def test_generate_jsonl_resumes_a_folder(local_ray, tmp_path):
     assert done == 3
     got = _records(tmp_path / "out" / "results.jsonl")
     assert got == _reference(str(tmp_path / "in.jsonl"), base, slots=3)
+
+
+def test_guidance_and_steering_columns_equal_generate():
+    """A batch's `guidance_scale`, `negative_prompt` and `steer` columns (null cells set
+    nothing; `steer` as JSON text, one of the forms a column carries) go to each row's
+    request: the greedy tokens are `ll.generate`'s (in-process: no Ray needed)."""
+    import numpy as np
+
+    vector = np.random.default_rng(0).standard_normal(256).round(4)
+    steer = {"layer": 1, "vector": vector.tolist(), "scale": 4.0, "tokens": "generated"}
+    prompt = "The for statement"
+    batch = {
+        "id": np.array([0, 1, 2]),
+        "prompt": np.array([prompt] * 3, dtype=object),
+        "guidance_scale": np.array([np.nan, 3.0, np.nan]),
+        "negative_prompt": np.array([None, "A dog", None], dtype=object),
+        "steer": np.array([None, None, json.dumps(steer)], dtype=object),
+    }
+    generator = ll_ray.Generator(params={"max_tokens": 4, "temperature": 0}, slots=4)
+    got = [json.loads(text)["token_ids"] for text in generator(batch)["record"]]
+    want = ll.generate(
+        generator.model, [prompt] * 3, max_tokens=4, temperature=0, deterministic=True,
+        guidance_scale=[None, 3.0, None], negative_prompt=[None, "A dog", None],
+        steer=[None, None, ll.Steer(vector.astype(np.float32), 1, 4.0, "generated")],
+    ).token_ids  # fmt: skip
+    assert got == want and len({tuple(t) for t in want}) == 3
+
+
+def test_a_steer_cell_is_nested_or_json_text():
+    """The two forms of a `steer` column (a struct column's cell, its missing fields null,
+    or JSON text) read as the same setting; bad JSON text is named by its row."""
+    import numpy as np
+
+    from logitloop.jobs.request_keys import steers
+
+    nested = {"layer": np.int64(1), "vector": np.array([0.5, -1.0]), "scale": None}
+    text = json.dumps({"layer": 1, "vector": [0.5, -1.0]})
+    rows = ll_ray.batch_objects({"id": np.array([0, 1]), "prompt": np.array(["a", "b"]),
+                                 "steer": np.array([[nested], text], dtype=object)})  # fmt: skip
+    got = [[(s.layer, s.vector.tolist(), s.scale, s.tokens) for s in steers(obj["steer"])]
+           for obj, _ in rows]  # fmt: skip
+    assert got == [[(1, [0.5, -1.0], 1.0, "both")]] * 2
+    with pytest.raises(ValueError, match=r"row with id 2: steer is not valid JSON text"):
+        ll_ray.batch_objects({"id": np.array([2]), "steer": np.array(["{"], dtype=object)})

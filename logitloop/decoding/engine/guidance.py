@@ -119,12 +119,7 @@ def guided_prompts(
     for u in range(count):
         name = row_name("guidance_scale", u, rows)
         s, neg = scales[u], negatives[u]
-        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float, np.number))):
-            raise ValueError(f"{name} must be a finite number or None, got {s!r}")
-        if s is not None and not math.isfinite(float(s)):
-            raise ValueError(
-                f"{name} = {s!r} is not finite: pass a finite number (1 or None: no guidance)"
-            )
+        check_scale(name, s)
         if s is None and neg is not None:
             raise ValueError(
                 f"{row_name('negative_prompt', u, neg_rows)} is given but {name} is None: the "
@@ -141,6 +136,18 @@ def guided_prompts(
     if not guided:
         return None
     return GuidedPrompts(count, guided, kept, neg_ids)
+
+
+def check_scale(name: str, scale: Any) -> None:
+    """One prompt's guidance scale (`name`): a finite number, or None (unguided)."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)):
+        raise ValueError(f"{name} must be a finite number or None, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(
+            f"{name} = {scale!r} is not finite: pass a finite number (1 or None: no guidance)"
+        )
 
 
 def _is_list(value: Any) -> bool:

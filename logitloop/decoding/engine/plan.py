@@ -335,13 +335,7 @@ class Plan:
     @property
     def num_layers(self) -> int:
         """The model's decoder layers (its `KVSpec`'s), as `ll.residual` numbers them."""
-        spec = self.info.runner.kv_spec
-        if spec is None:
-            raise ValueError(
-                "steer= and capture= need a model on the library's KV cache (a KVSpec): "
-                "this one keeps a cache of its own (contract version 0)"
-            )
-        return spec.num_layers
+        return model_layers(self.info)
 
     def batch_tables(
         self, params: SamplingParams, prompts: int | None = None, ids: list[list[int]] | None = None
@@ -476,3 +470,15 @@ def _made_for(model: Any, table: Any, argument: str) -> None:
             f"{argument} was made for another model (its target projections or their shapes "
             "differ from this model's): make it with ll.load_adapter(model, ...)"
         )
+
+
+def model_layers(info: ModelInfo) -> int:
+    """The decoder layers of the model `info` describes (its `KVSpec`'s), as `ll.residual`
+    numbers them; a ValueError for a model that keeps a cache of its own."""
+    spec = info.runner.kv_spec
+    if spec is None:
+        raise ValueError(
+            "steer= and capture= need a model on the library's KV cache (a KVSpec): "
+            "this one keeps a cache of its own (contract version 0)"
+        )
+    return spec.num_layers
