@@ -269,6 +269,9 @@ SLOW_CASES = (
     "tests/decoding/test_sampler_properties.py::test_adding_a_constant_to_a_row_changes_nothing",
     "tests/decoding/test_explain.py::test_logits_are_what_generate_sees",
     "tests/decoding/test_prefix_attention.py::test_long_cache_generate_equals_full_cache_forward",
+    # Ray rows' guidance and steering columns against generate (the CLI JSONL job's lines,
+    # built into requests by the same `jobs.request_keys`, stay; so do Ray's cell parsing).
+    "tests/integrations/test_ray.py::test_guidance_and_steering_columns_equal_generate",
 )
 
 
