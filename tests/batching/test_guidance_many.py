@@ -180,6 +180,9 @@ def test_steered_and_captured_guided_requests_equal_generate(model):
          "negative_prompt has 13 tokens, over max_prompt_len = 12"),
         (dict(guidance_scale=2.0), dict(prefill_batch=1), ValueError,
          "a guided request needs prefill_batch >= 2"),
+        (dict(guidance_scale=2.0), dict(slots=1, prefill_batch=1), ValueError,
+         r"requests\[0\]: a guided request needs 2 slots \(its row and its negative row\), "
+         "got slots = 1"),
         ({}, dict(guidance_scale=[2.0, 3.0]), ValueError,
          "guidance_scale= of generate_many is every request's default: one number"),
         ({}, dict(guidance_scale=2.0, negative_prompt=[[4], [5]]), ValueError,

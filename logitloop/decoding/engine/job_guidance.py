@@ -108,6 +108,11 @@ def rows(batcher: Any, request: Any, ids: list[int], params: Any, real: list) ->
         raise ValueError(
             f"negative_prompt has {len(neg)} tokens, over max_prompt_len = {batcher.max_prompt_len}"
         )
+    if batcher.slots // batcher.shards < 2:
+        raise ValueError(
+            f"a guided request needs 2 slots (its row and its negative row), got slots = "
+            f"{batcher.slots}" + (f" over {batcher.shards} shards" if batcher.shards > 1 else "")
+        )
     if batcher.group // batcher.shards < 2:
         raise ValueError(
             f"a guided request needs prefill_batch >= 2 (its row and its negative row are "
