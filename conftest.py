@@ -31,13 +31,14 @@ def _fast_compiles() -> None:
     Neither option turns on fast math, so a program's operations and their order are its
     own; but without LLVM's optimizations XLA:CPU's `exp` and `log` round a little
     otherwise (a float32 log-probability moved by up to 3e-5 against transformers' where
-    the defaults stay within 2e-5). So the tests that pin a tolerance that tight, and the
-    deterministic mode's central bit-for-bit promises, are marked `default_codegen`: each
-    runs in a subprocess at XLA's default options, as a user's process compiles
-    (`pytest_pyfunc_call` below). Set before JAX starts its CPU client (it reads XLA_FLAGS
-    once) and inherited by every subprocess a test starts; only for the jaxlib releases
-    these flags were tried with (XLA stops at an unknown flag); off with
-    LOGITLOOP_TEST_XLA_FLAGS=off."""
+    the defaults stay within 2e-5). So a test that pins a tolerance that tight is marked
+    `default_codegen`: it runs in a subprocess at XLA's default options, as a user's
+    process compiles (`pytest_pyfunc_call` below). The deterministic mode's programs set
+    their own options, LLVM's default level among them (`numerics.CPU_COMPILER_OPTIONS`),
+    so they compile as a user's do under these flags too. Set before JAX starts its CPU
+    client (it reads XLA_FLAGS once) and inherited by every subprocess a test starts;
+    only for the jaxlib releases these flags were tried with (XLA stops at an unknown
+    flag); off with LOGITLOOP_TEST_XLA_FLAGS=off."""
     if not _fast_compiles_on():
         return
     flags = os.environ.get("XLA_FLAGS", "")

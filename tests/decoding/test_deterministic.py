@@ -126,7 +126,6 @@ BATCH_CASES = [
 ]
 
 
-@pytest.mark.default_codegen
 @pytest.mark.parametrize(("model_name", "vocab", "seed", "batch"), BATCH_CASES)
 def test_row_alone_equals_row_in_batch(request, model_name, vocab, seed, batch):
     """The shipped model in bfloat16 and float32, a random float32 Llama with

@@ -69,9 +69,7 @@ def _values(s):
     return (s.raw_logprobs, s.is_argmax, s.top_logprobs)
 
 
-@pytest.mark.parametrize(
-    "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.default_codegen)]
-)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_pair_alone_and_packed_among_others_bit_for_bit(dtype):
     """deterministic=True: a pair's values are the same bits alone, packed among others at
     any place in the stream (first, last, behind a shared prompt), and at other budgets
