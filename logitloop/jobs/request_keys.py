@@ -19,7 +19,6 @@ tokens and context, a vector's width and a layer's range once the model is loade
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +47,7 @@ def normalise(name: str, value: Any, where: str) -> Any:
         elif name == "negative_prompt":
             check_prompt(name, value)
         else:
-            _steers(value, sys.maxsize, None)  # the layer's range and the width: later
+            _steers(value, None, None)  # the layer's range and the width: later
     except ValueError as e:
         raise JobError(f"{where}: {e}") from None
     return value
@@ -99,7 +98,7 @@ def steers(value: Any) -> list[Any] | None:
     ]
 
 
-def _steers(value: Any, num_layers: int, width: int | None, prompt_len: int = 1) -> None:
+def _steers(value: Any, num_layers: int | None, width: int | None, prompt_len: int = 1) -> None:
     """`value` checked as `generate_many` checks a request's `steer` (`inside.row_steers`)."""
     from logitloop.decoding.engine.inside import row_steers
 

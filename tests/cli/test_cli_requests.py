@@ -75,6 +75,10 @@ BAD_LINES = {
         '"steer": {"layer": 0, "vector": [1.0], "scale": NaN}',
         "steer.scale must be a finite float",
     ),
+    "negative-layer": (
+        '"steer": {"layer": -1, "vector": [1.0]}',
+        "steer.layer = -1 is out of range: a decoder layer is 0 or more",
+    ),
     # Checked once the model is loaded (nothing compiles): its width and its layers.
     "width": (
         '"steer": {"layer": 0, "vector": [1.0, 2.0]}',

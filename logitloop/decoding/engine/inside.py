@@ -78,16 +78,22 @@ class Steer:
     tokens: str = "both"
 
 
-def _check_layer(layer: Any, num_layers: int, name: str) -> None:
+def _check_layer(layer: Any, num_layers: int | None, name: str) -> None:
+    """`layer` a decoder layer of a model of `num_layers` (None: not known yet, before the
+    model loads: any layer from 0)."""
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise ValueError(f"{name} must be an int (a decoder layer), got {layer!r}")
+    if num_layers is None:
+        if layer < 0:
+            raise ValueError(f"{name} = {layer} is out of range: a decoder layer is 0 or more")
+        return
     if not 0 <= layer < num_layers:
         raise ValueError(
             f"{name} = {layer} is out of range: the model's layers are [0, {num_layers})"
         )
 
 
-def _checked_steer(steer: Any, name: str, num_layers: int, width: int | None) -> tuple:
+def _checked_steer(steer: Any, name: str, num_layers: int | None, width: int | None) -> tuple:
     """One `Steer` as (vector [E] float32, layer, scale, start, stop), checked by name."""
     if not isinstance(steer, Steer):
         raise ValueError(f"{name} must be an ll.Steer (or None), got {type(steer).__name__}")
@@ -160,7 +166,7 @@ def steering_arrays(
 
 
 def row_steers(
-    entries: Sequence[Any], name: str, prompt_len: int, num_layers: int, width: int | None
+    entries: Sequence[Any], name: str, prompt_len: int, num_layers: int | None, width: int | None
 ) -> list[tuple]:
     """One row's `Steer`s (`entries`, named `name`, `name[k]` when several) as checked
     `(vector [E] float32, layer, scale, start, stop)` tuples for a prompt of `prompt_len`
